@@ -1,0 +1,1 @@
+"""Ray actors hosting one target/draft pair each (installed as ``dynatree.actors``)."""

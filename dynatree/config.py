@@ -1,0 +1,154 @@
+"""Algorithm configurations (frozen dataclasses) and ``key=value`` option parsing.
+
+Every method's options are the fields of one dataclass; ``help`` metadata on each field feeds
+``dynatree generate --help`` and the README, so defaults are documented in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ARConfig:
+    """Greedy autoregressive decoding with the target only (one token per target forward)."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Options shared by every speculative method."""
+
+    kv_update: str = opt("gather", "target cache after acceptance: 'gather' keeps the accepted nodes' "
+                                   "keys/values (one target forward per iteration); 'recompute' crops and "
+                                   "re-runs the accepted tokens (the seed's second forward)")
+
+
+@dataclass(frozen=True)
+class LinearConfig(SpecConfig):
+    """Draft a chain of k tokens, verify them in one pass."""
+
+    k: int = opt(5, "draft tokens per iteration")
+
+
+@dataclass(frozen=True)
+class FixedTreeConfig(SpecConfig):
+    """The seed's fixed tree ("V2"): top-B children per node to depth D, pruning and node budget."""
+
+    depth: int = opt(5, "tree depth D (drafted tokens on the longest path)")
+    branch: int = opt(2, "children per expanded node B")
+    tau: float = opt(0.02, "prune nodes whose cumulative draft probability is below tau")
+    max_nodes: int = opt(256, "node budget N_max (drafted nodes, root excluded)")
+
+
+@dataclass(frozen=True)
+class DynaTreeConfig(SpecConfig):
+    """DynaTree: confidence-aware breadth, dynamic depth, pruning, node budget, history adaptation."""
+
+    d0: int = opt(5, "base depth D_0")
+    d_max: int = opt(8, "hard maximum depth D_max")
+    b_min: int = opt(1, "children when draft confidence >= tau_h")
+    b_mid: int = opt(2, "children when tau_l <= confidence < tau_h (and the branching when breadth is fixed)")
+    b_max: int = opt(3, "children when confidence < tau_l")
+    tau_h: float = opt(0.9, "high-confidence threshold on the draft's top-1 probability")
+    tau_l: float = opt(0.4, "low-confidence threshold on the draft's top-1 probability")
+    rho_stop: float = opt(0.05, "stop expanding a node whose path probability is below rho_stop")
+    rho_deep: float = opt(0.3, "expand beyond D_0 only where the path probability is >= rho_deep")
+    tau: float = opt(0.02, "prune nodes whose path probability is below tau")
+    max_nodes: int = opt(256, "node budget N_max (drafted nodes, root excluded)")
+    window: int = opt(10, "history window W (iterations)")
+    hist_high: float = opt(0.7, "windowed acceptance at or above which drafting gets more aggressive")
+    hist_low: float = opt(0.3, "windowed acceptance at or below which drafting gets more conservative")
+    dynamic_breadth: bool = opt(True, "per-node branching from draft confidence (off: b_mid everywhere)")
+    dynamic_depth: bool = opt(True, "rho_stop / rho_deep depth gating up to d_max (off: fixed depth d0)")
+    history: bool = opt(True, "adapt d0 and tau_h from the acceptance of the last W iterations")
+
+    def __post_init__(self):
+        if not (1 <= self.d0 < self.d_max):
+            raise ValueError(f"need 1 <= d0 < d_max, got d0={self.d0}, d_max={self.d_max}")
+        if not (1 <= self.b_min <= self.b_mid <= self.b_max):
+            raise ValueError("need 1 <= b_min <= b_mid <= b_max")
+        if not (0 < self.tau_l < self.tau_h < 1):
+            raise ValueError("need 0 < tau_l < tau_h < 1")
+        if not (0 < self.rho_stop < self.rho_deep < 1):
+            raise ValueError("need 0 < rho_stop < rho_deep < 1")
+
+
+@dataclass(frozen=True)
+class DySpecConfig(SpecConfig):
+    """DySpec: grow the tree by estimated acceptance value (heap), or layer by layer over a threshold."""
+
+    mode: str = opt("heap", "'heap': greedy best-first up to `budget` nodes; 'threshold': expand layer by "
+                            "layer every candidate whose value >= `threshold` (one draft call per layer)")
+    budget: int = opt(32, "node budget m for the heap mode (and a cap for the threshold mode)")
+    threshold: float = opt(0.03, "value threshold for the threshold mode (DySpec suggests about 1/m)")
+    max_depth: int = opt(12, "hard depth cap")
+    max_branch: int = opt(8, "most children considered per node")
+
+
+METHODS: dict[str, type] = {
+    "ar": ARConfig,
+    "linear": LinearConfig,
+    "fixed_tree": FixedTreeConfig,
+    "dynatree": DynaTreeConfig,
+    "dyspec": DySpecConfig,
+}
+
+
+def _coerce(ftype, raw: str, name: str):
+    t = ftype if isinstance(ftype, type) else {"int": int, "float": float, "bool": bool, "str": str}.get(str(ftype), str)
+    if t is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"option {name}: expected true/false, got {raw!r}")
+    try:
+        return t(raw)
+    except ValueError:
+        raise ValueError(f"option {name}: expected {t.__name__}, got {raw!r}") from None
+
+
+def make_config(method: str, options: dict | None = None):
+    """Build a method config from a dict of overrides (values may be strings from the CLI)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    cls = METHODS[method]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in (options or {}).items():
+        if key not in fields:
+            known = ", ".join(fields) or "(none)"
+            raise ValueError(f"method {method!r} has no option {key!r}; its options: {known}")
+        kwargs[key] = _coerce(fields[key].type, value, key) if isinstance(value, str) else value
+    cfg = cls(**kwargs)
+    if isinstance(cfg, SpecConfig) and cfg.kv_update not in ("gather", "recompute"):
+        raise ValueError("kv_update must be 'gather' or 'recompute'")
+    if isinstance(cfg, DySpecConfig) and cfg.mode not in ("heap", "threshold"):
+        raise ValueError("dyspec mode must be 'heap' or 'threshold'")
+    return cfg
+
+
+def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["depth=8", "tau=0.1"]`` -> ``{"depth": "8", "tau": "0.1"}``."""
+    out = {}
+    for p in pairs:
+        if "=" not in p:
+            raise ValueError(f"option {p!r} is not of the form key=value")
+        k, v = p.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def options_help() -> str:
+    lines = []
+    for name, cls in METHODS.items():
+        fs = dataclasses.fields(cls)
+        lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
+        for f in fs:
+            lines.append(f"    {f.name}={f.default}  {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""The draft model's side of one sequence: a persistent KV cache and level-wise tree expansion.
+
+Invariant between iterations: ``cache`` holds keys/values for the first ``cache.length``
+committed tokens and ``pending`` lists the committed tokens after them (it always ends with the
+root of the next tree).  The draft is therefore never re-prefilled: each iteration feeds only
+``pending`` (typically one or two tokens), then one forward per tree level.
+
+Within an iteration the cache is laid out as::
+
+    [ committed prefix incl. root | nodes expanded at level 1 | level 2 | ... ]
+      ^ base = cache length after feeding pending
+
+and each expanded node attends to the prefix plus its own expanded ancestors (a tree mask), so
+siblings never see each other's keys/values.  After acceptance, the accepted nodes that were
+expanded are moved in place (``keep``) and the rest is dropped.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .kvcache import new_cache
+from .tree import Tree
+
+
+class Drafter:
+    def __init__(self, model, vocab: int, capacity: int):
+        self.model = model
+        self.vocab = vocab
+        self.cache = new_cache(model, capacity)
+        self.pending: list[int] = []
+        self.forwards = 0
+        self.fed_tokens = 0  # tokens run through the draft; a re-prefilling drafter would blow this up
+        self.seconds = 0.0
+        self._reset_tree()
+
+    def _reset_tree(self) -> None:
+        self.base = 0
+        self.root_pos = 0
+        self.slot: dict[int, int] = {}  # tree node -> absolute cache slot
+        self.started = False
+
+    def extend(self, tokens: list[int]) -> None:
+        """Queue committed tokens (the prompt, then each iteration's commit)."""
+        self.pending.extend(tokens)
+
+    def _topk(self, logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """logits: (n, V) -> per-row top-k probabilities and token ids (host lists).
+
+        Host sync: the tree's shape depends on these numbers, so they come back once per level.
+        """
+        probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
+        val, idx = probs.topk(k, dim=-1)
+        return val.tolist(), idx.tolist()
+
+    @torch.inference_mode()
+    def root(self, tree: Tree, k: int) -> tuple[list[float], list[int]]:
+        """Feed pending committed tokens (ending with the root); top-k of the root's next token."""
+        t0 = time.perf_counter()
+        self._reset_tree()
+        ids = torch.tensor([self.pending], device=self.model.device)  # (1, p)
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        self.forwards += 1
+        self.fed_tokens += ids.shape[1]
+        self.pending = []
+        self.base = self.cache.length
+        self.root_pos = self.base - 1
+        self.started = True
+        vals, idx = self._topk(out.logits[0, -1:], k)
+        self.seconds += time.perf_counter() - t0
+        return vals[0], idx[0]
+
+    @torch.inference_mode()
+    def expand(self, tree: Tree, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """One draft forward over ``nodes`` (any depths); top-k of each node's next token."""
+        t0 = time.perf_counter()
+        n = len(nodes)
+        dev = self.model.device
+        start = self.cache.length
+        for r, u in enumerate(nodes):
+            self.slot[u] = start + r
+        rows, cols = [], []
+        for r, u in enumerate(nodes):
+            v = u
+            while v > 0:  # the node and its ancestors below the root, all expanded already
+                rows.append(r)
+                cols.append(self.slot[v])
+                v = tree.parents[v]
+        dtype = self.model.dtype
+        mask = torch.full((n, start + n), torch.finfo(dtype).min, dtype=dtype, device=dev)
+        mask[:, : self.base] = 0
+        mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0
+        ids = torch.tensor([[tree.tokens[u] for u in nodes]], device=dev)  # (1, n)
+        pos = torch.tensor([[self.root_pos + tree.depths[u] for u in nodes]], device=dev)  # (1, n)
+        out = self.model(input_ids=ids, attention_mask=mask[None, None], position_ids=pos,
+                         past_key_values=self.cache, use_cache=True)
+        self.forwards += 1
+        self.fed_tokens += n
+        res = self._topk(out.logits[0], k)
+        self.seconds += time.perf_counter() - t0
+        return res
+
+    @torch.inference_mode()
+    def commit(self, path: list[int], committed: list[int]) -> None:
+        """Keep the expanded nodes of the accepted ``path`` (node indices from the root) in the cache.
+
+        ``committed`` are this iteration's new tokens: the path's drafted tokens, then the bonus.
+        """
+        t0 = time.perf_counter()
+        if not self.started:
+            self.pending.extend(committed)
+            return
+        fed = []
+        for u in path[1:]:
+            if u not in self.slot:
+                break
+            fed.append(self.slot[u])
+        if fed:
+            self.cache.keep(self.base, torch.tensor(fed, device=self.model.device))
+        else:
+            self.cache.truncate(self.base)
+        self.pending = list(committed[len(fed):])
+        self._reset_tree()
+        self.seconds += time.perf_counter() - t0

@@ -1,0 +1,229 @@
+"""The decoding loop: prefill, then draft -> verify -> accept -> commit until a stop condition.
+
+Every method runs this loop; they differ only by drafting policy (policies.py).  ``ar`` drafts
+nothing, so its tree is the root alone and each iteration is one ordinary cached target step.
+
+State between iterations (t = committed tokens, prompt included)::
+
+    target cache : keys/values of tokens 0 .. t-2       (P = t-1 slots)
+    root         : token t-1, the last committed token   (position P)
+    draft        : see drafting.Drafter
+
+One iteration:
+  draft   the policy grows a tree under the root (draft forwards only);
+  verify  one target forward over the BFS-flattened tree with a tree mask and
+          position ids P + depth; logits at node i predict the token after node i's path;
+  accept  the longest path whose tokens equal the target's argmax at their parents, plus the
+          target's argmax after that path (the bonus token);
+  commit  the accepted nodes' keys/values (root included) are moved to slots P.. and the rest
+          dropped; the bonus becomes the next root, so its keys/values come from the next
+          verification pass: exactly one target forward per iteration.
+
+Host syncs per iteration (each named where it happens): draft top-k once per drafted level
+(tree shape decisions), and the accepted path + bonus once after verification.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .config import ARConfig, SpecConfig, make_config
+from .drafting import Drafter
+from .kvcache import new_cache
+from .metrics import Metrics, Tally, finish
+from .models import ModelPair
+from .policies import make_policy
+from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids, tree_attention_mask
+
+
+class ContextError(ValueError):
+    """The prompt leaves no room in the models' context window."""
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "length" | "eos" | "context"
+    method: str
+    metrics: Metrics
+    options: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                "method": self.method, "options": self.options, "metrics": self.metrics.as_dict()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class TreeTensors:
+    tokens: torch.Tensor  # (n,) int64
+    parents: torch.Tensor  # (n,) int64, root -1
+    depths: torch.Tensor  # (n,) int64
+    anc: torch.Tensor  # (n, n) bool
+
+
+def tree_tensors(tree: Tree, device: torch.device) -> TreeTensors:
+    tokens = torch.tensor(tree.tokens, device=device)
+    parents = torch.tensor(tree.parents, device=device)
+    depths = torch.tensor(tree.depths, device=device)
+    return TreeTensors(tokens, parents, depths, ancestor_matrix(parents, tree.max_depth))
+
+
+def verify_tree(model, cache, tt: TreeTensors, prefix_len: int) -> torch.Tensor:
+    """One target forward over the flattened tree; returns logits (n, V)."""
+    n = tt.tokens.shape[0]
+    if n == 1:  # a bare root: an ordinary causal step, no mask to build
+        out = model(input_ids=tt.tokens[None], past_key_values=cache, use_cache=True)
+    else:
+        mask = tree_attention_mask(tt.anc, prefix_len, model.dtype)  # (1, 1, n, P + n)
+        out = model(input_ids=tt.tokens[None], attention_mask=mask,
+                    position_ids=position_ids(tt.depths, prefix_len), past_key_values=cache,
+                    use_cache=True)
+    return out.logits[0]
+
+
+def commit_target(model, cache, path: torch.Tensor, path_tokens: torch.Tensor, prefix_len: int,
+                  kv_update: str) -> int:
+    """Keep the accepted path's keys/values at slots ``prefix_len..``; returns forwards run.
+
+    path: (k,) int64 node indices (root first); path_tokens: (k,) int64 their tokens.
+    """
+    if kv_update == "gather":
+        cache.keep(prefix_len, path + prefix_len)
+        return 0
+    # The seed's rollback + rebuild: crop to the prefix and run the accepted tokens again.
+    cache.truncate(prefix_len)
+    model(input_ids=path_tokens[None], past_key_values=cache, use_cache=True)
+    return 1
+
+
+@torch.inference_mode()
+def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128,
+           ignore_eos: bool = False) -> tuple[list[int], str, Metrics]:
+    """Greedy decoding of one prompt with the method described by ``cfg``.
+
+    Returns (new token ids, finish reason, metrics).  The tokens equal greedy autoregressive
+    decoding with the target, whatever the method.
+    """
+    cfg = cfg if cfg is not None else ARConfig()
+    policy = make_policy(cfg)
+    if policy.needs_draft and pair.draft is None:
+        raise ValueError("this method needs a draft model; the pair was loaded without one")
+    if not prompt_ids:
+        raise ValueError("empty prompt: at least one token is needed")
+    if len(prompt_ids) >= pair.max_context:
+        raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                           f"{pair.max_context}-token context")
+    kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
+    target, dev = pair.target, pair.device
+    eos = None if ignore_eos else pair.eos_token_id
+    n_prompt = len(prompt_ids)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    _sync(dev)
+    t_start = time.perf_counter()
+    budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
+    capacity = n_prompt + max_new_tokens + budget + 8
+    cache = new_cache(target, capacity)
+    out: list[int] = []
+    finish_reason = "length"
+    target_forwards = 0
+    tally = Tally()
+    verify_time = 0.0
+
+    def stop_after(tok: int) -> str | None:
+        out.append(tok)
+        if eos is not None and tok == eos:
+            return "eos"
+        if len(out) >= max_new_tokens:
+            return "length"
+        if n_prompt + len(out) >= pair.max_context:
+            return "context"
+        return None
+
+    if max_new_tokens <= 0:
+        return [], "length", finish(tally, prompt_tokens=n_prompt, new_tokens=0, wall=0.0, ttft=0.0,
+                                    prefill=0.0, draft_time=0.0, verify_time=0.0,
+                                    target_forwards=0, draft_forwards=0, device=dev)
+
+    # Prefill: the whole prompt; its last logits give the first token (TTFT).
+    ids = torch.tensor([prompt_ids], device=dev)  # (1, n_prompt)
+    logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+    target_forwards += 1
+    first = int(logits.argmax())  # host sync: the first token
+    ttft = time.perf_counter() - t_start
+    prefill = ttft
+    reason = stop_after(first)
+
+    drafter = None
+    if policy.needs_draft:
+        drafter = Drafter(pair.draft, pair.vocab, capacity)
+        drafter.extend(prompt_ids)
+
+    while reason is None:
+        root = out[-1]
+        prefix_len = n_prompt + len(out) - 1  # tokens in the target cache; the root's position
+        room = min(max_new_tokens - len(out), pair.max_context - n_prompt - len(out))
+        max_depth = room - 1  # deepest useful drafted token: path + bonus must fit
+
+        # draft
+        tree = policy.draft(drafter, root, max_depth) if drafter is not None else Tree.root_only(root)
+        tree, order = flatten_bfs(tree)
+
+        # verify
+        _sync(dev)
+        t0 = time.perf_counter()
+        tt = tree_tensors(tree, dev)
+        logits = verify_tree(target, cache, tt, prefix_len)  # (n, V)
+        target_forwards += 1
+
+        # accept
+        path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
+        host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
+        bonus_tok, path_nodes = host[0], host[1:]
+        new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [bonus_tok]
+
+        # commit
+        target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update)
+        _sync(dev)
+        verify_time += time.perf_counter() - t0
+        if drafter is not None:
+            drafter.commit([order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
+        accepted = len(path_nodes) - 1
+        policy.observe(accepted, tree)
+
+        committed = 0
+        for tok in new_tokens:
+            committed += 1
+            reason = stop_after(tok)
+            if reason is not None:
+                break
+        tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1)
+
+    _sync(dev)
+    wall = time.perf_counter() - t_start
+    finish_reason = reason
+    metrics = finish(tally, prompt_tokens=n_prompt, new_tokens=len(out), wall=wall, ttft=ttft,
+                     prefill=prefill, draft_time=drafter.seconds if drafter else 0.0,
+                     verify_time=verify_time, target_forwards=target_forwards,
+                     draft_forwards=drafter.forwards if drafter else 0, device=dev)
+    return out, finish_reason, metrics
+
+
+def generate(pair: ModelPair, prompt: str | list[int], method: str = "dynatree",
+             options: dict | None = None, *, max_new_tokens: int = 128,
+             ignore_eos: bool = False) -> Generation:
+    """Decode one prompt (text or token ids) and return tokens, text and metrics."""
+    prompt_ids = pair.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
+    ids, reason, metrics = decode(pair, prompt_ids, cfg, max_new_tokens=max_new_tokens,
+                                  ignore_eos=ignore_eos)
+    return Generation(ids, pair.decode(ids), reason, method, metrics, asdict(cfg))

@@ -1,0 +1,106 @@
+"""A preallocated key/value cache that plugs into Hugging Face models and can keep a subset.
+
+transformers' ``DynamicLayer`` grows by ``torch.cat`` on every forward (a full copy of the
+cache each step).  :class:`BufferLayer` writes into a preallocated buffer instead and exposes
+two operations the tree engine needs:
+
+* ``crop``   — forget the last tokens (transformers 5.x convention: a negative count);
+* ``keep``   — move a chosen set of slots (the accepted tree path) to the end of the committed
+  prefix and drop everything after it: the accepted nodes' keys/values are kept as computed by
+  the verification pass, with no second forward.
+
+Buffers are (batch, heads, capacity, head_dim); they grow by doubling if a forward overruns.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class BufferLayer(DynamicLayer):
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = max(int(capacity), 1)
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros((b, h, self.capacity, d))
+        self.values = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:2] + (new_cap,) + old.shape[3:])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = new_cap
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            self._grow(end)
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count (transformers 5.x convention)")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def keep(self, start: int, src: torch.Tensor) -> None:
+        """Move slots ``src`` (k,) int64 to ``start .. start+k-1`` and truncate there.
+
+        ``src`` must be ascending with ``src[i] >= start + i`` (true for a BFS tree path), so the
+        copy never reads a slot it already overwrote; advanced indexing copies first anyway.
+        """
+        k = src.shape[0]
+        if not self.is_initialized:
+            return
+        self.keys[:, :, start:start + k] = self.keys[:, :, src]
+        self.values[:, :, start:start + k] = self.values[:, :, src]
+        self.length = start + k
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class BufferCache(Cache):
+    """A transformers ``Cache`` made of :class:`BufferLayer`, one per decoder layer."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[BufferLayer(capacity) for _ in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.length = min(layer.length, length)
+
+    def keep(self, start: int, src: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.keep(start, src)
+
+
+def new_cache(model, capacity: int) -> BufferCache:
+    return BufferCache(model.config.num_hidden_layers, capacity)

@@ -1,0 +1,101 @@
+"""Per-generation metrics.
+
+Definitions (per generation; an *iteration* is one draft -> verify -> accept -> commit round):
+
+* ``tokens_per_iteration`` (L-bar): tokens committed by iterations / iterations.  The first
+  token comes from the prefill pass and is not counted here.
+* ``avg_path_length`` (l-bar): mean number of *drafted* tokens accepted per iteration (the
+  bonus token excluded), so L-bar = l-bar + 1 except where the budget truncates a commit.
+* ``acceptance_rate``: accepted drafted tokens / tree depth, summed over iterations — the
+  fraction of the deepest drafted path that was committed.  It never exceeds 1: the paper's
+  figures above 100% count the bonus token as accepted; ours does not.
+* ``accepted_per_node``: accepted drafted tokens / drafted nodes, how much of the verified tree
+  was useful.
+* ``target_forwards`` includes the prefill; with ``kv_update=gather`` it is iterations + 1.
+* ``draft_time_s`` / ``verify_time_s``: wall time inside drafting (draft forwards and tree
+  growth) and inside target verification (forward + accept + cache commit); the rest of
+  ``wall_time_s`` is prefill and bookkeeping.
+* ``peak_memory_mb``: CUDA max allocated during the call on GPU; on CPU the process's peak RSS
+  (a process-lifetime high-water mark, so it only grows across calls).
+"""
+from __future__ import annotations
+
+import resource
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    wall_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    iterations: int = 0
+    tokens_per_iteration: float = 0.0
+    avg_path_length: float = 0.0
+    acceptance_rate: float = 0.0
+    accepted_per_node: float = 0.0
+    mean_tree_size: float = 0.0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    peak_memory_mb: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Tally:
+    """Running sums inside the decoding loop (plain Python numbers; no device syncs)."""
+
+    def __init__(self):
+        self.iterations = 0
+        self.iter_tokens = 0
+        self.accepted = 0
+        self.depth_sum = 0
+        self.nodes = 0
+
+    def add(self, committed: int, accepted: int, depth: int, nodes: int) -> None:
+        self.iterations += 1
+        self.iter_tokens += committed
+        self.accepted += accepted
+        self.depth_sum += depth
+        self.nodes += nodes
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, ttft: float,
+           prefill: float, draft_time: float, verify_time: float, target_forwards: int,
+           draft_forwards: int, device: torch.device) -> Metrics:
+    it = tally.iterations
+    return Metrics(
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        wall_time_s=wall,
+        tokens_per_s=new_tokens / wall if wall > 0 else 0.0,
+        ttft_s=ttft,
+        tpot_s=(wall - ttft) / (new_tokens - 1) if new_tokens > 1 else 0.0,
+        iterations=it,
+        tokens_per_iteration=tally.iter_tokens / it if it else 0.0,
+        avg_path_length=tally.accepted / it if it else 0.0,
+        acceptance_rate=tally.accepted / tally.depth_sum if tally.depth_sum else 0.0,
+        accepted_per_node=tally.accepted / tally.nodes if tally.nodes else 0.0,
+        mean_tree_size=tally.nodes / it if it else 0.0,
+        target_forwards=target_forwards,
+        draft_forwards=draft_forwards,
+        prefill_time_s=prefill,
+        draft_time_s=draft_time,
+        verify_time_s=verify_time,
+        peak_memory_mb=peak_memory_mb(device),
+    )

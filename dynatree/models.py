@@ -1,0 +1,174 @@
+"""Loading a target/draft pair and checking that the two can speculate for each other."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+
+
+class PairError(ValueError):
+    """The target and draft cannot be used together (or cannot be loaded)."""
+
+
+def resolve_device(spec: str | torch.device = "auto") -> torch.device:
+    if isinstance(spec, torch.device):
+        return spec
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise PairError(f"device {spec!r} requested but CUDA is not available")
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
+    if isinstance(spec, torch.dtype):
+        return spec
+    try:
+        return DTYPES[spec]
+    except KeyError:
+        raise PairError(f"unknown dtype {spec!r}; choose one of float32, bfloat16, float16, float64") from None
+
+
+def default_pair_dir() -> Path:
+    """The demo pair bundled inside the package (see ``dynatree/assets``)."""
+    return Path(__file__).parent / "assets" / "demo-pair"
+
+
+@dataclass
+class ModelPair:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object | None
+    device: torch.device
+    dtype: torch.dtype
+    vocab: int  # logit columns both models score (tokens ids < vocab are comparable)
+    max_context: int  # most tokens (prompt + generated) a sequence may hold
+    eos_token_id: int | None
+    names: dict = field(default_factory=dict)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise PairError("this pair has no tokenizer; pass token ids")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _logit_width(model) -> int:
+    out = model.get_output_embeddings()
+    return int(out.weight.shape[0]) if out is not None else int(model.config.vocab_size)
+
+
+def _context_len(model) -> int:
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1 << 30
+
+
+def _same_tokenizer(a, b) -> str | None:
+    """None when equal, else a one-line reason."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if len(va) != len(vb):
+        return f"vocabulary sizes differ ({len(va)} vs {len(vb)})"
+    if va != vb:
+        diff = next(t for t in sorted(va) if vb.get(t) != va[t])
+        return f"token {diff!r} has id {va[diff]} in the target but {vb.get(diff)} in the draft"
+    probe = "The quick brown fox, 1919: naïve café — ‘quoted’.\n"
+    if a(probe)["input_ids"] != b(probe)["input_ids"]:
+        return "the two tokenizers split the same text differently"
+    return None
+
+
+def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
+                     eos_token_id: int | None = None, names: dict | None = None) -> ModelPair:
+    """Wrap already-loaded models; checks vocabulary compatibility."""
+    if tokenizer is not None and draft_tokenizer is not None:
+        reason = _same_tokenizer(tokenizer, draft_tokenizer)
+        if reason:
+            raise PairError(f"target and draft do not share a tokenizer: {reason}")
+    wt = _logit_width(target)
+    vocab = wt
+    if draft is not None:
+        wd = _logit_width(draft)
+        vocab = min(wt, wd)
+        n_tok = len(tokenizer) if tokenizer is not None else None
+        if n_tok is not None and n_tok > vocab:
+            raise PairError(
+                f"target and draft vocabularies do not match: the tokenizer has {n_tok} tokens but the "
+                f"{'draft' if wd < wt else 'target'} scores only {vocab} (target {wt}, draft {wd} logits)")
+        if n_tok is None and wt != wd and abs(wt - wd) > 128:
+            raise PairError(f"target and draft vocabularies do not match ({wt} vs {wd} logits)")
+    if eos_token_id is None:
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        eos_token_id = eos if eos is not None else getattr(target.config, "eos_token_id", None)
+    if isinstance(eos_token_id, (list, tuple)):
+        eos_token_id = eos_token_id[0] if eos_token_id else None
+    p = next(target.parameters())
+    ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
+    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_token_id, names or {})
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
+               attn_implementation: str = "sdpa"):
+    """Load a causal LM by Hugging Face hub name or local directory."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        raise PairError(f"cannot load model {name_or_path!r}: {e}") from e
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
+
+
+def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
+              device: str = "auto", dtype: str = "float32", attn_implementation: str = "sdpa",
+              load_draft: bool = True) -> ModelPair:
+    """Load a target/draft pair from hub names or local directories.
+
+    With neither given, loads the demo pair bundled with the package.  ``load_draft=False``
+    skips the draft (enough for ``ar``).
+    """
+    if target is None and draft is None:
+        base = default_pair_dir()
+        if not (base / "target").is_dir():
+            raise PairError(f"no --target/--draft given and the bundled demo pair is missing ({base})")
+        target, draft = str(base / "target"), str(base / "draft")
+    if target is None:
+        raise PairError("a draft was given without a target")
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    tok = load_tokenizer(str(target))
+    tmodel = load_model(str(target), dev, dt, attn_implementation)
+    dmodel = dtok = None
+    if draft is not None and load_draft:
+        try:
+            dtok = load_tokenizer(str(draft))
+        except PairError:
+            dtok = None  # a draft directory without tokenizer files: trust the target's
+        dmodel = load_model(str(draft), dev, dt, attn_implementation)
+    return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok,
+                            names={"target": str(target), "draft": None if draft is None else str(draft)})

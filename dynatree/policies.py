@@ -1,0 +1,257 @@
+"""Drafting policies: how each method grows its tree.  The decoding loop is shared (engine.py).
+
+A policy has ``draft(drafter, root_token, max_depth) -> Tree`` and ``observe(accepted, tree)``.
+``max_depth`` is the engine's cap (tokens left before ``max_new_tokens`` or the context limit);
+policies never draft deeper.
+
+Three of the four tree methods are the same level-wise growth (:func:`grow_levels`) with
+different rules for which nodes expand and how many children they get:
+
+* ``linear``      one child per level, k levels;
+* ``fixed_tree``  B children per node to depth D, prune path probability < tau, budget N_max;
+* ``dynatree``    B(u) from draft confidence, rho_stop/rho_deep depth gating, pruning, budget,
+                  and history adaptation of D_0 and tau_h;
+* ``dyspec``      threshold mode is level-wise growth over a value threshold; heap mode grows
+                  best-first by estimated acceptance value (:class:`DySpecHeap`).
+
+Tree depth here counts *drafted* tokens: the root is the last committed token, so the first
+drafted level already branches (the paper's single draft root u0 is our depth-1 level).
+Pruned nodes (path probability < tau) are not added to the tree at all, so they cost no
+verification.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+from .config import (ARConfig, DynaTreeConfig, DySpecConfig, FixedTreeConfig, LinearConfig)
+from .drafting import Drafter
+from .tree import Tree
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else -math.inf
+
+
+def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes: int, kmax: int,
+                n_children, expandable, min_logp: float) -> Tree:
+    """Grow a tree one level per draft forward.
+
+    n_children(node, confidence) -> int: children to add below an expanded node.
+    expandable(tree, node) -> bool: whether a freshly added node gets expanded next level.
+    min_logp: children with path log-probability below this are pruned (never added).
+    When the budget binds, the level's most probable candidates win.
+    """
+    tree = Tree.root_only(root_token)
+    if max_depth <= 0 or max_nodes <= 0:
+        return tree
+    probs, ids = drafter.root(tree, kmax)
+    frontier, dists = [0], [(probs, ids)]
+    while True:
+        cands = []  # (logp, parent, token) in parent/rank order
+        for u, (p, t) in zip(frontier, dists):
+            for r in range(min(n_children(u, p[0]), len(p))):
+                lp = tree.logp[u] + _log(p[r])
+                if lp >= min_logp:
+                    cands.append((lp, u, t[r]))
+        room = max_nodes - (len(tree) - 1)
+        if len(cands) > room:
+            keep = sorted(range(len(cands)), key=lambda i: -cands[i][0])[:room]
+            cands = [cands[i] for i in sorted(keep)]
+        new = [tree.add(u, tok, lp) for lp, u, tok in cands]
+        if not new or len(tree) - 1 >= max_nodes or tree.depths[new[0]] >= max_depth:
+            return tree
+        frontier = [v for v in new if expandable(tree, v)]
+        if not frontier:
+            return tree
+        dists = list(zip(*drafter.expand(tree, frontier, kmax)))
+
+
+class NoDraft:
+    """``ar``: the tree is just the root, so each iteration is one plain target step."""
+
+    needs_draft = False
+
+    def draft(self, drafter, root_token: int, max_depth: int) -> Tree:
+        return Tree.root_only(root_token)
+
+    def observe(self, accepted: int, tree: Tree) -> None:
+        pass
+
+
+class Linear(NoDraft):
+    needs_draft = True
+
+    def __init__(self, cfg: LinearConfig):
+        self.cfg = cfg
+
+    def draft(self, drafter, root_token, max_depth):
+        k = min(self.cfg.k, max_depth)
+        return grow_levels(drafter, root_token, max_depth=k, max_nodes=k, kmax=1,
+                           n_children=lambda u, c: 1, expandable=lambda t, v: True,
+                           min_logp=-math.inf)
+
+
+class DynaTree(NoDraft):
+    """DynaTree; with all three mechanisms off it is exactly the fixed tree (depth d0, b_mid)."""
+
+    needs_draft = True
+
+    def __init__(self, cfg: DynaTreeConfig):
+        self.cfg = cfg
+        self.d0 = cfg.d0
+        self.tau_h = cfg.tau_h
+        self.window: deque[float] = deque(maxlen=cfg.window)
+        self.adjustments = 0
+
+    def _branching(self, u: int, conf: float) -> int:
+        c = self.cfg
+        if not c.dynamic_breadth:
+            return c.b_mid
+        if conf >= self.tau_h:
+            return c.b_min
+        if conf < c.tau_l:
+            return c.b_max
+        return c.b_mid
+
+    def _expandable(self, tree: Tree, v: int) -> bool:
+        d, p = tree.depths[v], math.exp(tree.logp[v])
+        if not self.cfg.dynamic_depth:
+            return d < self.d0
+        c = self.cfg
+        return d < c.d_max and p >= c.rho_stop and (d < self.d0 or p >= c.rho_deep)
+
+    def draft(self, drafter, root_token, max_depth):
+        c = self.cfg
+        depth_cap = c.d_max if c.dynamic_depth else self.d0
+        return grow_levels(drafter, root_token, max_depth=min(depth_cap, max_depth),
+                           max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
+                           n_children=self._branching, expandable=self._expandable,
+                           min_logp=_log(c.tau))
+
+    def observe(self, accepted: int, tree: Tree) -> None:
+        """History adaptation.
+
+        a_r = accepted drafted tokens / depth of the tree (the fraction of the deepest drafted
+        path that was committed).  Once W values are in the window, its mean ``a`` moves the
+        configuration one step: ``a >= hist_high`` -> D_0 += 1 and tau_h -= 0.05 (deeper, and
+        more nodes count as confident so get b_min children, spending the budget on depth);
+        ``a <= hist_low`` -> D_0 -= 1 and tau_h += 0.05.  D_0 stays within base±2 and below
+        D_max, tau_h within [tau_l + 0.05, 0.99].  The window is cleared after each step so the
+        next decision looks at W iterations under the new setting.
+        """
+        c = self.cfg
+        if not c.history or tree.max_depth == 0:
+            return
+        self.window.append(accepted / tree.max_depth)
+        if len(self.window) < c.window:
+            return
+        a = sum(self.window) / len(self.window)
+        lo_d, hi_d = max(1, c.d0 - 2), min(c.d_max - 1, c.d0 + 2)
+        if a >= c.hist_high:
+            self.d0 = min(self.d0 + 1, hi_d)
+            self.tau_h = max(round(self.tau_h - 0.05, 4), c.tau_l + 0.05)
+        elif a <= c.hist_low:
+            self.d0 = max(self.d0 - 1, lo_d)
+            self.tau_h = min(round(self.tau_h + 0.05, 4), 0.99)
+        else:
+            return
+        self.adjustments += 1
+        self.window.clear()
+
+
+def fixed_tree(cfg: FixedTreeConfig) -> DynaTree:
+    return DynaTree(DynaTreeConfig(
+        d0=cfg.depth, d_max=cfg.depth + 1, b_min=cfg.branch, b_mid=cfg.branch, b_max=cfg.branch,
+        tau=cfg.tau, max_nodes=cfg.max_nodes, dynamic_breadth=False, dynamic_depth=False,
+        history=False, kv_update=cfg.kv_update))
+
+
+class DySpecThreshold(NoDraft):
+    """DySpec Algorithm 2: layer by layer, add every child whose estimated value >= threshold.
+
+    In greedy decoding a node's children are its draft top-k in order; the i-th child's value
+    is value(parent) x P(earlier siblings rejected) x q_residual(x_i), which equals
+    value(parent) x q(x_i), i.e. the draft probability of the path.
+    """
+
+    needs_draft = True
+
+    def __init__(self, cfg: DySpecConfig):
+        self.cfg = cfg
+
+    def draft(self, drafter, root_token, max_depth):
+        c = self.cfg
+        return grow_levels(drafter, root_token, max_depth=min(c.max_depth, max_depth),
+                           max_nodes=c.budget, kmax=c.max_branch,
+                           n_children=lambda u, conf: c.max_branch,
+                           expandable=lambda t, v: True, min_logp=_log(c.threshold))
+
+
+class DySpecHeap(NoDraft):
+    """DySpec Algorithm 1: repeatedly add the candidate with the highest estimated value.
+
+    Candidates are "the r-th child of node u"; adding one pushes its next sibling and its first
+    child.  A first child's value needs the draft distribution at the new node, which costs a
+    draft forward, so such candidates enter the heap *unresolved* with the upper bound
+    value(u) (a child can never beat its parent).  Popping an unresolved candidate runs one
+    draft forward over every unresolved node at once and pushes the exact values back: the tree
+    is the same as strictly sequential greedy expansion, with fewer draft calls.
+    """
+
+    needs_draft = True
+
+    def __init__(self, cfg: DySpecConfig):
+        self.cfg = cfg
+
+    def draft(self, drafter, root_token, max_depth):
+        c = self.cfg
+        tree = Tree.root_only(root_token)
+        max_depth = min(c.max_depth, max_depth)
+        if max_depth <= 0 or c.budget <= 0:
+            return tree
+        k = c.max_branch
+        dist: dict[int, tuple[list[float], list[int]]] = {0: drafter.root(tree, k)}
+        heap: list = []  # (-value, seq, parent, rank, resolved)
+        seq = 0
+
+        def push(neg_value, parent, rank, resolved):
+            nonlocal seq
+            heapq.heappush(heap, (neg_value, seq, parent, rank, resolved))
+            seq += 1
+
+        push(-dist[0][0][0], 0, 0, True)
+        unresolved: list[int] = []
+        while heap and len(tree) - 1 < c.budget:
+            neg, _, u, r, resolved = heapq.heappop(heap)
+            if not resolved:
+                batch = [v for v in unresolved if v not in dist]
+                if batch:
+                    for v, p, t in zip(batch, *drafter.expand(tree, batch, k)):
+                        dist[v] = (p, t)
+                unresolved = []
+                push(-math.exp(tree.logp[u]) * dist[u][0][0], u, 0, True)
+                continue
+            probs, toks = dist[u]
+            v = tree.add(u, toks[r], tree.logp[u] + _log(probs[r]))
+            if r + 1 < len(probs):
+                push(-math.exp(tree.logp[u]) * probs[r + 1], u, r + 1, True)
+            if tree.depths[v] < max_depth:
+                unresolved.append(v)
+                push(-math.exp(tree.logp[v]), v, 0, False)
+        return tree
+
+
+def make_policy(cfg):
+    if isinstance(cfg, ARConfig):
+        return NoDraft()
+    if isinstance(cfg, LinearConfig):
+        return Linear(cfg)
+    if isinstance(cfg, FixedTreeConfig):
+        return fixed_tree(cfg)
+    if isinstance(cfg, DynaTreeConfig):
+        return DynaTree(cfg)
+    if isinstance(cfg, DySpecConfig):
+        return DySpecThreshold(cfg) if cfg.mode == "threshold" else DySpecHeap(cfg)
+    raise TypeError(f"no drafting policy for {type(cfg).__name__}")

@@ -1,0 +1,134 @@
+"""Token trees and the pure functions that turn them into verification buffers.
+
+Conventions used throughout the engine:
+
+* Node 0 is the **root**: the last committed token (the previous iteration's bonus token).  Its
+  key/value pair is not in the target cache yet, so the verification pass computes it together
+  with the drafted nodes.  The root is known to be correct; it has depth 0 and parent -1.
+* Every other node is a drafted token.  ``depth`` counts drafted tokens on the root-to-node
+  path, so a node at depth ``d`` sits at sequence position ``prefix_len + d`` where
+  ``prefix_len`` is the number of tokens already in the target cache (position of the root).
+* Flattened trees are in BFS order: nodes sorted by depth, ties by creation order.  Hence
+  ``parent[i] < i`` and a node's ancestors precede it, which the mask and the accept step rely on.
+
+All tensor functions carry a leading batch dimension of 1 where the model expects one, so that
+batched trees (one tree per row, padded to a common node count) can be added later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Tree:
+    """A drafted token tree (host-side lists; a few hundred nodes at most)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    logp: list[float]  # cumulative draft log-probability of the path; 0.0 at the root
+
+    @classmethod
+    def root_only(cls, token: int) -> "Tree":
+        return cls([token], [-1], [0], [0.0])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def add(self, parent: int, token: int, logp: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.logp.append(logp)
+        return len(self.tokens) - 1
+
+
+def bfs_order(depths: list[int]) -> list[int]:
+    """Permutation that sorts nodes by depth, keeping creation order within a depth."""
+    return sorted(range(len(depths)), key=lambda i: (depths[i], i))
+
+
+def flatten_bfs(tree: Tree) -> tuple[Tree, list[int]]:
+    """Return ``(tree in BFS order, order)`` where ``order[new_index] = old_index``.
+
+    Trees grown level by level are already in BFS order and come back unchanged; trees grown
+    best-first (DySpec's heap) are reordered.
+    """
+    order = bfs_order(tree.depths)
+    if order == list(range(len(order))):
+        return tree, order
+    new_index = {old: new for new, old in enumerate(order)}
+    parents = [-1 if tree.parents[o] < 0 else new_index[tree.parents[o]] for o in order]
+    return Tree([tree.tokens[o] for o in order], parents, [tree.depths[o] for o in order],
+                [tree.logp[o] for o in order]), order
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``anc[i, j]`` is True iff node j is node i or one of its ancestors.
+
+    parents: (n,) int64, BFS order, root's parent is -1.
+    returns: (n, n) bool.
+    One gather per tree level instead of a per-node Python walk.
+    """
+    n = parents.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    up = parents.clamp(min=0)  # the root points at itself; its row is just itself
+    anc = eye.clone()
+    for _ in range(max_depth):
+        anc = eye | anc[up]
+    anc[0] = eye[0]
+    return anc
+
+
+def tree_attention_mask(anc: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask for scoring a flattened tree after ``prefix_len`` cached tokens.
+
+    anc: (n, n) bool from :func:`ancestor_matrix`.
+    returns: (1, 1, n, prefix_len + n) in ``dtype``: 0 where attention is allowed (the whole
+    prefix, and the node's ancestors including itself), the dtype's minimum elsewhere.  An
+    additive float mask works with both the eager and the SDPA attention implementations.
+    """
+    n = anc.shape[0]
+    allowed = torch.ones(n, prefix_len + n, dtype=torch.bool, device=anc.device)
+    allowed[:, prefix_len:] = anc
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=anc.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def position_ids(depths: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """depths: (n,) int64 -> (1, n) int64 positions ``prefix_len + depth``.
+
+    Omitting these (letting the model number tree nodes 0..n-1 after the prefix) silently
+    breaks rotary/learned positions for every node but the first chain.
+    """
+    return (depths + prefix_len)[None]
+
+
+def accept_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                anc: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest root-to-node path whose drafted tokens equal the target's greedy choices.
+
+    tokens, parents, depths: (n,) int64 — the flattened tree.
+    anc: (n, n) bool.
+    target_argmax: (n,) int64 — the target's greedy next token after each node's path.
+    returns: (path (k+1,) int64 node indices from the root down, bonus () int64), where
+    ``bonus = target_argmax[path[-1]]`` is the target's token after the accepted path.
+
+    A node is *correct* if its token equals the target's choice at its parent; a path is valid
+    if every node on it is correct.  Siblings carry distinct tokens, so at most one child of a
+    node can be correct and the deepest valid node is unique.
+    """
+    correct = torch.ones_like(tokens, dtype=torch.bool)
+    correct[1:] = tokens[1:] == target_argmax[parents[1:]]
+    valid = ~(anc & ~correct[None, :]).any(dim=1)
+    score = torch.where(valid, depths, torch.full_like(depths, -1))
+    best = torch.argmax(score)
+    path = anc[best].nonzero().squeeze(1)  # ascending index == ascending depth (BFS order)
+    return path, target_argmax[best]

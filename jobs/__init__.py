@@ -1,0 +1,1 @@
+"""Job specs and the batch driver (installed as ``dynatree.jobs``)."""

@@ -1,0 +1,67 @@
+"""Tiny GPT-NeoX models built from a config (no downloads), shared by the tests."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from dynatree import pair_from_models
+
+VOCAB = 96
+EOS = 3
+
+
+def tiny_neox(seed: int, *, vocab: int = VOCAB, layers: int = 2, hidden: int = 32, max_pos: int = 128,
+              std: float = 0.3, dtype=torch.float64) -> GPTNeoXForCausalLM:
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=4, intermediate_size=2 * hidden,
+                        max_position_embeddings=max_pos, rotary_pct=0.5, initializer_range=std,
+                        use_parallel_residual=True, tie_word_embeddings=False,
+                        eos_token_id=EOS, bos_token_id=EOS)
+    return GPTNeoXForCausalLM(cfg).to(dtype).eval()
+
+
+def noisy_copy(model, seed: int, scale: float):
+    """A draft that agrees with the target often but not always."""
+    draft = tiny_neox(0, vocab=model.config.vocab_size, layers=model.config.num_hidden_layers,
+                      hidden=model.config.hidden_size, max_pos=model.config.max_position_embeddings,
+                      dtype=model.dtype)
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return draft
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_neox(1)
+
+
+@pytest.fixture(scope="session")
+def close_pair(target):
+    """Draft = target + small noise: long accepted paths, frequent misses."""
+    return pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="session")
+def far_pair(target):
+    """An unrelated draft: most drafted tokens rejected."""
+    return pair_from_models(target, tiny_neox(2, layers=1, hidden=16), None, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="session")
+def same_pair(target):
+    """Draft identical to the target: every drafted path that the policy keeps is accepted."""
+    return pair_from_models(target, noisy_copy(target, 0, 0.0), None, eos_token_id=EOS)
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 24, vocab: int = VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    # avoid EOS in prompts so that a stop is always a generated EOS
+    return [[rng.choice([t for t in range(vocab) if t != EOS]) for _ in range(rng.randint(lo, hi))]
+            for _ in range(n)]

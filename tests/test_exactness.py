@@ -1,0 +1,140 @@
+"""Every decoder reproduces greedy autoregressive decoding token for token (float64)."""
+import pytest
+import torch
+
+from dynatree import decode, make_config
+from dynatree.models import pair_from_models
+
+from conftest import EOS, random_prompts, tiny_neox
+
+SETTINGS = [
+    ("linear", {}),
+    ("linear", {"k": 1}),
+    ("linear", {"k": 8}),
+    ("fixed_tree", {}),
+    ("fixed_tree", {"depth": 3, "branch": 3, "tau": 0.0}),
+    ("fixed_tree", {"depth": 7, "branch": 2, "tau": 0.1, "max_nodes": 10}),
+    ("dynatree", {}),
+    ("dynatree", {"rho_stop": 0.001, "rho_deep": 0.01, "tau": 0.0001, "window": 3}),
+    ("dynatree", {"dynamic_breadth": False, "dynamic_depth": False, "history": False}),
+    ("dynatree", {"max_nodes": 3}),
+    ("dynatree", {"kv_update": "recompute"}),
+    ("dyspec", {}),
+    ("dyspec", {"budget": 5, "max_branch": 2}),
+    ("dyspec", {"mode": "threshold"}),
+    ("dyspec", {"mode": "threshold", "threshold": 0.001, "budget": 64}),
+]
+PROMPTS = random_prompts(20, seed=1)
+
+
+def ar(pair, prompt, n, ignore_eos=True):
+    return decode(pair, prompt, make_config("ar"), max_new_tokens=n, ignore_eos=ignore_eos)
+
+
+@pytest.mark.parametrize("method,opts", SETTINGS, ids=[f"{m}-{o}" for m, o in SETTINGS])
+def test_identical_to_ar(close_pair, method, opts):
+    cfg = make_config(method, opts)
+    for i, prompt in enumerate(PROMPTS):
+        n = [1, 2, 3, 17, 40][i % 5]  # includes budgets that end mid-tree
+        ref, _, _ = ar(close_pair, prompt, n)
+        toks, reason, m = decode(close_pair, prompt, cfg, max_new_tokens=n, ignore_eos=True)
+        assert toks == ref, (method, opts, prompt)
+        assert reason == "length" and len(toks) == n
+        expected_forwards = m.iterations + 1 if cfg.kv_update == "gather" else 2 * m.iterations + 1
+        assert m.target_forwards == expected_forwards
+
+
+@pytest.mark.parametrize("pair_name", ["far_pair", "same_pair"])
+@pytest.mark.parametrize("method", ["linear", "fixed_tree", "dynatree", "dyspec"])
+def test_identical_to_ar_other_drafts(request, pair_name, method):
+    pair = request.getfixturevalue(pair_name)
+    for prompt in PROMPTS[:8]:
+        ref, _, _ = ar(pair, prompt, 30)
+        toks, _, m = decode(pair, prompt, make_config(method), max_new_tokens=30, ignore_eos=True)
+        assert toks == ref
+    if pair_name == "same_pair":
+        assert m.tokens_per_iteration > 1.5  # a perfect draft must actually speculate
+
+
+def test_trees_speculate_on_the_close_pair(close_pair):
+    for method in ["linear", "fixed_tree", "dynatree", "dyspec"]:
+        _, _, m = decode(close_pair, PROMPTS[0], make_config(method), max_new_tokens=40, ignore_eos=True)
+        assert m.tokens_per_iteration > 1.3, method
+        assert 0 < m.acceptance_rate <= 1
+
+
+def test_draft_is_never_reprefilled(close_pair):
+    prompt = PROMPTS[3]
+    for method in ["linear", "dynatree", "dyspec"]:
+        toks, _, m = decode(close_pair, prompt, make_config(method), max_new_tokens=40, ignore_eos=True)
+    # fed tokens <= prompt + commits + expanded tree nodes, far below (prompt x iterations)
+    from dynatree.drafting import Drafter
+    seen = []
+    orig = Drafter.commit
+
+    def spy(self, path, committed):
+        seen.append(self.fed_tokens)
+        return orig(self, path, committed)
+
+    Drafter.commit = spy
+    try:
+        _, _, m = decode(close_pair, prompt, make_config("linear", {"k": 4}), max_new_tokens=40, ignore_eos=True)
+    finally:
+        Drafter.commit = orig
+    # per iteration: pending (<= k+1 tokens) + k-1 chain expansions
+    assert seen[-1] <= len(prompt) + m.iterations * (4 + 1 + 3)
+    assert seen[-1] < len(prompt) * m.iterations or len(prompt) < 8
+
+
+def eos_pair(base_pair, eos):
+    return pair_from_models(base_pair.target, base_pair.draft, None, eos_token_id=eos)
+
+
+def test_eos_inside_an_accepted_path(same_pair):
+    """With a perfect draft, EOS lands inside accepted paths; decoding stops right after it."""
+    hits = 0
+    for prompt in PROMPTS:
+        free, _, _ = ar(same_pair, prompt, 30)
+        eos = free[7]  # a token that will be generated mid-way
+        pair = eos_pair(same_pair, eos)
+        ref, ref_reason, _ = ar(pair, prompt, 30, ignore_eos=False)
+        assert ref_reason == "eos" and ref[-1] == eos
+        for method in ["linear", "fixed_tree", "dynatree", "dyspec"]:
+            toks, reason, m = decode(pair, prompt, make_config(method), max_new_tokens=30)
+            assert toks == ref and reason == "eos", method
+            hits += m.tokens_per_iteration > 1
+    assert hits > 0
+
+
+def test_context_limit(close_pair):
+    ctx = close_pair.max_context
+    prompt = random_prompts(1, seed=4, lo=ctx - 10, hi=ctx - 10)[0]
+    ref, reason, _ = ar(close_pair, prompt, 40)
+    assert reason == "context" and len(prompt) + len(ref) == ctx
+    for method in ["linear", "fixed_tree", "dynatree", "dyspec"]:
+        toks, reason, _ = decode(close_pair, prompt, make_config(method), max_new_tokens=40, ignore_eos=True)
+        assert toks == ref and reason == "context"
+    from dynatree import ContextError
+    with pytest.raises(ContextError):
+        decode(close_pair, [5] * ctx, make_config("dynatree"), max_new_tokens=4)
+
+
+def test_ar_equals_transformers_generate(target):
+    pair = pair_from_models(target, None, None, eos_token_id=EOS)
+    for prompt in PROMPTS[:10]:
+        ours, _, _ = ar(pair, prompt, 25, ignore_eos=False)
+        with torch.no_grad():
+            hf = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                                 eos_token_id=EOS, pad_token_id=EOS)
+        assert ours == hf[0, len(prompt):].tolist()
+
+
+def test_vocab_width_mismatch_is_compared_over_shared_range(target):
+    """Pythia pads logit widths differently per size: the draft may score extra ids."""
+    wide = tiny_neox(5, vocab=target.config.vocab_size + 32)
+    pair = pair_from_models(target, wide, None, eos_token_id=EOS)
+    assert pair.vocab == target.config.vocab_size
+    for prompt in PROMPTS[:5]:
+        ref, _, _ = ar(pair, prompt, 20)
+        toks, _, _ = decode(pair, prompt, make_config("dynatree"), max_new_tokens=20, ignore_eos=True)
+        assert toks == ref

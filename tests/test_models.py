@@ -1,0 +1,98 @@
+"""Loading pairs from directories, pair checks, the Python API and the CLI."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dynatree import PairError, generate, load_pair
+from dynatree.cli import main
+from dynatree.tokenizer import train_bpe_tokenizer
+
+from conftest import tiny_neox
+
+TEXT = ["The quick brown fox jumps over the lazy dog. " * 3,
+        "It was the best of times, it was the worst of times.",
+        "Call me Ishmael. Some years ago, never mind how long precisely."] * 10
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    tok = train_bpe_tokenizer(TEXT, 300)
+    n = len(tok)
+    for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
+        m = tiny_neox(seed, vocab=n, layers=layers, dtype=torch.float32)
+        m.config.eos_token_id = m.config.bos_token_id = tok.eos_token_id
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    other = train_bpe_tokenizer(TEXT[:2] + ["completely different words here"], 280)
+    m = tiny_neox(3, vocab=len(other), layers=1, dtype=torch.float32)
+    m.save_pretrained(root / "foreign")
+    other.save_pretrained(root / "foreign")
+    return root
+
+
+def test_load_pair_from_directories_and_generate(pair_dirs):
+    pair = load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", dtype="float64")
+    assert pair.dtype == torch.float64 and pair.vocab == len(pair.tokenizer)
+    ref = generate(pair, "The quick brown", "ar", max_new_tokens=12, ignore_eos=True)
+    for method in ("linear", "fixed_tree", "dynatree", "dyspec"):
+        g = generate(pair, "The quick brown", method, max_new_tokens=12, ignore_eos=True)
+        assert g.token_ids == ref.token_ids and g.text == ref.text
+        assert g.metrics.new_tokens == 12 and g.metrics.tokens_per_s > 0
+
+
+def test_mismatched_tokenizers_are_a_clear_error(pair_dirs):
+    with pytest.raises(PairError, match="do not share a tokenizer"):
+        load_pair(pair_dirs / "target", pair_dirs / "foreign", device="cpu")
+
+
+def test_draft_scoring_fewer_tokens_than_the_tokenizer_is_an_error(pair_dirs, tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(pair_dirs / "target")
+    small = tiny_neox(4, vocab=len(tok) - 20, layers=1, dtype=torch.float32)
+    small.save_pretrained(tmp_path / "small")
+    tok.save_pretrained(tmp_path / "small")
+    with pytest.raises(PairError, match="vocabularies do not match"):
+        load_pair(pair_dirs / "target", tmp_path / "small", device="cpu")
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(PairError, match="cannot load"):
+        load_pair(tmp_path / "nope", tmp_path / "nope2", device="cpu")
+
+
+def test_bad_options_are_clear_errors():
+    from dynatree import make_config
+    with pytest.raises(ValueError, match="no option 'depht'"):
+        make_config("fixed_tree", {"depht": "3"})
+    with pytest.raises(ValueError, match="expected int"):
+        make_config("fixed_tree", {"depth": "deep"})
+    with pytest.raises(ValueError, match="d0 < d_max"):
+        make_config("dynatree", {"d0": "9"})
+    assert make_config("dynatree", {"history": "off"}).history is False
+
+
+def test_cli_generate_json(pair_dirs):
+    runner = CliRunner()
+    args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+            "--device", "cpu", "--method", "dynatree", "--option", "d0=3", "--option", "tau=0.01",
+            "--max-new-tokens", "10", "--prompt", "It was the best", "--ignore-eos", "--check-ar", "--json"]
+    res = runner.invoke(main, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 10 and isinstance(out["text"], str)
+    assert out["matches_ar"] is True
+    assert out["options"]["d0"] == 3 and out["metrics"]["new_tokens"] == 10
+    bad = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+           "--device", "cpu", "--method", "dynatree", "--option", "depth=3", "--prompt", "x"]
+    res = runner.invoke(main, bad)
+    assert res.exit_code != 0 and "no option 'depth'" in res.output
+
+
+def test_cli_help_lists_method_options():
+    res = CliRunner().invoke(main, ["generate", "--help"])
+    assert res.exit_code == 0
+    for key in ("rho_stop", "kv_update", "max_branch", "branch"):
+        assert key in res.output

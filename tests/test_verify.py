@@ -1,0 +1,124 @@
+"""Tree verification and tree drafting compute exactly what a sequential forward computes (float64)."""
+import torch
+
+from dynatree.drafting import Drafter
+from dynatree.engine import tree_tensors, verify_tree
+from dynatree.kvcache import new_cache
+from dynatree.policies import DynaTree, DySpecHeap
+from dynatree.config import DynaTreeConfig, DySpecConfig
+from dynatree.tree import Tree, flatten_bfs
+
+from conftest import random_prompts
+
+
+def path_tokens(tree: Tree, u: int) -> list[int]:
+    out = []
+    while u >= 0:
+        out.append(tree.tokens[u])
+        u = tree.parents[u]
+    return out[::-1]
+
+
+def sequential_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def hand_tree(root: int) -> Tree:
+    t = Tree.root_only(root)
+    a = t.add(0, 5, -0.1)
+    b = t.add(0, 9, -0.5)
+    t.add(0, 17, -0.9)
+    c = t.add(a, 6, -0.2)
+    t.add(a, 7, -0.3)
+    t.add(b, 30, -0.6)
+    t.add(c, 40, -0.3)
+    return t
+
+
+def test_tree_logits_equal_sequential_path_logits(target):
+    for prompt in random_prompts(5, seed=3, lo=2, hi=20):
+        *prefix, root = prompt
+        cache = new_cache(target, 64)
+        with torch.no_grad():
+            if prefix:
+                target(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+            tree = hand_tree(root)
+            logits = verify_tree(target, cache, tree_tensors(tree, target.device), len(prefix))
+        for u in range(len(tree)):
+            ref = sequential_logits(target, prefix + path_tokens(tree, u))
+            torch.testing.assert_close(logits[u], ref, rtol=0, atol=1e-10)
+
+
+class Recorder(Drafter):
+    """Records the draft's top-k for every expanded node, to compare with sequential forwards."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.seen = {}
+
+    def root(self, tree, k):
+        out = super().root(tree, k)
+        self.seen[0] = out
+        return out
+
+    def expand(self, tree, nodes, k):
+        probs, ids = super().expand(tree, nodes, k)
+        for u, p, i in zip(nodes, probs, ids):
+            self.seen[u] = (p, i)
+        return probs, ids
+
+
+def check_draft_tree(pair, policy, prompt):
+    d = Recorder(pair.draft, pair.vocab, 256)
+    d.extend(prompt)
+    tree = policy.draft(d, prompt[-1], 6)
+    prefix = prompt[:-1]
+    assert len(d.seen) > 1
+    for u, (p, ids) in d.seen.items():
+        ref = torch.softmax(sequential_logits(pair.draft, prefix + path_tokens(tree, u)).float(), -1)
+        rv, ri = ref.topk(len(p))
+        assert ri.tolist() == ids
+        torch.testing.assert_close(torch.tensor(p), rv, rtol=0, atol=1e-6)
+    return tree
+
+
+def test_level_wise_draft_expansion_matches_sequential(close_pair):
+    cfg = DynaTreeConfig(tau=1e-4, rho_stop=1e-3, rho_deep=0.01, max_nodes=40)
+    for prompt in random_prompts(4, seed=5, lo=1, hi=12):
+        tree = check_draft_tree(close_pair, DynaTree(cfg), prompt)
+        assert tree.max_depth >= 2 and len(tree) > tree.max_depth + 1  # branched, multi-level
+
+
+def test_heap_draft_expansion_matches_sequential(close_pair):
+    for prompt in random_prompts(3, seed=6, lo=1, hi=12):
+        tree = check_draft_tree(close_pair, DySpecHeap(DySpecConfig(budget=20)), prompt)
+        assert len(tree) == 21
+        flat, order = flatten_bfs(tree)
+        assert all(flat.parents[i] < i for i in range(1, len(flat)))
+
+
+def test_draft_commit_keeps_accepted_nodes_and_feeds_the_rest(close_pair):
+    """After a commit the draft cache equals a fresh prefill of the committed tokens."""
+    prompt = random_prompts(1, seed=9, lo=6, hi=6)[0]
+    d = Drafter(close_pair.draft, close_pair.vocab, 256)
+    d.extend(prompt)
+    tree = DynaTree(DynaTreeConfig(tau=1e-4, rho_stop=1e-3, rho_deep=0.01, max_nodes=30)).draft(d, prompt[-1], 5)
+    # accept the path to the deepest node, then a bonus token
+    u = max(range(len(tree)), key=lambda i: tree.depths[i])
+    path = []
+    while u >= 0:
+        path.append(u)
+        u = tree.parents[u]
+    path = path[::-1]
+    committed = [tree.tokens[v] for v in path[1:]] + [42]
+    d.commit(path, committed)
+    full = prompt + committed
+    n_cached = d.cache.length
+    assert full[n_cached:] == d.pending and d.pending[-1] == 42
+    ref = new_cache(close_pair.draft, 64)
+    with torch.no_grad():
+        close_pair.draft(input_ids=torch.tensor([full[:n_cached]]), past_key_values=ref, use_cache=True)
+    for a, b in zip(d.cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys[:, :, :n_cached], b.keys[:, :, :n_cached], rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.values[:, :, :n_cached], b.values[:, :, :n_cached], rtol=0, atol=1e-10)
