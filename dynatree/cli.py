@@ -72,5 +72,115 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
                err=True)
 
 
+def method_configs(methods: str, options) -> dict:
+    """``"linear,heap=dyspec"`` + ``["heap.mode=heap"]`` -> {label: config}."""
+    from .config import make_config, parse_options
+
+    labels: dict[str, str] = {}
+    for item in (m.strip() for m in methods.split(",")):
+        if item:
+            label, _, meth = item.partition("=")
+            labels[label] = meth or label
+    per_label: dict[str, dict] = {label: {} for label in labels}
+    for key, value in parse_options(options).items():
+        label, _, opt_key = key.partition(".")
+        if label not in per_label:
+            raise ValueError(f"--option {key}: {label!r} is not in --methods")
+        per_label[label][opt_key] = value
+    return {label: make_config(labels[label], o) for label, o in per_label.items()}
+
+
+@main.command()
+@_pair_options
+@click.option("--prompts", "prompt_files", multiple=True, required=True, type=click.Path(exists=True),
+              help="Parquet file(s) of prompts (repeatable)")
+@click.option("--prompt-column", default="text", show_default=True)
+@click.option("--limit", type=int, help="first N prompts of each file")
+@click.option("--methods", default="linear,fixed_tree,dynatree,dyspec", show_default=True,
+              help="comma-separated methods; LABEL=METHOD runs a method under another name "
+                   "(e.g. dyspec_heap=dyspec with --option dyspec_heap.mode=heap)")
+@click.option("--option", "options", multiple=True, metavar="LABEL.KEY=VALUE",
+              help="method option, repeatable, e.g. dynatree.tau=0.01")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-prompt-tokens", default=200, show_default=True, type=int)
+def check(target, draft, device, dtype, prompt_files, prompt_column, limit, methods, options,
+          max_new_tokens, max_prompt_tokens):
+    """Decode prompts with ar and each method; report token-for-token equality and speed."""
+    import pyarrow.parquet as pq
+
+    from .check import check_methods, truncate_prompt
+    from .config import make_config, parse_options
+    from .models import PairError, load_pair
+
+    try:
+        cfgs = method_configs(methods, options)
+        pair = load_pair(target, draft, device=device, dtype=dtype)
+    except (PairError, ValueError) as e:
+        _fail(str(e))
+    summary = []
+    for path in prompt_files:
+        table = pq.read_table(path)
+        if prompt_column not in table.column_names:
+            _fail(f"{path}: no column {prompt_column!r} (columns: {', '.join(table.column_names)})")
+        texts = table.column(prompt_column).to_pylist()[:limit]
+        prompts = [truncate_prompt(pair.encode(t), max_prompt_tokens) for t in texts]
+        rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
+                             progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
+        for label in ["ar", *cfgs]:
+            rs = [r for r in rows if r["method"] == label]
+            bad = [r for r in rs if not r["matches_ar"]]
+            tps = sum(r["tokens_per_s"] for r in rs) / len(rs)
+            summary.append((path, label, len(rs), len(rs) - len(bad), tps,
+                            sum(r["tokens_per_iteration"] for r in rs) / len(rs),
+                            [(r["prompt"], r["first_divergence"], round(r["divergence_margin"], 5)) for r in bad]))
+    click.echo(f"{'prompts file':<45} {'method':<11} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
+    for path, label, n, ok, tps, tpi, bad in summary:
+        click.echo(f"{path[-45:]:<45} {label:<11} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
+                   + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
+    if any(s[6] for s in summary):
+        sys.exit(1)
+
+
+@main.command("train-pair")
+@click.option("--corpus", required=True, help="Parquet/Arrow/JSONL/text file, directory, glob or dataset")
+@click.option("--column", default="text", show_default=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
+@click.option("--vocab-size", default=4096, show_default=True)
+@click.option("--target-shape", default="4,192,4", show_default=True, help="layers,hidden,heads")
+@click.option("--draft-shape", default="2,96,2", show_default=True, help="layers,hidden,heads")
+@click.option("--seq-len", default=256, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--context", default=1024, show_default=True, help="max_position_embeddings")
+@click.option("--target-minutes", default=10.0, show_default=True)
+@click.option("--draft-minutes", default=5.0, show_default=True)
+@click.option("--lr", default=2e-3, show_default=True)
+@click.option("--max-chars", default=40_000_000, show_default=True, help="corpus size cap")
+@click.option("--bf16/--no-bf16", default=True, show_default=True, help="bfloat16 autocast")
+@click.option("--seed", default=0, show_default=True)
+def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shape, seq_len, batch_size,
+                   context, target_minutes, draft_minutes, lr, max_chars, bf16, seed):
+    """Train a small Pythia-architecture target/draft pair on CPU (tokenizer, target, distilled draft)."""
+    from .data import InputError
+    from .training import ModelShape, TrainConfig, train_pair
+
+    def shape(s):
+        try:
+            layers, hidden, heads = (int(x) for x in s.split(","))
+        except ValueError:
+            _fail(f"shape {s!r} is not layers,hidden,heads")
+        if hidden % heads:
+            _fail(f"shape {s!r}: hidden must be divisible by heads")
+        return ModelShape(layers, hidden, heads)
+
+    cfg = TrainConfig(vocab_size=vocab_size, target=shape(target_shape), draft=shape(draft_shape),
+                      seq_len=seq_len, batch_size=batch_size, context=context,
+                      target_minutes=target_minutes, draft_minutes=draft_minutes, lr=lr,
+                      max_chars=max_chars, bf16=bf16, seed=seed)
+    try:
+        train_pair(corpus, column, out_dir, cfg, log=lambda m: click.echo(m, err=True))
+    except (InputError, ValueError) as e:
+        _fail(str(e))
+
+
 if __name__ == "__main__":
     main()

@@ -81,9 +81,10 @@ class DynaTreeConfig(SpecConfig):
 class DySpecConfig(SpecConfig):
     """DySpec: grow the tree by estimated acceptance value (heap), or layer by layer over a threshold."""
 
-    mode: str = opt("heap", "'heap': greedy best-first up to `budget` nodes; 'threshold': expand layer by "
-                            "layer every candidate whose value >= `threshold` (one draft call per layer)")
-    budget: int = opt(32, "node budget m for the heap mode (and a cap for the threshold mode)")
+    mode: str = opt("threshold", "'threshold': expand layer by layer every candidate whose value >= "
+                                 "`threshold` (one draft call per layer; what DySpec ran in its experiments); "
+                                 "'heap': greedy best-first up to `budget` nodes (about one draft call per node)")
+    budget: int = opt(32, "node budget m for the heap mode (and a cap on nodes for the threshold mode)")
     threshold: float = opt(0.03, "value threshold for the threshold mode (DySpec suggests about 1/m)")
     max_depth: int = opt(12, "hard depth cap")
     max_branch: int = opt(8, "most children considered per node")
@@ -147,7 +148,8 @@ def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
 def options_help() -> str:
     lines = []
     for name, cls in METHODS.items():
-        fs = dataclasses.fields(cls)
+        # the method's own options first, the shared ones (kv_update) last
+        fs = sorted(dataclasses.fields(cls), key=lambda f: f.name in {g.name for g in dataclasses.fields(SpecConfig)})
         lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
         for f in fs:
             lines.append(f"    {f.name}={f.default}  {f.metadata.get('help', '')}")

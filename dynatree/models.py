@@ -127,7 +127,9 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
                attn_implementation: str = "sdpa"):
     """Load a causal LM by Hugging Face hub name or local directory."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-tensor "Loading weights" bars drown job output
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation)
