@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from dynatree.tokenizer import train_bpe_tokenizer
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -65,3 +66,25 @@ def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 24, vocab: int 
     # avoid EOS in prompts so that a stop is always a generated EOS
     return [[rng.choice([t for t in range(vocab) if t != EOS]) for _ in range(rng.randint(lo, hi))]
             for _ in range(n)]
+
+
+TEXT = ["The quick brown fox jumps over the lazy dog. " * 3,
+        "It was the best of times, it was the worst of times.",
+        "Call me Ishmael. Some years ago, never mind how long precisely."] * 10
+
+
+@pytest.fixture(scope="session")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    tok = train_bpe_tokenizer(TEXT, 300)
+    n = len(tok)
+    for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
+        m = tiny_neox(seed, vocab=n, layers=layers, dtype=torch.float32)
+        m.config.eos_token_id = m.config.bos_token_id = tok.eos_token_id
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    other = train_bpe_tokenizer(TEXT[:2] + ["completely different words here"], 280)
+    m = tiny_neox(3, vocab=len(other), layers=1, dtype=torch.float32)
+    m.save_pretrained(root / "foreign")
+    other.save_pretrained(root / "foreign")
+    return root

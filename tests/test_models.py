@@ -7,31 +7,8 @@ from click.testing import CliRunner
 
 from dynatree import PairError, generate, load_pair
 from dynatree.cli import main
-from dynatree.tokenizer import train_bpe_tokenizer
 
 from conftest import tiny_neox
-
-TEXT = ["The quick brown fox jumps over the lazy dog. " * 3,
-        "It was the best of times, it was the worst of times.",
-        "Call me Ishmael. Some years ago, never mind how long precisely."] * 10
-
-
-@pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    tok = train_bpe_tokenizer(TEXT, 300)
-    n = len(tok)
-    for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
-        m = tiny_neox(seed, vocab=n, layers=layers, dtype=torch.float32)
-        m.config.eos_token_id = m.config.bos_token_id = tok.eos_token_id
-        m.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    other = train_bpe_tokenizer(TEXT[:2] + ["completely different words here"], 280)
-    m = tiny_neox(3, vocab=len(other), layers=1, dtype=torch.float32)
-    m.save_pretrained(root / "foreign")
-    other.save_pretrained(root / "foreign")
-    return root
-
 
 def test_load_pair_from_directories_and_generate(pair_dirs):
     pair = load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", dtype="float64")

@@ -1,0 +1,11 @@
+"""The Ray actor: a thin shell around ShardWorker (the pair is loaded once, in __init__)."""
+from __future__ import annotations
+
+import ray
+
+from .worker import ShardWorker
+
+
+@ray.remote
+class PairActor(ShardWorker):
+    """One per GPU on a GPU box; a CPU share (``cpus_per_actor`` threads) on CPU machines."""
