@@ -195,6 +195,73 @@ def run(config_file, input_, output, prompt_column, id_column, target, draft, me
     click.echo(f"results: {spec.output}/shards/*.parquet   summary: {spec.output}/summary.json")
 
 
+def _int_list(s: str | None) -> tuple:
+    return tuple(int(x) for x in s.split(",") if x) if s else ()
+
+
+@main.command()
+@_pair_options
+@click.option("--dataset", "datasets", multiple=True, required=True,
+              help="wikitext, pg19 (hub), a file/dir/glob, or NAME=PATH; repeatable")
+@click.option("--prompt-column", default="text", show_default=True)
+@click.option("--prompts", "n_prompts", default=10, show_default=True, help="N prompts per dataset")
+@click.option("--warmup", default=2, show_default=True, help="first W prompts discarded")
+@click.option("--max-prompt-tokens", default=200, show_default=True, help="L_max")
+@click.option("--max-new-tokens", default=128, show_default=True, help="T (EOS ignored)")
+@click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic",
+              show_default=True, help="LABEL=METHOD runs a method under another name")
+@click.option("--option", "options", multiple=True, metavar="LABEL.KEY=VALUE")
+@click.option("--sweep-tokens", help="comma-separated T values for the generation-length sweep")
+@click.option("--sweep-prompt-len", help="comma-separated L_max values for the prompt-length sweep")
+@click.option("--sweep-methods", default="ar,dynatree", show_default=True, help="labels run in the T/L sweeps")
+@click.option("--grid-depth", help="fixed-tree grid depths, e.g. 3,4,5,6,7,8")
+@click.option("--grid-branch", help="fixed-tree grid branching, e.g. 2,3,4")
+@click.option("--grid-tau", help="fixed-tree grid tau, e.g. 0.01,0.02,0.03,0.05,0.1")
+@click.option("--threads", type=int, help="torch threads")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
+def bench(target, draft, device, dtype, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
+          max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, grid_depth,
+          grid_branch, grid_tau, threads, out_dir):
+    """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
+    import torch
+
+    from .bench import BenchSpec, parse_methods, run_bench
+    from .data import InputError
+    from .models import PairError, load_pair
+    from .report import report
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        grid = {}
+        if grid_depth or grid_branch or grid_tau:
+            grid = {"depth": list(_int_list(grid_depth) or (5,)), "branch": list(_int_list(grid_branch) or (2,)),
+                    "tau": [float(x) for x in (grid_tau or "0.02").split(",") if x]}
+        spec = BenchSpec(datasets=tuple(datasets), methods=tuple(parse_methods(methods, options)),
+                         prompts=n_prompts, warmup=warmup, max_prompt_tokens=max_prompt_tokens,
+                         max_new_tokens=max_new_tokens, prompt_column=prompt_column,
+                         sweep_tokens=_int_list(sweep_tokens), sweep_prompt_len=_int_list(sweep_prompt_len),
+                         grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m))
+        pair = load_pair(target, draft, device=device, dtype=dtype)
+        out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
+    except (PairError, InputError, ValueError) as e:
+        _fail(str(e))
+    md, pngs = report(out)
+    click.echo(md.read_text())
+    click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
+
+
+@main.command("report")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
+def report_cmd(out_dir):
+    """Rebuild summary.md and PNG plots from a bench directory's results.parquet."""
+    from .report import report
+
+    md, pngs = report(out_dir)
+    click.echo(md.read_text())
+    click.echo(f"wrote {md}, " + ", ".join(str(p) for p in pngs))
+
+
 @main.command("train-pair")
 @click.option("--corpus", required=True, help="Parquet/Arrow/JSONL/text file, directory, glob or dataset")
 @click.option("--column", default="text", show_default=True)

@@ -56,15 +56,18 @@ def _read_one(path: str) -> pa.Table:
 def read_table(source: str) -> pa.Table:
     """All rows of a file, directory, glob, or (if no such path exists) a `datasets` dataset.
 
-    A `datasets` source may be a directory written by ``save_to_disk`` or a hub name, with an
-    optional split after a colon (``wikitext:test``).
+    A `datasets` source may be a directory written by ``save_to_disk`` or a hub name with an
+    optional config and split: ``NAME[:CONFIG]:SPLIT`` (``wikitext:wikitext-2-raw-v1:test``).
     """
     if os.path.isdir(source) and (Path(source) / "dataset_info.json").exists() or \
             (os.path.isdir(source) and (Path(source) / "dataset_dict.json").exists()):
         return _read_datasets(source, None)
     if not os.path.exists(source) and not any(c in source for c in "*?["):
-        name, _, split = source.partition(":")
-        return _read_datasets(name, split or None)
+        parts = source.split(":")
+        if len(parts) > 3:
+            raise InputError(f"{source!r}: expected NAME[:CONFIG]:SPLIT")
+        name, config, split = parts[0], parts[1] if len(parts) == 3 else None, parts[-1] if len(parts) > 1 else None
+        return _read_datasets(name, split, config)
     tables = [_read_one(f) for f in _files(source)]
     try:
         return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
@@ -72,7 +75,7 @@ def read_table(source: str) -> pa.Table:
         raise InputError(f"input files under {source!r} have incompatible schemas: {e}") from e
 
 
-def _read_datasets(name: str, split: str | None) -> pa.Table:
+def _read_datasets(name: str, split: str | None, config: str | None = None) -> pa.Table:
     try:
         import datasets
     except ImportError as e:
@@ -81,7 +84,7 @@ def _read_datasets(name: str, split: str | None) -> pa.Table:
         if os.path.isdir(name):
             ds = datasets.load_from_disk(name)
         else:
-            ds = datasets.load_dataset(name, split=split)
+            ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         raise InputError(f"cannot load dataset {name!r}: {e}") from e
     if isinstance(ds, datasets.DatasetDict):

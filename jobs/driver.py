@@ -148,7 +148,7 @@ def _init_ray(spec: JobSpec):
     import ray
 
     if not ray.is_initialized():
-        if spec.address:
+        if spec.address or os.environ.get("RAY_ADDRESS"):  # RAY_ADDRESS: inside `ray job submit`
             ray.init(address=spec.address, log_to_driver=True)
         else:
             # a private local cluster on loopback; the dashboard is not needed for `dynatree run`

@@ -1,0 +1,271 @@
+"""``dynatree bench``: the paper's protocol, every method and transformers' peers in one process.
+
+Protocol: N prompts per dataset, the first W discarded as warm-up, mean ± std over the rest;
+every method on the same prompts in the same process, ``ar`` included; exactly T new tokens per
+prompt (EOS ignored, so every method does the same work); speedup = tokens/s ÷ ``ar`` tokens/s
+of the same run, dataset and setting.
+
+Peers: ``hf_ar`` is transformers ``generate(do_sample=False)``; ``hf_assisted`` is assisted
+generation with the draft (``assistant_model=``) at its defaults; ``hf_assisted_heuristic`` the
+same with ``num_assistant_tokens_schedule="heuristic"``.
+
+Every (dataset, prompt, method, setting) becomes one Parquet row; ``report.py`` builds all
+tables and plots from those rows alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .check import first_difference, truncate_prompt
+from .config import ARConfig, make_config
+from .engine import decode
+from .models import ModelPair
+
+HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic")
+HUB_DATASETS = {
+    "wikitext": ("wikitext", "wikitext-2-raw-v1", "test", "text"),
+    "pg19": ("deepmind/pg19", None, "test", "text"),
+}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str  # engine method or an hf_* peer
+    options: dict = field(default_factory=dict)
+
+
+def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodSpec]:
+    """``"ar,linear,fixed=fixed_tree"`` + ``["fixed.depth=3"]`` -> method specs (validated)."""
+    from .config import parse_options
+
+    specs: dict[str, list] = {}
+    for item in (m.strip() for m in methods.split(",")):
+        if item:
+            label, _, meth = item.partition("=")
+            specs[label] = [meth or label, {}]
+    for key, value in parse_options(options).items():
+        label, _, opt = key.partition(".")
+        if label not in specs:
+            raise ValueError(f"--option {key}: {label!r} is not in --methods")
+        specs[label][1][opt] = value
+    out = []
+    for label, (meth, opts) in specs.items():
+        if meth in HF_METHODS:
+            if opts:
+                raise ValueError(f"{label}: transformers peers take no options")
+        else:
+            cfg = make_config(meth, opts)
+            opts = {k: getattr(cfg, k) for k in opts}
+        out.append(MethodSpec(label, meth, opts))
+    if not any(m.method == "ar" for m in out):
+        out.insert(0, MethodSpec("ar", "ar"))  # speedups need the AR of the same run
+    return out
+
+
+def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_chars: int = 200) -> tuple[str, list[str]]:
+    """(name, first n usable texts).  ``NAME=PATH`` labels a local file; ``wikitext``/``pg19``
+    load the hub datasets (WikiText-2 raw test articles; PG-19 test books)."""
+    from .data import read_texts
+
+    name, sep, source = dataset.partition("=")
+    if not sep:
+        name, source = Path(dataset).stem if os.path.exists(dataset) else dataset, dataset
+    if source in HUB_DATASETS and not os.path.exists(source):
+        hub, config, split, col = HUB_DATASETS[source]
+        texts = read_texts(f"{hub}:{config}:{split}" if config else f"{hub}:{split}", col)
+        if source == "wikitext":  # rows are lines; rebuild articles at top-level headings
+            articles, cur = [], []
+            for line in texts:
+                if line.startswith(" = ") and not line.startswith(" = = ") and cur:
+                    articles.append("".join(cur))
+                    cur = []
+                cur.append(line)
+            texts = articles + ["".join(cur)]
+    else:
+        texts = read_texts(source, column)
+    usable = [t for t in texts if isinstance(t, str) and len(t.strip()) >= min_chars]
+    return name, usable[:n]
+
+
+class PeakRSS:
+    """Samples this process's resident memory in a thread; ``peak_mb`` above the start level.
+
+    The kernel's own high-water mark only grows over a process's life, so it cannot tell two
+    methods run in one process apart; sampling every few ms can.  On CUDA use the allocator.
+    """
+
+    def __init__(self, device: torch.device, every_s: float = 0.002):
+        self.device, self.every = device, every_s
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return self
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.wait(self.every):
+                self.peak = max(self.peak, self._rss())
+
+        self._t = threading.Thread(target=loop, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._t.join()
+            self.peak = max(self.peak, self._rss())
+
+    @property
+    def peak_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+@torch.inference_mode()
+def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+    """transformers generate (greedy) with or without the draft as assistant; EOS ignored."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                          eos_token_id=None, pad_token_id=pair.eos_token_id or 0)
+    kwargs = {}
+    if method != "hf_ar":
+        kwargs["assistant_model"] = pair.draft
+        # defaults: 20 tokens, "constant" schedule, confidence threshold 0.4
+        pair.draft.generation_config.num_assistant_tokens = 20
+        pair.draft.generation_config.num_assistant_tokens_schedule = (
+            "heuristic" if method == "hf_assisted_heuristic" else "constant")
+    ids = torch.tensor([prompt], device=pair.device)
+    t0 = time.perf_counter()
+    out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **kwargs)
+    wall = time.perf_counter() - t0
+    toks = out[0, len(prompt):].tolist()
+    return toks, {"new_tokens": len(toks), "wall_time_s": wall,
+                  "tokens_per_s": len(toks) / wall if wall else 0.0}
+
+
+def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods: list[MethodSpec], *,
+               warmup: int, max_new_tokens: int, max_prompt_tokens: int, setting: dict | None = None,
+               log=print) -> list[dict]:
+    """Run every method on every prompt (prompt-major, so drift hits all methods alike)."""
+    rows = []
+    setting = dict(setting or {})
+    for pi, prompt in enumerate(prompts):
+        ref = None
+        for ms in methods:
+            with PeakRSS(pair.device) as mem:
+                if ms.method in HF_METHODS:
+                    toks, m = run_hf(pair, ms.method, prompt, max_new_tokens)
+                else:
+                    toks, _, met = decode(pair, prompt, make_config(ms.method, ms.options),
+                                          max_new_tokens=max_new_tokens, ignore_eos=True)
+                    m = met.as_dict()
+            if ms.method == "ar" and ref is None:
+                ref = toks
+            diff = first_difference(ref, toks) if ref is not None else None
+            rows.append({
+                "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
+                "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
+                "setting": json.dumps(setting, sort_keys=True), "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": len(prompt),
+                "new_tokens": m.get("new_tokens"), "tokens_per_s": m.get("tokens_per_s"),
+                "wall_time_s": m.get("wall_time_s"), "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"),
+                "iterations": m.get("iterations"), "tokens_per_iteration": m.get("tokens_per_iteration"),
+                "avg_path_length": m.get("avg_path_length"), "acceptance_rate": m.get("acceptance_rate"),
+                "mean_tree_size": m.get("mean_tree_size"), "draft_time_s": m.get("draft_time_s"),
+                "verify_time_s": m.get("verify_time_s"), "target_forwards": m.get("target_forwards"),
+                "draft_forwards": m.get("draft_forwards"), "peak_memory_mb": mem.peak_mb,
+                "matches_ar": diff is None, "first_divergence": diff,
+            })
+        log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
+            + ("  (warm-up)" if pi < warmup else ""))
+    # per-row speedup against the AR of the same prompt, dataset and setting
+    ar_tps = {r["prompt_id"]: r["tokens_per_s"] for r in rows if r["base_method"] == "ar" and r["method"] == "ar"}
+    for r in rows:
+        base = ar_tps.get(r["prompt_id"])
+        r["speedup"] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
+    return rows
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    datasets: tuple[str, ...]
+    methods: tuple[MethodSpec, ...]
+    prompts: int = 10
+    warmup: int = 2
+    max_prompt_tokens: int = 200
+    max_new_tokens: int = 128
+    prompt_column: str = "text"
+    sweep_tokens: tuple[int, ...] = ()  # T values (methods as given)
+    sweep_prompt_len: tuple[int, ...] = ()  # L_max values
+    grid: dict = field(default_factory=dict)  # fixed-tree grid: {"depth": [...], "branch": [...], "tau": [...]}
+    sweep_methods: tuple[str, ...] = ("ar", "dynatree")  # methods run in the T / L sweeps
+
+
+def grid_methods(grid: dict) -> list[MethodSpec]:
+    import itertools
+
+    keys = [k for k in ("depth", "branch", "tau") if grid.get(k)]
+    out = []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        opts = dict(zip(keys, combo))
+        label = "fixed_tree[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]"
+        out.append(MethodSpec(label, "fixed_tree", opts))
+    return out
+
+
+def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    t0 = time.time()
+    for ds in spec.datasets:
+        name, texts = load_bench_prompts(ds, spec.prompt_column, spec.prompts)
+        if len(texts) <= spec.warmup:
+            raise ValueError(f"dataset {ds}: {len(texts)} usable prompts, need more than --warmup {spec.warmup}")
+        enc = [pair.encode(t) for t in texts]
+        base = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
+        log(f"{name}: {len(base)} prompts ({spec.warmup} warm-up), L_max={spec.max_prompt_tokens}, T={spec.max_new_tokens}")
+        main = bench_rows(pair, name, base, list(spec.methods), warmup=spec.warmup,
+                          max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens,
+                          setting={"sweep": "main"}, log=log)
+        rows += main
+        sweep_ms = [m for m in spec.methods if m.label in spec.sweep_methods]
+        for t in spec.sweep_tokens:
+            rows += bench_rows(pair, name, base, sweep_ms, warmup=spec.warmup, max_new_tokens=t,
+                               max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "tokens", "T": t}, log=log)
+        for lmax in spec.sweep_prompt_len:
+            ps = [truncate_prompt(e, lmax) for e in enc]
+            rows += bench_rows(pair, name, ps, sweep_ms, warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
+                               max_prompt_tokens=lmax, setting={"sweep": "prompt_len", "L": lmax}, log=log)
+        if spec.grid:
+            rows += bench_rows(pair, name, base, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
+                               warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
+                               max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "grid"}, log=log)
+    pq.write_table(pa.Table.from_pylist(rows), out / "results.parquet")
+    meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
+            "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0}
+    (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
+    return out

@@ -1,0 +1,282 @@
+"""``dynatree report DIR``: tables (Markdown) and plots (PNG) from ``results.parquet`` alone."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def _load(out: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(Path(out) / "results.parquet").to_pylist()
+
+
+def _ms(vals, fmt="{:.1f}") -> str:
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "-"
+    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(sd)}"
+
+
+def _mean(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _groups(rows, sweep="main"):
+    """{dataset: {method: [measured rows]}} in first-seen order, warm-up dropped."""
+    out: dict = {}
+    for r in rows:
+        if r["warmup"] or json.loads(r["setting"]).get("sweep") != sweep:
+            continue
+        out.setdefault(r["dataset"], {}).setdefault(r["method"], []).append(r)
+    return out
+
+
+def _speedup(rs, ar_rs) -> float | None:
+    a, b = _mean([r["tokens_per_s"] for r in rs]), _mean([r["tokens_per_s"] for r in ar_rs])
+    return a / b if a and b else None
+
+
+def tables(rows: list[dict]) -> str:
+    g = _groups(rows)
+    datasets = list(g)
+    methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
+    parts = []
+
+    head = "| method | " + " | ".join(f"{d} tokens/s | {d} speedup" for d in datasets) + " | exact |"
+    sep = "|---" * (1 + 2 * len(datasets) + 1) + "|"
+    lines = ["## Main results (tokens/s mean ± std over measured prompts; speedup = mean tokens/s ÷ ar's)", "", head, sep]
+    for m in methods:
+        cells = []
+        for d in datasets:
+            rs = g[d].get(m, [])
+            sp = _speedup(rs, g[d].get("ar", []))
+            cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-"]
+        exact = all(r["matches_ar"] for d in datasets for r in g[d].get(m, []))
+        n = sum(len(g[d].get(m, [])) for d in datasets)
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {'yes' if exact else 'NO'} ({n}) |")
+    parts.append("\n".join(lines))
+
+    lines = ["## Latency (ms)", "", "| method | " + " | ".join(f"{d} TTFT | {d} TPOT" for d in datasets) + " |",
+             "|---" * (1 + 2 * len(datasets)) + "|"]
+    for m in methods:
+        cells = []
+        for d in datasets:
+            rs = g[d].get(m, [])
+            cells += [_ms([r["ttft_s"] * 1e3 if r["ttft_s"] is not None else None for r in rs]),
+                      _ms([r["tpot_s"] * 1e3 if r["tpot_s"] is not None else None for r in rs])]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    parts.append("\n".join(lines))
+
+    lines = ["## Verification efficiency", "",
+             "| dataset | method | acceptance | L̄ tokens/iter | ℓ̄ accepted/iter | iterations | tree nodes | draft s | verify s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for d in datasets:
+        for m in methods:
+            rs = g[d].get(m, [])
+            if not rs or rs[0]["iterations"] is None:
+                continue
+            lines.append(f"| {d} | {m} | {_ms([r['acceptance_rate'] for r in rs], '{:.2f}')} | "
+                         f"{_ms([r['tokens_per_iteration'] for r in rs], '{:.2f}')} | "
+                         f"{_ms([r['avg_path_length'] for r in rs], '{:.2f}')} | "
+                         f"{_ms([r['iterations'] for r in rs])} | {_ms([r['mean_tree_size'] for r in rs])} | "
+                         f"{_ms([r['draft_time_s'] for r in rs], '{:.2f}')} | {_ms([r['verify_time_s'] for r in rs], '{:.2f}')} |")
+    parts.append("\n".join(lines))
+
+    # ablation and KV-update tables use whichever labelled variants the run contains
+    def opt_rows(pred):
+        return [m for m in methods if any(pred(json.loads(r["options"]), r["base_method"])
+                                          for d in datasets for r in g[d].get(m, [])[:1])]
+
+    abl = opt_rows(lambda o, b: b == "dynatree" and o.get("kv_update", "gather") == "gather")
+    if abl:
+        def rank(m):
+            o = json.loads(next(r["options"] for d in datasets for r in g[d].get(m, [])[:1]))
+            on = [o.get(k, True) for k in ("dynamic_breadth", "dynamic_depth", "history")]
+            return (sum(bool(x) for x in on), m)
+        lines = ["## Ablation (fixed tree → + dynamic breadth & depth → + history)", "",
+                 "| method | " + " | ".join(f"{d} tokens/s | {d} speedup | {d} L̄" for d in datasets) + " |",
+                 "|---" * (1 + 3 * len(datasets)) + "|"]
+        for m in sorted(abl, key=rank):
+            cells = []
+            for d in datasets:
+                rs = g[d].get(m, [])
+                sp = _speedup(rs, g[d].get("ar", []))
+                cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-",
+                          _ms([r["tokens_per_iteration"] for r in rs], "{:.2f}")]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+
+    def opts_of(m):
+        r = next(r for d in datasets for r in g[d].get(m, [])[:1])
+        return r["base_method"], json.loads(r["options"])
+
+    pairs = []  # (recompute variant, its gather twin with otherwise equal options)
+    for m in methods:
+        base, o = opts_of(m)
+        if o.get("kv_update") == "recompute":
+            twin = {k: v for k, v in o.items() if k != "kv_update"}
+            for t in methods:
+                tb, to = opts_of(t)
+                if tb == base and {k: v for k, v in to.items() if k != "kv_update"} == twin \
+                        and to.get("kv_update", "gather") == "gather":
+                    pairs.append((t, m))
+                    break
+    if pairs:
+        lines = ["## KV update (gather accepted keys/values vs crop and recompute)", "",
+                 "| method | kv_update | " + " | ".join(f"{d} tokens/s | {d} target forwards" for d in datasets) + " |",
+                 "|---" * (2 + 2 * len(datasets)) + "|"]
+        for m in [x for p in pairs for x in p]:
+            cells = []
+            for d in datasets:
+                rs = g[d].get(m, [])
+                cells += [_ms([r["tokens_per_s"] for r in rs]), _ms([r["target_forwards"] for r in rs])]
+            lines.append(f"| {m} | {opts_of(m)[1].get('kv_update', 'gather')} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+
+    lines = ["## Peak memory during generation (MB above the process level at start)", "",
+             "| method | " + " | ".join(datasets) + " |", "|---" * (1 + len(datasets)) + "|"]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(_ms([r["peak_memory_mb"] for r in g[d].get(m, [])]) for d in datasets) + " |")
+    parts.append("\n".join(lines))
+
+    for sweep, key, title in (("tokens", "T", "Generation length sweep"), ("prompt_len", "L", "Prompt length sweep")):
+        srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
+        if not srows:
+            continue
+        lines = [f"## {title} (tokens/s, speedup vs ar at the same {key})", "", f"| dataset | {key} | method | tokens/s | speedup |",
+                 "|---|---|---|---|---|"]
+        for d in dict.fromkeys(r["dataset"] for r in srows):
+            for v in sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d}):
+                sub = [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v]
+                ar_rs = [r for r in sub if r["method"] == "ar"]
+                for m in dict.fromkeys(r["method"] for r in sub):
+                    rs = [r for r in sub if r["method"] == m]
+                    sp = _speedup(rs, ar_rs)
+                    lines.append(f"| {d} | {v} | {m} | {_ms([r['tokens_per_s'] for r in rs])} | {f'{sp:.2f}×' if sp else '-'} |")
+        parts.append("\n".join(lines))
+
+    grid = _groups(rows, "grid")
+    if grid:
+        lines = ["## Fixed-tree grid (speedup vs ar; best first)", "", "| dataset | setting | tokens/s | speedup | L̄ |",
+                 "|---|---|---|---|---|"]
+        for d, by in grid.items():
+            res = [(m, _speedup(rs, by.get("ar", [])), rs) for m, rs in by.items() if m != "ar"]
+            for m, sp, rs in sorted(res, key=lambda x: -(x[1] or 0)):
+                lines.append(f"| {d} | {m} | {_ms([r['tokens_per_s'] for r in rs])} | {sp:.2f}× | "
+                             f"{_ms([r['tokens_per_iteration'] for r in rs], '{:.2f}')} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    g = _groups(rows)
+    datasets = list(g)
+    if datasets:
+        methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
+        fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(methods) * len(datasets)), 4.5))
+        width = 0.8 / len(datasets)
+        for k, d in enumerate(datasets):
+            xs = [i + k * width for i in range(len(methods))]
+            tps = [_mean([r["tokens_per_s"] for r in g[d].get(m, [])]) or 0 for m in methods]
+            sds = [statistics.stdev([r["tokens_per_s"] for r in g[d].get(m, [])]) if len(g[d].get(m, [])) > 1 else 0
+                   for m in methods]
+            sps = [_speedup(g[d].get(m, []), g[d].get("ar", [])) or 0 for m in methods]
+            axes[0].bar(xs, tps, width, yerr=sds, label=d, capsize=2)
+            axes[1].bar(xs, sps, width, label=d)
+        for ax, title in zip(axes, ("tokens/s (mean ± std)", "speedup vs ar")):
+            ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(methods))])
+            ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+            ax.set_title(title)
+            ax.legend(fontsize=8)
+        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+        fig.tight_layout()
+        path = out / "throughput.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    for sweep, key, xlabel in (("tokens", "T", "new tokens T"), ("prompt_len", "L", "prompt length L_max")):
+        srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
+        if not srows:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for d in dict.fromkeys(r["dataset"] for r in srows):
+            for m in dict.fromkeys(r["method"] for r in srows):
+                if m == "ar":
+                    continue
+                vs = sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d})
+                ys = []
+                for v in vs:
+                    sub = [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v]
+                    ys.append(_speedup([r for r in sub if r["method"] == m], [r for r in sub if r["method"] == "ar"]) or 0)
+                ax.plot(vs, ys, marker="o", label=f"{d} {m}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("speedup vs ar")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"sweep_{sweep}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    grid = _groups(rows, "grid")
+    for d, by in grid.items():
+        import re
+
+        cells = {}
+        for m, rs in by.items():
+            if m == "ar":
+                continue
+            opts = json.loads(rs[0]["options"])
+            cells[(opts.get("depth", 5), opts.get("branch", 2), opts.get("tau", 0.02))] = _speedup(rs, by.get("ar", []))
+        taus = sorted({k[2] for k in cells})
+        depths = sorted({k[0] for k in cells})
+        branches = sorted({k[1] for k in cells})
+        fig, axes = plt.subplots(1, len(taus), figsize=(3.2 * len(taus), 3.2), squeeze=False)
+        vmax = max(v for v in cells.values() if v) if cells else 1
+        vmin = min(v for v in cells.values() if v) if cells else 0
+        for ax, tau in zip(axes[0], taus):
+            mat = [[cells.get((dd, bb, tau)) or float("nan") for dd in depths] for bb in branches]
+            im = ax.imshow(mat, vmin=vmin, vmax=vmax, cmap="viridis", origin="lower", aspect="auto")
+            ax.set_xticks(range(len(depths)), depths)
+            ax.set_yticks(range(len(branches)), branches)
+            ax.set_xlabel("depth D")
+            ax.set_ylabel("branch B")
+            ax.set_title(f"τ={tau}", fontsize=9)
+            for i, row in enumerate(mat):
+                for j, v in enumerate(row):
+                    if v == v:
+                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="speedup vs ar")
+        path = out / f"grid_{re.sub(r'[^A-Za-z0-9_-]', '_', d)}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
+    out = Path(out_dir)
+    rows = _load(out)
+    md = tables(rows)
+    meta = out / "bench.json"
+    if meta.exists():
+        m = json.loads(meta.read_text())
+        s = m["spec"]
+        md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads; "
+              f"{s['prompts']} prompts per dataset ({s['warmup']} warm-up), T={s['max_new_tokens']}, "
+              f"L_max={s['max_prompt_tokens']}; EOS ignored.\n\n") + md
+    path = out / "summary.md"
+    path.write_text(md)
+    return path, plots(rows, out)

@@ -1,0 +1,52 @@
+"""The bench runs end to end on tiny models; report rebuilds tables and plots from Parquet alone."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from dynatree.cli import main
+
+TEXTS = ["The quick brown fox jumps over the lazy dog and keeps running far away. " * 3,
+         "It was the best of times, it was the worst of times, it was the age of wisdom. " * 3,
+         "Call me Ishmael. Some years ago, never mind how long precisely, having little money. " * 3]
+
+
+def test_bench_and_report(pair_dirs, tmp_path):
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), data)
+    out = tmp_path / "bench"
+    args = ["bench", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+            "--device", "cpu", "--dtype", "float64", "--dataset", f"tiny={data}", "--prompts", "3",
+            "--warmup", "1", "--max-prompt-tokens", "16", "--max-new-tokens", "10",
+            "--methods", "ar,linear,fixed=fixed_tree,dynatree,dt_fixed=dynatree,dt_recompute=dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic",
+            "--option", "dt_fixed.dynamic_breadth=false", "--option", "dt_fixed.dynamic_depth=false",
+            "--option", "dt_fixed.history=false", "--option", "dt_recompute.kv_update=recompute",
+            "--sweep-tokens", "4,8", "--sweep-prompt-len", "8", "--grid-depth", "2,3", "--grid-branch", "2",
+            "--grid-tau", "0.01,0.1", "--out", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    main_rows = [r for r in rows if json.loads(r["setting"])["sweep"] == "main"]
+    assert {r["method"] for r in main_rows} >= {"ar", "linear", "fixed", "dynatree", "dyspec", "hf_ar", "hf_assisted"}
+    assert len(main_rows) == 3 * 10
+    for r in main_rows:
+        assert r["matches_ar"], r["method"]  # float64: every method, HF's included, equals ar
+        assert r["dataset"] == "tiny" and r["tokens_per_s"] > 0 and r["speedup"] > 0
+    ar = {r["prompt_id"]: r["tokens_per_s"] for r in main_rows if r["method"] == "ar"}
+    for r in main_rows:
+        assert abs(r["speedup"] - r["tokens_per_s"] / ar[r["prompt_id"]]) < 1e-9
+    md = (out / "summary.md").read_text()
+    for title in ("Main results", "Latency", "Verification efficiency", "Ablation", "KV update",
+                  "Peak memory", "Generation length sweep", "Prompt length sweep", "Fixed-tree grid"):
+        assert title in md
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["grid_tiny.png", "sweep_prompt_len.png", "sweep_tokens.png", "throughput.png"]
+    # report rebuilds everything from the Parquet alone
+    for p in out.glob("*.png"):
+        p.unlink()
+    (out / "summary.md").unlink()
+    (out / "bench.json").unlink()
+    res = CliRunner().invoke(main, ["report", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "Main results" in (out / "summary.md").read_text() and len(list(out.glob("*.png"))) == 4

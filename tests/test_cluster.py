@@ -1,0 +1,84 @@
+"""The cluster path: cluster.yaml validates, and `ray job submit` runs a job on a loopback head
+started by hand with token authentication (only the processes this test starts are stopped)."""
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cluster_yaml_is_a_valid_ray_up_config():
+    from ray.autoscaler._private.util import validate_config
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(cfg)
+    assert cfg["provider"]["type"] == "local"
+    assert any("RAY_AUTH_MODE=token" in c for c in cfg["head_start_ray_commands"])
+    assert any("--dashboard-host=127.0.0.1" in c for c in cfg["head_start_ray_commands"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = free_port(), free_port()
+    head = subprocess.Popen(
+        [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
+         "--include-dashboard=true", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wd = tmp_path / "wd"
+        wd.mkdir()
+        pq.write_table(pa.table({"text": ["The quick brown fox", "It was the best", "Call me"]}),
+                       wd / "prompts.parquet")
+        out = tmp_path / "out"
+        url = f"http://127.0.0.1:{dash}"
+        deadline = time.time() + 90
+        while True:  # wait for the job server
+            probe = subprocess.run([str(bindir / "ray"), "job", "list", "--address", url], env=env,
+                                   capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            assert time.time() < deadline, probe.stderr[-2000:]
+            time.sleep(2)
+        # without the token the job server refuses the client
+        noauth = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
+        noauth["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-token")
+        (tmp_path / "no-token").write_text("wrong-token-0000")
+        denied = subprocess.run([str(bindir / "ray"), "job", "list", "--address", url], env=noauth,
+                                capture_output=True, text=True, timeout=120)
+        assert denied.returncode != 0
+        res = subprocess.run(
+            [str(bindir / "ray"), "job", "submit", "--address", url, "--working-dir", str(wd), "--",
+             "dynatree", "run", "--input", "prompts.parquet", "--output", str(out),
+             "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+             "--max-new-tokens", "6", "--num-actors", "1", "--cpus-per-actor", "1",
+             "--verify-fraction", "1", "--device", "cpu", "--dtype", "float64", "--quiet"],
+            env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["rows"] == 3 and summary["equivalence"]["mismatches"] == 0
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
