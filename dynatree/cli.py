@@ -72,24 +72,6 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
                err=True)
 
 
-def method_configs(methods: str, options) -> dict:
-    """``"linear,heap=dyspec"`` + ``["heap.mode=heap"]`` -> {label: config}."""
-    from .config import make_config, parse_options
-
-    labels: dict[str, str] = {}
-    for item in (m.strip() for m in methods.split(",")):
-        if item:
-            label, _, meth = item.partition("=")
-            labels[label] = meth or label
-    per_label: dict[str, dict] = {label: {} for label in labels}
-    for key, value in parse_options(options).items():
-        label, _, opt_key = key.partition(".")
-        if label not in per_label:
-            raise ValueError(f"--option {key}: {label!r} is not in --methods")
-        per_label[label][opt_key] = value
-    return {label: make_config(labels[label], o) for label, o in per_label.items()}
-
-
 @main.command()
 @_pair_options
 @click.option("--prompts", "prompt_files", multiple=True, required=True, type=click.Path(exists=True),
@@ -113,7 +95,9 @@ def check(target, draft, device, dtype, prompt_files, prompt_column, limit, meth
     from .models import PairError, load_pair
 
     try:
-        cfgs = method_configs(methods, options)
+        from .bench import parse_methods
+        cfgs = {m.label: make_config(m.method, m.options) for m in parse_methods(methods, options)
+                if m.label != "ar"}
         pair = load_pair(target, draft, device=device, dtype=dtype)
     except (PairError, ValueError) as e:
         _fail(str(e))

@@ -65,6 +65,9 @@ class DynaTreeConfig(SpecConfig):
     dynamic_breadth: bool = opt(True, "per-node branching from draft confidence (off: b_mid everywhere)")
     dynamic_depth: bool = opt(True, "rho_stop / rho_deep depth gating up to d_max (off: fixed depth d0)")
     history: bool = opt(True, "adapt d0 and tau_h from the acceptance of the last W iterations")
+    hw_budget: str = opt("off", "'auto': hardware-aware budget — draft and verify only the nodes whose "
+                             "expected tokens pay for their measured time on this device (see budget.py); "
+                             "'off': the paper's node budget alone")
 
     def __post_init__(self):
         if not (1 <= self.d0 < self.d_max):
@@ -75,6 +78,8 @@ class DynaTreeConfig(SpecConfig):
             raise ValueError("need 0 < tau_l < tau_h < 1")
         if not (0 < self.rho_stop < self.rho_deep < 1):
             raise ValueError("need 0 < rho_stop < rho_deep < 1")
+        if self.hw_budget not in ("off", "auto"):
+            raise ValueError("hw_budget must be 'off' or 'auto'")
 
 
 @dataclass(frozen=True)

@@ -78,14 +78,9 @@ def tree_tensors(tree: Tree, device: torch.device) -> TreeTensors:
 
 def verify_tree(model, cache, tt: TreeTensors, prefix_len: int) -> torch.Tensor:
     """One target forward over the flattened tree; returns logits (n, V)."""
-    n = tt.tokens.shape[0]
-    if n == 1:  # a bare root: an ordinary causal step, no mask to build
-        out = model(input_ids=tt.tokens[None], past_key_values=cache, use_cache=True)
-    else:
-        mask = tree_attention_mask(tt.anc, prefix_len, model.dtype)  # (1, 1, n, P + n)
-        out = model(input_ids=tt.tokens[None], attention_mask=mask,
-                    position_ids=position_ids(tt.depths, prefix_len), past_key_values=cache,
-                    use_cache=True)
+    mask = tree_attention_mask(tt.anc, prefix_len, model.dtype)  # (1, 1, n, P + n)
+    out = model(input_ids=tt.tokens[None], attention_mask=mask,
+                position_ids=position_ids(tt.depths, prefix_len), past_key_values=cache, use_cache=True)
     return out.logits[0]
 
 
@@ -114,6 +109,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     """
     cfg = cfg if cfg is not None else ARConfig()
     policy = make_policy(cfg)
+    policy.attach(pair)
     if policy.needs_draft and pair.draft is None:
         raise ValueError("this method needs a draft model; the pair was loaded without one")
     if not prompt_ids:
@@ -181,24 +177,32 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         # verify
         _sync(dev)
         t0 = time.perf_counter()
-        tt = tree_tensors(tree, dev)
-        logits = verify_tree(target, cache, tt, prefix_len)  # (n, V)
-        target_forwards += 1
+        if len(tree) == 1:
+            # A bare root (ar, or nothing worth drafting): an ordinary cached step; accepting
+            # and committing are trivial, so skip the tree buffers entirely.
+            ids = torch.tensor([[root]], device=dev)  # (1, 1)
+            logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            target_forwards += 1
+            path_nodes, new_tokens = [0], [int(logits.argmax())]  # host sync: the next token
+        else:
+            tt = tree_tensors(tree, dev)
+            logits = verify_tree(target, cache, tt, prefix_len)  # (n, V)
+            target_forwards += 1
 
-        # accept
-        path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
-        host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
-        bonus_tok, path_nodes = host[0], host[1:]
-        new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [bonus_tok]
+            # accept
+            path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
+            host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
+            bonus_tok, path_nodes = host[0], host[1:]
+            new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [bonus_tok]
 
-        # commit
-        target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update)
+            # commit
+            target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update)
         _sync(dev)
         verify_time += time.perf_counter() - t0
         if drafter is not None:
             drafter.commit([order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
         accepted = len(path_nodes) - 1
-        policy.observe(accepted, tree)
+        policy.observe(accepted, tree, path_nodes)
 
         committed = 0
         for tok in new_tokens:

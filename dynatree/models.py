@@ -54,6 +54,7 @@ class ModelPair:
     max_context: int  # most tokens (prompt + generated) a sequence may hold
     eos_token_id: int | None
     names: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -1,7 +1,7 @@
 """Drafting policies: how each method grows its tree.  The decoding loop is shared (engine.py).
 
-A policy has ``draft(drafter, root_token, max_depth) -> Tree`` and ``observe(accepted, tree)``.
-``max_depth`` is the engine's cap (tokens left before ``max_new_tokens`` or the context limit);
+A policy has ``attach(pair)`` (once per generation), ``draft(drafter, root_token, max_depth) ->
+Tree`` and ``observe(accepted, tree, path)`` (after each verification).  ``max_depth`` is the engine's cap (tokens left before ``max_new_tokens`` or the context limit);
 policies never draft deeper.
 
 Three of the four tree methods are the same level-wise growth (:func:`grow_levels`) with
@@ -26,6 +26,7 @@ import math
 from collections import deque
 
 from .config import (ARConfig, DynaTreeConfig, DySpecConfig, FixedTreeConfig, LinearConfig)
+from . import budget
 from .drafting import Drafter
 from .tree import Tree
 
@@ -68,15 +69,64 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
         dists = list(zip(*drafter.expand(tree, frontier, kmax)))
 
 
+def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes: int, kmax: int,
+                  n_children, gate, tau: float, lat: budget.LatencyModel,
+                  calib: budget.Calibration) -> Tree:
+    """:func:`grow_levels` under the hardware-aware budget (rules in budget.py).
+
+    DynaTree's rules run on *calibrated* probabilities: confidence is the calibrated chance the
+    top-1 child is accepted, and the depth gates gate(depth, value) and pruning (value < tau)
+    use the calibrated path value, so thresholds carry over between pairs whose drafts are
+    calibrated differently.  Sets ``tree.keep`` to the nodes worth verifying; drafting stops
+    when another level cannot pay for its draft time.
+    """
+    t0 = drafter.seconds
+    tree = Tree.root_only(root_token)
+    if max_depth <= 0 or max_nodes <= 0:
+        return tree
+    probs, ids = drafter.root(tree, kmax)
+    frontier, dists, vals = [0], [(probs, ids)], [1.0]
+    a_top = calib.top1()
+    while True:
+        cands = []
+        for u, (p, t) in zip(frontier, dists):
+            for r in range(min(n_children(u, calib(p[0])), len(p))):
+                value = vals[u] * calib(p[r])
+                if value >= tau:
+                    cands.append((value, tree.logp[u] + _log(p[r]), u, t[r]))
+        room = max_nodes - (len(tree) - 1)
+        if len(cands) > room:
+            keep = sorted(range(len(cands)), key=lambda i: -cands[i][0])[:room]
+            cands = [cands[i] for i in sorted(keep)]
+        new = []
+        for v, lp, u, tok in cands:
+            new.append(tree.add(u, tok, lp))
+            vals.append(v)
+        ranked = sorted(range(1, len(tree)), key=lambda i: (-vals[i], tree.depths[i], i))
+        k, rate, delta = budget.select([vals[i] for i in ranked], lat, (drafter.seconds - t0) * 1e3)
+        bar = rate * delta  # a node must bring more than this many expected tokens
+        if not new or len(tree) - 1 >= max_nodes or tree.depths[new[0]] >= max_depth:
+            break
+        frontier = [v for v in new if gate(tree.depths[v], vals[v]) and vals[v] * a_top > bar]
+        if not frontier or sum(vals[v] * a_top for v in frontier) < rate * lat.draft(len(frontier)):
+            break
+        dists = list(zip(*drafter.expand(tree, frontier, kmax)))
+    tree.keep = [0] + sorted(ranked[:k])
+    return tree
+
+
 class NoDraft:
     """``ar``: the tree is just the root, so each iteration is one plain target step."""
 
     needs_draft = False
 
+    def attach(self, pair) -> None:
+        """Called once per generation with the pair (policies that measure the device use it)."""
+
     def draft(self, drafter, root_token: int, max_depth: int) -> Tree:
         return Tree.root_only(root_token)
 
-    def observe(self, accepted: int, tree: Tree) -> None:
+    def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
         pass
 
 
@@ -104,6 +154,13 @@ class DynaTree(NoDraft):
         self.tau_h = cfg.tau_h
         self.window: deque[float] = deque(maxlen=cfg.window)
         self.adjustments = 0
+        self.calib = self.latency = None
+
+    def attach(self, pair) -> None:
+        """Hardware budget: profile the device once per pair and share the calibration."""
+        if self.cfg.hw_budget == "auto":
+            self.latency = budget.profile(pair)
+            self.calib = pair.state.setdefault("calibration", budget.Calibration())
 
     def _branching(self, u: int, conf: float) -> int:
         c = self.cfg
@@ -116,7 +173,10 @@ class DynaTree(NoDraft):
         return c.b_mid
 
     def _expandable(self, tree: Tree, v: int) -> bool:
-        d, p = tree.depths[v], math.exp(tree.logp[v])
+        return self._gate(tree.depths[v], math.exp(tree.logp[v]))
+
+    def _gate(self, d: int, p: float) -> bool:
+        """Depth gating on a node at depth d with path probability p."""
         if not self.cfg.dynamic_depth:
             return d < self.d0
         c = self.cfg
@@ -125,13 +185,18 @@ class DynaTree(NoDraft):
     def draft(self, drafter, root_token, max_depth):
         c = self.cfg
         depth_cap = c.d_max if c.dynamic_depth else self.d0
+        if self.latency is not None:
+            return grow_budgeted(drafter, root_token, max_depth=min(depth_cap, max_depth),
+                                 max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
+                                 n_children=self._branching, gate=self._gate, tau=c.tau,
+                                 lat=self.latency, calib=self.calib)
         return grow_levels(drafter, root_token, max_depth=min(depth_cap, max_depth),
                            max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                            n_children=self._branching, expandable=self._expandable,
                            min_logp=_log(c.tau))
 
-    def observe(self, accepted: int, tree: Tree) -> None:
-        """History adaptation.
+    def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
+        """History adaptation (and, with the hardware budget, calibration).
 
         a_r = accepted drafted tokens / depth of the tree (the fraction of the deepest drafted
         path that was committed).  Once W values are in the window, its mean ``a`` moves the
@@ -142,6 +207,14 @@ class DynaTree(NoDraft):
         next decision looks at W iterations under the new setting.
         """
         c = self.cfg
+        if self.calib is not None and len(tree) > 1:
+            on_path, seen_parent = set(path), set()
+            for u in range(1, len(tree)):
+                parent = tree.parents[u]
+                if parent in on_path:
+                    q = math.exp(tree.logp[u] - tree.logp[parent])
+                    self.calib.update(q, u in on_path, top1=parent not in seen_parent)
+                    seen_parent.add(parent)
         if not c.history or tree.max_depth == 0:
             return
         self.window.append(accepted / tree.max_depth)

@@ -29,6 +29,7 @@ class Tree:
     parents: list[int]
     depths: list[int]
     logp: list[float]  # cumulative draft log-probability of the path; 0.0 at the root
+    keep: list[int] | None = None  # nodes to verify (ancestor-closed); None = all
 
     @classmethod
     def root_only(cls, token: int) -> "Tree":
@@ -58,11 +59,15 @@ def flatten_bfs(tree: Tree) -> tuple[Tree, list[int]]:
     """Return ``(tree in BFS order, order)`` where ``order[new_index] = old_index``.
 
     Trees grown level by level are already in BFS order and come back unchanged; trees grown
-    best-first (DySpec's heap) are reordered.
+    best-first (DySpec's heap) are reordered.  If ``tree.keep`` is set, only those nodes
+    (an ancestor-closed set containing the root) are kept.
     """
-    order = bfs_order(tree.depths)
-    if order == list(range(len(order))):
-        return tree, order
+    if tree.keep is None:
+        order = bfs_order(tree.depths)
+        if order == list(range(len(order))):
+            return tree, order
+    else:
+        order = sorted(tree.keep, key=lambda i: (tree.depths[i], i))
     new_index = {old: new for new, old in enumerate(order)}
     parents = [-1 if tree.parents[o] < 0 else new_index[tree.parents[o]] for o in order]
     return Tree([tree.tokens[o] for o in order], parents, [tree.depths[o] for o in order],

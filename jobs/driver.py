@@ -151,8 +151,10 @@ def _init_ray(spec: JobSpec):
         if spec.address or os.environ.get("RAY_ADDRESS"):  # RAY_ADDRESS: inside `ray job submit`
             ray.init(address=spec.address, log_to_driver=True)
         else:
-            # a private local cluster on loopback; the dashboard is not needed for `dynatree run`
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+            # a private local cluster on loopback ("local": never attach to a cluster some earlier
+            # `ray start` left registered); the dashboard is not needed for `dynatree run`
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=True)
     return ray
 
 

@@ -3,10 +3,12 @@ started by hand with token authentication (only the processes this test starts a
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cluster_yaml_is_a_valid_ray_up_config():
-    from ray.autoscaler._private.util import validate_config
+    from ray.autoscaler._private.util import prepare_config, validate_config
     cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    validate_config(cfg)
+    validate_config(prepare_config(cfg))  # what `ray up` does before touching any node
     assert cfg["provider"]["type"] == "local"
     assert any("RAY_AUTH_MODE=token" in c for c in cfg["head_start_ray_commands"])
     assert any("--dashboard-host=127.0.0.1" in c for c in cfg["head_start_ray_commands"])
@@ -39,8 +41,12 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
            "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
+    # a temp dir of its own (short: Ray's Unix sockets live under it), so this head never
+    # registers itself as the machine's "current cluster" for later ray.init() calls
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     head = subprocess.Popen(
         [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--temp-dir={temp_dir}",
          "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
          "--include-dashboard=true", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -82,3 +88,4 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)

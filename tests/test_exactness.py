@@ -19,6 +19,8 @@ SETTINGS = [
     ("dynatree", {"dynamic_breadth": False, "dynamic_depth": False, "history": False}),
     ("dynatree", {"max_nodes": 3}),
     ("dynatree", {"kv_update": "recompute"}),
+    ("dynatree", {"hw_budget": "auto"}),
+    ("dynatree", {"hw_budget": "auto", "tau": 0.001, "rho_stop": 0.002, "rho_deep": 0.05}),
     ("dyspec", {}),
     ("dyspec", {"budget": 5, "max_branch": 2}),
     ("dyspec", {"mode": "threshold"}),
@@ -40,8 +42,12 @@ def test_identical_to_ar(close_pair, method, opts):
         toks, reason, m = decode(close_pair, prompt, cfg, max_new_tokens=n, ignore_eos=True)
         assert toks == ref, (method, opts, prompt)
         assert reason == "length" and len(toks) == n
-        expected_forwards = m.iterations + 1 if cfg.kv_update == "gather" else 2 * m.iterations + 1
-        assert m.target_forwards == expected_forwards
+        if cfg.kv_update == "gather":
+            assert m.target_forwards == m.iterations + 1
+        else:  # a second forward after every iteration that verified a drafted tree
+            assert m.iterations + 1 <= m.target_forwards <= 2 * m.iterations + 1
+            if n >= 17:
+                assert m.target_forwards > m.iterations + 1
 
 
 @pytest.mark.parametrize("pair_name", ["far_pair", "same_pair"])

@@ -19,7 +19,9 @@ PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael."
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": always a fresh private cluster, never one a `ray start` left registered
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
     yield
     ray.shutdown()
 

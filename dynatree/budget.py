@@ -1,0 +1,174 @@
+"""Hardware-aware tree budget: grow and verify only the nodes that pay for their time.
+
+The paper's budget (N_max = 256, depth up to 8) suits an A100, where verifying 64 tokens costs
+about what one does.  On a CPU, verification time grows with the tree, so the best tree is the
+one that maximises expected committed tokens *per second*, not per iteration.
+
+Ingredients, all measured on the actual device:
+
+* :class:`LatencyModel` — target verification time for n tree tokens and draft time per tree
+  level, profiled once per pair (a fraction of a second) with a realistic cache length.
+* :class:`Calibration` — the probability that the target agrees with a drafted token, as a
+  function of the draft's conditional probability q of that token.  DySpec's hypothesis is
+  that q tracks acceptance; a poorly calibrated draft (top-1 q mostly < 0.4 even where right)
+  breaks the identity, so it is learned online: every node whose parent was accepted was
+  *tested*, and it was accepted or not.  A Beta prior centred on q keeps early estimates sane.
+* The value of a node is the calibrated probability that its whole path is accepted; the
+  expected tokens an iteration commits are 1 (the bonus) + the sum of selected values.
+
+Rules (R = best expected tokens per ms achievable with the nodes so far; δ = marginal
+verification ms per extra token at the current size):
+
+* a node is worth verifying iff value > R·δ (it adds more tokens than its time would earn at
+  the current rate);
+* another draft level is worth running iff the frontier's optimistic gain Σ value(u)·ā, over
+  frontier nodes whose best child could clear the bar, exceeds R × the level's draft time, where
+  ā is the calibrated acceptance of a top-1 child.
+
+DynaTree's own mechanisms (confidence-driven breadth, depth gating, pruning, node budget,
+history) still decide which children exist; the budget only decides how much of that tree is
+drafted and verified.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kvcache import new_cache
+
+
+@dataclass
+class LatencyModel:
+    verify_ms: dict[int, float]  # tree tokens -> ms per target forward
+    draft_ms: dict[int, float]  # frontier width -> ms per draft forward
+    overhead_ms: float = 1.0  # per-iteration bookkeeping outside the model forwards
+
+    @staticmethod
+    def _interp(table: dict[int, float], x: float) -> float:
+        ks = sorted(table)
+        if x <= ks[0]:
+            return table[ks[0]]
+        for a, b in zip(ks, ks[1:]):
+            if x <= b:
+                return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+        a, b = ks[-2], ks[-1]
+        return table[b] + (table[b] - table[a]) / (b - a) * (x - b)
+
+    def verify(self, n: int) -> float:
+        return self._interp(self.verify_ms, n)
+
+    def draft(self, width: int) -> float:
+        return self._interp(self.draft_ms, width)
+
+
+def _time_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def _profile_model(model, prefix_len: int, sizes, repeats: int) -> dict[int, float]:
+    dev = model.device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    cache = new_cache(model, prefix_len + max(sizes) + 1)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
+    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    out = {}
+    for n in sizes:
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(dev)
+        mask = torch.zeros((1, 1, n, prefix_len + n), dtype=model.dtype, device=dev)
+        mask[..., prefix_len:] = torch.full((n, n), torch.finfo(model.dtype).min, dtype=model.dtype,
+                                            device=dev).triu(1)
+        pos = torch.arange(prefix_len, prefix_len + n, device=dev)[None]
+
+        def step():
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            cache.truncate(prefix_len)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        step()  # warm-up
+        out[n] = _time_ms(step, repeats)
+    return out
+
+
+def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), widths=(1, 4, 16),
+            repeats: int = 5) -> LatencyModel:
+    """Measure verification and draft-level latency on this device (cached on the pair)."""
+    key = ("latency", prefix_len)
+    if key in pair.state:
+        return pair.state[key]
+    prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
+    lm = LatencyModel(_profile_model(pair.target, prefix_len, sizes, repeats),
+                      _profile_model(pair.draft, prefix_len, widths, repeats))
+    pair.state[key] = lm
+    return lm
+
+
+@dataclass
+class Calibration:
+    """P(target agrees with a drafted token | draft conditional probability q), learned online."""
+
+    bins: int = 20
+    prior: float = 4.0  # pseudo-observations at the prior mean q
+    tested: list = field(default_factory=list)
+    accepted: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.tested = [0.0] * self.bins
+        self.accepted = [0.0] * self.bins
+        self.top1_tested = 0.0
+        self.top1_accepted = 0.0
+
+    def _bin(self, q: float) -> int:
+        return min(int(q * self.bins), self.bins - 1)
+
+    def __call__(self, q: float) -> float:
+        b = self._bin(q)
+        return (self.accepted[b] + self.prior * q) / (self.tested[b] + self.prior)
+
+    def top1(self) -> float:
+        """Calibrated acceptance of a node's most probable child (for look-ahead)."""
+        return (self.top1_accepted + self.prior * 0.5) / (self.top1_tested + self.prior)
+
+    def update(self, q: float, ok: bool, top1: bool) -> None:
+        b = self._bin(q)
+        self.tested[b] += 1
+        self.accepted[b] += ok
+        if top1:
+            self.top1_tested += 1
+            self.top1_accepted += ok
+
+
+def select(values: list[float], lat: LatencyModel, spent_ms: float) -> tuple[int, float, float]:
+    """Choose how many of the best nodes to verify.
+
+    values: per non-root node, sorted descending.  Returns (k, rate tokens/ms, marginal δ ms).
+    """
+    best_k, best_rate, s = 0, 1.0 / (spent_ms + lat.verify(1) + lat.overhead_ms), 0.0
+    for k, v in enumerate(values, start=1):
+        s += v
+        rate = (1.0 + s) / (spent_ms + lat.verify(k + 1) + lat.overhead_ms)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    n = best_k + 1
+    delta = max(lat.verify(n + 4) - lat.verify(n), 1e-3) / 4
+    return best_k, best_rate, delta
+
+
+def node_values(tree, calib: Calibration) -> list[float]:
+    """Calibrated probability that each node's whole path is accepted (root = 1)."""
+    vals = [1.0] * len(tree)
+    for u in range(1, len(tree)):
+        p = tree.parents[u]
+        q = math.exp(tree.logp[u] - tree.logp[p])
+        vals[u] = vals[p] * calib(q)
+    return vals

@@ -1,0 +1,39 @@
+"""The hardware-aware budget's pieces: latency interpolation, node selection, calibration."""
+from dynatree.budget import Calibration, LatencyModel, select
+from dynatree.tree import Tree, flatten_bfs
+
+
+def test_latency_interpolates_and_extrapolates():
+    lat = LatencyModel({1: 10.0, 4: 16.0, 8: 20.0}, {1: 2.0, 4: 2.5})
+    assert lat.verify(1) == 10.0 and lat.verify(2) == 12.0 and lat.verify(6) == 18.0
+    assert lat.verify(12) == 24.0 and lat.draft(16) > lat.draft(4)
+
+
+def test_select_stops_where_tokens_per_ms_peak():
+    # verification costs 10 ms + 1 ms per extra token; no overhead, nothing spent drafting
+    lat = LatencyModel({1: 10.0, 2: 11.0, 64: 73.0}, {1: 2.0, 2: 2.0}, overhead_ms=0.0)
+    k, rate, delta = select([0.9, 0.8, 0.5, 0.05, 0.01], lat, spent_ms=0.0)
+    assert k == 3  # 0.05 tokens for 1 ms would lower 3.2 tokens / 13 ms
+    assert abs(rate - (1 + 0.9 + 0.8 + 0.5) / 13.0) < 1e-9 and abs(delta - 1.0) < 1e-9
+    assert select([], lat, 0.0)[0] == 0
+
+
+def test_calibration_learns_a_poorly_calibrated_draft():
+    cal = Calibration()
+    assert abs(cal(0.3) - 0.3) < 1e-9  # the prior is the draft's own probability
+    for _ in range(200):
+        cal.update(0.3, True, top1=True)
+        cal.update(0.3, True, top1=True)
+        cal.update(0.3, False, top1=True)
+    assert 0.6 < cal(0.3) < 0.7 and 0.6 < cal.top1() < 0.7
+    assert cal(0.9) == 0.9  # untouched bins keep the prior
+
+
+def test_flatten_keeps_only_selected_nodes():
+    t = Tree.root_only(10)
+    a = t.add(0, 11, -0.1)
+    t.add(0, 12, -3.0)
+    c = t.add(a, 13, -0.2)
+    t.keep = [0, a, c]
+    flat, order = flatten_bfs(t)
+    assert flat.tokens == [10, 11, 13] and flat.parents == [-1, 0, 1] and order == [0, 1, 3]
