@@ -44,7 +44,7 @@ class JobSpec:
     num_actors: int | None = None  # None: one per GPU, else CPUs // cpus_per_actor
     cpus_per_actor: float = 2
     gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
-    shard_size: int = 64
+    shard_size: int = 16
     max_inflight_per_actor: int = 2
     max_retries: int = 3  # attempts per shard after actor failures
     verify_fraction: float = 0.0
