@@ -183,7 +183,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     datasets = list(g)
     if datasets:
         methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
-        fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(methods) * len(datasets)), 4.5))
+        fig, axes = plt.subplots(2, 1, figsize=(min(14, max(7, 0.6 * len(methods) * len(datasets))), 7.5))
         width = 0.8 / len(datasets)
         for k, d in enumerate(datasets):
             xs = [i + k * width for i in range(len(methods))]
