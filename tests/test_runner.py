@@ -169,3 +169,10 @@ def test_context_overflow_truncates_or_errors(ray_cluster, pair_dirs, tmp_path):
     run_job(spec(pair_dirs, tmp_path, max_new_tokens=200, num_actors=1, overwrite=True), progress=False, log=quiet)
     rows = read_rows(tmp_path / "out")
     assert all("does not fit" in r["error"] for r in rows)
+
+
+def test_example_job_files_are_valid_specs():
+    from pathlib import Path
+    for f in sorted((Path(__file__).resolve().parents[1] / "jobs" / "examples").glob("*.yaml")):
+        spec = build_spec(str(f))
+        assert spec.input and spec.output and spec.method
