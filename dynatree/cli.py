@@ -74,8 +74,8 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
 
 @main.command()
 @_pair_options
-@click.option("--prompts", "prompt_files", multiple=True, required=True, type=click.Path(exists=True),
-              help="Parquet file(s) of prompts (repeatable)")
+@click.option("--prompts", "prompt_files", multiple=True, required=True,
+              help="prompt source: Parquet/Arrow/JSONL file, directory or glob (repeatable)")
 @click.option("--prompt-column", default="text", show_default=True)
 @click.option("--limit", type=int, help="first N prompts of each file")
 @click.option("--methods", default="linear,fixed_tree,dynatree,dyspec", show_default=True,
@@ -88,9 +88,8 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
 def check(target, draft, device, dtype, prompt_files, prompt_column, limit, methods, options,
           max_new_tokens, max_prompt_tokens):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
-    import pyarrow.parquet as pq
-
     from .check import check_methods, truncate_prompt
+    from .data import InputError, read_texts
     from .config import make_config, parse_options
     from .models import PairError, load_pair
 
@@ -103,10 +102,10 @@ def check(target, draft, device, dtype, prompt_files, prompt_column, limit, meth
         _fail(str(e))
     summary = []
     for path in prompt_files:
-        table = pq.read_table(path)
-        if prompt_column not in table.column_names:
-            _fail(f"{path}: no column {prompt_column!r} (columns: {', '.join(table.column_names)})")
-        texts = table.column(prompt_column).to_pylist()[:limit]
+        try:
+            texts = read_texts(path, prompt_column)[:limit]
+        except InputError as e:
+            _fail(str(e))
         prompts = [truncate_prompt(pair.encode(t), max_prompt_tokens) for t in texts]
         rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                              progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))

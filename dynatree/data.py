@@ -63,6 +63,9 @@ def read_table(source: str) -> pa.Table:
             (os.path.isdir(source) and (Path(source) / "dataset_dict.json").exists()):
         return _read_datasets(source, None)
     if not os.path.exists(source) and not any(c in source for c in "*?["):
+        if Path(source).suffix in (".parquet", ".arrow", ".feather", ".ipc", ".jsonl", ".json", ".txt") \
+                or os.sep in source.rstrip(os.sep) and not source.count("/") == 1:
+            raise InputError(f"no input files found at {source!r}")
         parts = source.split(":")
         if len(parts) > 3:
             raise InputError(f"{source!r}: expected NAME[:CONFIG]:SPLIT")
