@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .check import first_difference, truncate_prompt
-from .config import ARConfig, make_config
+from .config import make_config
 from .engine import decode
 from .models import ModelPair
 

@@ -31,9 +31,8 @@ drafted and verified.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -119,8 +118,6 @@ class Calibration:
 
     bins: int = 20
     prior: float = 4.0  # pseudo-observations at the prior mean q
-    tested: list = field(default_factory=list)
-    accepted: list = field(default_factory=list)
 
     def __post_init__(self):
         self.tested = [0.0] * self.bins
@@ -162,13 +159,3 @@ def select(values: list[float], lat: LatencyModel, spent_ms: float) -> tuple[int
     n = best_k + 1
     delta = max(lat.verify(n + 4) - lat.verify(n), 1e-3) / 4
     return best_k, best_rate, delta
-
-
-def node_values(tree, calib: Calibration) -> list[float]:
-    """Calibrated probability that each node's whole path is accepted (root = 1)."""
-    vals = [1.0] * len(tree)
-    for u in range(1, len(tree)):
-        p = tree.parents[u]
-        q = math.exp(tree.logp[u] - tree.logp[p])
-        vals[u] = vals[p] * calib(q)
-    return vals

@@ -90,7 +90,7 @@ def check(target, draft, device, dtype, prompt_files, prompt_column, limit, meth
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     from .check import check_methods, truncate_prompt
     from .data import InputError, read_texts
-    from .config import make_config, parse_options
+    from .config import make_config
     from .models import PairError, load_pair
 
     try:

@@ -1,8 +1,9 @@
 """Drafting policies: how each method grows its tree.  The decoding loop is shared (engine.py).
 
 A policy has ``attach(pair)`` (once per generation), ``draft(drafter, root_token, max_depth) ->
-Tree`` and ``observe(accepted, tree, path)`` (after each verification).  ``max_depth`` is the engine's cap (tokens left before ``max_new_tokens`` or the context limit);
-policies never draft deeper.
+Tree`` and ``observe(accepted, tree, path)`` (after each verification).  ``max_depth`` is the
+engine's cap (tokens left before ``max_new_tokens`` or the context limit); policies never draft
+deeper.
 
 Three of the four tree methods are the same level-wise growth (:func:`grow_levels`) with
 different rules for which nodes expand and how many children they get:
@@ -35,6 +36,14 @@ def _log(p: float) -> float:
     return math.log(p) if p > 0 else -math.inf
 
 
+def _best(cands: list[tuple], room: int) -> list[tuple]:
+    """The ``room`` highest-scoring candidates (score first in each tuple), in their original order."""
+    if len(cands) <= room:
+        return cands
+    keep = sorted(range(len(cands)), key=lambda i: -cands[i][0])[:room]
+    return [cands[i] for i in sorted(keep)]
+
+
 def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes: int, kmax: int,
                 n_children, expandable, min_logp: float) -> Tree:
     """Grow a tree one level per draft forward.
@@ -56,10 +65,7 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
                 lp = tree.logp[u] + _log(p[r])
                 if lp >= min_logp:
                     cands.append((lp, u, t[r]))
-        room = max_nodes - (len(tree) - 1)
-        if len(cands) > room:
-            keep = sorted(range(len(cands)), key=lambda i: -cands[i][0])[:room]
-            cands = [cands[i] for i in sorted(keep)]
+        cands = _best(cands, max_nodes - (len(tree) - 1))
         new = [tree.add(u, tok, lp) for lp, u, tok in cands]
         if not new or len(tree) - 1 >= max_nodes or tree.depths[new[0]] >= max_depth:
             return tree
@@ -94,10 +100,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
                 value = vals[u] * calib(p[r])
                 if value >= tau:
                     cands.append((value, tree.logp[u] + _log(p[r]), u, t[r]))
-        room = max_nodes - (len(tree) - 1)
-        if len(cands) > room:
-            keep = sorted(range(len(cands)), key=lambda i: -cands[i][0])[:room]
-            cands = [cands[i] for i in sorted(keep)]
+        cands = _best(cands, max_nodes - (len(tree) - 1))
         new = []
         for v, lp, u, tok in cands:
             new.append(tree.add(u, tok, lp))

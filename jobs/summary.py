@@ -89,13 +89,13 @@ def format_table(s: dict) -> str:
     lines = [
         f"rows                     {s['rows']}  (errors {s['errors']})",
         f"generated tokens         {s['generated_tokens']}",
-        f"job tokens/s (this run)  " + (f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
+        "job tokens/s (this run)  " + (f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
         + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
           f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries)",
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
         f"speedup vs ar            {ms(s['speedup_vs_ar'])}  (rows re-decoded with ar: {s['speedup_vs_ar']['n']})",
-        f"matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
+        "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
     ]
     return "\n".join(lines)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
