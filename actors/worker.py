@@ -13,8 +13,10 @@ Prompt policy: a prompt is tokenized without special tokens and keeps its *last*
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -34,6 +36,12 @@ def verify_selected(row_id, fraction: float) -> bool:
         return False
     h = int(hashlib.sha256(str(row_id).encode()).hexdigest()[:8], 16)
     return h / 0xFFFFFFFF < fraction
+
+
+def row_seed(seed: int, row_id) -> int:
+    """A sampled row's seed: fixed by (job seed, row id), so reruns, resumes and any sharding
+    reproduce it, while rows with equal prompts still draw different samples."""
+    return zlib.crc32(f"{seed}:{row_id}".encode())
 
 
 def empty_result(row_id, method: str, error: str | None = None) -> dict:
@@ -121,14 +129,18 @@ class ShardWorker:
                     self._fill(out, ids, toks, reason, m)
         else:
             for out, ids in todo:
+                cfg = self.cfg
+                if cfg.temperature > 0:
+                    cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, out["id"]))
                 try:
-                    toks, reason, m = decode(self.pair, ids, self.cfg, max_new_tokens=n_new, ignore_eos=ignore)
+                    toks, reason, m = decode(self.pair, ids, cfg, max_new_tokens=n_new, ignore_eos=ignore)
                 except ValueError as e:
                     out.update(error=str(e), finish_reason="error")
                     continue
                 self._fill(out, ids, toks, reason, m)
+        sampled = self.cfg.temperature > 0  # a sample is not comparable with greedy ar
         for out, ids in todo:
-            if out["error"] is None and verify_selected(out["id"], job.get("verify_fraction", 0.0)):
+            if out["error"] is None and not sampled and verify_selected(out["id"], job.get("verify_fraction", 0.0)):
                 ref, _, mref = decode(self.pair, ids, ARConfig(), max_new_tokens=n_new, ignore_eos=ignore)
                 idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"])
                 out.update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,

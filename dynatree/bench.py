@@ -43,30 +43,49 @@ class MethodSpec:
 
 
 def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodSpec]:
-    """``"ar,linear,fixed=fixed_tree"`` + ``["fixed.depth=3"]`` -> method specs (validated)."""
-    from .config import parse_options
+    """``"ar,linear,fixed=fixed_tree"`` + ``["fixed.depth=3", "temperature=0.6"]`` -> method specs.
+
+    ``LABEL.KEY=VALUE`` sets one method's option; a bare ``KEY=VALUE`` sets it for every method
+    that has it (sampling options reach the transformers peers too), so one flag samples them all.
+    """
+    import dataclasses
+
+    from .config import METHODS, SamplingConfig, parse_options
 
     specs: dict[str, list] = {}
     for item in (m.strip() for m in methods.split(",")):
         if item:
             label, _, meth = item.partition("=")
             specs[label] = [meth or label, {}]
+    if not any(meth == "ar" for meth, _ in specs.values()):
+        specs = {"ar": ["ar", {}], **specs}  # speedups need the AR of the same run
+    sampling_keys = {f.name for f in dataclasses.fields(SamplingConfig)}
+    shared, own = {}, {}
     for key, value in parse_options(options).items():
-        label, _, opt = key.partition(".")
-        if label not in specs:
+        label, dot, opt = key.partition(".")
+        if not dot:
+            shared[key] = value
+        elif label not in specs:
             raise ValueError(f"--option {key}: {label!r} is not in --methods")
-        specs[label][1][opt] = value
-    out = []
-    for label, (meth, opts) in specs.items():
-        if meth in HF_METHODS:
-            if opts:
-                raise ValueError(f"{label}: transformers peers take no options")
         else:
-            cfg = make_config(meth, opts)
-            opts = {k: getattr(cfg, k) for k in opts}
+            own.setdefault(label, {})[opt] = value
+    for key in shared:
+        if not any(key in {f.name for f in dataclasses.fields(METHODS[m])} for m, _ in specs.values()
+                   if m in METHODS):
+            raise ValueError(f"--option {key}: no method in --methods has this option")
+    out = []
+    for label, (meth, _) in specs.items():
+        if meth in HF_METHODS:
+            if own.get(label):
+                raise ValueError(f"{label}: transformers peers take no options of their own")
+            opts = {k: float(v) if k in ("temperature", "top_p") else int(v)
+                    for k, v in shared.items() if k in sampling_keys}
+        else:
+            names = {f.name for f in dataclasses.fields(METHODS.get(meth, SamplingConfig))}
+            given = {**{k: v for k, v in shared.items() if k in names}, **own.get(label, {})}
+            cfg = make_config(meth, given)
+            opts = {k: getattr(cfg, k) for k in given}
         out.append(MethodSpec(label, meth, opts))
-    if not any(m.method == "ar" for m in out):
-        out.insert(0, MethodSpec("ar", "ar"))  # speedups need the AR of the same run
     return out
 
 
@@ -140,12 +159,22 @@ class PeakRSS:
 
 
 @torch.inference_mode()
-def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
-    """transformers generate (greedy) with or without the draft as assistant; EOS ignored."""
+def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int,
+           sampling: dict | None = None) -> tuple[list[int], dict]:
+    """transformers generate with or without the draft as assistant; EOS ignored.
+
+    Greedy, unless ``sampling`` has temperature > 0 (then temperature/top_k/top_p/seed).
+    """
     from transformers import GenerationConfig
 
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                          eos_token_id=None, pad_token_id=pair.eos_token_id or 0)
+    s = sampling or {}
+    sample = s.get("temperature", 0) > 0
+    extra = {"temperature": s["temperature"], "top_k": s.get("top_k", 0) or None,
+             "top_p": s.get("top_p", 1.0)} if sample else {}
+    if sample:
+        torch.manual_seed(s.get("seed", 0))
+    gc = GenerationConfig(do_sample=sample, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                          eos_token_id=None, pad_token_id=pair.eos_token_id or 0, **extra)
     kwargs = {}
     if method != "hf_ar":
         kwargs["assistant_model"] = pair.draft
@@ -173,14 +202,15 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
         for ms in methods:
             with PeakRSS(pair.device) as mem:
                 if ms.method in HF_METHODS:
-                    toks, m = run_hf(pair, ms.method, prompt, max_new_tokens)
+                    toks, m = run_hf(pair, ms.method, prompt, max_new_tokens, ms.options)
                 else:
                     toks, _, met = decode(pair, prompt, make_config(ms.method, ms.options),
                                           max_new_tokens=max_new_tokens, ignore_eos=True)
                     m = met.as_dict()
             if ms.method == "ar" and ref is None:
                 ref = toks
-            diff = first_difference(ref, toks) if ref is not None else None
+            sampled = ms.options.get("temperature", 0) > 0  # a sample has no greedy reference
+            diff = first_difference(ref, toks) if ref is not None and not sampled else None
             rows.append({
                 "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
                 "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
@@ -193,7 +223,7 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 "mean_tree_size": m.get("mean_tree_size"), "draft_time_s": m.get("draft_time_s"),
                 "verify_time_s": m.get("verify_time_s"), "target_forwards": m.get("target_forwards"),
                 "draft_forwards": m.get("draft_forwards"), "peak_memory_mb": mem.peak_mb,
-                "matches_ar": diff is None, "first_divergence": diff,
+                "matches_ar": None if sampled else diff is None, "first_divergence": diff,
             })
         log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
             + ("  (warm-up)" if pi < warmup else ""))

@@ -51,6 +51,8 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
         _fail("empty prompt")
     try:
         cfg = make_config(method, parse_options(options))
+        if check_ar and cfg.temperature > 0:
+            raise ValueError("--check-ar compares with greedy ar; it needs temperature 0")
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar")
         gen = engine.generate(pair, prompt, method, cfg, max_new_tokens=max_new_tokens,
                               ignore_eos=ignore_eos)
@@ -97,6 +99,9 @@ def check(target, draft, device, dtype, prompt_files, prompt_column, limit, meth
         from .bench import parse_methods
         cfgs = {m.label: make_config(m.method, m.options) for m in parse_methods(methods, options)
                 if m.label != "ar"}
+        if any(c.temperature > 0 for c in cfgs.values()):
+            raise ValueError("check compares with greedy ar; sampled outputs (temperature > 0) are checked "
+                             "in distribution by the test suite, not token for token")
         pair = load_pair(target, draft, device=device, dtype=dtype)
     except (PairError, ValueError) as e:
         _fail(str(e))
@@ -193,7 +198,8 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--max-new-tokens", default=128, show_default=True, help="T (EOS ignored)")
 @click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic",
               show_default=True, help="LABEL=METHOD runs a method under another name")
-@click.option("--option", "options", multiple=True, metavar="LABEL.KEY=VALUE")
+@click.option("--option", "options", multiple=True, metavar="[LABEL.]KEY=VALUE",
+              help="LABEL.KEY=VALUE sets one method's option; KEY=VALUE every method's (e.g. temperature=0.6)")
 @click.option("--sweep-tokens", help="comma-separated T values for the generation-length sweep")
 @click.option("--sweep-prompt-len", help="comma-separated L_max values for the prompt-length sweep")
 @click.option("--sweep-methods", default="ar,dynatree", show_default=True, help="labels run in the T/L sweeps")

@@ -14,12 +14,30 @@ def opt(default, help: str):
 
 
 @dataclass(frozen=True)
-class ARConfig:
-    """Greedy autoregressive decoding with the target only (one token per target forward)."""
+class SamplingConfig:
+    """Options shared by every method: temperature 0 is greedy, anything above samples."""
+
+    temperature: float = opt(0.0, "sampling temperature; 0 = greedy (outputs identical to ar)")
+    top_k: int = opt(0, "sample only among the k most likely tokens (0 = all)")
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens with this much probability")
+    seed: int = opt(0, "random seed; the same seed reproduces a sampled generation")
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class ARConfig(SamplingConfig):
+    """Autoregressive decoding with the target only (one token per target forward)."""
+
+
+@dataclass(frozen=True)
+class SpecConfig(SamplingConfig):
     """Options shared by every speculative method."""
 
     kv_update: str = opt("gather", "target cache after acceptance: 'gather' keeps the accepted nodes' "
@@ -70,6 +88,7 @@ class DynaTreeConfig(SpecConfig):
                              "'off': the paper's node budget alone")
 
     def __post_init__(self):
+        super().__post_init__()
         if not (1 <= self.d0 < self.d_max):
             raise ValueError(f"need 1 <= d0 < d_max, got d0={self.d0}, d_max={self.d_max}")
         if not (1 <= self.b_min <= self.b_mid <= self.b_max):
@@ -153,7 +172,7 @@ def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
 def options_help() -> str:
     lines = []
     for name, cls in METHODS.items():
-        # the method's own options first, the shared ones (kv_update) last
+        # the method's own options first, the shared ones (kv_update, sampling) last
         fs = sorted(dataclasses.fields(cls), key=lambda f: f.name in {g.name for g in dataclasses.fields(SpecConfig)})
         lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
         for f in fs:

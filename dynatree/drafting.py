@@ -13,6 +13,11 @@ Within an iteration the cache is laid out as::
 and each expanded node attends to the prefix plus its own expanded ancestors (a tree mask), so
 siblings never see each other's keys/values.  After acceptance, the accepted nodes that were
 expanded are moved in place (``keep``) and the rest is dropped.
+
+Greedy drafting proposes each node's top-k tokens.  With a sampler (temperature > 0) it proposes
+k draws without replacement from the warped draft distribution instead, reported in draw order
+with their draft probabilities, and keeps each expanded node's distribution and draws in
+``cands`` for verification (sampling.walk).
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ from .tree import Tree
 
 
 class Drafter:
-    def __init__(self, model, vocab: int, capacity: int):
+    def __init__(self, model, vocab: int, capacity: int, sampler=None):
         self.model = model
+        self.sampler = sampler
         self.vocab = vocab
         self.cache = new_cache(model, capacity)
         self.pending: list[int] = []
@@ -39,20 +45,31 @@ class Drafter:
         self.base = 0
         self.root_pos = 0
         self.slot: dict[int, int] = {}  # tree node -> absolute cache slot
+        self.cands: dict[int, tuple[torch.Tensor, list[int]]] = {}  # node -> (q (V,), draws); sampling only
         self.started = False
 
     def extend(self, tokens: list[int]) -> None:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
         self.pending.extend(tokens)
 
-    def _topk(self, logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-        """logits: (n, V) -> per-row top-k probabilities and token ids (host lists).
+    def _propose(self, nodes: list[int], logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """logits: (n, V) for ``nodes`` -> per-row k proposals: probabilities and token ids (host lists).
 
         Host sync: the tree's shape depends on these numbers, so they come back once per level.
         """
-        probs = torch.softmax(logits[:, : self.vocab].float(), dim=-1)
-        val, idx = probs.topk(k, dim=-1)
-        return val.tolist(), idx.tolist()
+        logits = logits[:, : self.vocab]
+        k = min(k, self.vocab)
+        if self.sampler is None:
+            val, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            return val.tolist(), idx.tolist()
+        q = self.sampler.probs(logits)  # (n, V)
+        idx = self.sampler.candidates(q, k)  # (n, k) in draw order
+        vals, ids = q.gather(-1, idx).tolist(), idx.tolist()
+        for r, u in enumerate(nodes):  # draws of probability 0 only pad rows past the support
+            n_pos = sum(1 for v in vals[r] if v > 0)
+            vals[r], ids[r] = vals[r][:n_pos], ids[r][:n_pos]
+            self.cands[u] = (q[r], ids[r])
+        return vals, ids
 
     @torch.inference_mode()
     def root(self, tree: Tree, k: int) -> tuple[list[float], list[int]]:
@@ -67,7 +84,7 @@ class Drafter:
         self.base = self.cache.length
         self.root_pos = self.base - 1
         self.started = True
-        vals, idx = self._topk(out.logits[0, -1:], k)
+        vals, idx = self._propose([0], out.logits[0, -1:], k)
         self.seconds += time.perf_counter() - t0
         return vals[0], idx[0]
 
@@ -97,7 +114,7 @@ class Drafter:
                          past_key_values=self.cache, use_cache=True)
         self.forwards += 1
         self.fed_tokens += n
-        res = self._topk(out.logits[0], k)
+        res = self._propose(nodes, out.logits[0], k)
         self.seconds += time.perf_counter() - t0
         return res
 

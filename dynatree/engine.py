@@ -19,8 +19,13 @@ One iteration:
           dropped; the bonus becomes the next root, so its keys/values come from the next
           verification pass: exactly one target forward per iteration.
 
+With ``temperature > 0`` the same loop samples: the draft proposes draws instead of its top-k,
+and accept is multi-candidate rejection sampling (sampling.walk) instead of argmax matching, so
+the committed tokens follow the target's (warped) sampling distribution exactly.
+
 Host syncs per iteration (each named where it happens): draft top-k once per drafted level
-(tree shape decisions), and the accepted path + bonus once after verification.
+(tree shape decisions), and the accepted path + bonus once after verification (greedy), or one
+per tried candidate (sampling).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from .kvcache import new_cache
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair
 from .policies import make_policy
+from .sampling import Sampler, walk
 from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids, tree_attention_mask
 
 
@@ -99,13 +105,30 @@ def commit_target(model, cache, path: torch.Tensor, path_tokens: torch.Tensor, p
     return 1
 
 
+def accept_greedy(tree: Tree, tt: TreeTensors, logits: torch.Tensor) -> tuple[list[int], int]:
+    """logits: (n, V).  Returns (accepted path of nodes from the root, bonus token)."""
+    path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
+    host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
+    return host[1:], host[0]
+
+
+def accept_sampled(tree: Tree, order: list[int], logits: torch.Tensor, drafter: Drafter,
+                   sampler: Sampler) -> tuple[list[int], int]:
+    """logits: (n, V).  Multi-candidate rejection sampling; returns (path, last token)."""
+    new_index = {old: new for new, old in enumerate(order)}
+    cands = {new_index[old]: c for old, c in drafter.cands.items() if old in new_index}
+    children = {(tree.parents[v], tree.tokens[v]): v for v in range(1, len(tree))}
+    return walk(sampler.probs(logits), cands, children, sampler)
+
+
 @torch.inference_mode()
 def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128,
            ignore_eos: bool = False) -> tuple[list[int], str, Metrics]:
-    """Greedy decoding of one prompt with the method described by ``cfg``.
+    """Decode one prompt with the method described by ``cfg``.
 
-    Returns (new token ids, finish reason, metrics).  The tokens equal greedy autoregressive
-    decoding with the target, whatever the method.
+    Returns (new token ids, finish reason, metrics).  At temperature 0 the tokens equal greedy
+    autoregressive decoding with the target, whatever the method; above 0 they are a sample
+    from the target's distribution (reproducible with ``cfg.seed``).
     """
     cfg = cfg if cfg is not None else ARConfig()
     policy = make_policy(cfg)
@@ -121,6 +144,12 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     target, dev = pair.target, pair.device
     eos = None if ignore_eos else pair.eos_token_id
     n_prompt = len(prompt_ids)
+    sampler = Sampler.from_config(cfg, dev)
+
+    def next_token(logits: torch.Tensor) -> int:
+        """logits: (V,).  Host sync: the next token."""
+        return int(logits.argmax()) if sampler is None else sampler.sample(sampler.probs(logits[None])[0])
+
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
 
@@ -154,14 +183,14 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     ids = torch.tensor([prompt_ids], device=dev)  # (1, n_prompt)
     logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
     target_forwards += 1
-    first = int(logits.argmax())  # host sync: the first token
+    first = next_token(logits)
     ttft = time.perf_counter() - t_start
     prefill = ttft
     reason = stop_after(first)
 
     drafter = None
     if policy.needs_draft:
-        drafter = Drafter(pair.draft, pair.vocab, capacity)
+        drafter = Drafter(pair.draft, pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
 
     while reason is None:
@@ -183,19 +212,21 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             ids = torch.tensor([[root]], device=dev)  # (1, 1)
             logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
             target_forwards += 1
-            path_nodes, new_tokens = [0], [int(logits.argmax())]  # host sync: the next token
+            path_nodes, new_tokens = [0], [next_token(logits)]
         else:
             tt = tree_tensors(tree, dev)
             logits = verify_tree(target, cache, tt, prefix_len)  # (n, V)
             target_forwards += 1
 
             # accept
-            path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
-            host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
-            bonus_tok, path_nodes = host[0], host[1:]
-            new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [bonus_tok]
+            if sampler is None:
+                path_nodes, last = accept_greedy(tree, tt, logits)
+            else:
+                path_nodes, last = accept_sampled(tree, order, logits, drafter, sampler)
+            new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
 
             # commit
+            path = torch.tensor(path_nodes, device=dev)  # (k,)
             target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update)
         _sync(dev)
         verify_time += time.perf_counter() - t0

@@ -81,7 +81,12 @@ class JobSpec:
         if (self.target is None) != (self.draft is None) and self.method != "ar":
             problems.append("give both target and draft, or neither (the bundled demo pair)")
         try:
-            make_config(self.method, self.options)
+            cfg = make_config(self.method, self.options)
+            if cfg.temperature > 0 and self.batch_size > 1:
+                problems.append("batch_size > 1 decodes greedily; use batch_size 1 with temperature > 0")
+            if cfg.temperature > 0 and self.fail_on_mismatch:
+                problems.append("fail_on_mismatch compares with greedy ar, which a sampled job (temperature > 0) "
+                                "does not reproduce")
         except (ValueError, TypeError) as e:
             problems.append(str(e))
         if problems:

@@ -50,3 +50,28 @@ def test_bench_and_report(pair_dirs, tmp_path):
     res = CliRunner().invoke(main, ["report", str(out)])
     assert res.exit_code == 0, res.output
     assert "Main results" in (out / "summary.md").read_text() and len(list(out.glob("*.png"))) == 4
+
+
+def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
+    """A bare KEY=VALUE option reaches every method (the HF peers' sampling too); rows are not
+    compared with greedy ar, and the report says so."""
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), data)
+    out = tmp_path / "bench"
+    args = ["bench", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+            "--device", "cpu", "--dtype", "float64", "--dataset", f"tiny={data}", "--prompts", "2",
+            "--warmup", "1", "--max-prompt-tokens", "16", "--max-new-tokens", "8",
+            "--methods", "linear,dynatree,hf_assisted", "--option", "temperature=0.6",
+            "--option", "seed=3", "--option", "dynatree.top_p=0.9", "--out", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert {r["method"] for r in rows} == {"ar", "linear", "dynatree", "hf_assisted"}
+    for r in rows:
+        opts = json.loads(r["options"])
+        assert opts["temperature"] == 0.6 and opts["seed"] == 3, r["method"]
+        assert r["matches_ar"] is None and r["new_tokens"] == 8
+    assert json.loads(next(r["options"] for r in rows if r["method"] == "dynatree"))["top_p"] == 0.9
+    assert "| sampled |" in (out / "summary.md").read_text()
+    bad = CliRunner().invoke(main, args[:-2] + ["--option", "nonsense=1", "--out", str(tmp_path / "b2")])
+    assert bad.exit_code != 0 and "nonsense" in bad.output

@@ -1,0 +1,119 @@
+"""Temperature sampling and lossless verification of sampled token trees (SpecInfer / DySpec).
+
+Terms (all distributions are after the same temperature / top-k / top-p warping):
+
+* ``p_u``  the target's distribution for the token after node u's path, (V_t,);
+* ``q_u``  the draft's distribution there, (V_d,) with V_d <= V_t (missing columns are 0);
+* candidates of u: ``x_1 .. x_K``, successive draws from ``q_u`` *without replacement*
+  (Gumbel-top-K: the order of ``q / Exp(1)`` keys is the order of sequential draws), so
+  ``x_i ~ q_i = norm(q_u with x_1 .. x_{i-1} removed)``;
+* residual ``R``: starts at ``p_u``; after ``x_i`` is rejected, ``R <- norm(max(R - q_i, 0))``.
+
+Verification walks down from the root.  At node u the candidates are tried in draw order; x_i is
+accepted with probability ``min(1, R(x_i) / q_i(x_i))``.  If some x_i is accepted and it is a
+verified tree node, the walk continues below it; if it was drawn but left out of the tree
+(pruned, over budget) it is committed as the iteration's last token, since the target has not
+scored what follows it.  If every candidate is rejected, or u has none, one token is drawn
+from ``R``.  By the speculative-sampling lemma applied once per candidate, the committed token at
+every position is distributed exactly as ``p_u`` — whatever the draft proposes, however the tree
+was shaped.  This needs two things the code guarantees: every candidate drawn at u is tried
+(the tree may keep any subset, chosen by value, without biasing the test), and the tree never
+decides whether to keep a node from that node's own descendants.
+
+A seeded ``torch.Generator`` drives every draw (draft candidates, acceptance coins, residual
+samples), so a seed reproduces a generation exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Sampler:
+    """Warping and seeded draws for one generation.  ``temperature == 0`` never builds one."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int, device: torch.device):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+
+    @classmethod
+    def from_config(cls, cfg, device: torch.device) -> "Sampler | None":
+        t = getattr(cfg, "temperature", 0.0)
+        return cls(t, cfg.top_k, cfg.top_p, cfg.seed, device) if t > 0 else None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: (n, V) -> (n, V) probabilities (float32, or float64 for float64 models)."""
+        x = logits if logits.dtype == torch.float64 else logits.float()
+        x = x / self.temperature
+        if 0 < self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[:, -1:]  # (n, 1)
+            x = x.masked_fill(x < kth, -torch.inf)
+        if self.top_p < 1.0:
+            srt, idx = x.sort(dim=-1, descending=True)
+            sp = srt.softmax(-1)
+            drop = sp.cumsum(-1) - sp >= self.top_p  # the mass before this token already reaches top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), -torch.inf)
+        return x.softmax(-1)
+
+    def uniform(self) -> float:
+        """One U(0, 1) coin.  Host sync (the accept decision steers the walk)."""
+        return float(torch.rand((), generator=self.gen, device=self.gen.device))
+
+    def sample(self, probs: torch.Tensor) -> int:
+        """probs: (V,) -> one token id.  Host sync."""
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def candidates(self, q: torch.Tensor, k: int) -> torch.Tensor:
+        """q: (n, V) -> (n, k) token ids, each row k draws without replacement in draw order.
+
+        Tokens with q = 0 can come last in a row when k exceeds the support; callers drop them.
+        """
+        e = torch.empty_like(q).exponential_(generator=self.gen)  # (n, V) Exp(1)
+        return (q / e).topk(min(k, q.shape[-1]), dim=-1).indices
+
+
+def accept_prob(r_x: float, q_x: float) -> float:
+    """min(1, R(x) / q_i(x)): the speculative-sampling acceptance rule (a seam for tests)."""
+    return 1.0 if r_x >= q_x else r_x / q_x
+
+
+def walk(p: torch.Tensor, cands: dict[int, tuple[torch.Tensor, list[int]]],
+         children: dict[tuple[int, int], int], sampler: Sampler) -> tuple[list[int], int]:
+    """Multi-candidate rejection sampling down a scored tree.
+
+    p: (n, V_t) target probabilities at the flattened tree's nodes.
+    cands: node -> (q_u (V_d,), candidate ids in draw order) for nodes the draft expanded.
+    children: (node, token) -> child node, for the tree's verified nodes.
+    returns (path of nodes from the root, last token): the committed tokens are the path's
+    drafted tokens followed by ``last``.
+    """
+    u, path = 0, [0]
+    while True:
+        r = p[u]
+        q0, xs = cands.get(u, (None, []))
+        accepted = None
+        if xs:
+            q = torch.zeros_like(r)
+            q[: q0.shape[0]] = q0.to(r.dtype)
+            for x in xs:
+                q = q / q.sum()
+                r_x, q_x = (float(v) for v in torch.stack([r[x], q[x]]).tolist())  # host sync: one per try
+                if q_x <= 0:
+                    break  # the draft's support is used up
+                if sampler.uniform() < accept_prob(r_x, q_x):
+                    accepted = x
+                    break
+                res = (r - q).clamp_(min=0)
+                mass = res.sum()
+                if float(mass) > 1e-12:  # p == q_i would make rejection impossible; guard the rounding
+                    r = res / mass
+                q[x] = 0
+                if float(q.sum()) <= 0:
+                    break
+        if accepted is None:
+            return path, sampler.sample(r)
+        child = children.get((u, accepted))
+        if child is None:
+            return path, accepted
+        path.append(child)
+        u = child
