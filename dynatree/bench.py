@@ -295,7 +295,7 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
                                max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "grid"}, log=log)
     pq.write_table(pa.Table.from_pylist(rows), out / "results.parquet")
     meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
-            "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""),
+            "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "kernel": pair.kernel,
             "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0}
     (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
     return out

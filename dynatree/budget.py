@@ -75,7 +75,7 @@ def _time_ms(fn, repeats: int) -> float:
 @torch.inference_mode()
 def _profile_model(model, prefix_len: int, sizes, repeats: int) -> dict[int, float]:
     dev = model.device
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.config.vocab_size
     cache = new_cache(model, prefix_len + max(sizes) + 1)
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
@@ -106,8 +106,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), widths=
     if key in pair.state:
         return pair.state[key]
     prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
-    lm = LatencyModel(_profile_model(pair.target, prefix_len, sizes, repeats),
-                      _profile_model(pair.draft, prefix_len, widths, repeats))
+    lm = LatencyModel(_profile_model(pair.runner("target"), prefix_len, sizes, repeats),
+                      _profile_model(pair.runner("draft"), prefix_len, widths, repeats))
     pair.state[key] = lm
     return lm
 

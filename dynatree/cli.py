@@ -25,6 +25,8 @@ def _pair_options(f):
     f = click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")(f)
     f = click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "bfloat16", "float16", "float64"]))(f)
+    f = click.option("--kernel", default="lean", show_default=True, type=click.Choice(["lean", "hf"]),
+                     help="forward the engine runs: lean (GPT-NeoX models; others fall back) or transformers'")(f)
     return f
 
 
@@ -38,7 +40,7 @@ def _pair_options(f):
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON object (token_ids, text, metrics)")
-def generate(target, draft, device, dtype, method, options, max_new_tokens, prompt, ignore_eos,
+def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, prompt, ignore_eos,
              check_ar, as_json):
     """Generate a continuation of one prompt."""
     from . import engine
@@ -53,7 +55,7 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
         cfg = make_config(method, parse_options(options))
         if check_ar and cfg.temperature > 0:
             raise ValueError("--check-ar compares with greedy ar; it needs temperature 0")
-        pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar")
+        pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         gen = engine.generate(pair, prompt, method, cfg, max_new_tokens=max_new_tokens,
                               ignore_eos=ignore_eos)
         result = gen.as_dict()
@@ -87,7 +89,7 @@ def generate(target, draft, device, dtype, method, options, max_new_tokens, prom
               help="method option, repeatable, e.g. dynatree.tau=0.01")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=int)
-def check(target, draft, device, dtype, prompt_files, prompt_column, limit, methods, options,
+def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
           max_new_tokens, max_prompt_tokens):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     from .check import check_methods, truncate_prompt
@@ -102,7 +104,7 @@ def check(target, draft, device, dtype, prompt_files, prompt_column, limit, meth
         if any(c.temperature > 0 for c in cfgs.values()):
             raise ValueError("check compares with greedy ar; sampled outputs (temperature > 0) are checked "
                              "in distribution by the test suite, not token for token")
-        pair = load_pair(target, draft, device=device, dtype=dtype)
+        pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
         _fail(str(e))
     summary = []
@@ -208,7 +210,7 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--grid-tau", help="fixed-tree grid tau, e.g. 0.01,0.02,0.03,0.05,0.1")
 @click.option("--threads", type=int, help="torch threads")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
-def bench(target, draft, device, dtype, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
+def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
           max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, grid_depth,
           grid_branch, grid_tau, threads, out_dir):
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
@@ -231,7 +233,7 @@ def bench(target, draft, device, dtype, datasets, prompt_column, n_prompts, warm
                          max_new_tokens=max_new_tokens, prompt_column=prompt_column,
                          sweep_tokens=_int_list(sweep_tokens), sweep_prompt_len=_int_list(sweep_prompt_len),
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m))
-        pair = load_pair(target, draft, device=device, dtype=dtype)
+        pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:
         _fail(str(e))

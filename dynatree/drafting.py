@@ -77,7 +77,7 @@ class Drafter:
         t0 = time.perf_counter()
         self._reset_tree()
         ids = torch.tensor([self.pending], device=self.model.device)  # (1, p)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.forwards += 1
         self.fed_tokens += ids.shape[1]
         self.pending = []

@@ -141,7 +141,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                            f"{pair.max_context}-token context")
     kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
-    target, dev = pair.target, pair.device
+    target, dev = pair.runner("target"), pair.device
     eos = None if ignore_eos else pair.eos_token_id
     n_prompt = len(prompt_ids)
     sampler = Sampler.from_config(cfg, dev)
@@ -181,7 +181,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
     # Prefill: the whole prompt; its last logits give the first token (TTFT).
     ids = torch.tensor([prompt_ids], device=dev)  # (1, n_prompt)
-    logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+    logits = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     target_forwards += 1
     first = next_token(logits)
     ttft = time.perf_counter() - t_start
@@ -190,7 +190,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
     drafter = None
     if policy.needs_draft:
-        drafter = Drafter(pair.draft, pair.vocab, capacity, sampler)
+        drafter = Drafter(pair.runner("draft"), pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
 
     while reason is None:

@@ -55,6 +55,19 @@ class ModelPair:
     eos_token_id: int | None
     names: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
+    kernel: str = "lean"  # "lean": the engine runs lean.py's forward where supported; "hf": transformers
+
+    def runner(self, which: str):
+        """The callable the engine runs for ``"target"`` or ``"draft"`` (same weights either way)."""
+        from .lean import lean
+
+        model = getattr(self, which)
+        if self.kernel != "lean" or model is None:
+            return model
+        key = ("lean", which)
+        if key not in self.state:
+            self.state[key] = lean(model)
+        return self.state[key]
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -95,8 +108,22 @@ def _same_tokenizer(a, b) -> str | None:
     return None
 
 
+def cpu_layout(model) -> None:
+    """Store every Linear weight as the transpose of an (in, out) contiguous matrix, in place.
+
+    Same values, same module API; only the memory layout changes.  With it, ``F.linear`` runs
+    ``x @ W_t`` on a contiguous (in, out) matrix, which MKL does 2-4x faster than the (out, in)
+    layout for the few-row inputs of decoding and tree verification (measured on this project's
+    CPU: a 512x2048 layer at 16 rows, 1.1 ms -> 0.23 ms).  GPUs don't need it.
+    """
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and mod.weight.is_contiguous():
+            mod.weight.data = mod.weight.data.t().contiguous().t()
+
+
 def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
-                     eos_token_id: int | None = None, names: dict | None = None) -> ModelPair:
+                     eos_token_id: int | None = None, names: dict | None = None,
+                     kernel: str = "lean") -> ModelPair:
     """Wrap already-loaded models; checks vocabulary compatibility."""
     if tokenizer is not None and draft_tokenizer is not None:
         reason = _same_tokenizer(tokenizer, draft_tokenizer)
@@ -120,8 +147,15 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
     if isinstance(eos_token_id, (list, tuple)):
         eos_token_id = eos_token_id[0] if eos_token_id else None
     p = next(target.parameters())
+    if p.device.type == "cpu":
+        for m in (target, draft):
+            if m is not None:
+                cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
-    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_token_id, names or {})
+    if kernel not in ("lean", "hf"):
+        raise PairError(f"kernel must be 'lean' or 'hf', got {kernel!r}")
+    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_token_id, names or {},
+                     kernel=kernel)
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
@@ -150,11 +184,12 @@ def load_tokenizer(name_or_path: str):
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
               device: str = "auto", dtype: str = "float32", attn_implementation: str = "sdpa",
-              load_draft: bool = True) -> ModelPair:
+              load_draft: bool = True, kernel: str = "lean") -> ModelPair:
     """Load a target/draft pair from hub names or local directories.
 
     With neither given, loads the demo pair bundled with the package.  ``load_draft=False``
-    skips the draft (enough for ``ar``).
+    skips the draft (enough for ``ar``).  ``kernel="hf"`` runs transformers' own forward in the
+    engine instead of the lean one (lean.py; GPT-NeoX models).
     """
     if target is None and draft is None:
         base = default_pair_dir()
@@ -173,5 +208,5 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         except PairError:
             dtok = None  # a draft directory without tokenizer files: trust the target's
         dmodel = load_model(str(draft), dev, dt, attn_implementation)
-    return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok,
+    return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok, kernel=kernel,
                             names={"target": str(target), "draft": None if draft is None else str(draft)})

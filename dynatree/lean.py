@@ -1,0 +1,114 @@
+"""A lean GPT-NeoX forward (Pythia, the bench and demo pairs) over the model's own weights.
+
+Why: at these sizes a transformers forward is mostly per-call machinery (mask building, cache
+objects, module hooks), not arithmetic.  On this project's CPU a 2.5M-parameter draft forward
+costs ~2 ms through transformers, which is what decides whether a tree level pays.  This module
+runs the same math as ``GPTNeoXForCausalLM`` in a plain function (gpt-fast style): one fused
+QKV matmul, partial rotary from a precomputed table, SDPA, parallel or sequential residual.
+
+It is a drop-in for the engine: ``LeanNeoX(model)(input_ids=, attention_mask=, position_ids=,
+past_key_values=BufferCache, logits_to_keep=)`` returns an object with ``.logits``; it shares
+the model's parameters (no copy).  Tests check logits against transformers in float64 for
+prefill, cached steps and tree masks.  Other architectures use transformers as before.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+
+def supports(model) -> bool:
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) != "gpt_neox":
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return rope.get("rope_type", "default") == "default" and cfg.hidden_act in ("gelu", "gelu_new", "relu")
+
+
+class LeanNeoX:
+    def __init__(self, model):
+        cfg = model.config
+        self.model, self.config = model, cfg
+        self.dtype, self.device = model.dtype, model.device
+        core = model.gpt_neox
+        self.embed = core.embed_in.weight  # (V, d)
+        self.final_ln = (core.final_layer_norm.weight, core.final_layer_norm.bias)
+        self.lm_head = model.lm_head.weight  # (V, d)
+        self.eps = cfg.layer_norm_eps
+        self.heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // self.heads
+        self.parallel = cfg.use_parallel_residual
+        self.act = core.layers[0].mlp.act
+        self.scaling = core.layers[0].attention.scaling
+        self.layers = [(
+            (l.input_layernorm.weight, l.input_layernorm.bias),
+            (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),
+            (l.attention.query_key_value.weight, l.attention.query_key_value.bias),
+            (l.attention.dense.weight, l.attention.dense.bias),
+            (l.mlp.dense_h_to_4h.weight, l.mlp.dense_h_to_4h.bias),
+            (l.mlp.dense_4h_to_h.weight, l.mlp.dense_4h_to_h.bias),
+        ) for l in core.layers]
+        # rotary table, computed as transformers does (float32 angles, cast to the model dtype)
+        inv_freq = core.rotary_emb.inv_freq.to(self.device, torch.float)  # (r/2,)
+        pos = torch.arange(cfg.max_position_embeddings, device=self.device, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, r)
+        scale = core.rotary_emb.attention_scaling
+        self.cos = (emb.cos() * scale).to(self.dtype)
+        self.sin = (emb.sin() * scale).to(self.dtype)
+        self.rot = emb.shape[-1]
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (1, H, n, hd); cos/sin: (1, 1, n, r) -> x with its first r dims rotated."""
+        r = self.rot
+        xr, xp = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
+                 logits_to_keep: int = 0):
+        """input_ids: (1, n); attention_mask: additive (1, 1, n, P + n) or None (causal);
+        position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
+        Returns ``.logits`` (1, n or logits_to_keep, V)."""
+        n = input_ids.shape[1]
+        cache = past_key_values
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=self.device)[None]
+        cos = self.cos[position_ids][:, None]  # (1, 1, n, r)
+        sin = self.sin[position_ids][:, None]
+        mask = attention_mask
+        if mask is None and n > 1:  # causal over the new tokens, all of the cached prefix
+            allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
+            mask = allowed[None, None]
+        h = F.embedding(input_ids, self.embed)  # (1, n, d)
+        H, hd = self.heads, self.head_dim
+        for i, (ln1, ln2, qkv_w, out_w, fc1, fc2) in enumerate(self.layers):
+            x = F.layer_norm(h, h.shape[-1:], ln1[0], ln1[1], self.eps)
+            qkv = F.linear(x, *qkv_w).view(1, n, H, 3 * hd).transpose(1, 2)  # (1, H, n, 3hd)
+            q, k, v = qkv.chunk(3, dim=-1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if cache is not None:
+                k, v = cache.layers[i].update(k, v)  # (1, H, P + n, hd)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+            a = F.linear(a.transpose(1, 2).reshape(1, n, H * hd), *out_w)
+            if self.parallel:
+                y = F.layer_norm(h, h.shape[-1:], ln2[0], ln2[1], self.eps)
+                h = F.linear(self.act(F.linear(y, *fc1)), *fc2) + a + h
+            else:
+                a = a + h
+                y = F.layer_norm(a, a.shape[-1:], ln2[0], ln2[1], self.eps)
+                h = F.linear(self.act(F.linear(y, *fc1)), *fc2) + a
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
+        return SimpleNamespace(logits=F.linear(h, self.lm_head))
+
+
+def lean(model):
+    """The lean forward for a supported model, else the model itself."""
+    return LeanNeoX(model) if model is not None and supports(model) else model
