@@ -9,10 +9,14 @@ Ingredients, all measured on the actual device:
 * :class:`LatencyModel` — target verification time for n tree tokens and draft time per tree
   level, profiled once per pair (a fraction of a second) with a realistic cache length.
 * :class:`Calibration` — the probability that the target agrees with a drafted token, as a
-  function of the draft's conditional probability q of that token.  DySpec's hypothesis is
+  function of the draft's conditional probability q of that token and its rank among its
+  siblings (an under-confident draft's top-1 at q = 0.07 can still be right 60% of the time,
+  while its second choice at the same q is right far less often).  DySpec's hypothesis is
   that q tracks acceptance; a poorly calibrated draft (top-1 q mostly < 0.4 even where right)
   breaks the identity, so it is learned online: every node whose parent was accepted was
-  *tested*, and it was accepted or not.  A Beta prior centred on q keeps early estimates sane.
+  *tested*, and it was accepted or not.  The prior is optimistic (two pseudo-acceptances per
+  cell): an estimate at q would starve itself, because nodes the budget never verifies are never
+  observed; optimism gets every cell tested a few times, then the data takes over.
 * The value of a node is the calibrated probability that its whole path is accepted; the
   expected tokens an iteration commits are 1 (the bonus) + the sum of selected values.
 
@@ -44,6 +48,17 @@ class LatencyModel:
     verify_ms: dict[int, float]  # tree tokens -> ms per target forward
     draft_ms: dict[int, float]  # frontier width -> ms per draft forward
     overhead_ms: float = 1.0  # per-iteration bookkeeping outside the model forwards
+    # Online corrections (EMA of observed minus profiled ms): the profile times bare forwards,
+    # while an iteration also pays tree growth, masks, top-k transfers, accept and commit.
+    verify_extra_ms: float = 0.0
+    draft_extra_ms: float = 0.0
+    ema: float = 0.1
+
+    def observe_verify(self, n: int, ms: float) -> None:
+        self.verify_extra_ms += self.ema * (ms - self._interp(self.verify_ms, n) - self.verify_extra_ms)
+
+    def observe_draft(self, width: int, ms: float) -> None:
+        self.draft_extra_ms += self.ema * (ms - self._interp(self.draft_ms, width) - self.draft_extra_ms)
 
     @staticmethod
     def _interp(table: dict[int, float], x: float) -> float:
@@ -57,10 +72,10 @@ class LatencyModel:
         return table[b] + (table[b] - table[a]) / (b - a) * (x - b)
 
     def verify(self, n: int) -> float:
-        return self._interp(self.verify_ms, n)
+        return self._interp(self.verify_ms, n) + self.verify_extra_ms
 
     def draft(self, width: int) -> float:
-        return self._interp(self.draft_ms, width)
+        return self._interp(self.draft_ms, width) + self.draft_extra_ms
 
 
 def _time_ms(fn, repeats: int) -> float:
@@ -114,35 +129,32 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), widths=
 
 @dataclass
 class Calibration:
-    """P(target agrees with a drafted token | draft conditional probability q), learned online."""
+    """P(target agrees with a drafted token | draft probability q, sibling rank), learned online."""
 
     bins: int = 20
-    prior: float = 4.0  # pseudo-observations at the prior mean q
+    ranks: int = 4  # ranks 0, 1, 2 and "3 or later" are calibrated separately
+    prior: float = 2.0  # pseudo-observations, all accepted (optimism; see the module docstring)
 
     def __post_init__(self):
-        self.tested = [0.0] * self.bins
-        self.accepted = [0.0] * self.bins
-        self.top1_tested = 0.0
-        self.top1_accepted = 0.0
+        self.tested = [[0.0] * self.bins for _ in range(self.ranks)]
+        self.accepted = [[0.0] * self.bins for _ in range(self.ranks)]
 
-    def _bin(self, q: float) -> int:
-        return min(int(q * self.bins), self.bins - 1)
+    def _cell(self, q: float, rank: int) -> tuple[int, int]:
+        return min(rank, self.ranks - 1), min(int(q * self.bins), self.bins - 1)
 
-    def __call__(self, q: float) -> float:
-        b = self._bin(q)
-        return (self.accepted[b] + self.prior * q) / (self.tested[b] + self.prior)
+    def __call__(self, q: float, rank: int = 0) -> float:
+        r, b = self._cell(q, rank)
+        return (self.accepted[r][b] + self.prior) / (self.tested[r][b] + self.prior)
 
     def top1(self) -> float:
-        """Calibrated acceptance of a node's most probable child (for look-ahead)."""
-        return (self.top1_accepted + self.prior * 0.5) / (self.top1_tested + self.prior)
+        """Calibrated acceptance of a node's first child over all q (for look-ahead)."""
+        t, a = sum(self.tested[0]), sum(self.accepted[0])
+        return (a + self.prior) / (t + self.prior)
 
-    def update(self, q: float, ok: bool, top1: bool) -> None:
-        b = self._bin(q)
-        self.tested[b] += 1
-        self.accepted[b] += ok
-        if top1:
-            self.top1_tested += 1
-            self.top1_accepted += ok
+    def update(self, q: float, ok: bool, rank: int) -> None:
+        r, b = self._cell(q, rank)
+        self.tested[r][b] += 1
+        self.accepted[r][b] += ok
 
 
 def select(values: list[float], lat: LatencyModel, spent_ms: float) -> tuple[int, float, float]:

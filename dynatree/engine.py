@@ -229,7 +229,9 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             path = torch.tensor(path_nodes, device=dev)  # (k,)
             target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update)
         _sync(dev)
-        verify_time += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        verify_time += dt
+        policy.observe_verify(len(tree), dt)
         if drafter is not None:
             drafter.commit([order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
         accepted = len(path_nodes) - 1

@@ -19,6 +19,42 @@ import torch
 import torch.nn.functional as F
 
 
+PACK_HINT = 64  # oneDNN packs for this many rows; measured flat-ish from 2 to 16 rows on this CPU
+
+
+def can_pack(model) -> bool:
+    """oneDNN-packed weights for multi-row forwards: CPU, float32, and weights big enough to be
+    memory-bound (a 10 MB draft stays in cache and gets slower packed) yet small enough to keep a
+    second copy (the 1-row path keeps the plain weights, which are faster there)."""
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and 32 * 2**20 <= n_bytes <= 2 * 2**30
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear:
+    """``y = x W^T + b`` with the faster CPU kernel for the row count.
+
+    One row (ar steps, single-node draft levels) is memory-bound: MKL's GEMV over the plain
+    weights (kept in (in, out) layout, see models.cpu_layout) streams them once and wins.  Two or
+    more rows (tree verification, wide draft levels) go through oneDNN with weights packed once
+    at load: on this project's CPU, six layers' worth of 512x2048 matmuls cost 6.7 ms for 4 rows
+    and 10.8 ms for 16 rows packed, against 11.0 and 15.5 ms unpacked.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
+        self.weight, self.bias = weight, bias
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_HINT)
+                       if pack else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (1, n, in) -> (1, n, out)."""
+        if self.packed is None or x.shape[1] == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias,
+                                               "none", [], "")
+        return y.view(*x.shape[:-1], -1)
+
+
 def supports(model) -> bool:
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) != "gpt_neox":
@@ -33,9 +69,10 @@ class LeanNeoX:
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
         core = model.gpt_neox
+        pack = can_pack(model)
         self.embed = core.embed_in.weight  # (V, d)
         self.final_ln = (core.final_layer_norm.weight, core.final_layer_norm.bias)
-        self.lm_head = model.lm_head.weight  # (V, d)
+        self.lm_head = Linear(model.lm_head.weight, None, pack)  # d -> V
         self.eps = cfg.layer_norm_eps
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // self.heads
@@ -45,10 +82,8 @@ class LeanNeoX:
         self.layers = [(
             (l.input_layernorm.weight, l.input_layernorm.bias),
             (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),
-            (l.attention.query_key_value.weight, l.attention.query_key_value.bias),
-            (l.attention.dense.weight, l.attention.dense.bias),
-            (l.mlp.dense_h_to_4h.weight, l.mlp.dense_h_to_4h.bias),
-            (l.mlp.dense_4h_to_h.weight, l.mlp.dense_4h_to_h.bias),
+            *(Linear(m.weight, m.bias, pack) for m in (l.attention.query_key_value, l.attention.dense,
+                                                        l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
         ) for l in core.layers]
         # rotary table, computed as transformers does (float32 angles, cast to the model dtype)
         inv_freq = core.rotary_emb.inv_freq.to(self.device, torch.float)  # (r/2,)
@@ -89,24 +124,24 @@ class LeanNeoX:
         H, hd = self.heads, self.head_dim
         for i, (ln1, ln2, qkv_w, out_w, fc1, fc2) in enumerate(self.layers):
             x = F.layer_norm(h, h.shape[-1:], ln1[0], ln1[1], self.eps)
-            qkv = F.linear(x, *qkv_w).view(1, n, H, 3 * hd).transpose(1, 2)  # (1, H, n, 3hd)
+            qkv = qkv_w(x).view(1, n, H, 3 * hd).transpose(1, 2)  # (1, H, n, 3hd)
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             if cache is not None:
                 k, v = cache.layers[i].update(k, v)  # (1, H, P + n, hd)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-            a = F.linear(a.transpose(1, 2).reshape(1, n, H * hd), *out_w)
+            a = out_w(a.transpose(1, 2).reshape(1, n, H * hd))
             if self.parallel:
                 y = F.layer_norm(h, h.shape[-1:], ln2[0], ln2[1], self.eps)
-                h = F.linear(self.act(F.linear(y, *fc1)), *fc2) + a + h
+                h = fc2(self.act(fc1(y))) + a + h
             else:
                 a = a + h
                 y = F.layer_norm(a, a.shape[-1:], ln2[0], ln2[1], self.eps)
-                h = F.linear(self.act(F.linear(y, *fc1)), *fc2) + a
+                h = fc2(self.act(fc1(y))) + a
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return SimpleNamespace(logits=F.linear(h, self.lm_head))
+        return SimpleNamespace(logits=self.lm_head(h))
 
 
 def lean(model):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 
 from .config import (ARConfig, DynaTreeConfig, DySpecConfig, FixedTreeConfig, LinearConfig)
@@ -90,6 +91,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
     tree = Tree.root_only(root_token)
     if max_depth <= 0 or max_nodes <= 0:
         return tree
+    t_level = time.perf_counter()
     probs, ids = drafter.root(tree, kmax)
     frontier, dists, vals = [0], [(probs, ids)], [1.0]
     a_top = calib.top1()
@@ -97,7 +99,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         cands = []
         for u, (p, t) in zip(frontier, dists):
             for r in range(min(n_children(u, calib(p[0])), len(p))):
-                value = vals[u] * calib(p[r])
+                value = vals[u] * calib(p[r], r)
                 if value >= tau:
                     cands.append((value, tree.logp[u] + _log(p[r]), u, t[r]))
         cands = _best(cands, max_nodes - (len(tree) - 1))
@@ -114,6 +116,9 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         if not frontier or sum(vals[v] * a_top for v in frontier) < rate * lat.draft(len(frontier)):
             break
         dists = list(zip(*drafter.expand(tree, frontier, kmax)))
+        now = time.perf_counter()  # a level's real cost: the forward plus this loop's bookkeeping
+        lat.observe_draft(len(frontier), (now - t_level) * 1e3)
+        t_level = now
     tree.keep = [0] + sorted(ranked[:k])
     return tree
 
@@ -131,6 +136,9 @@ class NoDraft:
 
     def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
         pass
+
+    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+        """Wall time of one verification (forward, accept, commit) over ``n_tokens`` tree tokens."""
 
 
 class Linear(NoDraft):
@@ -164,6 +172,10 @@ class DynaTree(NoDraft):
         if self.cfg.hw_budget == "auto":
             self.latency = budget.profile(pair)
             self.calib = pair.state.setdefault("calibration", budget.Calibration())
+
+    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+        if self.latency is not None:
+            self.latency.observe_verify(n_tokens, seconds * 1e3)
 
     def _branching(self, u: int, conf: float) -> int:
         c = self.cfg
@@ -211,13 +223,13 @@ class DynaTree(NoDraft):
         """
         c = self.cfg
         if self.calib is not None and len(tree) > 1:
-            on_path, seen_parent = set(path), set()
-            for u in range(1, len(tree)):
+            on_path, rank = set(path), {}
+            for u in range(1, len(tree)):  # siblings appear in draft rank order
                 parent = tree.parents[u]
                 if parent in on_path:
                     q = math.exp(tree.logp[u] - tree.logp[parent])
-                    self.calib.update(q, u in on_path, top1=parent not in seen_parent)
-                    seen_parent.add(parent)
+                    self.calib.update(q, u in on_path, rank=rank.get(parent, 0))
+                    rank[parent] = rank.get(parent, 0) + 1
         if not c.history or tree.max_depth == 0:
             return
         self.window.append(accepted / tree.max_depth)

@@ -20,13 +20,15 @@ def test_select_stops_where_tokens_per_ms_peak():
 
 def test_calibration_learns_a_poorly_calibrated_draft():
     cal = Calibration()
-    assert abs(cal(0.3) - 0.3) < 1e-9  # the prior is the draft's own probability
+    assert cal(0.3) == 1.0  # an optimistic prior: untested cells get tested
     for _ in range(200):
-        cal.update(0.3, True, top1=True)
-        cal.update(0.3, True, top1=True)
-        cal.update(0.3, False, top1=True)
+        cal.update(0.3, True, rank=0)
+        cal.update(0.3, True, rank=0)
+        cal.update(0.3, False, rank=0)
+        cal.update(0.3, False, rank=1)  # the same q as a second choice: rarely right
     assert 0.6 < cal(0.3) < 0.7 and 0.6 < cal.top1() < 0.7
-    assert cal(0.9) == 0.9  # untouched bins keep the prior
+    assert cal(0.3, rank=1) < 0.02
+    assert cal(0.9) == 1.0 and cal(0.3, rank=2) == 1.0  # untouched cells keep the prior
 
 
 def test_flatten_keeps_only_selected_nodes():
