@@ -221,7 +221,8 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 "iterations": m.get("iterations"), "tokens_per_iteration": m.get("tokens_per_iteration"),
                 "avg_path_length": m.get("avg_path_length"), "acceptance_rate": m.get("acceptance_rate"),
                 "mean_tree_size": m.get("mean_tree_size"), "draft_time_s": m.get("draft_time_s"),
-                "verify_time_s": m.get("verify_time_s"), "target_forwards": m.get("target_forwards"),
+                "verify_time_s": m.get("verify_time_s"), "forward_time_s": m.get("forward_time_s"),
+                "overhead_fraction": m.get("overhead_fraction"), "target_forwards": m.get("target_forwards"),
                 "draft_forwards": m.get("draft_forwards"), "peak_memory_mb": mem.peak_mb,
                 "matches_ar": None if sampled else diff is None, "first_divergence": diff,
             })

@@ -25,9 +25,12 @@ verification ms per extra token at the current size):
 
 * a node is worth verifying iff value > R·δ (it adds more tokens than its time would earn at
   the current rate);
-* another draft level is worth running iff the frontier's optimistic gain Σ value(u)·ā, over
-  frontier nodes whose best child could clear the bar, exceeds R × the level's draft time, where
-  ā is the calibrated acceptance of a top-1 child.
+* another draft level is worth running iff, for some horizon L ≤ 3, extending every frontier
+  node (those whose best child could clear the bar) by a chain of L first children adds more
+  expected tokens, Σ value(u)·(ā + … + ā^L), than R × (L draft levels + the extra verification
+  time), where ā is the calibrated acceptance of a first child.  One level alone often does not
+  pay while three do (the verification cost is nearly flat from 2 to 8 tokens), so a one-step
+  rule stops too early.
 
 DynaTree's own mechanisms (confidence-driven breadth, depth gating, pruning, node budget,
 history) still decide which children exist; the budget only decides how much of that tree is
@@ -155,6 +158,19 @@ class Calibration:
         r, b = self._cell(q, rank)
         self.tested[r][b] += 1
         self.accepted[r][b] += ok
+
+
+def worth_drafting(values: list[float], a: float, rate: float, lat: LatencyModel, n: int,
+                   horizon: int = 3) -> bool:
+    """values: frontier nodes' values; n: tree tokens verified so far.  See the module rules."""
+    width, s = len(values), sum(values)
+    gain, base = 0.0, lat.verify(n)
+    for depth in range(1, horizon + 1):
+        gain += s * a ** depth
+        cost = depth * lat.draft(width) + lat.verify(n + depth * width) - base
+        if gain > rate * cost:
+            return True
+    return False
 
 
 def select(values: list[float], lat: LatencyModel, spent_ms: float) -> tuple[int, float, float]:

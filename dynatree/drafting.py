@@ -104,13 +104,17 @@ class Drafter:
                 rows.append(r)
                 cols.append(self.slot[v])
                 v = tree.parents[v]
-        dtype = self.model.dtype
-        mask = torch.full((n, start + n), torch.finfo(dtype).min, dtype=dtype, device=dev)
-        mask[:, : self.base] = 0
-        mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0
+        if n == 1 and len(cols) == start + 1 - self.base:
+            mask = None  # a chain: the one node sees every cached slot, as a plain cached step does
+        else:
+            dtype = self.model.dtype
+            mask = torch.full((n, start + n), torch.finfo(dtype).min, dtype=dtype, device=dev)
+            mask[:, : self.base] = 0
+            mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0
+            mask = mask[None, None]
         ids = torch.tensor([[tree.tokens[u] for u in nodes]], device=dev)  # (1, n)
         pos = torch.tensor([[self.root_pos + tree.depths[u] for u in nodes]], device=dev)  # (1, n)
-        out = self.model(input_ids=ids, attention_mask=mask[None, None], position_ids=pos,
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=self.cache, use_cache=True)
         self.forwards += 1
         self.fed_tokens += n

@@ -37,7 +37,7 @@ import torch
 from .config import ARConfig, SpecConfig, make_config
 from .drafting import Drafter
 from .kvcache import new_cache
-from .metrics import Metrics, Tally, finish
+from .metrics import Metrics, Tally, Timed, finish
 from .models import ModelPair
 from .policies import make_policy
 from .sampling import Sampler, walk
@@ -141,7 +141,8 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                            f"{pair.max_context}-token context")
     kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
-    target, dev = pair.runner("target"), pair.device
+    clock = [0.0]  # seconds inside model forwards (metrics.Timed)
+    target, dev = Timed(pair.runner("target"), clock), pair.device
     eos = None if ignore_eos else pair.eos_token_id
     n_prompt = len(prompt_ids)
     sampler = Sampler.from_config(cfg, dev)
@@ -190,7 +191,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
     drafter = None
     if policy.needs_draft:
-        drafter = Drafter(pair.runner("draft"), pair.vocab, capacity, sampler)
+        drafter = Drafter(Timed(pair.runner("draft"), clock), pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
 
     while reason is None:
@@ -251,7 +252,8 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     metrics = finish(tally, prompt_tokens=n_prompt, new_tokens=len(out), wall=wall, ttft=ttft,
                      prefill=prefill, draft_time=drafter.seconds if drafter else 0.0,
                      verify_time=verify_time, target_forwards=target_forwards,
-                     draft_forwards=drafter.forwards if drafter else 0, device=dev)
+                     draft_forwards=drafter.forwards if drafter else 0, device=dev,
+                     forward_time=clock[0])
     return out, finish_reason, metrics
 
 

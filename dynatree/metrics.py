@@ -15,12 +15,17 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 * ``draft_time_s`` / ``verify_time_s``: wall time inside drafting (draft forwards and tree
   growth) and inside target verification (forward + accept + cache commit); the rest of
   ``wall_time_s`` is prefill and bookkeeping.
+* ``forward_time_s``: wall time inside model forwards (target and draft, prefill included);
+  ``overhead_fraction`` = 1 - forward_time_s / wall_time_s is everything else — tree growth,
+  masks, top-k transfers, accept, cache commit, Python.  Exact on CPU; on CUDA the forwards are
+  asynchronous, so there it counts launch time unless something synchronises.
 * ``peak_memory_mb``: CUDA max allocated during the call on GPU; on CPU the process's peak RSS
   (a process-lifetime high-water mark, so it only grows across calls).
 """
 from __future__ import annotations
 
 import resource
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,6 +50,8 @@ class Metrics:
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    overhead_fraction: float = 0.0
     peak_memory_mb: float = 0.0
 
     def as_dict(self) -> dict:
@@ -69,6 +76,20 @@ class Tally:
         self.nodes += nodes
 
 
+class Timed:
+    """A model forward that adds its wall time to ``seconds`` (shared by target and draft)."""
+
+    def __init__(self, model, clock: list[float]):
+        self.model, self.clock = model, clock
+        self.config, self.dtype, self.device = model.config, model.dtype, model.device
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.model(*args, **kwargs)
+        self.clock[0] += time.perf_counter() - t0
+        return out
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -77,7 +98,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, ttft: float,
            prefill: float, draft_time: float, verify_time: float, target_forwards: int,
-           draft_forwards: int, device: torch.device) -> Metrics:
+           draft_forwards: int, device: torch.device, forward_time: float = 0.0) -> Metrics:
     it = tally.iterations
     return Metrics(
         prompt_tokens=prompt_tokens,
@@ -97,5 +118,7 @@ def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, tt
         prefill_time_s=prefill,
         draft_time_s=draft_time,
         verify_time_s=verify_time,
+        forward_time_s=forward_time,
+        overhead_fraction=1.0 - forward_time / wall if wall > 0 else 0.0,
         peak_memory_mb=peak_memory_mb(device),
     )

@@ -93,6 +93,9 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         return tree
     t_level = time.perf_counter()
     probs, ids = drafter.root(tree, kmax)
+    now = time.perf_counter()
+    lat.observe_draft(1, (now - t_level) * 1e3)
+    t_level = now
     frontier, dists, vals = [0], [(probs, ids)], [1.0]
     a_top = calib.top1()
     while True:
@@ -113,7 +116,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         if not new or len(tree) - 1 >= max_nodes or tree.depths[new[0]] >= max_depth:
             break
         frontier = [v for v in new if gate(tree.depths[v], vals[v]) and vals[v] * a_top > bar]
-        if not frontier or sum(vals[v] * a_top for v in frontier) < rate * lat.draft(len(frontier)):
+        if not frontier or not budget.worth_drafting([vals[v] for v in frontier], a_top, rate, lat, k + 1):
             break
         dists = list(zip(*drafter.expand(tree, frontier, kmax)))
         now = time.perf_counter()  # a level's real cost: the forward plus this loop's bookkeeping

@@ -72,8 +72,8 @@ def tables(rows: list[dict]) -> str:
     parts.append("\n".join(lines))
 
     lines = ["## Verification efficiency", "",
-             "| dataset | method | acceptance | L̄ tokens/iter | ℓ̄ accepted/iter | iterations | tree nodes | draft s | verify s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| dataset | method | acceptance | L̄ tokens/iter | ℓ̄ accepted/iter | iterations | tree nodes | draft s | verify s | outside forwards |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for d in datasets:
         for m in methods:
             rs = g[d].get(m, [])
@@ -83,7 +83,8 @@ def tables(rows: list[dict]) -> str:
                          f"{_ms([r['tokens_per_iteration'] for r in rs], '{:.2f}')} | "
                          f"{_ms([r['avg_path_length'] for r in rs], '{:.2f}')} | "
                          f"{_ms([r['iterations'] for r in rs])} | {_ms([r['mean_tree_size'] for r in rs])} | "
-                         f"{_ms([r['draft_time_s'] for r in rs], '{:.2f}')} | {_ms([r['verify_time_s'] for r in rs], '{:.2f}')} |")
+                         f"{_ms([r['draft_time_s'] for r in rs], '{:.2f}')} | {_ms([r['verify_time_s'] for r in rs], '{:.2f}')} | "
+                         f"{_ms([100 * r['overhead_fraction'] if r.get('overhead_fraction') is not None else None for r in rs], '{:.1f}%')} |")
     parts.append("\n".join(lines))
 
     # ablation and KV-update tables use whichever labelled variants the run contains

@@ -20,10 +20,12 @@ was shaped.  This needs two things the code guarantees: every candidate drawn at
 (the tree may keep any subset, chosen by value, without biasing the test), and the tree never
 decides whether to keep a node from that node's own descendants.
 
-A seeded ``torch.Generator`` drives every draw (draft candidates, acceptance coins, residual
-samples), so a seed reproduces a generation exactly.
+A seeded ``torch.Generator`` drives the draft's draws and the residual samples and a seeded
+host RNG the acceptance coins, so a seed reproduces a generation exactly.
 """
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -35,6 +37,7 @@ class Sampler:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(seed)
+        self.coins = random.Random(seed)  # host-side: a coin needs no device op or sync
 
     @classmethod
     def from_config(cls, cfg, device: torch.device) -> "Sampler | None":
@@ -56,8 +59,8 @@ class Sampler:
         return x.softmax(-1)
 
     def uniform(self) -> float:
-        """One U(0, 1) coin.  Host sync (the accept decision steers the walk)."""
-        return float(torch.rand((), generator=self.gen, device=self.gen.device))
+        """One U(0, 1) coin."""
+        return self.coins.random()
 
     def sample(self, probs: torch.Tensor) -> int:
         """probs: (V,) -> one token id.  Host sync."""
@@ -91,25 +94,33 @@ def walk(p: torch.Tensor, cands: dict[int, tuple[torch.Tensor, list[int]]],
     while True:
         r = p[u]
         q0, xs = cands.get(u, (None, []))
-        accepted = None
+        accepted, q = None, None
         if xs:
-            q = torch.zeros_like(r)
-            q[: q0.shape[0]] = q0.to(r.dtype)
-            for x in xs:
-                q = q / q.sum()
-                r_x, q_x = (float(v) for v in torch.stack([r[x], q[x]]).tolist())  # host sync: one per try
-                if q_x <= 0:
+            # One transfer per node: the draws' draft and target probabilities.  While nothing is
+            # rejected, q_i(x_i) = q(x_i) / (1 - mass of earlier draws) and R = p, so an accepted
+            # first draw (the common case) costs no vector work at all.
+            idx = torch.tensor(xs, device=r.device)
+            q_xs, r_xs = torch.stack([q0[idx].to(r.dtype), r[idx]]).tolist()  # host sync: one per node
+            removed = 0.0
+            for i, x in enumerate(xs):
+                left = 1.0 - removed
+                if left <= 1e-12:
                     break  # the draft's support is used up
+                q_x = q_xs[i] / left
+                r_x = r_xs[i] if q is None else float(r[x])  # host sync after a rejection
                 if sampler.uniform() < accept_prob(r_x, q_x):
                     accepted = x
                     break
-                res = (r - q).clamp_(min=0)
-                mass = res.sum()
-                if float(mass) > 1e-12:  # p == q_i would make rejection impossible; guard the rounding
+                if q is None:
+                    q = torch.zeros_like(r)
+                    q[: q0.shape[0]] = q0.to(r.dtype)
+                    q[idx[:i]] = 0  # draws before this one
+                res = (r - q / left).clamp_(min=0)
+                mass = float(res.sum())
+                if mass > 1e-12:  # p == q_i would make rejection impossible; guard the rounding
                     r = res / mass
                 q[x] = 0
-                if float(q.sum()) <= 0:
-                    break
+                removed += q_xs[i]
         if accepted is None:
             return path, sampler.sample(r)
         child = children.get((u, accepted))

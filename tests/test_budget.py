@@ -1,5 +1,5 @@
 """The hardware-aware budget's pieces: latency interpolation, node selection, calibration."""
-from dynatree.budget import Calibration, LatencyModel, select
+from dynatree.budget import Calibration, LatencyModel, select, worth_drafting
 from dynatree.tree import Tree, flatten_bfs
 
 
@@ -39,3 +39,13 @@ def test_flatten_keeps_only_selected_nodes():
     t.keep = [0, a, c]
     flat, order = flatten_bfs(t)
     assert flat.tokens == [10, 11, 13] and flat.parents == [-1, 0, 1] and order == [0, 1, 3]
+
+
+def test_drafting_looks_past_one_level():
+    # verification nearly flat from 2 to 8 tokens, 2 ms per draft level, rate 0.13 tokens/ms
+    lat = LatencyModel({1: 9.0, 2: 12.0, 8: 13.0, 16: 18.0}, {1: 2.0, 16: 2.0}, overhead_ms=0.0)
+    # one level: 0.6 tokens for 2 + 3 ms does not beat the rate (0.65); two levels, 0.96 tokens
+    # for 4 + 3.17 ms, do (0.93)
+    assert worth_drafting([1.0], 0.6, 0.13, lat, 1)
+    assert not worth_drafting([1.0], 0.6, 0.13, lat, 1, horizon=1)
+    assert not worth_drafting([0.05], 0.6, 0.13, lat, 1)
