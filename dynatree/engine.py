@@ -73,17 +73,27 @@ class TreeTensors:
     parents: torch.Tensor  # (n,) int64, root -1
     depths: torch.Tensor  # (n,) int64
     anc: torch.Tensor  # (n, n) bool
+    chain: bool  # node i's parent is i - 1: the tree mask is the causal mask
 
 
 def tree_tensors(tree: Tree, device: torch.device) -> TreeTensors:
+    n = len(tree)
+    chain = tree.parents == list(range(-1, n - 1))
     tokens = torch.tensor(tree.tokens, device=device)
     parents = torch.tensor(tree.parents, device=device)
     depths = torch.tensor(tree.depths, device=device)
-    return TreeTensors(tokens, parents, depths, ancestor_matrix(parents, tree.max_depth))
+    anc = (torch.ones(n, n, dtype=torch.bool, device=device).tril_() if chain
+           else ancestor_matrix(parents, tree.max_depth))
+    return TreeTensors(tokens, parents, depths, anc, chain)
 
 
 def verify_tree(model, cache, tt: TreeTensors, prefix_len: int) -> torch.Tensor:
-    """One target forward over the flattened tree; returns logits (n, V)."""
+    """One target forward over the flattened tree; returns logits (n, V).
+
+    A chain is an ordinary multi-token cached step (causal mask, consecutive positions), so it
+    skips the tree buffers."""
+    if tt.chain:
+        return model(input_ids=tt.tokens[None], past_key_values=cache, use_cache=True).logits[0]
     mask = tree_attention_mask(tt.anc, prefix_len, model.dtype)  # (1, 1, n, P + n)
     out = model(input_ids=tt.tokens[None], attention_mask=mask,
                 position_ids=position_ids(tt.depths, prefix_len), past_key_values=cache, use_cache=True)
@@ -91,13 +101,17 @@ def verify_tree(model, cache, tt: TreeTensors, prefix_len: int) -> torch.Tensor:
 
 
 def commit_target(model, cache, path: torch.Tensor, path_tokens: torch.Tensor, prefix_len: int,
-                  kv_update: str) -> int:
+                  kv_update: str, in_place: bool = False) -> int:
     """Keep the accepted path's keys/values at slots ``prefix_len..``; returns forwards run.
 
     path: (k,) int64 node indices (root first); path_tokens: (k,) int64 their tokens.
+    in_place: the path is nodes 0..k-1 (a chain's prefix), already where it belongs.
     """
     if kv_update == "gather":
-        cache.keep(prefix_len, path + prefix_len)
+        if in_place:
+            cache.truncate(prefix_len + path.shape[0])
+        else:
+            cache.keep(prefix_len, path + prefix_len)
         return 0
     # The seed's rollback + rebuild: crop to the prefix and run the accepted tokens again.
     cache.truncate(prefix_len)
@@ -228,7 +242,8 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
             # commit
             path = torch.tensor(path_nodes, device=dev)  # (k,)
-            target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update)
+            target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update,
+                                             in_place=path_nodes[-1] == len(path_nodes) - 1)
         _sync(dev)
         dt = time.perf_counter() - t0
         verify_time += dt

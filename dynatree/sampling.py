@@ -4,8 +4,7 @@ Terms (all distributions are after the same temperature / top-k / top-p warping)
 
 * ``p_u``  the target's distribution for the token after node u's path, (V_t,);
 * ``q_u``  the draft's distribution there, (V_d,) with V_d <= V_t (missing columns are 0);
-* candidates of u: ``x_1 .. x_K``, successive draws from ``q_u`` *without replacement*
-  (Gumbel-top-K: the order of ``q / Exp(1)`` keys is the order of sequential draws), so
+* candidates of u: ``x_1 .. x_K``, successive draws from ``q_u`` *without replacement*, so
   ``x_i ~ q_i = norm(q_u with x_1 .. x_{i-1} removed)``;
 * residual ``R``: starts at ``p_u``; after ``x_i`` is rejected, ``R <- norm(max(R - q_i, 0))``.
 
@@ -20,8 +19,10 @@ was shaped.  This needs two things the code guarantees: every candidate drawn at
 (the tree may keep any subset, chosen by value, without biasing the test), and the tree never
 decides whether to keep a node from that node's own descendants.
 
-A seeded ``torch.Generator`` drives the draft's draws and the residual samples and a seeded
-host RNG the acceptance coins, so a seed reproduces a generation exactly.
+Every draw is an inverse-CDF lookup (cumsum + searchsorted) driven by one seeded host RNG —
+draft candidates, acceptance coins and residual samples alike — so a seed reproduces a
+generation exactly, and no draw costs a vocabulary-sized random tensor (``exponential_`` over
+8192 entries cost ~0.45 ms here, ``multinomial`` ~0.55 ms; a lookup is a few tens of µs).
 """
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ class Sampler:
 
     def __init__(self, temperature: float, top_k: int, top_p: float, seed: int, device: torch.device):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.gen = torch.Generator(device=device)
-        self.gen.manual_seed(seed)
-        self.coins = random.Random(seed)  # host-side: a coin needs no device op or sync
+        self.device = device
+        self.rng = random.Random(seed)
 
     @classmethod
     def from_config(cls, cfg, device: torch.device) -> "Sampler | None":
@@ -60,19 +60,32 @@ class Sampler:
 
     def uniform(self) -> float:
         """One U(0, 1) coin."""
-        return self.coins.random()
+        return self.rng.random()
+
+    def _lookup(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs: (n, V) unnormalised, nonnegative -> (n,) one draw per row."""
+        cdf = probs.cumsum(-1)  # (n, V)
+        u = torch.tensor([[self.rng.random()] for _ in range(probs.shape[0])], dtype=cdf.dtype,
+                         device=cdf.device)  # (n, 1)
+        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose cdf exceeds u
+        return idx.clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
     def sample(self, probs: torch.Tensor) -> int:
         """probs: (V,) -> one token id.  Host sync."""
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+        return int(self._lookup(probs[None])[0])
 
     def candidates(self, q: torch.Tensor, k: int) -> torch.Tensor:
         """q: (n, V) -> (n, k) token ids, each row k draws without replacement in draw order.
 
-        Tokens with q = 0 can come last in a row when k exceeds the support; callers drop them.
+        Tokens with q = 0 come last in a row when k exceeds the support; callers drop them.
         """
-        e = torch.empty_like(q).exponential_(generator=self.gen)  # (n, V) Exp(1)
-        return (q / e).topk(min(k, q.shape[-1]), dim=-1).indices
+        q = q.clone()
+        out = []
+        for _ in range(min(k, q.shape[-1])):
+            x = self._lookup(q)  # (n,)
+            out.append(x)
+            q.scatter_(1, x[:, None], 0.0)
+        return torch.stack(out, dim=1)
 
 
 def accept_prob(r_x: float, q_x: float) -> float:
