@@ -242,6 +242,31 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
 
 
+@main.command()
+@_pair_options
+@click.option("--prefix", default=256, show_default=True, help="cached tokens before the timed forwards")
+@click.option("--repeats", default=9, show_default=True, help="timings per size (the median is shown)")
+@click.option("--threads", type=int, help="torch threads")
+def profile(target, draft, device, dtype, kernel, prefix, repeats, threads):
+    """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses)."""
+    import torch
+
+    from .budget import profile as run_profile
+    from .models import PairError, load_pair
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
+    except (PairError, ValueError) as e:
+        _fail(str(e))
+    lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats)
+    click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
+               f"{torch.get_num_threads()} threads, {prefix} cached tokens; ms per forward (median of {repeats})")
+    for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
+        click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())))
+
+
 @main.command("report")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 def report_cmd(out_dir):

@@ -75,3 +75,13 @@ def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
     assert "| sampled |" in (out / "summary.md").read_text()
     bad = CliRunner().invoke(main, args[:-2] + ["--option", "nonsense=1", "--out", str(tmp_path / "b2")])
     assert bad.exit_code != 0 and "nonsense" in bad.output
+
+
+def test_profile_command(pair_dirs):
+    res = CliRunner().invoke(main, ["profile", "--target", str(pair_dirs / "target"), "--draft",
+                                    str(pair_dirs / "draft"), "--device", "cpu", "--prefix", "16",
+                                    "--repeats", "1", "--kernel", "hf"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "kernel hf" in lines[0] and lines[1].startswith("target") and "64:" in lines[1]
+    assert lines[2].startswith("draft") and "16:" in lines[2]
