@@ -157,6 +157,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
     clock = [0.0]  # seconds inside model forwards (metrics.Timed)
     target, dev = Timed(pair.runner("target"), clock), pair.device
+    draft = Timed(pair.runner("draft"), clock) if policy.needs_draft else None  # built before the clock starts
     eos = None if ignore_eos else pair.eos_token_id
     n_prompt = len(prompt_ids)
     sampler = Sampler.from_config(cfg, dev)
@@ -205,7 +206,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
     drafter = None
     if policy.needs_draft:
-        drafter = Drafter(Timed(pair.runner("draft"), clock), pair.vocab, capacity, sampler)
+        drafter = Drafter(draft, pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
 
     while reason is None:
