@@ -57,11 +57,21 @@ class LatencyModel:
     draft_extra_ms: float = 0.0
     ema: float = 0.1
 
+    # A residual is clipped to [-1/2, +1] x the profiled time: one stall on a shared host must not
+    # make drafting look so dear that it stops, since a level that never runs is never re-measured.
     def observe_verify(self, n: int, ms: float) -> None:
-        self.verify_extra_ms += self.ema * (ms - self._interp(self.verify_ms, n) - self.verify_extra_ms)
+        prof = self._interp(self.verify_ms, n)
+        extra = min(max(ms - prof, -prof / 2), prof)
+        self.verify_extra_ms += self.ema * (extra - self.verify_extra_ms)
 
     def observe_draft(self, width: int, ms: float) -> None:
-        self.draft_extra_ms += self.ema * (ms - self._interp(self.draft_ms, width) - self.draft_extra_ms)
+        prof = self._interp(self.draft_ms, width)
+        extra = min(max(ms - prof, -prof / 2), prof)
+        self.draft_extra_ms += self.ema * (extra - self.draft_extra_ms)
+
+    def relax(self) -> None:
+        """Once per iteration: let the draft correction fade unless levels keep confirming it."""
+        self.draft_extra_ms *= 1 - self.ema / 4
 
     @staticmethod
     def _interp(table: dict[int, float], x: float) -> float:

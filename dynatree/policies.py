@@ -91,6 +91,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
     tree = Tree.root_only(root_token)
     if max_depth <= 0 or max_nodes <= 0:
         return tree
+    lat.relax()
     t_level = time.perf_counter()
     probs, ids = drafter.root(tree, kmax)
     now = time.perf_counter()
