@@ -78,8 +78,9 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         if meth in HF_METHODS:
             if own.get(label):
                 raise ValueError(f"{label}: transformers peers take no options of their own")
-            opts = {k: float(v) if k in ("temperature", "top_p") else int(v)
-                    for k, v in shared.items() if k in sampling_keys}
+            given = {k: v for k, v in shared.items() if k in sampling_keys}
+            cfg = make_config("ar", given)  # the same parsing and checks as the engine's methods
+            opts = {k: getattr(cfg, k) for k in given}
         else:
             names = {f.name for f in dataclasses.fields(METHODS.get(meth, SamplingConfig))}
             given = {**{k: v for k, v in shared.items() if k in names}, **own.get(label, {})}

@@ -137,10 +137,7 @@ class Drafter:
             if u not in self.slot:
                 break
             fed.append(self.slot[u])
-        if fed and fed[-1] != self.base + len(fed) - 1:
-            self.cache.keep(self.base, torch.tensor(fed, device=self.model.device))
-        else:  # nothing kept, or the kept nodes already sit right after the base (a chain)
-            self.cache.truncate(self.base + len(fed))
+        self.cache.keep(self.base, fed)
         self.pending = list(committed[len(fed):])
         self._reset_tree()
         self.seconds += time.perf_counter() - t0

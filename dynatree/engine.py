@@ -100,18 +100,14 @@ def verify_tree(model, cache, tt: TreeTensors, prefix_len: int) -> torch.Tensor:
     return out.logits[0]
 
 
-def commit_target(model, cache, path: torch.Tensor, path_tokens: torch.Tensor, prefix_len: int,
-                  kv_update: str, in_place: bool = False) -> int:
+def commit_target(model, cache, path: list[int], path_tokens: torch.Tensor, prefix_len: int,
+                  kv_update: str) -> int:
     """Keep the accepted path's keys/values at slots ``prefix_len..``; returns forwards run.
 
-    path: (k,) int64 node indices (root first); path_tokens: (k,) int64 their tokens.
-    in_place: the path is nodes 0..k-1 (a chain's prefix), already where it belongs.
+    path: node indices (root first, ascending); path_tokens: (k,) int64 their tokens.
     """
     if kv_update == "gather":
-        if in_place:
-            cache.truncate(prefix_len + path.shape[0])
-        else:
-            cache.keep(prefix_len, path + prefix_len)
+        cache.keep(prefix_len, [prefix_len + u for u in path])
         return 0
     # The seed's rollback + rebuild: crop to the prefix and run the accepted tokens again.
     cache.truncate(prefix_len)
@@ -119,7 +115,7 @@ def commit_target(model, cache, path: torch.Tensor, path_tokens: torch.Tensor, p
     return 1
 
 
-def accept_greedy(tree: Tree, tt: TreeTensors, logits: torch.Tensor) -> tuple[list[int], int]:
+def accept_greedy(tt: TreeTensors, logits: torch.Tensor) -> tuple[list[int], int]:
     """logits: (n, V).  Returns (accepted path of nodes from the root, bonus token)."""
     path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
     host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
@@ -160,7 +156,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     draft = Timed(pair.runner("draft"), clock) if policy.needs_draft else None  # built before the clock starts
     eos = None if ignore_eos else pair.eos_token_id
     n_prompt = len(prompt_ids)
-    sampler = Sampler.from_config(cfg, dev)
+    sampler = Sampler.from_config(cfg)
 
     def next_token(logits: torch.Tensor) -> int:
         """logits: (V,).  Host sync: the next token."""
@@ -236,15 +232,14 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
             # accept
             if sampler is None:
-                path_nodes, last = accept_greedy(tree, tt, logits)
+                path_nodes, last = accept_greedy(tt, logits)
             else:
                 path_nodes, last = accept_sampled(tree, order, logits, drafter, sampler)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
 
             # commit
-            path = torch.tensor(path_nodes, device=dev)  # (k,)
-            target_forwards += commit_target(target, cache, path, tt.tokens[path], prefix_len, kv_update,
-                                             in_place=path_nodes[-1] == len(path_nodes) - 1)
+            target_forwards += commit_target(target, cache, path_nodes, tt.tokens[path_nodes], prefix_len,
+                                             kv_update)
         _sync(dev)
         dt = time.perf_counter() - t0
         verify_time += dt

@@ -97,7 +97,18 @@ class BufferCache(Cache):
         for layer in self.layers:
             layer.length = min(layer.length, length)
 
-    def keep(self, start: int, src: torch.Tensor) -> None:
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep cache slots ``slots`` (ascending host ints) at ``start ..`` and drop the rest.
+
+        Slots that already sit at ``start ..`` (an accepted chain) need no copy, only a truncate.
+        """
+        if slots == list(range(start, start + len(slots))):
+            self.truncate(start + len(slots))
+            return
+        layer0 = self.layers[0]
+        if not layer0.is_initialized:
+            return
+        src = torch.tensor(slots, device=layer0.keys.device)  # (k,)
         for layer in self.layers:
             layer.keep(start, src)
 

@@ -77,7 +77,7 @@ class Tally:
 
 
 class Timed:
-    """A model forward that adds its wall time to ``seconds`` (shared by target and draft)."""
+    """A model forward that adds its wall time to ``clock[0]`` (one clock shared by target and draft)."""
 
     def __init__(self, model, clock: list[float]):
         self.model, self.clock = model, clock

@@ -125,6 +125,8 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
                      eos_token_id: int | None = None, names: dict | None = None,
                      kernel: str = "lean") -> ModelPair:
     """Wrap already-loaded models; checks vocabulary compatibility."""
+    if kernel not in ("lean", "hf"):
+        raise PairError(f"kernel must be 'lean' or 'hf', got {kernel!r}")
     if tokenizer is not None and draft_tokenizer is not None:
         reason = _same_tokenizer(tokenizer, draft_tokenizer)
         if reason:
@@ -152,8 +154,6 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
             if m is not None:
                 cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
-    if kernel not in ("lean", "hf"):
-        raise PairError(f"kernel must be 'lean' or 'hf', got {kernel!r}")
     return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_token_id, names or {},
                      kernel=kernel)
 

@@ -92,11 +92,16 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
     if max_depth <= 0 or max_nodes <= 0:
         return tree
     lat.relax()
-    t_level = time.perf_counter()
+    clock = [time.perf_counter()]
+
+    def lap(width: int) -> None:
+        """A level's real cost: its forward plus this loop's bookkeeping since the last lap."""
+        now = time.perf_counter()
+        lat.observe_draft(width, (now - clock[0]) * 1e3)
+        clock[0] = now
+
     probs, ids = drafter.root(tree, kmax)
-    now = time.perf_counter()
-    lat.observe_draft(1, (now - t_level) * 1e3)
-    t_level = now
+    lap(1)
     frontier, dists, vals = [0], [(probs, ids)], [1.0]
     a_top = calib.top1()
     while True:
@@ -120,9 +125,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         if not frontier or not budget.worth_drafting([vals[v] for v in frontier], a_top, rate, lat, k + 1):
             break
         dists = list(zip(*drafter.expand(tree, frontier, kmax)))
-        now = time.perf_counter()  # a level's real cost: the forward plus this loop's bookkeeping
-        lat.observe_draft(len(frontier), (now - t_level) * 1e3)
-        t_level = now
+        lap(len(frontier))
     tree.keep = [0] + sorted(ranked[:k])
     return tree
 

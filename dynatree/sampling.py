@@ -34,15 +34,14 @@ import torch
 class Sampler:
     """Warping and seeded draws for one generation.  ``temperature == 0`` never builds one."""
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int, device: torch.device):
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.device = device
         self.rng = random.Random(seed)
 
     @classmethod
-    def from_config(cls, cfg, device: torch.device) -> "Sampler | None":
+    def from_config(cls, cfg) -> "Sampler | None":
         t = getattr(cfg, "temperature", 0.0)
-        return cls(t, cfg.top_k, cfg.top_p, cfg.seed, device) if t > 0 else None
+        return cls(t, cfg.top_k, cfg.top_p, cfg.seed) if t > 0 else None
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (n, V) -> (n, V) probabilities (float32, or float64 for float64 models)."""

@@ -12,13 +12,18 @@ TEXTS = ["The quick brown fox jumps over the lazy dog and keeps running far away
          "Call me Ishmael. Some years ago, never mind how long precisely, having little money. " * 3]
 
 
-def test_bench_and_report(pair_dirs, tmp_path):
+def bench_args(pair_dirs, tmp_path, prompts: int, new_tokens: int) -> list[str]:
+    """`dynatree bench` on the tiny pair over TEXTS written to a Parquet file (float64, CPU)."""
     data = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"text": TEXTS}), data)
+    return ["bench", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+            "--device", "cpu", "--dtype", "float64", "--dataset", f"tiny={data}", "--prompts", str(prompts),
+            "--warmup", "1", "--max-prompt-tokens", "16", "--max-new-tokens", str(new_tokens)]
+
+
+def test_bench_and_report(pair_dirs, tmp_path):
     out = tmp_path / "bench"
-    args = ["bench", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
-            "--device", "cpu", "--dtype", "float64", "--dataset", f"tiny={data}", "--prompts", "3",
-            "--warmup", "1", "--max-prompt-tokens", "16", "--max-new-tokens", "10",
+    args = bench_args(pair_dirs, tmp_path, 3, 10) + [
             "--methods", "ar,linear,fixed=fixed_tree,dynatree,dt_fixed=dynatree,dt_recompute=dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic",
             "--option", "dt_fixed.dynamic_breadth=false", "--option", "dt_fixed.dynamic_depth=false",
             "--option", "dt_fixed.history=false", "--option", "dt_recompute.kv_update=recompute",
@@ -55,12 +60,8 @@ def test_bench_and_report(pair_dirs, tmp_path):
 def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
     """A bare KEY=VALUE option reaches every method (the HF peers' sampling too); rows are not
     compared with greedy ar, and the report says so."""
-    data = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"text": TEXTS}), data)
     out = tmp_path / "bench"
-    args = ["bench", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
-            "--device", "cpu", "--dtype", "float64", "--dataset", f"tiny={data}", "--prompts", "2",
-            "--warmup", "1", "--max-prompt-tokens", "16", "--max-new-tokens", "8",
+    args = bench_args(pair_dirs, tmp_path, 2, 8) + [
             "--methods", "linear,dynatree,hf_assisted", "--option", "temperature=0.6",
             "--option", "seed=3", "--option", "dynatree.top_p=0.9", "--out", str(out)]
     res = CliRunner().invoke(main, args)

@@ -31,7 +31,7 @@ def small_pair():
 
 def exact_distribution(pair, opts) -> dict[tuple, float]:
     cfg = make_config("ar", {k: v for k, v in opts.items() if k in ("temperature", "top_k", "top_p")})
-    s = Sampler.from_config(cfg, torch.device("cpu"))
+    s = Sampler.from_config(cfg)
     out = {}
     with torch.no_grad():
         for seq in itertools.product(range(V), repeat=T):
@@ -99,7 +99,7 @@ def test_biased_verifier_fails(small_pair, monkeypatch):
 
 
 def test_warp_by_hand():
-    s = Sampler(1.0, 0, 1.0, 0, torch.device("cpu"))
+    s = Sampler(1.0, 0, 1.0, 0)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64))
     assert torch.allclose(s.probs(logits), logits.exp())
     s.top_k = 2
