@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .config import METHODS, options_help
+from .config import KERNELS, METHODS, options_help
 
 
 def _fail(msg: str) -> None:
@@ -25,8 +25,9 @@ def _pair_options(f):
     f = click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")(f)
     f = click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "bfloat16", "float16", "float64"]))(f)
-    f = click.option("--kernel", default="lean", show_default=True, type=click.Choice(["lean", "hf"]),
-                     help="forward the engine runs: lean (GPT-NeoX models; others fall back) or transformers'")(f)
+    f = click.option("--kernel", default="lean", show_default=True, type=click.Choice(list(KERNELS)),
+                     help="forward the engine runs: lean (GPT-NeoX models, dynatree's CPU GEMM; others fall "
+                          "back), lean-mkl (same forward, torch's GEMMs) or hf (transformers')")(f)
     return f
 
 

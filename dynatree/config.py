@@ -114,6 +114,7 @@ class DySpecConfig(SpecConfig):
     max_branch: int = opt(8, "most children considered per node")
 
 
+KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)
 METHODS: dict[str, type] = {
     "ar": ARConfig,
     "linear": LinearConfig,

@@ -51,6 +51,14 @@ class BufferLayer(DynamicLayer):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def reserve(self, end: int, heads: int, head_dim: int, dtype, device) -> None:
+        """Make slots up to ``end`` writable in place (lean.py's native forward writes them)."""
+        if not self.is_initialized:
+            empty = torch.empty((1, heads, 0, head_dim), dtype=dtype, device=device)
+            self.lazy_initialization(empty, empty)
+        if end > self.capacity:
+            self._grow(end)
+
     def get_seq_length(self) -> int:
         return self.length
 

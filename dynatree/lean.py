@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from . import gemm as gemm_mod
+
 
 PACK_HINT = 64  # oneDNN packs for this many rows; measured flat-ish from 2 to 16 rows on this CPU
 
@@ -64,15 +66,20 @@ def supports(model) -> bool:
 
 
 class LeanNeoX:
-    def __init__(self, model):
+    def __init__(self, model, gemm: bool = True):
+        """gemm: use dynatree's own few-row GEMM (gemm.py) where it applies, else torch's kernels."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
         core = model.gpt_neox
-        pack = can_pack(model)
+        self.gemm = gemm and gemm_mod.usable(model)
+        pack = can_pack(model) and not self.gemm
+
+        def linear(w, b):
+            return gemm_mod.PackedLinear(w, b) if self.gemm else Linear(w, b, pack)
         self.embed = core.embed_in.weight  # (V, d)
         self.final_ln = (core.final_layer_norm.weight, core.final_layer_norm.bias)
-        self.lm_head = Linear(model.lm_head.weight, None, pack)  # d -> V
+        self.lm_head = linear(model.lm_head.weight, None)  # d -> V
         self.eps = cfg.layer_norm_eps
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // self.heads
@@ -82,7 +89,7 @@ class LeanNeoX:
         self.layers = [(
             (l.input_layernorm.weight, l.input_layernorm.bias),
             (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),
-            *(Linear(m.weight, m.bias, pack) for m in (l.attention.query_key_value, l.attention.dense,
+            *(linear(m.weight, m.bias) for m in (l.attention.query_key_value, l.attention.dense,
                                                         l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
         ) for l in core.layers]
         # rotary table, computed as transformers does (float32 angles, cast to the model dtype)
@@ -94,6 +101,25 @@ class LeanNeoX:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
+        self.native = self.gemm and self.head_dim % 16 == 0 and self.head_dim <= 256 and cfg.hidden_size % 32 == 0
+        if self.native:
+            self._init_native(core)
+
+    def _init_native(self, core) -> None:
+        """Pointer tables for csrc/neox.c: one (NPARAM,) array per layer, dims once."""
+        import ctypes
+
+        d, ff = self.config.hidden_size, self.config.intermediate_size
+        self.lib = gemm_mod.library()
+        self.dims = torch.tensor([d, self.heads, self.head_dim, self.rot, ff, int(self.parallel)], dtype=torch.long)
+        self.ptrs = []
+        for (ln1, ln2, qkv, out, fc1, fc2), l in zip(self.layers, core.layers):
+            assert all(m.n_pad == m.n_out for m in (qkv, out, fc1, fc2))
+            ptrs = [t.data_ptr() for t in (*ln1, *ln2)]
+            for m in (qkv, out, fc1, fc2):
+                ptrs += [m.packed.data_ptr(), m.bias.data_ptr() if m.bias is not None else 0]
+            self.ptrs.append((ctypes.c_void_p * len(ptrs))(*ptrs))
+        self.work = torch.empty(0)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, H, n, hd); cos/sin: (1, 1, n, r) -> x with its first r dims rotated."""
@@ -112,6 +138,8 @@ class LeanNeoX:
         n = input_ids.shape[1]
         cache = past_key_values
         past = cache.length if cache is not None else 0
+        if self.native and cache is not None:
+            return self._native(input_ids, attention_mask, position_ids, cache, past, logits_to_keep)
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=self.device)[None]
         cos = self.cos[position_ids][:, None]  # (1, 1, n, r)
@@ -144,6 +172,43 @@ class LeanNeoX:
         return SimpleNamespace(logits=self.lm_head(h))
 
 
-def lean(model):
+    def _native(self, input_ids, attention_mask, position_ids, cache, past, logits_to_keep):
+        """The same forward through csrc/neox.c: two C calls and a torch activation per layer."""
+        n = input_ids.shape[1]
+        end = past + n
+        d, ff = self.config.hidden_size, self.config.intermediate_size
+        if position_ids is None:
+            position_ids = torch.arange(past, end)
+        pos = position_ids.reshape(-1).to(torch.long).contiguous()  # (n,)
+        allowed = None
+        if attention_mask is not None:  # additive (1, 1, n, end): 0 where a key is visible
+            allowed = (attention_mask.reshape(n, end) == 0).contiguous()  # (n, end) bool
+        if self.work.numel() < 5 * n * d:
+            self.work = torch.empty(5 * n * d)
+        h = F.embedding(input_ids[0], self.embed)  # (n, d)
+        a, z, out = torch.empty(n, d), torch.empty(n, ff), torch.empty(n, d)
+        threads = torch.get_num_threads()
+        lib, eps, dims = self.lib, self.eps, self.dims.data_ptr()
+        for i, layer in enumerate(cache.layers):
+            layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
+            lib.dt_neox_block_in(dims, eps, self.scaling, self.ptrs[i], n, h.data_ptr(), pos.data_ptr(),
+                                 self.cos.data_ptr(), self.sin.data_ptr(), layer.keys.data_ptr(),
+                                 layer.values.data_ptr(), layer.capacity, past,
+                                 allowed.data_ptr() if allowed is not None else None, a.data_ptr(), z.data_ptr(),
+                                 self.work.data_ptr(), threads)
+            g = self.act(z).contiguous()
+            lib.dt_neox_block_out(dims, self.ptrs[i], n, g.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(),
+                                  threads)
+            layer.length = end
+            h, out = out, h
+        if logits_to_keep:
+            h = h[-logits_to_keep:].contiguous()
+        y = torch.empty_like(h)
+        lib.dt_layer_norm(h.data_ptr(), h.shape[0], d, self.final_ln[0].data_ptr(), self.final_ln[1].data_ptr(),
+                          self.eps, y.data_ptr())
+        return SimpleNamespace(logits=self.lm_head(y)[None])
+
+
+def lean(model, gemm: bool = True):
     """The lean forward for a supported model, else the model itself."""
-    return LeanNeoX(model) if model is not None and supports(model) else model
+    return LeanNeoX(model, gemm) if model is not None and supports(model) else model

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .config import KERNELS
+
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -55,18 +57,20 @@ class ModelPair:
     eos_token_id: int | None
     names: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
-    kernel: str = "lean"  # "lean": the engine runs lean.py's forward where supported; "hf": transformers
+    # "lean": lean.py's forward with dynatree's few-row GEMM (gemm.py) where it builds; "lean-mkl":
+    # the same forward on torch's MKL/oneDNN kernels; "hf": transformers' own forward
+    kernel: str = "lean"
 
     def runner(self, which: str):
         """The callable the engine runs for ``"target"`` or ``"draft"`` (same weights either way)."""
         from .lean import lean
 
         model = getattr(self, which)
-        if self.kernel != "lean" or model is None:
+        if self.kernel == "hf" or model is None:
             return model
-        key = ("lean", which)
+        key = (self.kernel, which)
         if key not in self.state:
-            self.state[key] = lean(model)
+            self.state[key] = lean(model, gemm=self.kernel == "lean")
         return self.state[key]
 
     def encode(self, text: str) -> list[int]:
@@ -125,8 +129,8 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
                      eos_token_id: int | None = None, names: dict | None = None,
                      kernel: str = "lean") -> ModelPair:
     """Wrap already-loaded models; checks vocabulary compatibility."""
-    if kernel not in ("lean", "hf"):
-        raise PairError(f"kernel must be 'lean' or 'hf', got {kernel!r}")
+    if kernel not in KERNELS:
+        raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if tokenizer is not None and draft_tokenizer is not None:
         reason = _same_tokenizer(tokenizer, draft_tokenizer)
         if reason:

@@ -1,0 +1,135 @@
+"""The few-row CPU GEMM of ``csrc/gemm.c``: built on first use with the machine's C compiler,
+loaded with ctypes, used by lean.py for float32 Linear layers on the CPU.
+
+Why a kernel of our own: on a CPU the verify forward of a small model is a stream over its
+weights.  A tree of 16 tokens should cost what one token costs, but MKL and oneDNN pay 1.5-2x
+for 16 rows (measured on this project's host; ``dynatree profile`` prints the table).  The
+kernel reads each packed weight tile once per 12 rows and is *batch invariant*: a row's output
+is bitwise the same whatever else is in the batch, so a tree verification scores each node
+exactly as an AR step would (the attention around it is still torch's).
+
+``csrc/neox.c`` adds a whole GPT-NeoX layer on top of it (lean.py's native path).
+The shared object is cached under ``$DYNATREE_CACHE`` (default ``~/.cache/dynatree``), keyed by
+the source, the compiler and the CPU's feature flags (it is built with ``-march=native``).  No
+compiler, a failed build or ``DYNATREE_GEMM=0`` -> ``library()`` returns None and callers keep
+torch's kernels; ``status()`` says why.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "neox.c")]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC"]
+MAX_PACKED_BYTES = 2 * 2**30  # a packed copy sits beside the model's own weights
+
+_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("DYNATREE_GEMM", "1") == "0":
+        return None, "disabled by DYNATREE_GEMM=0"
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None, f"no C compiler ({cc!r} not on PATH)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    parts = [*(src.read_text() for src in SOURCES), version, " ".join(FLAGS), platform.machine(), _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
+    lib_path = cache / f"libdtgemm-{key}.so"
+    if not lib_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        # build beside the target and rename: several Ray actors may build at once
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            return None, f"{cc} failed: {proc.stderr.strip()[:500]}"
+        os.replace(tmp, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.dt_gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    lib.dt_gemm.restype = None
+    P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    lib.dt_layer_norm.argtypes = [P, L, L, P, P, F, P]
+    lib.dt_neox_block_in.argtypes = [P, F, F, P, L, P, P, P, P, P, P, L, L, P, P, P, P, I]
+    lib.dt_neox_block_out.argtypes = [P, P, L, P, P, P, P, I]
+    for fn in (lib.dt_layer_norm, lib.dt_neox_block_in, lib.dt_neox_block_out):
+        fn.restype = None
+    return lib, f"built {lib_path}"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (see status())."""
+    if "lib" not in _state:
+        try:
+            _state["lib"], _state["status"] = _build()
+        except OSError as e:  # unwritable cache, unloadable object
+            _state["lib"], _state["status"] = None, f"unavailable: {e}"
+    return _state["lib"]
+
+
+def status() -> str:
+    library()
+    return _state["status"]
+
+
+def usable(model) -> bool:
+    """A float32 CPU model whose packed copy is affordable, on a machine where the kernel built."""
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and n_bytes <= MAX_PACKED_BYTES
+            and library() is not None)
+
+
+class PackedLinear:
+    """``y = x W^T + b`` through dt_gemm, over a packed copy of W made once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        lib = library()
+        assert lib is not None, status()
+        self.lib = lib
+        tw = lib.dt_tile_width()
+        n_out, n_in = weight.shape  # (N, K), nn.Linear's convention
+        self.n_in, self.n_out = n_in, n_out
+        self.n_pad = -(-n_out // tw) * tw
+        w = torch.zeros(n_in, self.n_pad, dtype=torch.float32)
+        w[:, :n_out] = weight.detach().t()
+        self.packed = w.view(n_in, self.n_pad // tw, tw).transpose(0, 1).contiguous()  # (N/TW, K, TW)
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(self.n_pad, dtype=torch.float32)
+            self.bias[:n_out] = bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., K) float32 -> (..., N)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.n_in).contiguous()  # (M, K)
+        y = torch.empty(x2.shape[0], self.n_pad, dtype=torch.float32)  # (M, N_pad)
+        self.lib.dt_gemm(x2.data_ptr(), x2.shape[0], self.n_in, self.packed.data_ptr(),
+                         self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(), self.n_pad,
+                         torch.get_num_threads())
+        if self.n_pad != self.n_out:
+            y = y[:, :self.n_out]
+        return y.view(*lead, self.n_out)
