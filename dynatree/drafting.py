@@ -26,7 +26,8 @@ import time
 import torch
 
 from .kvcache import new_cache
-from .tree import Tree
+from .native import topk_probs
+from .tree import KeyMask, Tree
 
 
 class Drafter:
@@ -60,8 +61,7 @@ class Drafter:
         logits = logits[:, : self.vocab]
         k = min(k, self.vocab)
         if self.sampler is None:
-            val, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-            return val.tolist(), idx.tolist()
+            return topk_probs(logits, k)
         q = self.sampler.probs(logits)  # (n, V)
         idx = self.sampler.candidates(q, k)  # (n, k) in draw order
         vals, ids = q.gather(-1, idx).tolist(), idx.tolist()
@@ -97,21 +97,18 @@ class Drafter:
         start = self.cache.length
         for r, u in enumerate(nodes):
             self.slot[u] = start + r
-        rows, cols = [], []
+        # keys after the committed prefix: earlier tree levels and these nodes (slots base..start+n-1)
+        allowed = [[False] * (start + n - self.base) for _ in range(n)]
+        seen = 0
         for r, u in enumerate(nodes):
             v = u
             while v > 0:  # the node and its ancestors below the root, all expanded already
-                rows.append(r)
-                cols.append(self.slot[v])
+                allowed[r][self.slot[v] - self.base] = True
+                seen += 1
                 v = tree.parents[v]
-        if n == 1 and len(cols) == start + 1 - self.base:
-            mask = None  # a chain: the one node sees every cached slot, as a plain cached step does
-        else:
-            dtype = self.model.dtype
-            mask = torch.full((n, start + n), torch.finfo(dtype).min, dtype=dtype, device=dev)
-            mask[:, : self.base] = 0
-            mask[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = 0
-            mask = mask[None, None]
+        mask = None  # a chain: the one node sees every cached slot, as a plain cached step does
+        if not (n == 1 and seen == start + 1 - self.base):
+            mask = KeyMask(self.base, torch.tensor(allowed, dtype=torch.bool, device=dev))  # (n, m)
         ids = torch.tensor([[tree.tokens[u] for u in nodes]], device=dev)  # (1, n)
         pos = torch.tensor([[self.root_pos + tree.depths[u] for u in nodes]], device=dev)  # (1, n)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,

@@ -39,9 +39,10 @@ from .drafting import Drafter
 from .kvcache import new_cache
 from .metrics import Metrics, Tally, Timed, finish
 from .models import ModelPair
+from .native import argmax_rows
 from .policies import make_policy
 from .sampling import Sampler, walk
-from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids, tree_attention_mask
+from .tree import KeyMask, Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids
 
 
 class ContextError(ValueError):
@@ -69,34 +70,27 @@ def _sync(device: torch.device) -> None:
 
 @dataclass
 class TreeTensors:
-    tokens: torch.Tensor  # (n,) int64
-    parents: torch.Tensor  # (n,) int64, root -1
-    depths: torch.Tensor  # (n,) int64
-    anc: torch.Tensor  # (n, n) bool
-    chain: bool  # node i's parent is i - 1: the tree mask is the causal mask
+    tokens: torch.Tensor  # (n,) int64, BFS order
+    positions: torch.Tensor | None  # (1, n) int64 prefix_len + depth; None for a chain
+    mask: KeyMask | None  # prefix + ancestors; None for a chain (the causal mask)
 
 
-def tree_tensors(tree: Tree, device: torch.device) -> TreeTensors:
-    n = len(tree)
-    chain = tree.parents == list(range(-1, n - 1))
+def tree_tensors(tree: Tree, prefix_len: int, device: torch.device) -> TreeTensors:
+    """The verification inputs of a flattened tree whose root sits at position ``prefix_len``.
+
+    A chain (node i's parent is i - 1) is an ordinary multi-token cached step: causal mask,
+    consecutive positions, no tree buffers."""
     tokens = torch.tensor(tree.tokens, device=device)
-    parents = torch.tensor(tree.parents, device=device)
-    depths = torch.tensor(tree.depths, device=device)
-    anc = (torch.ones(n, n, dtype=torch.bool, device=device).tril_() if chain
-           else ancestor_matrix(parents, tree.max_depth))
-    return TreeTensors(tokens, parents, depths, anc, chain)
+    if tree.parents == list(range(-1, len(tree) - 1)):
+        return TreeTensors(tokens, None, None)
+    return TreeTensors(tokens, position_ids(tree.depths, prefix_len).to(device),
+                       KeyMask(prefix_len, ancestor_matrix(tree.parents).to(device)))
 
 
-def verify_tree(model, cache, tt: TreeTensors, prefix_len: int) -> torch.Tensor:
-    """One target forward over the flattened tree; returns logits (n, V).
-
-    A chain is an ordinary multi-token cached step (causal mask, consecutive positions), so it
-    skips the tree buffers."""
-    if tt.chain:
-        return model(input_ids=tt.tokens[None], past_key_values=cache, use_cache=True).logits[0]
-    mask = tree_attention_mask(tt.anc, prefix_len, model.dtype)  # (1, 1, n, P + n)
-    out = model(input_ids=tt.tokens[None], attention_mask=mask,
-                position_ids=position_ids(tt.depths, prefix_len), past_key_values=cache, use_cache=True)
+def verify_tree(model, cache, tt: TreeTensors) -> torch.Tensor:
+    """One target forward over the flattened tree; returns logits (n, V)."""
+    out = model(input_ids=tt.tokens[None], attention_mask=tt.mask, position_ids=tt.positions,
+                past_key_values=cache, use_cache=True)
     return out.logits[0]
 
 
@@ -115,11 +109,10 @@ def commit_target(model, cache, path: list[int], path_tokens: torch.Tensor, pref
     return 1
 
 
-def accept_greedy(tt: TreeTensors, logits: torch.Tensor) -> tuple[list[int], int]:
+def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
     """logits: (n, V).  Returns (accepted path of nodes from the root, bonus token)."""
-    path, bonus = accept_path(tt.tokens, tt.parents, tt.depths, tt.anc, logits.argmax(-1))
-    host = torch.cat([bonus.view(1), path]).tolist()  # host sync: accepted path + bonus
-    return host[1:], host[0]
+    choice = argmax_rows(logits)  # host sync: the target's n greedy choices
+    return accept_path(tree.tokens, tree.parents, choice)
 
 
 def accept_sampled(tree: Tree, order: list[int], logits: torch.Tensor, drafter: Drafter,
@@ -160,7 +153,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
     def next_token(logits: torch.Tensor) -> int:
         """logits: (V,).  Host sync: the next token."""
-        return int(logits.argmax()) if sampler is None else sampler.sample(sampler.probs(logits[None])[0])
+        return argmax_rows(logits[None])[0] if sampler is None else sampler.sample(sampler.probs(logits[None])[0])
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -226,13 +219,13 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             target_forwards += 1
             path_nodes, new_tokens = [0], [next_token(logits)]
         else:
-            tt = tree_tensors(tree, dev)
-            logits = verify_tree(target, cache, tt, prefix_len)  # (n, V)
+            tt = tree_tensors(tree, prefix_len, dev)
+            logits = verify_tree(target, cache, tt)  # (n, V)
             target_forwards += 1
 
             # accept
             if sampler is None:
-                path_nodes, last = accept_greedy(tt, logits)
+                path_nodes, last = accept_greedy(tree, logits)
             else:
                 path_nodes, last = accept_sampled(tree, order, logits, drafter, sampler)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]

@@ -18,9 +18,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from . import gemm as gemm_mod
+from . import native
+from .tree import KeyMask
 
 
+NATIVE_ROWS = 64  # causal forwards above this many rows (prompt prefills) take torch's GEMMs
 PACK_HINT = 64  # oneDNN packs for this many rows; measured flat-ish from 2 to 16 rows on this CPU
 
 
@@ -67,31 +69,19 @@ def supports(model) -> bool:
 
 class LeanNeoX:
     def __init__(self, model, gemm: bool = True):
-        """gemm: use dynatree's own few-row GEMM (gemm.py) where it applies, else torch's kernels."""
+        """gemm: run cached forwards through csrc/neox.c (gemm.py) where it applies, else torch."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
         core = model.gpt_neox
-        self.gemm = gemm and gemm_mod.usable(model)
-        pack = can_pack(model) and not self.gemm
-
-        def linear(w, b):
-            return gemm_mod.PackedLinear(w, b) if self.gemm else Linear(w, b, pack)
         self.embed = core.embed_in.weight  # (V, d)
         self.final_ln = (core.final_layer_norm.weight, core.final_layer_norm.bias)
-        self.lm_head = linear(model.lm_head.weight, None)  # d -> V
         self.eps = cfg.layer_norm_eps
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // self.heads
         self.parallel = cfg.use_parallel_residual
         self.act = core.layers[0].mlp.act
         self.scaling = core.layers[0].attention.scaling
-        self.layers = [(
-            (l.input_layernorm.weight, l.input_layernorm.bias),
-            (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),
-            *(linear(m.weight, m.bias) for m in (l.attention.query_key_value, l.attention.dense,
-                                                        l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
-        ) for l in core.layers]
         # rotary table, computed as transformers does (float32 angles, cast to the model dtype)
         inv_freq = core.rotary_emb.inv_freq.to(self.device, torch.float)  # (r/2,)
         pos = torch.arange(cfg.max_position_embeddings, device=self.device, dtype=torch.float)
@@ -101,24 +91,44 @@ class LeanNeoX:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
-        self.native = self.gemm and self.head_dim % 16 == 0 and self.head_dim <= 256 and cfg.hidden_size % 32 == 0
+        self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and self.head_dim % 16 == 0 and self.head_dim <= 256
+                       and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
+                       and native.usable(model))
+        # The torch path serves everything when not native, and long causal prefills when native
+        # (many rows: MKL's GEMM wins there, and a prompt is prefilled the same way by every method).
+        pack = can_pack(model) and not self.native
+        self.lm_head = Linear(model.lm_head.weight, None, pack)  # d -> V
+        self.layers = [(
+            (l.input_layernorm.weight, l.input_layernorm.bias),
+            (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),
+            *(Linear(m.weight, m.bias, pack) for m in (l.attention.query_key_value, l.attention.dense,
+                                                       l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
+        ) for l in core.layers]
         if self.native:
             self._init_native(core)
 
     def _init_native(self, core) -> None:
-        """Pointer tables for csrc/neox.c: one (NPARAM,) array per layer, dims once."""
+        """Packed weights and the pointer table csrc/neox.c reads (NPARAM per layer, in its order)."""
         import ctypes
 
-        d, ff = self.config.hidden_size, self.config.intermediate_size
-        self.lib = gemm_mod.library()
-        self.dims = torch.tensor([d, self.heads, self.head_dim, self.rot, ff, int(self.parallel)], dtype=torch.long)
-        self.ptrs = []
-        for (ln1, ln2, qkv, out, fc1, fc2), l in zip(self.layers, core.layers):
-            assert all(m.n_pad == m.n_out for m in (qkv, out, fc1, fc2))
-            ptrs = [t.data_ptr() for t in (*ln1, *ln2)]
-            for m in (qkv, out, fc1, fc2):
-                ptrs += [m.packed.data_ptr(), m.bias.data_ptr() if m.bias is not None else 0]
-            self.ptrs.append((ctypes.c_void_p * len(ptrs))(*ptrs))
+        cfg = self.config
+        self.lib = native.library()
+        head = native.PackedLinear(self.model.lm_head.weight, None)
+        self.n_vocab, self.vocab_pad = head.n_out, head.n_pad
+        act = {"gelu": 1, "relu": 2}[cfg.hidden_act]
+        self.dims = torch.tensor([cfg.hidden_size, self.heads, self.head_dim, self.rot, cfg.intermediate_size,
+                                  int(self.parallel), act, self.vocab_pad, self.embed.shape[0]], dtype=torch.long)
+        self.packed, ptrs = [head], []
+        for l in core.layers:
+            ptrs += [t.data_ptr() for t in (l.input_layernorm.weight, l.input_layernorm.bias,
+                                            l.post_attention_layernorm.weight, l.post_attention_layernorm.bias)]
+            for m in (l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h):
+                pm = native.PackedLinear(m.weight, m.bias)
+                self.packed.append(pm)
+                ptrs += [pm.packed.data_ptr(), pm.bias.data_ptr() if pm.bias is not None else 0]
+        self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self.head_ptrs = (ctypes.c_void_p * 3)(self.final_ln[0].data_ptr(), self.final_ln[1].data_ptr(),
+                                               head.packed.data_ptr())
         self.work = torch.empty(0)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,14 +142,16 @@ class LeanNeoX:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
                  logits_to_keep: int = 0):
-        """input_ids: (1, n); attention_mask: additive (1, 1, n, P + n) or None (causal);
+        """input_ids: (1, n); attention_mask: a KeyMask, additive (1, 1, n, P + n) or None (causal);
         position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
         Returns ``.logits`` (1, n or logits_to_keep, V)."""
         n = input_ids.shape[1]
         cache = past_key_values
         past = cache.length if cache is not None else 0
-        if self.native and cache is not None:
+        if self.native and cache is not None and (attention_mask is not None or n <= NATIVE_ROWS):
             return self._native(input_ids, attention_mask, position_ids, cache, past, logits_to_keep)
+        if isinstance(attention_mask, KeyMask):
+            attention_mask = attention_mask.additive(self.dtype)
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=self.device)[None]
         cos = self.cos[position_ids][:, None]  # (1, 1, n, r)
@@ -173,40 +185,44 @@ class LeanNeoX:
 
 
     def _native(self, input_ids, attention_mask, position_ids, cache, past, logits_to_keep):
-        """The same forward through csrc/neox.c: two C calls and a torch activation per layer."""
+        """The same forward as one call into csrc/neox.c (batch invariant: see that file)."""
+        import ctypes
+
         n = input_ids.shape[1]
         end = past + n
+        keep = min(logits_to_keep, n) if logits_to_keep else n
         d, ff = self.config.hidden_size, self.config.intermediate_size
         if position_ids is None:
             position_ids = torch.arange(past, end)
+        ids = input_ids.reshape(-1).to(torch.long).contiguous()  # (n,)
         pos = position_ids.reshape(-1).to(torch.long).contiguous()  # (n,)
-        allowed = None
-        if attention_mask is not None:  # additive (1, 1, n, end): 0 where a key is visible
+        visible, allowed = 0, None
+        if isinstance(attention_mask, KeyMask):
+            visible, allowed = attention_mask.visible, attention_mask.allowed.contiguous()  # (n, end - visible)
+        elif attention_mask is not None:  # additive (1, 1, n, end): 0 where a key is visible
             allowed = (attention_mask.reshape(n, end) == 0).contiguous()  # (n, end) bool
-        if self.work.numel() < 5 * n * d:
-            self.work = torch.empty(5 * n * d)
-        h = F.embedding(input_ids[0], self.embed)  # (n, d)
-        a, z, out = torch.empty(n, d), torch.empty(n, ff), torch.empty(n, d)
-        threads = torch.get_num_threads()
-        lib, eps, dims = self.lib, self.eps, self.dims.data_ptr()
-        for i, layer in enumerate(cache.layers):
+        if allowed is not None and allowed.shape != (n, end - visible):
+            raise ValueError(f"mask covers {tuple(allowed.shape)} keys, expected {(n, end - visible)}")
+        if self.work.numel() < n * (8 * d + ff):
+            self.work = torch.empty(n * (8 * d + ff))
+        layers = cache.layers
+        for layer in layers:
             layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
-            lib.dt_neox_block_in(dims, eps, self.scaling, self.ptrs[i], n, h.data_ptr(), pos.data_ptr(),
-                                 self.cos.data_ptr(), self.sin.data_ptr(), layer.keys.data_ptr(),
-                                 layer.values.data_ptr(), layer.capacity, past,
-                                 allowed.data_ptr() if allowed is not None else None, a.data_ptr(), z.data_ptr(),
-                                 self.work.data_ptr(), threads)
-            g = self.act(z).contiguous()
-            lib.dt_neox_block_out(dims, self.ptrs[i], n, g.data_ptr(), a.data_ptr(), h.data_ptr(), out.data_ptr(),
-                                  threads)
+        kc = (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers])
+        vc = (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers])
+        logits = torch.empty(keep, self.vocab_pad)  # (keep, V_pad)
+        bad = self.lib.dt_neox_forward(self.dims.data_ptr(), self.eps, self.scaling, len(layers), self.ptrs,
+                                 self.embed.data_ptr(), self.head_ptrs, ids.data_ptr(), n, pos.data_ptr(),
+                                 self.cos.data_ptr(), self.sin.data_ptr(), kc, vc, layers[0].capacity, past, visible,
+                                 allowed.data_ptr() if allowed is not None else None, keep, logits.data_ptr(),
+                                 self.work.data_ptr(), torch.get_num_threads())
+        if bad:
+            raise IndexError(f"token id outside the embedding (0 .. {self.embed.shape[0] - 1})")
+        for layer in layers:
             layer.length = end
-            h, out = out, h
-        if logits_to_keep:
-            h = h[-logits_to_keep:].contiguous()
-        y = torch.empty_like(h)
-        lib.dt_layer_norm(h.data_ptr(), h.shape[0], d, self.final_ln[0].data_ptr(), self.final_ln[1].data_ptr(),
-                          self.eps, y.data_ptr())
-        return SimpleNamespace(logits=self.lm_head(y)[None])
+        if self.vocab_pad != self.n_vocab:
+            logits = logits[:, :self.n_vocab]
+        return SimpleNamespace(logits=logits[None])
 
 
 def lean(model, gemm: bool = True):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import KERNELS
+from .tree import KeyMask
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -45,6 +46,18 @@ def default_pair_dir() -> Path:
     return Path(__file__).parent / "assets" / "demo-pair"
 
 
+class HFRunner:
+    """transformers' own forward, given the additive 4-D mask it expects for a KeyMask."""
+
+    def __init__(self, model):
+        self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
+
+    def __call__(self, attention_mask=None, **kwargs):
+        if isinstance(attention_mask, KeyMask):
+            attention_mask = attention_mask.additive(self.dtype)
+        return self.model(attention_mask=attention_mask, **kwargs)
+
+
 @dataclass
 class ModelPair:
     target: torch.nn.Module
@@ -62,15 +75,18 @@ class ModelPair:
     kernel: str = "lean"
 
     def runner(self, which: str):
-        """The callable the engine runs for ``"target"`` or ``"draft"`` (same weights either way)."""
-        from .lean import lean
+        """The callable the engine runs for ``"target"`` or ``"draft"`` (same weights either way).
+
+        Runners take the engine's compact :class:`~dynatree.tree.KeyMask` as ``attention_mask``."""
+        from .lean import LeanNeoX, lean
 
         model = getattr(self, which)
-        if self.kernel == "hf" or model is None:
-            return model
+        if model is None:
+            return None
         key = (self.kernel, which)
         if key not in self.state:
-            self.state[key] = lean(model, gemm=self.kernel == "lean")
+            run = model if self.kernel == "hf" else lean(model, gemm=self.kernel == "lean")
+            self.state[key] = run if isinstance(run, LeanNeoX) else HFRunner(run)
         return self.state[key]
 
     def encode(self, text: str) -> list[int]:

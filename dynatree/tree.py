@@ -74,21 +74,41 @@ def flatten_bfs(tree: Tree) -> tuple[Tree, list[int]]:
                 [tree.logp[o] for o in order]), order
 
 
-def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     """``anc[i, j]`` is True iff node j is node i or one of its ancestors.
 
-    parents: (n,) int64, BFS order, root's parent is -1.
-    returns: (n, n) bool.
-    One gather per tree level instead of a per-node Python walk.
+    parents: BFS order (parent < child), the root's parent is -1.
+    returns: (n, n) bool, built on the host (trees are tens of nodes: one tensor from lists is
+    cheaper than a gather per level).
     """
-    n = parents.shape[0]
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
-    up = parents.clamp(min=0)  # the root points at itself; its row is just itself
-    anc = eye.clone()
-    for _ in range(max_depth):
-        anc = eye | anc[up]
-    anc[0] = eye[0]
-    return anc
+    n = len(parents)
+    rows: list[list[bool]] = []
+    for i, p in enumerate(parents):
+        row = rows[p].copy() if p >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """Which cached keys each of n new tokens may attend to: all of the first ``visible`` (the
+    committed prefix), and among the rest (the new tokens, and for the draft its earlier tree
+    levels) those marked in ``allowed``.
+
+    The compact form is what the native kernel reads; :meth:`additive` gives the 4-D additive
+    mask transformers' forwards take.
+    """
+
+    visible: int
+    allowed: torch.Tensor  # (n, m) bool, m = keys after the visible prefix
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """(1, 1, n, visible + m) in ``dtype``: 0 where attention is allowed, the dtype's minimum elsewhere."""
+        n, m = self.allowed.shape
+        mask = torch.zeros((n, self.visible + m), dtype=dtype, device=self.allowed.device)
+        mask[:, self.visible:].masked_fill_(~self.allowed, torch.finfo(dtype).min)
+        return mask[None, None]
 
 
 def tree_attention_mask(anc: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -96,44 +116,31 @@ def tree_attention_mask(anc: torch.Tensor, prefix_len: int, dtype: torch.dtype) 
 
     anc: (n, n) bool from :func:`ancestor_matrix`.
     returns: (1, 1, n, prefix_len + n) in ``dtype``: 0 where attention is allowed (the whole
-    prefix, and the node's ancestors including itself), the dtype's minimum elsewhere.  An
-    additive float mask works with both the eager and the SDPA attention implementations.
+    prefix, and the node's ancestors including itself), the dtype's minimum elsewhere.
     """
-    n = anc.shape[0]
-    allowed = torch.ones(n, prefix_len + n, dtype=torch.bool, device=anc.device)
-    allowed[:, prefix_len:] = anc
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=anc.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return KeyMask(prefix_len, anc).additive(dtype)
 
 
-def position_ids(depths: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """depths: (n,) int64 -> (1, n) int64 positions ``prefix_len + depth``.
+def position_ids(depths: list[int], prefix_len: int) -> torch.Tensor:
+    """depths: n node depths -> (1, n) int64 positions ``prefix_len + depth``.
 
     Omitting these (letting the model number tree nodes 0..n-1 after the prefix) silently
     breaks rotary/learned positions for every node but the first chain.
     """
-    return (depths + prefix_len)[None]
+    return torch.tensor([[prefix_len + d for d in depths]])
 
 
-def accept_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                anc: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_path(tokens: list[int], parents: list[int], choice: list[int]) -> tuple[list[int], int]:
     """Longest root-to-node path whose drafted tokens equal the target's greedy choices.
 
-    tokens, parents, depths: (n,) int64 — the flattened tree.
-    anc: (n, n) bool.
-    target_argmax: (n,) int64 — the target's greedy next token after each node's path.
-    returns: (path (k+1,) int64 node indices from the root down, bonus () int64), where
-    ``bonus = target_argmax[path[-1]]`` is the target's token after the accepted path.
+    tokens, parents: the flattened tree; choice[u]: the target's greedy next token after node
+    u's path.  Returns (path: node indices from the root down, bonus = choice[path[-1]]).
 
-    A node is *correct* if its token equals the target's choice at its parent; a path is valid
-    if every node on it is correct.  Siblings carry distinct tokens, so at most one child of a
-    node can be correct and the deepest valid node is unique.
+    A node is *correct* if its token equals the target's choice at its parent; siblings carry
+    distinct tokens, so at most one child of a node is correct and the walk down is unique.
     """
-    correct = torch.ones_like(tokens, dtype=torch.bool)
-    correct[1:] = tokens[1:] == target_argmax[parents[1:]]
-    valid = ~(anc & ~correct[None, :]).any(dim=1)
-    score = torch.where(valid, depths, torch.full_like(depths, -1))
-    best = torch.argmax(score)
-    path = anc[best].nonzero().squeeze(1)  # ascending index == ascending depth (BFS order)
-    return path, target_argmax[best]
+    child = {(parents[v], tokens[v]): v for v in range(1, len(tokens))}
+    path = [0]
+    while (path[-1], choice[path[-1]]) in child:
+        path.append(child[(path[-1], choice[path[-1]])])
+    return path, choice[path[-1]]

@@ -28,10 +28,9 @@ def test_lean_matches_transformers(parallel):
         assert torch.allclose(last[0, -1], ref[0, -1], atol=1e-12) and last.shape[1] == 1
         # a tree after the cached prompt: mask + position ids, and a cached single step
         tree, _ = flatten_bfs(Tree([3, 4, 5, 6, 8], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
-        parents = torch.tensor(tree.parents)
-        anc = ancestor_matrix(parents, tree.max_depth)
+        anc = ancestor_matrix(tree.parents)
         mask = tree_attention_mask(anc, prompt.shape[1], torch.float64)
-        pos = position_ids(torch.tensor(tree.depths), prompt.shape[1])
+        pos = position_ids(tree.depths, prompt.shape[1])
         ids = torch.tensor([tree.tokens])
         a = hf(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c_hf, use_cache=True).logits
         b = lean(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c_lean).logits

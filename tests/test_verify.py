@@ -3,6 +3,7 @@ import torch
 
 from dynatree.drafting import Drafter
 from dynatree.engine import tree_tensors, verify_tree
+from dynatree.models import HFRunner
 from dynatree.kvcache import new_cache
 from dynatree.policies import DynaTree, DySpecHeap
 from dynatree.config import DynaTreeConfig, DySpecConfig
@@ -44,7 +45,7 @@ def test_tree_logits_equal_sequential_path_logits(target):
             if prefix:
                 target(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
             tree = hand_tree(root)
-            logits = verify_tree(target, cache, tree_tensors(tree, target.device), len(prefix))
+            logits = verify_tree(HFRunner(target), cache, tree_tensors(tree, len(prefix), target.device))
         for u in range(len(tree)):
             ref = sequential_logits(target, prefix + path_tokens(tree, u))
             torch.testing.assert_close(logits[u], ref, rtol=0, atol=1e-10)
@@ -70,7 +71,7 @@ class Recorder(Drafter):
 
 
 def check_draft_tree(pair, policy, prompt):
-    d = Recorder(pair.draft, pair.vocab, 256)
+    d = Recorder(pair.runner("draft"), pair.vocab, 256)
     d.extend(prompt)
     tree = policy.draft(d, prompt[-1], 6)
     prefix = prompt[:-1]
@@ -101,7 +102,7 @@ def test_heap_draft_expansion_matches_sequential(close_pair):
 def test_draft_commit_keeps_accepted_nodes_and_feeds_the_rest(close_pair):
     """After a commit the draft cache equals a fresh prefill of the committed tokens."""
     prompt = random_prompts(1, seed=9, lo=6, hi=6)[0]
-    d = Drafter(close_pair.draft, close_pair.vocab, 256)
+    d = Drafter(close_pair.runner("draft"), close_pair.vocab, 256)
     d.extend(prompt)
     tree = DynaTree(DynaTreeConfig(tau=1e-4, rho_stop=1e-3, rho_deep=0.01, max_nodes=30)).draft(d, prompt[-1], 5)
     # accept the path to the deepest node, then a bonus token

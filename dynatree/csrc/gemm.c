@@ -18,6 +18,7 @@
 
 #define TW 32    /* output columns per tile: two 16-float vectors */
 #define RMAX 12  /* rows per pass: 2*RMAX accumulators + 2 weights + 1 broadcast <= 32 registers */
+#define PREFETCH 16  /* k rows (2 KB) ahead: the hardware prefetcher alone left 12-16 rows 1.5x slower */
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
@@ -40,6 +41,8 @@ static inline v16 fmadd(v16 a, v16 b, v16 c) { return a * b + c; }
         v16 a0[R], a1[R];                                                                           \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) { a0[r] = bc(0.f); a1[r] = bc(0.f); } \
         for (long k = 0; k < K; k++) {                                                              \
+            __builtin_prefetch(w + (k + PREFETCH) * TW);                                            \
+            __builtin_prefetch(w + (k + PREFETCH) * TW + 16);                                       \
             v16 w0 = ld(w + k * TW), w1 = ld(w + k * TW + 16);                                      \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
                 v16 xv = bc(x[r * ldx + k]);                                                        \

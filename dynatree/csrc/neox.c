@@ -25,7 +25,8 @@
 void dt_gemm(const float *x, long M, long K, const float *wp, const float *bp, float *y, long N, int threads);
 
 enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2_W, FC2_B, NPARAM };
-enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, NDIM };
+enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, NDIM };
+enum { ACT_GELU = 1, ACT_RELU = 2 };
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #if defined(__AVX512F__)
@@ -98,10 +99,11 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
     }
 }
 
-/* Attention of n query rows over L = past + n cached keys.  allowed: (n, L) bytes or NULL (causal).
+/* Attention of n query rows over L = past + n cached keys.  Row i sees keys j < visible and, for
+ * j >= visible, those with allowed[i * (L - visible) + j - visible]; allowed NULL = causal.
  * q rows live in qkv (row stride 3d, head stride 3hd); kc/vc: (H, cap, hd); out: (n, d). */
 static void attend(const long *dims, float scaling, long n, const float *qkv, const float *kc, const float *vc,
-                   long cap, long past, const unsigned char *allowed, float *out, int threads) {
+                   long cap, long past, long visible, const unsigned char *allowed, float *out, int threads) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], L = past + n, nv = hd / 16;
 #pragma omp parallel num_threads(threads)
     {
@@ -112,7 +114,7 @@ static void attend(const long *dims, float scaling, long n, const float *qkv, co
             long i = t / H, h = t % H;
             const float *q = qkv + i * 3 * d + h * 3 * hd;
             const float *K = kc + h * cap * hd, *V = vc + h * cap * hd;
-            const unsigned char *ok = allowed ? allowed + i * L : NULL;
+            const unsigned char *ok = allowed ? allowed + i * (L - visible) : NULL;  /* ok[j - visible] */
             long last = allowed ? L - 1 : past + i;
             /* scores for keys 0..last, four at a time (independent chains); masked ones are
              * computed too and ignored below -- a key's score never depends on its neighbours */
@@ -139,12 +141,12 @@ static void attend(const long *dims, float scaling, long n, const float *qkv, co
             }
             float m = -INFINITY;
             for (j = 0; j <= last; j++)
-                if ((!ok || ok[j]) && s[j] > m) m = s[j];
+                if ((!ok || j < visible || ok[j - visible]) && s[j] > m) m = s[j];
             for (j = 0; j <= last; j += 16) st(s + j, vexp(ld(s + j) - bc(m)));  /* s has 16 spare */
             for (long c = 0; c < nv; c++) acc[c] = bc(0.f);
             float sum = 0.f;
             for (j = 0; j <= last; j++) {
-                if (ok && !ok[j]) continue;
+                if (ok && j >= visible && !ok[j - visible]) continue;
                 float e = s[j];
                 sum += e;
                 v16 ev = bc(e);
@@ -160,9 +162,10 @@ static void attend(const long *dims, float scaling, long n, const float *qkv, co
 /* First half of a layer.  h: (n, d) -> a: (n, d) attention output (plus h for a sequential
  * residual), z: (n, ff) fc1 pre-activation.  Writes the n new keys/values at slots past..past+n-1.
  * pos: (n,) positions; cos_t/sin_t: (max_pos, rot); work: >= n * 5d floats. */
-void dt_neox_block_in(const long *dims, float eps, float scaling, const float *const *p, long n, const float *h,
+static void block_in(const long *dims, float eps, float scaling, const float *const *p, long n, const float *h,
                       const long *pos, const float *cos_t, const float *sin_t, float *kc, float *vc, long cap,
-                      long past, const unsigned char *allowed, float *a, float *z, float *work, int threads) {
+                      long past, long visible, const unsigned char *allowed, float *a, float *z, float *work,
+                      int threads) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], rot = dims[ROT], ff = dims[FF];
     float *x = work, *qkv = work + n * d, *att = work + 4 * n * d;
     dt_layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
@@ -177,7 +180,7 @@ void dt_neox_block_in(const long *dims, float eps, float scaling, const float *c
             memcpy(vc + (hh * cap + past + i) * hd, v, sizeof(float) * hd);
         }
     }
-    attend(dims, scaling, n, qkv, kc, vc, cap, past, allowed, att, threads);
+    attend(dims, scaling, n, qkv, kc, vc, cap, past, visible, allowed, att, threads);
     dt_gemm(att, n, d, p[OUT_W], p[OUT_B], a, d, threads);
     if (dims[PARALLEL]) {
         dt_layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
@@ -189,7 +192,7 @@ void dt_neox_block_in(const long *dims, float eps, float scaling, const float *c
 }
 
 /* Second half.  g: (n, ff) activated fc1 output -> out: (n, d) = fc2(g) + a (+ h if parallel). */
-void dt_neox_block_out(const long *dims, const float *const *p, long n, const float *g, const float *a,
+static void block_out(const long *dims, const float *const *p, long n, const float *g, const float *a,
                        const float *h, float *out, int threads) {
     long d = dims[D_MODEL];
     dt_gemm(g, n, dims[FF], p[FC2_W], p[FC2_B], out, d, threads);
@@ -197,4 +200,116 @@ void dt_neox_block_out(const long *dims, const float *const *p, long n, const fl
         for (long j = 0; j < n * d; j++) out[j] = (out[j] + a[j]) + h[j];
     else
         for (long j = 0; j < n * d; j++) out[j] = out[j] + a[j];
+}
+
+/* erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula torch's AVX-512 GELU uses. */
+static inline v16 verf(v16 x) {
+    v16i sign = (v16i)x & (v16i)bc(-0.f);
+    v16 ax = (v16)((v16i)x & ~(v16i)bc(-0.f));
+    v16 t = bc(1.f) / (bc(0.3275911f) * ax + bc(1.f));
+    v16 r = bc(1.061405429f);
+    r = r * t + bc(-1.453152027f);
+    r = r * t + bc(1.421413741f);
+    r = r * t + bc(-0.284496736f);
+    r = r * t + bc(0.254829592f);
+    v16 y = bc(1.f) - r * t * vexp(-(ax * ax));
+    return (v16)((v16i)y | sign);
+}
+
+static void activate(int act, float *z, long count) {
+    for (long j = 0; j < count; j += 16) {
+        v16 x = ld(z + j);
+        if (act == ACT_GELU)
+            x = bc(0.5f) * x * (bc(1.f) + verf(x * bc(0.70710678118654752f)));
+        else
+            x = vsel(x > bc(0.f), x, bc(0.f));
+        st(z + j, x);
+    }
+}
+
+/* A whole forward over n new tokens: embedding, every layer (cache slots past..past+n-1 written),
+ * final layer norm and LM head for the last `keep` rows.
+ *   dims: NDIM longs; p: nlayers * NPARAM pointers; head: {final_ln_w, final_ln_b, packed lm head};
+ *   ids, pos: (n,); kc[l], vc[l]: (H, cap, hd); visible, allowed: see attend (allowed NULL: causal);
+ *   logits: (keep, VOCAB_PAD); work: >= n * (8d + ff) floats.
+ * Returns 0, or 1 (nothing computed) if a token id is outside the embedding. */
+int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
+                     const float *embed, const float *const *head, const long *ids, long n, const long *pos,
+                     const float *cos_t, const float *sin_t, float *const *kc, float *const *vc, long cap, long past,
+                     long visible, const unsigned char *allowed, long keep, float *logits, float *work, int threads) {
+    long d = dims[D_MODEL], ff = dims[FF];
+    float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= dims[EMBED_ROWS]) return 1;
+    for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
+    for (long l = 0; l < nlayers; l++) {
+        const float *const *pl = p + l * NPARAM;
+        block_in(dims, eps, scaling, pl, n, h, pos, cos_t, sin_t, kc[l], vc[l], cap, past, visible, allowed, a, z, scratch,
+                 threads);
+        activate(dims[ACT], z, n * ff);
+        block_out(dims, pl, n, z, a, h, h2, threads);
+        float *t = h; h = h2; h2 = t;
+    }
+    dt_layer_norm(h + (n - keep) * d, keep, d, head[0], head[1], eps, h2);
+    dt_gemm(h2, keep, d, head[2], 0, logits, dims[VOCAB_PAD], threads);
+    return 0;
+}
+
+static inline float vmax_row(const float *x, long V) {
+    v16 mv = bc(-INFINITY);
+    long j = 0;
+    for (; j + 16 <= V; j += 16) { v16 v = ld(x + j); mv = vsel(v > mv, v, mv); }
+    float t[16], m = -INFINITY;
+    memcpy(t, &mv, sizeof t);
+    for (int i = 0; i < 16; i++) if (t[i] > m) m = t[i];
+    for (; j < V; j++) if (x[j] > m) m = x[j];
+    return m;
+}
+
+/* Index of each row's largest logit (the first on ties), n rows of V with row stride `stride`. */
+void dt_argmax(const float *logits, long n, long V, long stride, long *out) {
+    for (long i = 0; i < n; i++) {
+        const float *x = logits + i * stride;
+        float m = vmax_row(x, V);
+        long best = 0;
+        for (long j = 0; j < V; j++)
+            if (x[j] == m) { best = j; break; }
+        out[i] = best;
+    }
+}
+
+/* Softmax probabilities and ids of the k most likely tokens of each of n rows of logits (row
+ * stride `stride`), most likely first; ties keep the lower id.  vals: (n, k); ids: (n, k). */
+void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids) {
+    for (long i = 0; i < n; i++) {
+        const float *x = logits + i * stride;
+        float *bv = vals + i * k;
+        long *bi = ids + i * k;
+        long have = 0;
+        float m = vmax_row(x, V), thr = -INFINITY;  /* thr: the k-th best so far once k are held */
+        for (long j0 = 0; j0 < V; j0 += 16) {
+            long j1 = j0 + 16 < V ? j0 + 16 : V;
+            if (have == k && j1 - j0 == 16) {  /* skip 16 at once when none beats the k-th */
+                v16i gt = ld(x + j0) > bc(thr);
+                int any = 0;
+                for (int l = 0; l < 16; l++) any |= gt[l];
+                if (!any) continue;
+            }
+            for (long j = j0; j < j1; j++) {
+                float v = x[j];
+                if (have == k && v <= thr) continue;
+                long r = have < k ? have++ : k - 1;
+                while (r > 0 && bv[r - 1] < v) { bv[r] = bv[r - 1]; bi[r] = bi[r - 1]; r--; }
+                bv[r] = v;
+                bi[r] = j;
+                if (have == k) thr = bv[k - 1];
+            }
+        }
+        v16 acc = bc(0.f);
+        long j = 0;
+        for (; j + 16 <= V; j += 16) acc += vexp(ld(x + j) - bc(m));
+        float sum = hsum(acc);
+        for (; j < V; j++) sum += expf(x[j] - m);
+        for (long r = 0; r < have; r++) bv[r] = expf(bv[r] - m) / sum;
+    }
 }

@@ -1,0 +1,157 @@
+"""The C kernels (csrc/gemm.c, csrc/neox.c): right answers, batch invariance, and fallbacks.
+
+Batch invariance is the property the greedy guarantee leans on with this kernel: a tree node's
+logits must be *bitwise* those of an AR step over the same path, so the tests compare with
+torch.equal, not a tolerance."""
+import shutil
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from dynatree import native, pair_from_models
+from dynatree.config import make_config
+from dynatree.engine import decode
+from dynatree.kvcache import new_cache
+from dynatree.lean import LeanNeoX
+from dynatree.tree import KeyMask, Tree, ancestor_matrix, flatten_bfs, position_ids
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+def neox32(seed: int, *, parallel: bool = True, vocab: int = 100, hidden: int = 64, layers: int = 2):
+    """float32, head_dim 16: the smallest shape the native path takes; vocab 100 exercises padding."""
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=2 * hidden, max_position_embeddings=128, rotary_pct=0.5,
+                        initializer_range=0.3, use_parallel_residual=parallel, tie_word_embeddings=False,
+                        eos_token_id=3, bos_token_id=3)
+    return GPTNeoXForCausalLM(cfg).float().eval()
+
+
+def test_library_builds_here():
+    assert native.library() is not None, native.status()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemm_is_right_and_batch_invariant(bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(72, 40, generator=g)  # N = 72: padded to the tile width
+    b = torch.randn(72, generator=g) if bias else None
+    lin = native.PackedLinear(w, b)
+    x = torch.randn(30, 40, generator=g)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    for m in (1, 2, 5, 12, 13, 24, 30):
+        y = lin(x[:m])
+        assert y.shape == (m, 72)
+        torch.testing.assert_close(y.double(), ref[:m], rtol=1e-5, atol=1e-5)
+        for i in (0, m - 1):  # a row alone == the same row inside m rows, bit for bit
+            assert torch.equal(lin(x[i:i + 1])[0], y[i])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_native_forward_matches_transformers(parallel):
+    model = neox32(1, parallel=parallel)
+    lean = LeanNeoX(model)
+    assert lean.native
+    ids = torch.tensor([[5, 9, 11, 40, 2, 7, 7, 99]])
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits
+        out = lean(input_ids=ids, past_key_values=new_cache(model, 32)).logits
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tree_and_chain_logits_are_bitwise_ar_logits(parallel):
+    model = neox32(2, parallel=parallel)
+    lean = LeanNeoX(model)
+    prompt, path = [5, 9, 11, 40, 2, 7], [17, 23, 4]
+    with torch.inference_mode():
+        cache = new_cache(model, 64)
+        lean(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        p = cache.length
+        # AR: root (last prompt token's successor fed one at a time)
+        ar = [lean(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in path]
+        # chain: the same tokens in one causal forward from the same prefix
+        cache.truncate(p)
+        chain = lean(input_ids=torch.tensor([path]), past_key_values=cache).logits[0]
+        assert all(torch.equal(chain[i], ar[i]) for i in range(3))
+        # tree: the path plus siblings, BFS order; path nodes are 0 -> 1 -> 3
+        cache.truncate(p)
+        tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+        mask = KeyMask(p, ancestor_matrix(tree.parents))
+        logits = lean(input_ids=torch.tensor([tree.tokens]), attention_mask=mask,
+                      position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
+        assert [tree.tokens[u] for u in (0, 1, 3)] == path
+        assert torch.equal(logits[0], ar[0]) and torch.equal(logits[1], ar[1]) and torch.equal(logits[3], ar[2])
+        # the same tree as an additive mask (transformers' form) gives the same logits
+        cache.truncate(p)
+        logits2 = lean(input_ids=torch.tensor([tree.tokens]), attention_mask=mask.additive(torch.float32),
+                       position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
+        assert torch.equal(logits, logits2)
+
+
+def test_bad_token_id_is_an_error_and_leaves_the_cache_alone():
+    model = neox32(3)
+    lean = LeanNeoX(model)
+    cache = new_cache(model, 16)
+    with torch.inference_mode():
+        lean(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache)
+        with pytest.raises(IndexError, match="outside the embedding"):
+            lean(input_ids=torch.tensor([[4, 100]]), past_key_values=cache)
+    assert cache.length == 3
+
+
+def test_argmax_and_topk_match_torch():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 1000, generator=g)
+    x[2, 17] = x[2, 900] = x[2].max() + 1  # a tie: the first index wins, as in torch
+    assert native.argmax_rows(x) == x.argmax(-1).tolist()
+    assert native.argmax_rows(x)[2] == 17
+    vals, ids = native.topk_probs(x[:, :999], 5)  # a row length that is not a multiple of 16
+    ref_v, ref_i = torch.softmax(x[:, :999], -1).topk(5, -1)
+    assert ids[0] == ref_i[0].tolist() and ids[5] == ref_i[5].tolist()
+    torch.testing.assert_close(torch.tensor(vals), ref_v, rtol=1e-5, atol=1e-7)
+
+
+def test_decoders_equal_ar_on_the_native_kernel():
+    """No tolerance, no near-tie excuses: with a batch-invariant kernel every decoder's tokens
+    are AR's because every verified logit is AR's logit."""
+    target = neox32(5, layers=3)
+    draft = neox32(6, layers=1)
+    pair = pair_from_models(target, draft, None, eos_token_id=3)
+    assert pair.runner("target").native and pair.runner("draft").native
+    prompts = [[5, 9, 11], [40, 2, 7, 7, 1, 8], [3 + i for i in range(20)]]
+    for prompt in prompts:
+        ar, _, _ = decode(pair, prompt, make_config("ar"), max_new_tokens=40, ignore_eos=True)
+        for method, opts in [("linear", {}), ("fixed_tree", {}), ("dynatree", {}),
+                             ("dynatree", {"hw_budget": "auto"}), ("dyspec", {})]:
+            out, _, _ = decode(pair, prompt, make_config(method, opts), max_new_tokens=40, ignore_eos=True)
+            assert out == ar, (method, opts, prompt)
+
+
+def test_build_fallbacks(monkeypatch, tmp_path):
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    monkeypatch.setenv("DYNATREE_GEMM", "0")
+    lib, why = native._build()
+    assert lib is None and "DYNATREE_GEMM" in why
+    monkeypatch.setenv("DYNATREE_GEMM", "1")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    lib, why = native._build()
+    assert lib is None and "no C compiler" in why
+    monkeypatch.setenv("CC", "false")  # runs, prints nothing, fails to compile
+    lib, why = native._build()
+    assert lib is None and "failed" in why
+    assert not list(tmp_path.glob("*.so"))  # no half-written object left behind
+
+
+def test_lean_falls_back_to_torch_without_the_library(monkeypatch):
+    model = neox32(7)
+    monkeypatch.setattr(native, "library", lambda: None)
+    lean = LeanNeoX(model)
+    assert not lean.native
+    ids = torch.tensor([[5, 9, 11]])
+    with torch.inference_mode():
+        torch.testing.assert_close(lean(input_ids=ids, past_key_values=new_cache(model, 8)).logits,
+                                   model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
