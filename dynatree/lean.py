@@ -91,9 +91,9 @@ class LeanNeoX:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
-        self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and self.head_dim % 16 == 0 and self.head_dim <= 256
+        self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and self.head_dim % 16 == 0
                        and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
-                       and native.usable(model))
+                       and native.usable(model) and native.library().dt_attn_supported(self.head_dim))
         # The torch path serves everything when not native, and long causal prefills when native
         # (many rows: MKL's GEMM wins there, and a prompt is prefilled the same way by every method).
         pack = can_pack(model) and not self.native

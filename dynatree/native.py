@@ -79,6 +79,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dt_softmax_topk.restype = None
     lib.dt_argmax.argtypes = [P, L, L, L, P]
     lib.dt_argmax.restype = None
+    lib.dt_attn_supported.argtypes = [L]
     lib.dt_layer_norm.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
     return lib, f"built {lib_path}"

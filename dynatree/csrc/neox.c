@@ -99,62 +99,110 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
     }
 }
 
+/* One (row, head) of attention: out[0..16*NV) = softmax(q . K[keys]) V[keys] over the row's
+ * allowed keys.  NV = head_dim / 16 is a compile-time constant so the accumulators live in
+ * registers.  Sums over keys run over the allowed keys in slot order, split two ways by the key's
+ * ordinal among them (not its slot), so they depend only on which keys a row sees: a tree node
+ * and an AR step over the same path add the same numbers in the same order. */
+#define ATTN_TASK(NV)                                                                                   \
+    static void attn_task_##NV(const float *q, const float *K, const float *V, long last, long visible,  \
+                               const unsigned char *ok, float scaling, float *s, float *e, long *idx,    \
+                               float *out) {                                                             \
+        const long hd = 16 * NV;                                                                        \
+        long j = 0;                                                                                      \
+        for (; j + 2 <= last + 1; j += 2) { /* scores, two keys at a time */                            \
+            v16 a0 = bc(0.f), a1 = bc(0.f);                                                              \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) {                                      \
+                v16 qc = ld(q + 16 * c);                                                                 \
+                a0 = fmadd(qc, ld(K + j * hd + 16 * c), a0);                                             \
+                a1 = fmadd(qc, ld(K + (j + 1) * hd + 16 * c), a1);                                       \
+            }                                                                                            \
+            s[j] = hsum(a0) * scaling;                                                                   \
+            s[j + 1] = hsum(a1) * scaling;                                                               \
+        }                                                                                                \
+        if (j <= last) {                                                                                 \
+            v16 a0 = bc(0.f);                                                                            \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) a0 = fmadd(ld(q + 16 * c), ld(K + j * hd + 16 * c), a0); \
+            s[j] = hsum(a0) * scaling;                                                                   \
+        }                                                                                                \
+        long cnt = 0;                                                                                    \
+        float m = -INFINITY;                                                                             \
+        for (j = 0; j <= last; j++)                                                                      \
+            if (!ok || j < visible || ok[j - visible]) {                                                 \
+                idx[cnt++] = j;                                                                          \
+                if (s[j] > m) m = s[j];                                                                  \
+            }                                                                                            \
+        for (j = 0; j <= last; j += 16) st(s + j, vexp(ld(s + j) - bc(m))); /* s has 16 spare */        \
+        float s0 = 0.f, s1 = 0.f;                                                                        \
+        v16 x0[NV], x1[NV];                                                                              \
+        _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) { x0[c] = bc(0.f); x1[c] = bc(0.f); }      \
+        long c2 = 0;                                                                                     \
+        for (; c2 + 2 <= cnt; c2 += 2) {                                                                 \
+            float e0 = s[idx[c2]], e1 = s[idx[c2 + 1]];                                                  \
+            const float *v0 = V + idx[c2] * hd, *v1 = V + idx[c2 + 1] * hd;                              \
+            s0 += e0;                                                                                    \
+            s1 += e1;                                                                                    \
+            v16 b0 = bc(e0), b1 = bc(e1);                                                                \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) {                                      \
+                x0[c] = fmadd(b0, ld(v0 + 16 * c), x0[c]);                                               \
+                x1[c] = fmadd(b1, ld(v1 + 16 * c), x1[c]);                                               \
+            }                                                                                            \
+        }                                                                                                \
+        if (c2 < cnt) {                                                                                  \
+            float e0 = s[idx[c2]];                                                                       \
+            const float *v0 = V + idx[c2] * hd;                                                          \
+            s0 += e0;                                                                                    \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) x0[c] = fmadd(bc(e0), ld(v0 + 16 * c), x0[c]); \
+        }                                                                                                \
+        v16 inv = bc(1.f / (s0 + s1));                                                                   \
+        _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) st(out + 16 * c, (x0[c] + x1[c]) * inv);   \
+        (void)e;                                                                                         \
+    }
+ATTN_TASK(1) ATTN_TASK(2) ATTN_TASK(3) ATTN_TASK(4) ATTN_TASK(5) ATTN_TASK(6) ATTN_TASK(7) ATTN_TASK(8)
+ATTN_TASK(10) ATTN_TASK(12) ATTN_TASK(16)
+
+typedef void (*attn_t)(const float *, const float *, const float *, long, long, const unsigned char *, float,
+                       float *, float *, long *, float *);
+
+static attn_t attn_for(long nv) {
+    switch (nv) {
+    case 1: return attn_task_1;
+    case 2: return attn_task_2;
+    case 3: return attn_task_3;
+    case 4: return attn_task_4;
+    case 5: return attn_task_5;
+    case 6: return attn_task_6;
+    case 7: return attn_task_7;
+    case 8: return attn_task_8;
+    case 10: return attn_task_10;
+    case 12: return attn_task_12;
+    case 16: return attn_task_16;
+    default: return 0;
+    }
+}
+
+int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && attn_for(head_dim / 16) != 0; }
+
 /* Attention of n query rows over L = past + n cached keys.  Row i sees keys j < visible and, for
  * j >= visible, those with allowed[i * (L - visible) + j - visible]; allowed NULL = causal.
  * q rows live in qkv (row stride 3d, head stride 3hd); kc/vc: (H, cap, hd); out: (n, d). */
 static void attend(const long *dims, float scaling, long n, const float *qkv, const float *kc, const float *vc,
                    long cap, long past, long visible, const unsigned char *allowed, float *out, int threads) {
-    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], L = past + n, nv = hd / 16;
+    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], L = past + n;
+    attn_t task = attn_for(hd / 16);
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * (size_t)(L + 16));
-        v16 acc[16];  /* hd <= 256 */
+        float *s = malloc(sizeof(float) * (size_t)(2 * L + 16));
+        long *idx = malloc(sizeof(long) * (size_t)L);
+        /* head-major: a thread's consecutive tasks share one head's keys and values */
 #pragma omp for schedule(static)
         for (long t = 0; t < n * H; t++) {
-            long i = t / H, h = t % H;
-            const float *q = qkv + i * 3 * d + h * 3 * hd;
-            const float *K = kc + h * cap * hd, *V = vc + h * cap * hd;
-            const unsigned char *ok = allowed ? allowed + i * (L - visible) : NULL;  /* ok[j - visible] */
-            long last = allowed ? L - 1 : past + i;
-            /* scores for keys 0..last, four at a time (independent chains); masked ones are
-             * computed too and ignored below -- a key's score never depends on its neighbours */
-            long j = 0;
-            for (; j + 4 <= last + 1; j += 4) {
-                v16 a0 = bc(0.f), a1 = bc(0.f), a2 = bc(0.f), a3 = bc(0.f);
-                const float *k0 = K + j * hd;
-                for (long c = 0; c < nv; c++) {
-                    v16 qc = ld(q + 16 * c);
-                    a0 = fmadd(qc, ld(k0 + 16 * c), a0);
-                    a1 = fmadd(qc, ld(k0 + hd + 16 * c), a1);
-                    a2 = fmadd(qc, ld(k0 + 2 * hd + 16 * c), a2);
-                    a3 = fmadd(qc, ld(k0 + 3 * hd + 16 * c), a3);
-                }
-                s[j] = hsum(a0) * scaling;
-                s[j + 1] = hsum(a1) * scaling;
-                s[j + 2] = hsum(a2) * scaling;
-                s[j + 3] = hsum(a3) * scaling;
-            }
-            for (; j <= last; j++) {
-                v16 a0 = bc(0.f);
-                for (long c = 0; c < nv; c++) a0 = fmadd(ld(q + 16 * c), ld(K + j * hd + 16 * c), a0);
-                s[j] = hsum(a0) * scaling;
-            }
-            float m = -INFINITY;
-            for (j = 0; j <= last; j++)
-                if ((!ok || j < visible || ok[j - visible]) && s[j] > m) m = s[j];
-            for (j = 0; j <= last; j += 16) st(s + j, vexp(ld(s + j) - bc(m)));  /* s has 16 spare */
-            for (long c = 0; c < nv; c++) acc[c] = bc(0.f);
-            float sum = 0.f;
-            for (j = 0; j <= last; j++) {
-                if (ok && j >= visible && !ok[j - visible]) continue;
-                float e = s[j];
-                sum += e;
-                v16 ev = bc(e);
-                for (long c = 0; c < nv; c++) acc[c] = fmadd(ev, ld(V + j * hd + 16 * c), acc[c]);
-            }
-            v16 inv = bc(1.f / sum);
-            for (long c = 0; c < nv; c++) st(out + i * d + h * hd + 16 * c, acc[c] * inv);
+            long h = t / n, i = t % n;
+            task(qkv + i * 3 * d + h * 3 * hd, kc + h * cap * hd, vc + h * cap * hd, allowed ? L - 1 : past + i,
+                 visible, allowed ? allowed + i * (L - visible) : NULL, scaling, s, s + L + 16, idx,
+                 out + i * d + h * hd);
         }
+        free(idx);
         free(s);
     }
 }
