@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import native
+
 
 class BufferLayer(DynamicLayer):
     def __init__(self, capacity: int):
@@ -115,6 +117,8 @@ class BufferCache(Cache):
             return
         layer0 = self.layers[0]
         if not layer0.is_initialized:
+            return
+        if native.cache_keep(self.layers, start, slots):
             return
         src = torch.tensor(slots, device=layer0.keys.device)  # (k,)
         for layer in self.layers:

@@ -80,6 +80,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dt_argmax.argtypes = [P, L, L, L, P]
     lib.dt_argmax.restype = None
     lib.dt_attn_supported.argtypes = [L]
+    lib.dt_cache_keep.argtypes = [P, P, L, L, L, L, L, P, L]
+    lib.dt_cache_keep.restype = None
     lib.dt_layer_norm.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
     return lib, f"built {lib_path}"
@@ -170,3 +172,20 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
     ids = torch.empty(n, k, dtype=torch.long)
     lib.dt_softmax_topk(logits.data_ptr(), n, v, logits.stride(0), k, vals.data_ptr(), ids.data_ptr())
     return vals.tolist(), ids.tolist()
+
+
+def cache_keep(layers, start: int, slots: list[int]) -> bool:
+    """kvcache.BufferCache.keep in one C call for float32 CPU buffers; False if it does not apply."""
+    k0 = layers[0].keys
+    if k0.device.type != "cpu" or k0.dtype != torch.float32 or library() is None:
+        return False
+    import ctypes
+
+    b, h, cap, hd = k0.shape
+    kc = (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers])
+    vc = (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers])
+    src = torch.tensor(slots, dtype=torch.long)
+    library().dt_cache_keep(kc, vc, len(layers), b * h, cap, hd, start, src.data_ptr(), len(slots))
+    for layer in layers:
+        layer.length = start + len(slots)
+    return True

@@ -155,3 +155,23 @@ def test_lean_falls_back_to_torch_without_the_library(monkeypatch):
     with torch.inference_mode():
         torch.testing.assert_close(lean(input_ids=ids, past_key_values=new_cache(model, 8)).logits,
                                    model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_keep_moves_the_path_like_torch():
+    from dynatree.kvcache import BufferCache
+
+    caches = []
+    for _ in range(2):
+        c = BufferCache(3, 20)
+        g = torch.Generator().manual_seed(8)
+        for layer in c.layers:
+            kv = torch.randn(1, 2, 12, 16, generator=g)
+            layer.update(kv, kv * 2)
+        caches.append(c)
+    caches[0].keep(5, [5, 7, 10])  # native
+    src = torch.tensor([5, 7, 10])
+    for layer in caches[1].layers:  # torch, layer by layer
+        layer.keep(5, src)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.length == b.length == 8
+        assert torch.equal(a.keys[:, :, :8], b.keys[:, :, :8]) and torch.equal(a.values[:, :, :8], b.values[:, :, :8])

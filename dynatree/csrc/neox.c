@@ -361,3 +361,18 @@ void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, f
         for (long r = 0; r < have; r++) bv[r] = expf(bv[r] - m) / sum;
     }
 }
+
+/* Move cache slots src[0..k) to start..start+k-1 in nl layers' key and value buffers, each
+ * (rows, cap, hd) with rows = batch * heads.  src ascends with src[i] >= start + i (a BFS tree
+ * path), so copying in order never overwrites a slot still to be read. */
+void dt_cache_keep(float *const *kc, float *const *vc, long nl, long rows, long cap, long hd, long start,
+                   const long *src, long k) {
+    for (long l = 0; l < nl; l++)
+        for (long r = 0; r < rows; r++)
+            for (long i = 0; i < k; i++) {
+                if (src[i] == start + i) continue;
+                size_t to = (size_t)(r * cap + start + i) * hd, from = (size_t)(r * cap + src[i]) * hd;
+                memmove(kc[l] + to, kc[l] + from, sizeof(float) * hd);
+                memmove(vc[l] + to, vc[l] + from, sizeof(float) * hd);
+            }
+}
