@@ -83,9 +83,15 @@ class DynaTreeConfig(SpecConfig):
     dynamic_breadth: bool = opt(True, "per-node branching from draft confidence (off: b_mid everywhere)")
     dynamic_depth: bool = opt(True, "rho_stop / rho_deep depth gating up to d_max (off: fixed depth d0)")
     history: bool = opt(True, "adapt d0 and tau_h from the acceptance of the last W iterations")
-    hw_budget: str = opt("off", "'auto': hardware-aware budget — draft and verify only the nodes whose "
+    hw_budget: str = opt("greedy", "'auto': hardware-aware budget — draft and verify only the nodes whose "
                              "expected tokens pay for their measured time on this device (see budget.py); "
-                             "'off': the paper's node budget alone")
+                             "'off': the paper's node budget alone (the paper's ablation); 'greedy' "
+                             "(default): 'auto' at temperature 0, 'off' when sampling, so that a seed alone "
+                             "decides a sample (the budget's trees depend on measured timings)")
+
+    @property
+    def budget_on(self) -> bool:
+        return self.hw_budget == "auto" or (self.hw_budget == "greedy" and self.temperature == 0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -97,8 +103,8 @@ class DynaTreeConfig(SpecConfig):
             raise ValueError("need 0 < tau_l < tau_h < 1")
         if not (0 < self.rho_stop < self.rho_deep < 1):
             raise ValueError("need 0 < rho_stop < rho_deep < 1")
-        if self.hw_budget not in ("off", "auto"):
-            raise ValueError("hw_budget must be 'off' or 'auto'")
+        if self.hw_budget not in ("greedy", "auto", "off"):
+            raise ValueError("hw_budget must be 'greedy', 'auto' or 'off'")
 
 
 @dataclass(frozen=True)

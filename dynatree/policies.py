@@ -176,7 +176,7 @@ class DynaTree(NoDraft):
 
     def attach(self, pair) -> None:
         """Hardware budget: profile the device once per pair and share the calibration."""
-        if self.cfg.hw_budget == "auto":
+        if self.cfg.budget_on:
             self.latency = budget.profile(pair)
             self.calib = pair.state.setdefault("calibration", budget.Calibration())
 
