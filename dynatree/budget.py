@@ -75,7 +75,7 @@ class LatencyModel:
 
     @staticmethod
     def _interp(table: dict[int, float], x: float) -> float:
-        ks = sorted(table)
+        ks = list(table)  # profile() fills tables in ascending size
         if x <= ks[0]:
             return table[ks[0]]
         for a, b in zip(ks, ks[1:]):
@@ -127,7 +127,7 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int) -> dict[int, flo
     return out
 
 
-def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), widths=(1, 4, 16),
+def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), widths=(1, 4, 16),
             repeats: int = 5) -> LatencyModel:
     """Measure verification and draft-level latency on this device (cached on the pair)."""
     key = ("latency", prefix_len)

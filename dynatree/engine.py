@@ -83,8 +83,10 @@ def tree_tensors(tree: Tree, prefix_len: int, device: torch.device) -> TreeTenso
     tokens = torch.tensor(tree.tokens, device=device)
     if tree.parents == list(range(-1, len(tree) - 1)):
         return TreeTensors(tokens, None, None)
-    return TreeTensors(tokens, position_ids(tree.depths, prefix_len).to(device),
-                       KeyMask(prefix_len, ancestor_matrix(tree.parents).to(device)))
+    pos, anc = position_ids(tree.depths, prefix_len), ancestor_matrix(tree.parents)
+    if device.type != "cpu":
+        pos, anc = pos.to(device), anc.to(device)
+    return TreeTensors(tokens, pos, KeyMask(prefix_len, anc))
 
 
 def verify_tree(model, cache, tt: TreeTensors) -> torch.Tensor:

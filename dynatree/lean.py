@@ -194,8 +194,10 @@ class LeanNeoX:
         d, ff = self.config.hidden_size, self.config.intermediate_size
         if position_ids is None:
             position_ids = torch.arange(past, end)
-        ids = input_ids.reshape(-1).to(torch.long).contiguous()  # (n,)
-        pos = position_ids.reshape(-1).to(torch.long).contiguous()  # (n,)
+        ids = input_ids.reshape(-1).contiguous()  # (n,) int64 (engine and tokenizers give int64)
+        pos = position_ids.reshape(-1).contiguous()  # (n,)
+        if ids.dtype != torch.long or pos.dtype != torch.long:
+            ids, pos = ids.long(), pos.long()
         visible, allowed = 0, None
         if isinstance(attention_mask, KeyMask):
             visible, allowed = attention_mask.visible, attention_mask.allowed.contiguous()  # (n, end - visible)
@@ -206,14 +208,22 @@ class LeanNeoX:
         if self.work.numel() < n * (8 * d + ff):
             self.work = torch.empty(n * (8 * d + ff))
         layers = cache.layers
-        for layer in layers:
-            layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
-        kc = (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers])
-        vc = (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers])
+        # (capacity, first key buffer, keys, values): reused while no layer's buffer has moved
+        # (buffers move only when they grow, in every layer at once)
+        ptrs = getattr(cache, "native_ptrs", None)
+        if (ptrs is None or end > ptrs[0] or not layers[0].is_initialized
+                or layers[0].keys.data_ptr() != ptrs[1]):
+            for layer in layers:
+                layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
+            ptrs = (layers[0].capacity, layers[0].keys.data_ptr(),
+                    (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers]),
+                    (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers]))
+            cache.native_ptrs = ptrs
+        cap, _, kc, vc = ptrs
         logits = torch.empty(keep, self.vocab_pad)  # (keep, V_pad)
         bad = self.lib.dt_neox_forward(self.dims.data_ptr(), self.eps, self.scaling, len(layers), self.ptrs,
                                  self.embed.data_ptr(), self.head_ptrs, ids.data_ptr(), n, pos.data_ptr(),
-                                 self.cos.data_ptr(), self.sin.data_ptr(), kc, vc, layers[0].capacity, past, visible,
+                                 self.cos.data_ptr(), self.sin.data_ptr(), kc, vc, cap, past, visible,
                                  allowed.data_ptr() if allowed is not None else None, keep, logits.data_ptr(),
                                  self.work.data_ptr(), torch.get_num_threads())
         if bad:

@@ -175,3 +175,20 @@ def test_cache_keep_moves_the_path_like_torch():
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert a.length == b.length == 8
         assert torch.equal(a.keys[:, :, :8], b.keys[:, :, :8]) and torch.equal(a.values[:, :, :8], b.values[:, :, :8])
+
+
+def test_native_after_the_cache_grows_under_a_torch_prefill():
+    """A long prefill (torch path) may move the cache buffers; the native path must follow."""
+    model = neox32(9)
+    lean = LeanNeoX(model)
+    prompt = [(7 * i) % 97 for i in range(80)]  # > 64 tokens: the torch path
+    with torch.inference_mode():
+        small = new_cache(model, 4)
+        lean(input_ids=torch.tensor([[1, 2]]), past_key_values=small)  # native, capacity 4
+        small.truncate(0)
+        lean(input_ids=torch.tensor([prompt]), past_key_values=small)  # torch path: buffers grow
+        a = lean(input_ids=torch.tensor([[5]]), past_key_values=small).logits
+        big = new_cache(model, 128)
+        lean(input_ids=torch.tensor([prompt]), past_key_values=big)
+        b = lean(input_ids=torch.tensor([[5]]), past_key_values=big).logits
+    assert torch.equal(a, b)
