@@ -124,9 +124,10 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             summary.append((path, label, len(rs), len(rs) - len(bad), tps,
                             sum(r["tokens_per_iteration"] for r in rs) / len(rs),
                             [(r["prompt"], r["first_divergence"], round(r["divergence_margin"], 5)) for r in bad]))
-    click.echo(f"{'prompts file':<45} {'method':<11} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
+    w = max(11, *(len(s[1]) for s in summary))
+    click.echo(f"{'prompts file':<45} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
     for path, label, n, ok, tps, tpi, bad in summary:
-        click.echo(f"{path[-45:]:<45} {label:<11} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
+        click.echo(f"{path[-45:]:<45} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
                    + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
     if any(s[6] for s in summary):
         sys.exit(1)
