@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "neox.c")]
+HEADERS = [Path(__file__).with_name("csrc") / "vec.h"]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC"]
 MAX_PACKED_BYTES = 2 * 2**30  # a packed copy sits beside the model's own weights
 
@@ -54,7 +55,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    parts = [*(src.read_text() for src in SOURCES), version, " ".join(FLAGS), platform.machine(), _cpu_flags()]
+    parts = [*(src.read_text() for src in SOURCES + HEADERS), version, " ".join(FLAGS), platform.machine(), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
     lib_path = cache / f"libdtgemm-{key}.so"

@@ -12,27 +12,12 @@
  * Layout: wp is (N/TW, K, TW) -- tile t holds columns t*TW .. t*TW+TW-1 for every k, contiguous.
  */
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #define TW 32    /* output columns per tile: two 16-float vectors */
 #define RMAX 12  /* rows per pass: 2*RMAX accumulators + 2 weights + 1 broadcast <= 32 registers */
 #define PREFETCH 16  /* k rows (2 KB) ahead: the hardware prefetcher alone left 12-16 rows 1.5x slower */
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-#if defined(__AVX512F__)
-static inline v16 ld(const float *p) { return (v16)_mm512_loadu_ps(p); }
-static inline void st(float *p, v16 v) { _mm512_storeu_ps(p, (__m512)v); }
-static inline v16 bc(float x) { return (v16)_mm512_set1_ps(x); }
-static inline v16 fmadd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else
-static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline v16 fmadd(v16 a, v16 b, v16 c) { return a * b + c; }
-#endif
+#include "vec.h"
 
 /* R rows of x (stride ldx) times one K x TW weight tile -> R x TW outputs (stride ldy). */
 #define KERN(R)                                                                                     \

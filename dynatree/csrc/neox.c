@@ -18,9 +18,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 void dt_gemm(const float *x, long M, long K, const float *wp, const float *bp, float *y, long N, int threads);
 
@@ -28,20 +25,7 @@ enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2
 enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, NDIM };
 enum { ACT_GELU = 1, ACT_RELU = 2 };
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-#if defined(__AVX512F__)
-static inline v16 ld(const float *p) { return (v16)_mm512_loadu_ps(p); }
-static inline void st(float *p, v16 v) { _mm512_storeu_ps(p, (__m512)v); }
-static inline v16 bc(float x) { return (v16)_mm512_set1_ps(x); }
-static inline v16 fmadd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else
-static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline v16 fmadd(v16 a, v16 b, v16 c) { return a * b + c; }
-#endif
-
-typedef int v16i __attribute__((vector_size(64), aligned(4)));
+#include "vec.h"
 
 static inline float hsum(v16 v) {  /* a fixed reduction order */
 #if defined(__AVX512F__)
