@@ -10,6 +10,12 @@ It is a drop-in for the engine: ``LeanNeoX(model)(input_ids=, attention_mask=, p
 past_key_values=BufferCache, logits_to_keep=)`` returns an object with ``.logits``; it shares
 the model's parameters (no copy).  Tests check logits against transformers in float64 for
 prefill, cached steps and tree masks.  Other architectures use transformers as before.
+
+Two paths run that math.  On a float32 CPU model whose shapes the C kernels take, every cached
+forward of up to ``NATIVE_ROWS`` tokens, and every masked one, is one call into csrc/neox.c
+(native.py; batch invariant, so tree logits are bitwise AR logits).  Everything else — other
+dtypes and devices, no C compiler, ``--kernel lean-mkl``, long causal prefills — runs the torch
+ops below.
 """
 from __future__ import annotations
 
