@@ -131,3 +131,16 @@ def test_bad_sampling_options():
     for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}):
         with pytest.raises(ValueError):
             make_config("dynatree", bad)
+
+
+@pytest.mark.parametrize("method,opts", [("linear", {"k": 3}), ("dynatree", {"hw_budget": "auto"})])
+def test_matches_target_distribution_on_the_native_kernel(method, opts):
+    """The same test on a float32 pair that runs the C kernels (head width 16), budget included."""
+    target = tiny_neox(21, vocab=V, std=0.6, hidden=64, dtype=torch.float32)
+    draft = noisy_copy(target, 5, 0.5)
+    pair = pair_from_models(target, draft, None, eos_token_id=None)
+    if not pair.runner("target").native:
+        pytest.skip("native kernels unavailable here")
+    opts = {"temperature": 1.0, **opts}
+    p = chi_square_p(sample_counts(pair, method, opts), exact_distribution(pair, opts), N)
+    assert p >= P_MIN, f"{method} {opts}: chi-square p = {p:.2e}"
