@@ -192,3 +192,38 @@ def test_native_after_the_cache_grows_under_a_torch_prefill():
         lean(input_ids=torch.tensor([prompt]), past_key_values=big)
         b = lean(input_ids=torch.tensor([[5]]), past_key_values=big).logits
     assert torch.equal(a, b)
+
+
+def test_a_wide_tree_past_the_row_limits_is_still_bitwise_ar():
+    """100 nodes (> 12-row GEMM passes, > NATIVE_ROWS, masked so still native): the path's logits."""
+    model = neox32(10)
+    lean = LeanNeoX(model)
+    prompt, path = [5, 9, 11, 40], [17, 23, 4, 8]
+    tree = Tree.root_only(path[0])
+    u = 0
+    for tok in path[1:]:
+        for sib in range(24):  # 24 siblings per level, the path's token among them
+            v = tree.add(u, (tok + sib) % 100, -1.0)
+            if sib == 0:
+                nxt = v
+        u = nxt
+    tree, _ = flatten_bfs(tree)
+    assert len(tree) > 64
+    on_path = [0] + [i for i in range(1, len(tree)) if tree.tokens[i] == path[tree.depths[i]]
+                     and all(tree.tokens[a] == path[tree.depths[a]] for a in _ancestors(tree, i))]
+    with torch.inference_mode():
+        cache = new_cache(model, 256)
+        lean(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        p = cache.length
+        ar = [lean(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in path]
+        cache.truncate(p)
+        logits = lean(input_ids=torch.tensor([tree.tokens]), attention_mask=KeyMask(p, ancestor_matrix(tree.parents)),
+                      position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
+    assert len(on_path) == len(path)
+    assert all(torch.equal(logits[i], ar[tree.depths[i]]) for i in on_path)
+
+
+def _ancestors(tree, i):
+    while tree.parents[i] >= 0:
+        i = tree.parents[i]
+        yield i
