@@ -62,19 +62,25 @@ def test_native_forward_matches_transformers(parallel):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def prefill_and_ar(lean, model, prompt, path, capacity=64):
+    """Prefill ``prompt``, then AR steps over ``path``; returns (cache cut back to the prompt,
+    prompt length, AR logits after each path token)."""
+    cache = new_cache(model, capacity)
+    lean(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    p = cache.length
+    ar = [lean(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in path]
+    cache.truncate(p)
+    return cache, p, ar
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_tree_and_chain_logits_are_bitwise_ar_logits(parallel):
     model = neox32(2, parallel=parallel)
     lean = LeanNeoX(model)
     prompt, path = [5, 9, 11, 40, 2, 7], [17, 23, 4]
     with torch.inference_mode():
-        cache = new_cache(model, 64)
-        lean(input_ids=torch.tensor([prompt]), past_key_values=cache)
-        p = cache.length
-        # AR: root (last prompt token's successor fed one at a time)
-        ar = [lean(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in path]
+        cache, p, ar = prefill_and_ar(lean, model, prompt, path)
         # chain: the same tokens in one causal forward from the same prefix
-        cache.truncate(p)
         chain = lean(input_ids=torch.tensor([path]), past_key_values=cache).logits[0]
         assert all(torch.equal(chain[i], ar[i]) for i in range(3))
         # tree: the path plus siblings, BFS order; path nodes are 0 -> 1 -> 3
@@ -212,11 +218,7 @@ def test_a_wide_tree_past_the_row_limits_is_still_bitwise_ar():
     on_path = [0] + [i for i in range(1, len(tree)) if tree.tokens[i] == path[tree.depths[i]]
                      and all(tree.tokens[a] == path[tree.depths[a]] for a in _ancestors(tree, i))]
     with torch.inference_mode():
-        cache = new_cache(model, 256)
-        lean(input_ids=torch.tensor([prompt]), past_key_values=cache)
-        p = cache.length
-        ar = [lean(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in path]
-        cache.truncate(p)
+        cache, p, ar = prefill_and_ar(lean, model, prompt, path, capacity=256)
         logits = lean(input_ids=torch.tensor([tree.tokens]), attention_mask=KeyMask(p, ancestor_matrix(tree.parents)),
                       position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
     assert len(on_path) == len(path)
