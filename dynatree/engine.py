@@ -42,7 +42,7 @@ from .models import ModelPair
 from .native import argmax_rows
 from .policies import make_policy
 from .sampling import Sampler, walk
-from .tree import KeyMask, Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids
+from .tree import KeyMask, Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, position_ids
 
 
 class ContextError(ValueError):
@@ -122,8 +122,7 @@ def accept_sampled(tree: Tree, order: list[int], logits: torch.Tensor, drafter: 
     """logits: (n, V).  Multi-candidate rejection sampling; returns (path, last token)."""
     new_index = {old: new for new, old in enumerate(order)}
     cands = {new_index[old]: c for old, c in drafter.cands.items() if old in new_index}
-    children = {(tree.parents[v], tree.tokens[v]): v for v in range(1, len(tree))}
-    return walk(sampler.probs(logits), cands, children, sampler)
+    return walk(sampler.probs(logits), cands, child_index(tree.tokens, tree.parents), sampler)
 
 
 @torch.inference_mode()

@@ -75,7 +75,7 @@ def supports(model) -> bool:
 
 class LeanNeoX:
     def __init__(self, model, gemm: bool = True):
-        """gemm: run cached forwards through csrc/neox.c (gemm.py) where it applies, else torch."""
+        """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
@@ -97,7 +97,7 @@ class LeanNeoX:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
-        self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and self.head_dim % 16 == 0
+        self.native = (gemm and cfg.hidden_act in ("gelu", "relu")
                        and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
                        and native.usable(model) and native.library().dt_attn_supported(self.head_dim))
         # The torch path serves everything when not native, and long causal prefills when native
@@ -192,8 +192,6 @@ class LeanNeoX:
 
     def _native(self, input_ids, attention_mask, position_ids, cache, past, logits_to_keep):
         """The same forward as one call into csrc/neox.c (batch invariant: see that file)."""
-        import ctypes
-
         n = input_ids.shape[1]
         end = past + n
         keep = min(logits_to_keep, n) if logits_to_keep else n
@@ -221,9 +219,7 @@ class LeanNeoX:
                 or layers[0].keys.data_ptr() != ptrs[1]):
             for layer in layers:
                 layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
-            ptrs = (layers[0].capacity, layers[0].keys.data_ptr(),
-                    (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers]),
-                    (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers]))
+            ptrs = (layers[0].capacity, layers[0].keys.data_ptr(), *native.kv_pointers(layers))
             cache.native_ptrs = ptrs
         cap, _, kc, vc = ptrs
         logits = torch.empty(keep, self.vocab_pad)  # (keep, V_pad)

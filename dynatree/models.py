@@ -70,7 +70,7 @@ class ModelPair:
     eos_token_id: int | None
     names: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
-    # "lean": lean.py's forward with dynatree's few-row GEMM (gemm.py) where it builds; "lean-mkl":
+    # "lean": lean.py's forward through dynatree's C kernels (native.py) where they build; "lean-mkl":
     # the same forward on torch's MKL/oneDNN kernels; "hf": transformers' own forward
     kernel: str = "lean"
 

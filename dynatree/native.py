@@ -1,14 +1,15 @@
-"""The few-row CPU GEMM of ``csrc/gemm.c``: built on first use with the machine's C compiler,
-loaded with ctypes, used by lean.py for float32 Linear layers on the CPU.
+"""The CPU kernels of ``csrc/``: built on first use with the machine's C compiler, loaded with
+ctypes, used by lean.py (the whole GPT-NeoX forward), drafting/engine (argmax, top-k) and
+kvcache (keep) for float32 CPU tensors.
 
 Why a kernel of our own: on a CPU the verify forward of a small model is a stream over its
 weights.  A tree of 16 tokens should cost what one token costs, but MKL and oneDNN pay 1.5-2x
 for 16 rows (measured on this project's host; ``dynatree profile`` prints the table).  The
 kernel reads each packed weight tile once per 12 rows and is *batch invariant*: a row's output
-is bitwise the same whatever else is in the batch, so a tree verification scores each node
-exactly as an AR step would (the attention around it is still torch's).
+is bitwise the same whatever else is in the batch.  ``csrc/neox.c`` builds a whole GPT-NeoX
+forward on it whose attention is batch invariant too, so a tree verification scores each node
+exactly as an AR step would.
 
-``csrc/neox.c`` adds a whole GPT-NeoX layer on top of it (lean.py's native path).
 The shared object is cached under ``$DYNATREE_CACHE`` (default ``~/.cache/dynatree``), keyed by
 the source, the compiler and the CPU's feature flags (it is built with ``-march=native``).  No
 compiler, a failed build or ``DYNATREE_GEMM=0`` -> ``library()`` returns None and callers keep
@@ -74,7 +75,6 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                             ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     lib.dt_gemm.restype = None
     P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
-    lib.dt_layer_norm.argtypes = [P, L, L, P, P, F, P]
     lib.dt_neox_forward.argtypes = [P, F, F, L, P, P, P, P, L, P, P, P, P, P, L, L, L, P, L, P, P, I]
     lib.dt_softmax_topk.argtypes = [P, L, L, L, L, P, P]
     lib.dt_softmax_topk.restype = None
@@ -83,7 +83,6 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dt_attn_supported.argtypes = [L]
     lib.dt_cache_keep.argtypes = [P, P, L, L, L, L, L, P, L]
     lib.dt_cache_keep.restype = None
-    lib.dt_layer_norm.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
     return lib, f"built {lib_path}"
 
@@ -175,16 +174,20 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
     return vals.tolist(), ids.tolist()
 
 
+def kv_pointers(layers):
+    """The C arrays of the layers' key and value buffer addresses the kernels take."""
+    kc = (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers])
+    vc = (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers])
+    return kc, vc
+
+
 def cache_keep(layers, start: int, slots: list[int]) -> bool:
     """kvcache.BufferCache.keep in one C call for float32 CPU buffers; False if it does not apply."""
     k0 = layers[0].keys
     if k0.device.type != "cpu" or k0.dtype != torch.float32 or library() is None:
         return False
-    import ctypes
-
     b, h, cap, hd = k0.shape
-    kc = (ctypes.c_void_p * len(layers))(*[layer.keys.data_ptr() for layer in layers])
-    vc = (ctypes.c_void_p * len(layers))(*[layer.values.data_ptr() for layer in layers])
+    kc, vc = kv_pointers(layers)
     src = torch.tensor(slots, dtype=torch.long)
     library().dt_cache_keep(kc, vc, len(layers), b * h, cap, hd, start, src.data_ptr(), len(slots))
     for layer in layers:

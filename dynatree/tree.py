@@ -130,6 +130,11 @@ def position_ids(depths: list[int], prefix_len: int) -> torch.Tensor:
     return torch.tensor([[prefix_len + d for d in depths]])
 
 
+def child_index(tokens: list[int], parents: list[int]) -> dict[tuple[int, int], int]:
+    """(node, token) -> that node's child carrying the token (siblings carry distinct tokens)."""
+    return {(parents[v], tokens[v]): v for v in range(1, len(tokens))}
+
+
 def accept_path(tokens: list[int], parents: list[int], choice: list[int]) -> tuple[list[int], int]:
     """Longest root-to-node path whose drafted tokens equal the target's greedy choices.
 
@@ -139,7 +144,7 @@ def accept_path(tokens: list[int], parents: list[int], choice: list[int]) -> tup
     A node is *correct* if its token equals the target's choice at its parent; siblings carry
     distinct tokens, so at most one child of a node is correct and the walk down is unique.
     """
-    child = {(parents[v], tokens[v]): v for v in range(1, len(tokens))}
+    child = child_index(tokens, parents)
     path = [0]
     while (path[-1], choice[path[-1]]) in child:
         path.append(child[(path[-1], choice[path[-1]])])
