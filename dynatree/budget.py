@@ -57,15 +57,20 @@ class LatencyModel:
     draft_extra_ms: float = 0.0
     ema: float = 0.1
 
+    def __post_init__(self):
+        # dense lookups for the sizes trees use: the budget asks for hundreds of values per iteration
+        self._vt = [self._interp(self.verify_ms, n) for n in range(129)]
+        self._dt = [self._interp(self.draft_ms, w) for w in range(65)]
+
     # A residual is clipped to [-1/2, +1] x the profiled time: one stall on a shared host must not
     # make drafting look so dear that it stops, since a level that never runs is never re-measured.
     def observe_verify(self, n: int, ms: float) -> None:
-        prof = self._interp(self.verify_ms, n)
+        prof = self.verify(n) - self.verify_extra_ms
         extra = min(max(ms - prof, -prof / 2), prof)
         self.verify_extra_ms += self.ema * (extra - self.verify_extra_ms)
 
     def observe_draft(self, width: int, ms: float) -> None:
-        prof = self._interp(self.draft_ms, width)
+        prof = self.draft(width) - self.draft_extra_ms
         extra = min(max(ms - prof, -prof / 2), prof)
         self.draft_extra_ms += self.ema * (extra - self.draft_extra_ms)
 
@@ -85,10 +90,12 @@ class LatencyModel:
         return table[b] + (table[b] - table[a]) / (b - a) * (x - b)
 
     def verify(self, n: int) -> float:
-        return self._interp(self.verify_ms, n) + self.verify_extra_ms
+        t = self._vt
+        return (t[n] if n < len(t) else self._interp(self.verify_ms, n)) + self.verify_extra_ms
 
     def draft(self, width: int) -> float:
-        return self._interp(self.draft_ms, width) + self.draft_extra_ms
+        t = self._dt
+        return (t[width] if width < len(t) else self._interp(self.draft_ms, width)) + self.draft_extra_ms
 
 
 def _time_ms(fn, repeats: int) -> float:

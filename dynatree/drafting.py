@@ -26,13 +26,12 @@ import time
 import torch
 
 from .kvcache import new_cache
-from .native import topk_probs
 from .tree import KeyMask, Tree
 
 
 class Drafter:
     def __init__(self, model, vocab: int, capacity: int, sampler=None):
-        self.model = model
+        self.model, self.device = model, model.device
         self.sampler = sampler
         self.vocab = vocab
         self.cache = new_cache(model, capacity)
@@ -53,15 +52,16 @@ class Drafter:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
         self.pending.extend(tokens)
 
-    def _propose(self, nodes: list[int], logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-        """logits: (n, V) for ``nodes`` -> per-row k proposals: probabilities and token ids (host lists).
+    def _forward(self, nodes: list[int], k: int, **kwargs) -> tuple[list[list[float]], list[list[int]]]:
+        """One draft forward whose kept rows belong to ``nodes`` -> per row k proposals:
+        probabilities and token ids (host lists).
 
         Host sync: the tree's shape depends on these numbers, so they come back once per level.
-        """
-        logits = logits[:, : self.vocab]
+        Greedy proposals are the forward's own top-k head (fused into the native kernel)."""
         k = min(k, self.vocab)
         if self.sampler is None:
-            return topk_probs(logits, k)
+            return self.model(past_key_values=self.cache, use_cache=True, topk=k, cols=self.vocab, **kwargs).top
+        logits = self.model(past_key_values=self.cache, use_cache=True, **kwargs).logits[0, :, : self.vocab]
         q = self.sampler.probs(logits)  # (n, V)
         idx = self.sampler.candidates(q, k)  # (n, k) in draw order
         vals, ids = q.gather(-1, idx).tolist(), idx.tolist()
@@ -76,15 +76,14 @@ class Drafter:
         """Feed pending committed tokens (ending with the root); top-k of the root's next token."""
         t0 = time.perf_counter()
         self._reset_tree()
-        ids = torch.tensor([self.pending], device=self.model.device)  # (1, p)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        ids = torch.tensor([self.pending], device=self.device)  # (1, p)
+        vals, idx = self._forward([0], k, input_ids=ids, logits_to_keep=1)
         self.forwards += 1
-        self.fed_tokens += ids.shape[1]
+        self.fed_tokens += len(self.pending)
         self.pending = []
         self.base = self.cache.length
         self.root_pos = self.base - 1
         self.started = True
-        vals, idx = self._propose([0], out.logits[0, -1:], k)
         self.seconds += time.perf_counter() - t0
         return vals[0], idx[0]
 
@@ -93,29 +92,28 @@ class Drafter:
         """One draft forward over ``nodes`` (any depths); top-k of each node's next token."""
         t0 = time.perf_counter()
         n = len(nodes)
-        dev = self.model.device
-        start = self.cache.length
+        dev = self.device
+        start, base, slot, parents = self.cache.length, self.base, self.slot, tree.parents
         for r, u in enumerate(nodes):
-            self.slot[u] = start + r
+            slot[u] = start + r
         # keys after the committed prefix: earlier tree levels and these nodes (slots base..start+n-1)
-        allowed = [[False] * (start + n - self.base) for _ in range(n)]
+        m = start + n - base
+        allowed = bytearray(n * m)  # (n, m) row-major bool
         seen = 0
         for r, u in enumerate(nodes):
             v = u
             while v > 0:  # the node and its ancestors below the root, all expanded already
-                allowed[r][self.slot[v] - self.base] = True
+                allowed[r * m + slot[v] - base] = 1
                 seen += 1
-                v = tree.parents[v]
+                v = parents[v]
         mask = None  # a chain: the one node sees every cached slot, as a plain cached step does
-        if not (n == 1 and seen == start + 1 - self.base):
-            mask = KeyMask(self.base, torch.tensor(allowed, dtype=torch.bool, device=dev))  # (n, m)
+        if not (n == 1 and seen == m):
+            mask = KeyMask(base, torch.frombuffer(allowed, dtype=torch.bool).view(n, m).to(dev))  # (n, m)
         ids = torch.tensor([[tree.tokens[u] for u in nodes]], device=dev)  # (1, n)
         pos = torch.tensor([[self.root_pos + tree.depths[u] for u in nodes]], device=dev)  # (1, n)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=self.cache, use_cache=True)
+        res = self._forward(nodes, k, input_ids=ids, attention_mask=mask, position_ids=pos)
         self.forwards += 1
         self.fed_tokens += n
-        res = self._propose(nodes, out.logits[0], k)
         self.seconds += time.perf_counter() - t0
         return res
 

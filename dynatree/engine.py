@@ -89,11 +89,11 @@ def tree_tensors(tree: Tree, prefix_len: int, device: torch.device) -> TreeTenso
     return TreeTensors(tokens, pos, KeyMask(prefix_len, anc))
 
 
-def verify_tree(model, cache, tt: TreeTensors) -> torch.Tensor:
-    """One target forward over the flattened tree; returns logits (n, V)."""
-    out = model(input_ids=tt.tokens[None], attention_mask=tt.mask, position_ids=tt.positions,
-                past_key_values=cache, use_cache=True)
-    return out.logits[0]
+def verify_tree(model, cache, tt: TreeTensors, greedy: bool = True):
+    """One target forward over the flattened tree; returns the runner's Output: logits (1, n, V)
+    and, when greedy, ``choice``, the target's argmax at every node (host sync)."""
+    return model(input_ids=tt.tokens[None], attention_mask=tt.mask, position_ids=tt.positions,
+                 past_key_values=cache, use_cache=True, argmax=greedy)
 
 
 def commit_target(model, cache, path: list[int], path_tokens: torch.Tensor, prefix_len: int,
@@ -111,9 +111,9 @@ def commit_target(model, cache, path: list[int], path_tokens: torch.Tensor, pref
     return 1
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """logits: (n, V).  Returns (accepted path of nodes from the root, bonus token)."""
-    choice = argmax_rows(logits)  # host sync: the target's n greedy choices
+def accept_greedy(tree: Tree, choice: list[int]) -> tuple[list[int], int]:
+    """choice: the target's argmax at each node.  Returns (accepted path of nodes from the root,
+    bonus token)."""
     return accept_path(tree.tokens, tree.parents, choice)
 
 
@@ -216,19 +216,19 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             # A bare root (ar, or nothing worth drafting): an ordinary cached step; accepting
             # and committing are trivial, so skip the tree buffers entirely.
             ids = torch.tensor([[root]], device=dev)  # (1, 1)
-            logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            res = target(input_ids=ids, past_key_values=cache, use_cache=True, argmax=sampler is None)
             target_forwards += 1
-            path_nodes, new_tokens = [0], [next_token(logits)]
+            path_nodes, new_tokens = [0], [res.choice[0] if sampler is None else next_token(res.logits[0, -1])]
         else:
             tt = tree_tensors(tree, prefix_len, dev)
-            logits = verify_tree(target, cache, tt)  # (n, V)
+            res = verify_tree(target, cache, tt, greedy=sampler is None)
             target_forwards += 1
 
             # accept
             if sampler is None:
-                path_nodes, last = accept_greedy(tree, logits)
+                path_nodes, last = accept_greedy(tree, res.choice)
             else:
-                path_nodes, last = accept_sampled(tree, order, logits, drafter, sampler)
+                path_nodes, last = accept_sampled(tree, order, res.logits[0], drafter, sampler)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
 
             # commit

@@ -19,8 +19,6 @@ ops below.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 
@@ -136,6 +134,11 @@ class LeanNeoX:
         self.head_ptrs = (ctypes.c_void_p * 3)(self.final_ln[0].data_ptr(), self.final_ln[1].data_ptr(),
                                                head.packed.data_ptr())
         self.work = torch.empty(0)
+        # plain ints and addresses, looked up once: the call above runs a few thousand times a second
+        self.work_per_row = 8 * cfg.hidden_size + cfg.intermediate_size
+        self.n_layers = len(core.layers)
+        self.dims_ptr, self.embed_ptr = self.dims.data_ptr(), self.embed.data_ptr()
+        self.cos_ptr, self.sin_ptr = self.cos.data_ptr(), self.sin.data_ptr()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, H, n, hd); cos/sin: (1, 1, n, r) -> x with its first r dims rotated."""
@@ -147,15 +150,17 @@ class LeanNeoX:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
-                 logits_to_keep: int = 0):
+                 logits_to_keep: int = 0, topk: int = 0, argmax: bool = False, cols: int | None = None):
         """input_ids: (1, n); attention_mask: a KeyMask, additive (1, 1, n, P + n) or None (causal);
         position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
-        Returns ``.logits`` (1, n or logits_to_keep, V)."""
+        Returns a native.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
+        (``topk``) or argmax (``argmax``) of each kept row's first ``cols`` logits, host lists."""
         n = input_ids.shape[1]
         cache = past_key_values
         past = cache.length if cache is not None else 0
         if self.native and cache is not None and (attention_mask is not None or n <= NATIVE_ROWS):
-            return self._native(input_ids, attention_mask, position_ids, cache, past, logits_to_keep)
+            return self._native(input_ids, attention_mask, position_ids, cache, past, logits_to_keep,
+                                topk, argmax, cols)
         if isinstance(attention_mask, KeyMask):
             attention_mask = attention_mask.additive(self.dtype)
         if position_ids is None:
@@ -187,30 +192,35 @@ class LeanNeoX:
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return SimpleNamespace(logits=self.lm_head(h))
+        return native.with_heads(self.lm_head(h), topk, argmax, cols)
 
 
-    def _native(self, input_ids, attention_mask, position_ids, cache, past, logits_to_keep):
-        """The same forward as one call into csrc/neox.c (batch invariant: see that file)."""
+    def _native(self, input_ids, attention_mask, position_ids, cache, past, logits_to_keep, topk, argmax, cols):
+        """The same forward as one call into csrc/neox.c (batch invariant: see that file).
+
+        Lean on purpose: a draft forward is ~0.2 ms of C, so every microsecond of Python here shows."""
         n = input_ids.shape[1]
         end = past + n
         keep = min(logits_to_keep, n) if logits_to_keep else n
-        d, ff = self.config.hidden_size, self.config.intermediate_size
-        if position_ids is None:
-            position_ids = torch.arange(past, end)
-        ids = input_ids.reshape(-1).contiguous()  # (n,) int64 (engine and tokenizers give int64)
-        pos = position_ids.reshape(-1).contiguous()  # (n,)
-        if ids.dtype != torch.long or pos.dtype != torch.long:
-            ids, pos = ids.long(), pos.long()
+        ids = input_ids.reshape(-1)  # (n,) int64 (engine and tokenizers give int64)
+        if ids.dtype != torch.long or not ids.is_contiguous():
+            ids = ids.long().contiguous()
+        pos = None  # consecutive positions past.. are computed in C
+        if position_ids is not None:
+            pos = position_ids.reshape(-1)  # (n,)
+            if pos.dtype != torch.long or not pos.is_contiguous():
+                pos = pos.long().contiguous()
         visible, allowed = 0, None
         if isinstance(attention_mask, KeyMask):
-            visible, allowed = attention_mask.visible, attention_mask.allowed.contiguous()  # (n, end - visible)
+            visible, allowed = attention_mask.visible, attention_mask.allowed  # (n, end - visible) bool
+            if not allowed.is_contiguous():
+                allowed = allowed.contiguous()
         elif attention_mask is not None:  # additive (1, 1, n, end): 0 where a key is visible
             allowed = (attention_mask.reshape(n, end) == 0).contiguous()  # (n, end) bool
         if allowed is not None and allowed.shape != (n, end - visible):
             raise ValueError(f"mask covers {tuple(allowed.shape)} keys, expected {(n, end - visible)}")
-        if self.work.numel() < n * (8 * d + ff):
-            self.work = torch.empty(n * (8 * d + ff))
+        if self.work.numel() < n * self.work_per_row:
+            self.work = torch.empty(n * self.work_per_row)
         layers = cache.layers
         # (capacity, first key buffer, keys, values): reused while no layer's buffer has moved
         # (buffers move only when they grow, in every layer at once)
@@ -223,18 +233,31 @@ class LeanNeoX:
             cache.native_ptrs = ptrs
         cap, _, kc, vc = ptrs
         logits = torch.empty(keep, self.vocab_pad)  # (keep, V_pad)
-        bad = self.lib.dt_neox_forward(self.dims.data_ptr(), self.eps, self.scaling, len(layers), self.ptrs,
-                                 self.embed.data_ptr(), self.head_ptrs, ids.data_ptr(), n, pos.data_ptr(),
-                                 self.cos.data_ptr(), self.sin.data_ptr(), kc, vc, cap, past, visible,
-                                 allowed.data_ptr() if allowed is not None else None, keep, logits.data_ptr(),
-                                 self.work.data_ptr(), torch.get_num_threads())
+        cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
+        vals = top = None
+        mode = 0
+        if topk:
+            mode = k = min(topk, cols)
+            vals, top = torch.empty(keep, k), torch.empty(keep, k, dtype=torch.long)  # (keep, k)
+        elif argmax:
+            mode, top = -1, torch.empty(keep, dtype=torch.long)  # (keep,)
+        bad = self.lib.dt_neox_forward(
+            self.dims_ptr, self.eps, self.scaling, self.n_layers, self.ptrs, self.embed_ptr, self.head_ptrs,
+            ids.data_ptr(), n, pos.data_ptr() if pos is not None else None, self.cos_ptr, self.sin_ptr, kc, vc,
+            cap, past, visible, allowed.data_ptr() if allowed is not None else None, keep, logits.data_ptr(),
+            self.work.data_ptr(), torch.get_num_threads(), cols, mode, vals.data_ptr() if vals is not None else None,
+            top.data_ptr() if top is not None else None)
         if bad:
             raise IndexError(f"token id outside the embedding (0 .. {self.embed.shape[0] - 1})")
         for layer in layers:
             layer.length = end
         if self.vocab_pad != self.n_vocab:
             logits = logits[:, :self.n_vocab]
-        return SimpleNamespace(logits=logits[None])
+        if mode > 0:  # host sync: the caller shapes a tree from these
+            return native.Output(logits[None], (vals.tolist(), top.tolist()))
+        if mode < 0:  # host sync: the target's choices
+            return native.Output(logits[None], choice=top.tolist())
+        return native.Output(logits[None])
 
 
 def lean(model, gemm: bool = True):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import KERNELS
+from .native import with_heads
 from .tree import KeyMask
 
 DTYPES = {
@@ -52,10 +53,12 @@ class HFRunner:
     def __init__(self, model):
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
 
-    def __call__(self, attention_mask=None, **kwargs):
+    def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,
+                 **kwargs):
+        """transformers' arguments, plus the heads of native.Output (computed after the forward)."""
         if isinstance(attention_mask, KeyMask):
             attention_mask = attention_mask.additive(self.dtype)
-        return self.model(attention_mask=attention_mask, **kwargs)
+        return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols)
 
 
 @dataclass

@@ -78,16 +78,16 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     """``anc[i, j]`` is True iff node j is node i or one of its ancestors.
 
     parents: BFS order (parent < child), the root's parent is -1.
-    returns: (n, n) bool, built on the host (trees are tens of nodes: one tensor from lists is
-    cheaper than a gather per level).
+    returns: (n, n) bool, built on the host (trees are tens of nodes: bytes viewed as a tensor
+    are cheaper than a gather per level).
     """
     n = len(parents)
-    rows: list[list[bool]] = []
+    anc = bytearray(n * n)
     for i, p in enumerate(parents):
-        row = rows[p].copy() if p >= 0 else [False] * n
-        row[i] = True
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.bool)
+        if p >= 0:
+            anc[i * n:i * n + p + 1] = anc[p * n:p * n + p + 1]  # a parent's row ends at the parent
+        anc[i * n + i] = 1
+    return torch.frombuffer(anc, dtype=torch.bool).view(n, n)
 
 
 @dataclass(frozen=True)

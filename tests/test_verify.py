@@ -45,10 +45,12 @@ def test_tree_logits_equal_sequential_path_logits(target):
             if prefix:
                 target(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
             tree = hand_tree(root)
-            logits = verify_tree(HFRunner(target), cache, tree_tensors(tree, len(prefix), target.device))
+            out = verify_tree(HFRunner(target), cache, tree_tensors(tree, len(prefix), target.device))
+            logits = out.logits[0]
         for u in range(len(tree)):
             ref = sequential_logits(target, prefix + path_tokens(tree, u))
             torch.testing.assert_close(logits[u], ref, rtol=0, atol=1e-10)
+            assert out.choice[u] == int(ref.argmax())
 
 
 class Recorder(Drafter):

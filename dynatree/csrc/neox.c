@@ -1,8 +1,8 @@
-/* One GPT-NeoX decoder layer on the CPU, float32, batch 1, for 1..n new tokens over a KV cache.
+/* A whole GPT-NeoX forward on the CPU, float32, batch 1, for 1..n new tokens over a KV cache.
  *
  * Why: at draft and verify sizes a layer is ~20 small torch ops (layer norms, rotary halves, cache
- * writes, SDPA, residual adds) whose dispatch costs more than their arithmetic; here they are two
- * calls (GELU stays in torch between them).
+ * writes, SDPA, residual adds) whose dispatch costs more than their arithmetic; here the whole
+ * forward, and the top-k or argmax the caller reads from its logits, is one call.
  *
  * Batch invariance (the point, beside speed): every value a row produces is computed by the
  * same operations in the same order whatever the number of rows n, so a tree node's logits are
@@ -203,7 +203,8 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
     dt_layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
     dt_gemm(x, n, d, p[QKV_W], p[QKV_B], qkv, 3 * d, threads);
     for (long i = 0; i < n; i++) {
-        const float *c = cos_t + pos[i] * rot, *s = sin_t + pos[i] * rot;
+        long at = pos ? pos[i] : past + i;
+        const float *c = cos_t + at * rot, *s = sin_t + at * rot;
         for (long hh = 0; hh < H; hh++) {
             float *q = qkv + i * 3 * d + hh * 3 * hd, *k = q + hd, *v = q + 2 * hd;
             rotate(q, rot, c, s);
@@ -263,12 +264,18 @@ static void activate(int act, float *z, long count) {
  * final layer norm and LM head for the last `keep` rows.
  *   dims: NDIM longs; p: nlayers * NPARAM pointers; head: {final_ln_w, final_ln_b, packed lm head};
  *   ids, pos: (n,); kc[l], vc[l]: (H, cap, hd); visible, allowed: see attend (allowed NULL: causal);
- *   logits: (keep, VOCAB_PAD); work: >= n * (8d + ff) floats.
+ *   logits: (keep, VOCAB_PAD); work: >= n * (8d + ff) floats; pos NULL: past .. past+n-1.
+ * Heads over the first `cols` logits of each kept row: topk > 0 -> softmax top-k into top_vals,
+ * top_ids (keep, topk); topk < 0 -> argmax into top_ids (keep,); 0 -> none.
  * Returns 0, or 1 (nothing computed) if a token id is outside the embedding. */
+void dt_argmax(const float *logits, long n, long V, long stride, long *out);
+void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
+
 int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
                      const float *embed, const float *const *head, const long *ids, long n, const long *pos,
                      const float *cos_t, const float *sin_t, float *const *kc, float *const *vc, long cap, long past,
-                     long visible, const unsigned char *allowed, long keep, float *logits, float *work, int threads) {
+                     long visible, const unsigned char *allowed, long keep, float *logits, float *work, int threads,
+                     long cols, long topk, float *top_vals, long *top_ids) {
     long d = dims[D_MODEL], ff = dims[FF];
     float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
     for (long i = 0; i < n; i++)
@@ -284,6 +291,8 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     }
     dt_layer_norm(h + (n - keep) * d, keep, d, head[0], head[1], eps, h2);
     dt_gemm(h2, keep, d, head[2], 0, logits, dims[VOCAB_PAD], threads);
+    if (topk > 0) dt_softmax_topk(logits, keep, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
+    if (topk < 0) dt_argmax(logits, keep, cols, dims[VOCAB_PAD], top_ids);
     return 0;
 }
 
