@@ -94,6 +94,16 @@ class BufferCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int):
         super().__init__(layers=[BufferLayer(capacity) for _ in range(num_layers)])
+        self._ptrs = None  # (first key buffer's address, key addresses, value addresses)
+
+    def pointers(self):
+        """The layers' key and value buffer addresses as the C kernels take them (native.py).
+
+        Rebuilt only when the buffers move, which they do only when they grow, all at once."""
+        first = self.layers[0].keys.data_ptr()
+        if self._ptrs is None or self._ptrs[0] != first:
+            self._ptrs = (first, *native.kv_pointers(self.layers))
+        return self._ptrs[1], self._ptrs[2]
 
     @property
     def length(self) -> int:
@@ -118,7 +128,7 @@ class BufferCache(Cache):
         layer0 = self.layers[0]
         if not layer0.is_initialized:
             return
-        if native.cache_keep(self.layers, start, slots):
+        if native.cache_keep(self, start, slots):
             return
         src = torch.tensor(slots, device=layer0.keys.device)  # (k,)
         for layer in self.layers:

@@ -117,17 +117,21 @@ class LeanNeoX:
 
         cfg = self.config
         self.lib = native.library()
-        head = native.PackedLinear(self.model.lm_head.weight, None)
+        mats = [self.model.lm_head.weight] + [m.weight for l in core.layers for m in (
+            l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)]
+        self.weight_format = fmt = native.weight_format(mats)
+        head = native.PackedLinear(self.model.lm_head.weight, None, fmt)
         self.n_vocab, self.vocab_pad = head.n_out, head.n_pad
         act = {"gelu": 1, "relu": 2}[cfg.hidden_act]
         self.dims = torch.tensor([cfg.hidden_size, self.heads, self.head_dim, self.rot, cfg.intermediate_size,
-                                  int(self.parallel), act, self.vocab_pad, self.embed.shape[0]], dtype=torch.long)
+                                  int(self.parallel), act, self.vocab_pad, self.embed.shape[0], fmt],
+                                 dtype=torch.long)
         self.packed, ptrs = [head], []
         for l in core.layers:
             ptrs += [t.data_ptr() for t in (l.input_layernorm.weight, l.input_layernorm.bias,
                                             l.post_attention_layernorm.weight, l.post_attention_layernorm.bias)]
             for m in (l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h):
-                pm = native.PackedLinear(m.weight, m.bias)
+                pm = native.PackedLinear(m.weight, m.bias, fmt)
                 self.packed.append(pm)
                 ptrs += [pm.packed.data_ptr(), pm.bias.data_ptr() if pm.bias is not None else 0]
         self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
@@ -222,16 +226,11 @@ class LeanNeoX:
         if self.work.numel() < n * self.work_per_row:
             self.work = torch.empty(n * self.work_per_row)
         layers = cache.layers
-        # (capacity, first key buffer, keys, values): reused while no layer's buffer has moved
-        # (buffers move only when they grow, in every layer at once)
-        ptrs = getattr(cache, "native_ptrs", None)
-        if (ptrs is None or end > ptrs[0] or not layers[0].is_initialized
-                or layers[0].keys.data_ptr() != ptrs[1]):
+        if not layers[0].is_initialized or end > layers[0].capacity:
             for layer in layers:
                 layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
-            ptrs = (layers[0].capacity, layers[0].keys.data_ptr(), *native.kv_pointers(layers))
-            cache.native_ptrs = ptrs
-        cap, _, kc, vc = ptrs
+        cap = layers[0].capacity
+        kc, vc = cache.pointers()
         logits = torch.empty(keep, self.vocab_pad)  # (keep, V_pad)
         cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
         vals = top = None

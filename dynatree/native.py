@@ -71,10 +71,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             return None, f"{cc} failed: {proc.stderr.strip()[:500]}"
         os.replace(tmp, lib_path)
     lib = ctypes.CDLL(str(lib_path))
-    lib.dt_gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    lib.dt_gemm.restype = None
     P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    lib.dt_gemm.argtypes = [P, L, L, P, I, P, P, L, I]
+    lib.dt_gemm.restype = None
     lib.dt_neox_forward.argtypes = [P, F, F, L, P, P, P, P, L, P, P, P, P, P, L, L, L, P, L, P, P, I, L, L, P, P]
     lib.dt_softmax_topk.argtypes = [P, L, L, L, L, P, P]
     lib.dt_softmax_topk.restype = None
@@ -109,18 +108,36 @@ def usable(model) -> bool:
             and library() is not None)
 
 
-class PackedLinear:
-    """``y = x W^T + b`` through dt_gemm, over a packed copy of W made once."""
+# dt_gemm's weight storage formats.  The kernels always compute in float32; a 16-bit format only
+# halves the bytes streamed per forward, and is used only where it holds every weight exactly.
+FORMATS = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+
+def weight_format(weights) -> int:
+    """The narrowest dt_gemm format holding every one of ``weights`` exactly: 1 (bfloat16, e.g. a
+    bf16 checkpoint loaded as float32), 2 (half, an fp16 checkpoint), else 0 (float32).
+    ``DYNATREE_WEIGHTS16=0`` keeps float32."""
+    if os.environ.get("DYNATREE_WEIGHTS16", "1") == "0":
+        return 0
+    for fmt in (1, 2):
+        if all(torch.equal(w.detach().to(FORMATS[fmt]).float(), w.detach().float()) for w in weights):
+            return fmt
+    return 0
+
+
+class PackedLinear:
+    """``y = x W^T + b`` through dt_gemm, over a packed copy of W made once (in format ``fmt``,
+    which must hold W exactly: see weight_format)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: int = 0):
         lib = library()
         assert lib is not None, status()
-        self.lib = lib
+        self.lib, self.fmt = lib, fmt
         tw = lib.dt_tile_width()
         n_out, n_in = weight.shape  # (N, K), nn.Linear's convention
         self.n_in, self.n_out = n_in, n_out
         self.n_pad = -(-n_out // tw) * tw
-        w = torch.zeros(n_in, self.n_pad, dtype=torch.float32)
+        w = torch.zeros(n_in, self.n_pad, dtype=FORMATS[fmt])
         w[:, :n_out] = weight.detach().t()
         self.packed = w.view(n_in, self.n_pad // tw, tw).transpose(0, 1).contiguous()  # (N/TW, K, TW)
         self.bias = None
@@ -133,7 +150,7 @@ class PackedLinear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.n_in).contiguous()  # (M, K)
         y = torch.empty(x2.shape[0], self.n_pad, dtype=torch.float32)  # (M, N_pad)
-        self.lib.dt_gemm(x2.data_ptr(), x2.shape[0], self.n_in, self.packed.data_ptr(),
+        self.lib.dt_gemm(x2.data_ptr(), x2.shape[0], self.n_in, self.packed.data_ptr(), self.fmt,
                          self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(), self.n_pad,
                          torch.get_num_threads())
         if self.n_pad != self.n_out:
@@ -201,15 +218,16 @@ def kv_pointers(layers):
     return kc, vc
 
 
-def cache_keep(layers, start: int, slots: list[int]) -> bool:
+def cache_keep(cache, start: int, slots: list[int]) -> bool:
     """kvcache.BufferCache.keep in one C call for float32 CPU buffers; False if it does not apply."""
+    layers = cache.layers
     k0 = layers[0].keys
     if k0.device.type != "cpu" or k0.dtype != torch.float32 or library() is None:
         return False
     b, h, cap, hd = k0.shape
-    kc, vc = kv_pointers(layers)
-    src = torch.tensor(slots, dtype=torch.long)
-    library().dt_cache_keep(kc, vc, len(layers), b * h, cap, hd, start, src.data_ptr(), len(slots))
+    kc, vc = cache.pointers()
+    src = (ctypes.c_long * len(slots))(*slots)
+    library().dt_cache_keep(kc, vc, len(layers), b * h, cap, hd, start, src, len(slots))
     for layer in layers:
         layer.length = start + len(slots)
     return True

@@ -229,3 +229,78 @@ def _ancestors(tree, i):
     while tree.parents[i] >= 0:
         i = tree.parents[i]
         yield i
+
+
+def rounded(model, dtype):
+    """The model with every parameter rounded to ``dtype`` and kept float32: what loading a bf16
+    or fp16 checkpoint as float32 gives."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    return model
+
+
+def test_weight_format_is_the_narrowest_exact_one(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(8, 8, generator=g)
+    assert native.weight_format([w]) == 0
+    assert native.weight_format([w.bfloat16().float()]) == 1
+    half = w.half().float()  # 11 significant bits: exact in fp16, not in bf16
+    assert native.weight_format([half]) == 2
+    assert native.weight_format([half, w.bfloat16().float()]) == 2  # one format holding every matrix
+    assert native.weight_format([w * 1e6]) == 0  # beyond fp16's range and not bf16-exact
+    monkeypatch.setenv("DYNATREE_WEIGHTS16", "0")
+    assert native.weight_format([w.bfloat16().float()]) == 0
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.bfloat16, 1), (torch.float16, 2)])
+def test_16_bit_weight_storage_gives_bitwise_float32_results(dtype, fmt):
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(72, 40, generator=g).to(dtype).float()
+    b = torch.randn(72, generator=g)
+    x = torch.randn(30, 40, generator=g)
+    lin32, lin16 = native.PackedLinear(w, b, 0), native.PackedLinear(w, b, fmt)
+    assert lin16.packed.element_size() == 2
+    for m in (1, 7, 12, 13, 30):
+        y = lin16(x[:m])
+        assert torch.equal(y, lin32(x[:m]))
+        assert torch.equal(lin16(x[m - 1:m])[0], y[m - 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_checkpoint_runs_16_bit_with_float32_logits(dtype, monkeypatch):
+    model = rounded(neox32(9), dtype)
+    lean16 = LeanNeoX(model)
+    monkeypatch.setenv("DYNATREE_WEIGHTS16", "0")
+    lean32 = LeanNeoX(model)
+    assert (lean16.weight_format, lean32.weight_format) == ({torch.bfloat16: 1, torch.float16: 2}[dtype], 0)
+    prompt, path = [5, 9, 11, 40, 2, 7], [17, 23, 4]
+    with torch.inference_mode():
+        _, _, ar16 = prefill_and_ar(lean16, model, prompt, path)
+        _, _, ar32 = prefill_and_ar(lean32, model, prompt, path)
+    assert all(torch.equal(a, b) for a, b in zip(ar16, ar32))
+    target, draft = model, rounded(neox32(10, layers=1), dtype)
+    monkeypatch.delenv("DYNATREE_WEIGHTS16")
+    pair = pair_from_models(target, draft, None, eos_token_id=3)
+    assert pair.runner("target").weight_format > 0
+    ar, _, _ = decode(pair, prompt, make_config("ar"), max_new_tokens=30, ignore_eos=True)
+    out, _, _ = decode(pair, prompt, make_config("dynatree"), max_new_tokens=30, ignore_eos=True)
+    assert out == ar
+
+
+@pytest.mark.parametrize("kernel", ["lean", "lean-mkl", "hf"])
+def test_fused_heads_equal_a_scan_of_the_logits(kernel):
+    """The draft's top-k and the target's argmax come out of the forward call; they must be what
+    scanning its logits gives, on every runner."""
+    target = neox32(11)
+    pair = pair_from_models(target, neox32(12, layers=1), None, eos_token_id=3)
+    pair.kernel = kernel
+    run = pair.runner("target")
+    with torch.inference_mode():
+        cache = new_cache(target, 32)
+        run(input_ids=torch.tensor([[5, 9, 11]]), past_key_values=cache)
+        out = run(input_ids=torch.tensor([[40, 2]]), past_key_values=cache, topk=3, cols=90)
+        assert out.top == native.topk_probs(out.logits[0, :, :90], 3)
+        cache.truncate(3)
+        out = run(input_ids=torch.tensor([[40, 2]]), past_key_values=cache, argmax=True)
+        assert out.choice == out.logits[0].argmax(-1).tolist() and out.top is None

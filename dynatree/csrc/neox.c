@@ -19,10 +19,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-void dt_gemm(const float *x, long M, long K, const float *wp, const float *bp, float *y, long N, int threads);
+void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
+             int threads);
 
 enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2_W, FC2_B, NPARAM };
-enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, NDIM };
+enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, WFMT, NDIM };  /* WFMT: see dt_gemm */
 enum { ACT_GELU = 1, ACT_RELU = 2 };
 
 #include "vec.h"
@@ -201,7 +202,7 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], rot = dims[ROT], ff = dims[FF];
     float *x = work, *qkv = work + n * d, *att = work + 4 * n * d;
     dt_layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
-    dt_gemm(x, n, d, p[QKV_W], p[QKV_B], qkv, 3 * d, threads);
+    dt_gemm(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, 3 * d, threads);
     for (long i = 0; i < n; i++) {
         long at = pos ? pos[i] : past + i;
         const float *c = cos_t + at * rot, *s = sin_t + at * rot;
@@ -214,21 +215,21 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
         }
     }
     attend(dims, scaling, n, qkv, kc, vc, cap, past, visible, allowed, att, threads);
-    dt_gemm(att, n, d, p[OUT_W], p[OUT_B], a, d, threads);
+    dt_gemm(att, n, d, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d, threads);
     if (dims[PARALLEL]) {
         dt_layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
     } else {
         for (long j = 0; j < n * d; j++) a[j] += h[j];
         dt_layer_norm(a, n, d, p[LN2_W], p[LN2_B], eps, x);
     }
-    dt_gemm(x, n, d, p[FC1_W], p[FC1_B], z, ff, threads);
+    dt_gemm(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, ff, threads);
 }
 
 /* Second half.  g: (n, ff) activated fc1 output -> out: (n, d) = fc2(g) + a (+ h if parallel). */
 static void block_out(const long *dims, const float *const *p, long n, const float *g, const float *a,
                        const float *h, float *out, int threads) {
     long d = dims[D_MODEL];
-    dt_gemm(g, n, dims[FF], p[FC2_W], p[FC2_B], out, d, threads);
+    dt_gemm(g, n, dims[FF], p[FC2_W], (int)dims[WFMT], p[FC2_B], out, d, threads);
     if (dims[PARALLEL])
         for (long j = 0; j < n * d; j++) out[j] = (out[j] + a[j]) + h[j];
     else
@@ -290,7 +291,7 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         float *t = h; h = h2; h2 = t;
     }
     dt_layer_norm(h + (n - keep) * d, keep, d, head[0], head[1], eps, h2);
-    dt_gemm(h2, keep, d, head[2], 0, logits, dims[VOCAB_PAD], threads);
+    dt_gemm(h2, keep, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD], threads);
     if (topk > 0) dt_softmax_topk(logits, keep, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
     if (topk < 0) dt_argmax(logits, keep, cols, dims[VOCAB_PAD], top_ids);
     return 0;
