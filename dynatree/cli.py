@@ -253,6 +253,7 @@ def profile(target, draft, device, dtype, kernel, prefix, repeats, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses)."""
     import torch
 
+    from . import native
     from .budget import profile as run_profile
     from .models import PairError, load_pair
 
@@ -266,7 +267,9 @@ def profile(target, draft, device, dtype, kernel, prefix, repeats, threads):
     click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, {prefix} cached tokens; ms per forward (median of {repeats})")
     for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
-        click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())))
+        fmt = getattr(pair.runner(name), "weight_format", None)
+        store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
+        click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
 
 
 @main.command("report")

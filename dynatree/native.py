@@ -10,6 +10,12 @@ is bitwise the same whatever else is in the batch.  ``csrc/neox.c`` builds a who
 forward on it whose attention is batch invariant too, so a tree verification scores each node
 exactly as an AR step would.
 
+Weights are packed once at load.  When every weight of a model is exactly representable in
+bfloat16 or IEEE half (a bf16 or fp16 checkpoint loaded as float32 — the bench pair, Pythia's
+fp16 release), the packed copy is stored in that 16-bit format and widened in registers: half
+the bytes to stream, bitwise the same float32 arithmetic (``weight_format``;
+``DYNATREE_WEIGHTS16=0`` keeps float32).
+
 The shared object is cached under ``$DYNATREE_CACHE`` (default ``~/.cache/dynatree``), keyed by
 the source, the compiler and the CPU's feature flags (it is built with ``-march=native``).  No
 compiler, a failed build or ``DYNATREE_GEMM=0`` -> ``library()`` returns None and callers keep
