@@ -21,12 +21,25 @@ with their draft probabilities, and keeps each expanded node's distribution and 
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from .kvcache import new_cache
 from .tree import KeyMask, Tree
+
+
+def _inference(fn):
+    """torch.inference_mode() for calls from outside the engine, and nothing inside it (engine.decode
+    runs in inference mode already; entering a context costs ~10 us, a few times per iteration)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 class Drafter:
@@ -71,7 +84,7 @@ class Drafter:
             self.cands[u] = (q[r], ids[r])
         return vals, ids
 
-    @torch.inference_mode()
+    @_inference
     def root(self, tree: Tree, k: int) -> tuple[list[float], list[int]]:
         """Feed pending committed tokens (ending with the root); top-k of the root's next token."""
         t0 = time.perf_counter()
@@ -87,7 +100,7 @@ class Drafter:
         self.seconds += time.perf_counter() - t0
         return vals[0], idx[0]
 
-    @torch.inference_mode()
+    @_inference
     def expand(self, tree: Tree, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
         """One draft forward over ``nodes`` (any depths); top-k of each node's next token."""
         t0 = time.perf_counter()
@@ -117,7 +130,7 @@ class Drafter:
         self.seconds += time.perf_counter() - t0
         return res
 
-    @torch.inference_mode()
+    @_inference
     def commit(self, path: list[int], committed: list[int]) -> None:
         """Keep the expanded nodes of the accepted ``path`` (node indices from the root) in the cache.
 

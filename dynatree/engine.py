@@ -64,8 +64,7 @@ class Generation:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -96,18 +95,19 @@ def verify_tree(model, cache, tt: TreeTensors, greedy: bool = True):
                  past_key_values=cache, use_cache=True, argmax=greedy)
 
 
-def commit_target(model, cache, path: list[int], path_tokens: torch.Tensor, prefix_len: int,
+def commit_target(model, cache, path: list[int], path_tokens: list[int], prefix_len: int,
                   kv_update: str) -> int:
     """Keep the accepted path's keys/values at slots ``prefix_len..``; returns forwards run.
 
-    path: node indices (root first, ascending); path_tokens: (k,) int64 their tokens.
+    path: node indices (root first, ascending); path_tokens: their tokens.
     """
     if kv_update == "gather":
         cache.keep(prefix_len, [prefix_len + u for u in path])
         return 0
     # The seed's rollback + rebuild: crop to the prefix and run the accepted tokens again.
     cache.truncate(prefix_len)
-    model(input_ids=path_tokens[None], past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([path_tokens], device=model.device), past_key_values=cache,
+          use_cache=True)
     return 1
 
 
@@ -156,10 +156,12 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         """logits: (V,).  Host sync: the next token."""
         return argmax_rows(logits[None])[0] if sampler is None else sampler.sample(sampler.probs(logits[None])[0])
 
-    if dev.type == "cuda":
+    cuda = dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
+    if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
 
-    _sync(dev)
+    if cuda:
+        _sync(dev)
     t_start = time.perf_counter()
     budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
     capacity = n_prompt + max_new_tokens + budget + 8
@@ -210,7 +212,8 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         tree, order = flatten_bfs(tree)
 
         # verify
-        _sync(dev)
+        if cuda:
+            _sync(dev)
         t0 = time.perf_counter()
         if len(tree) == 1:
             # A bare root (ar, or nothing worth drafting): an ordinary cached step; accepting
@@ -232,9 +235,10 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
 
             # commit
-            target_forwards += commit_target(target, cache, path_nodes, tt.tokens[path_nodes], prefix_len,
-                                             kv_update)
-        _sync(dev)
+            target_forwards += commit_target(target, cache, path_nodes, [tree.tokens[u] for u in path_nodes],
+                                             prefix_len, kv_update)
+        if cuda:
+            _sync(dev)
         dt = time.perf_counter() - t0
         verify_time += dt
         policy.observe_verify(len(tree), dt)
@@ -251,7 +255,8 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
                 break
         tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1)
 
-    _sync(dev)
+    if cuda:
+        _sync(dev)
     wall = time.perf_counter() - t_start
     finish_reason = reason
     metrics = finish(tally, prompt_tokens=n_prompt, new_tokens=len(out), wall=wall, ttft=ttft,
