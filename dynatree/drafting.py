@@ -27,7 +27,7 @@ import time
 import torch
 
 from .kvcache import new_cache
-from .tree import KeyMask, Tree
+from .tree import KeyMask, Tree, long_tensor
 
 
 def _inference(fn):
@@ -89,7 +89,7 @@ class Drafter:
         """Feed pending committed tokens (ending with the root); top-k of the root's next token."""
         t0 = time.perf_counter()
         self._reset_tree()
-        ids = torch.tensor([self.pending], device=self.device)  # (1, p)
+        ids = long_tensor(self.pending, self.device)[None]  # (1, p)
         vals, idx = self._forward([0], k, input_ids=ids, logits_to_keep=1)
         self.forwards += 1
         self.fed_tokens += len(self.pending)
@@ -122,8 +122,8 @@ class Drafter:
         mask = None  # a chain: the one node sees every cached slot, as a plain cached step does
         if not (n == 1 and seen == m):
             mask = KeyMask(base, torch.frombuffer(allowed, dtype=torch.bool).view(n, m).to(dev))  # (n, m)
-        ids = torch.tensor([[tree.tokens[u] for u in nodes]], device=dev)  # (1, n)
-        pos = torch.tensor([[self.root_pos + tree.depths[u] for u in nodes]], device=dev)  # (1, n)
+        ids = long_tensor([tree.tokens[u] for u in nodes], dev)[None]  # (1, n)
+        pos = long_tensor([self.root_pos + tree.depths[u] for u in nodes], dev)[None]  # (1, n)
         res = self._forward(nodes, k, input_ids=ids, attention_mask=mask, position_ids=pos)
         self.forwards += 1
         self.fed_tokens += n

@@ -42,7 +42,8 @@ from .models import ModelPair
 from .native import argmax_rows
 from .policies import make_policy
 from .sampling import Sampler, walk
-from .tree import KeyMask, Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, position_ids
+from .tree import (KeyMask, Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, long_tensor,
+                   position_ids)
 
 
 class ContextError(ValueError):
@@ -79,7 +80,7 @@ def tree_tensors(tree: Tree, prefix_len: int, device: torch.device) -> TreeTenso
 
     A chain (node i's parent is i - 1) is an ordinary multi-token cached step: causal mask,
     consecutive positions, no tree buffers."""
-    tokens = torch.tensor(tree.tokens, device=device)
+    tokens = long_tensor(tree.tokens, device)
     if tree.parents == list(range(-1, len(tree) - 1)):
         return TreeTensors(tokens, None, None)
     pos, anc = position_ids(tree.depths, prefix_len), ancestor_matrix(tree.parents)
@@ -218,7 +219,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         if len(tree) == 1:
             # A bare root (ar, or nothing worth drafting): an ordinary cached step; accepting
             # and committing are trivial, so skip the tree buffers entirely.
-            ids = torch.tensor([[root]], device=dev)  # (1, 1)
+            ids = long_tensor([root], dev)[None]  # (1, 1)
             res = target(input_ids=ids, past_key_values=cache, use_cache=True, argmax=sampler is None)
             target_forwards += 1
             path_nodes, new_tokens = [0], [res.choice[0] if sampler is None else next_token(res.logits[0, -1])]
