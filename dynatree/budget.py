@@ -65,12 +65,12 @@ class LatencyModel:
     # A residual is clipped to [-1/2, +1] x the profiled time: one stall on a shared host must not
     # make drafting look so dear that it stops, since a level that never runs is never re-measured.
     def observe_verify(self, n: int, ms: float) -> None:
-        prof = self.verify(n) - self.verify_extra_ms
+        prof = self._profiled(self._vt, self.verify_ms, n)
         extra = min(max(ms - prof, -prof / 2), prof)
         self.verify_extra_ms += self.ema * (extra - self.verify_extra_ms)
 
     def observe_draft(self, width: int, ms: float) -> None:
-        prof = self.draft(width) - self.draft_extra_ms
+        prof = self._profiled(self._dt, self.draft_ms, width)
         extra = min(max(ms - prof, -prof / 2), prof)
         self.draft_extra_ms += self.ema * (extra - self.draft_extra_ms)
 
@@ -89,13 +89,15 @@ class LatencyModel:
         a, b = ks[-2], ks[-1]
         return table[b] + (table[b] - table[a]) / (b - a) * (x - b)
 
+    @classmethod
+    def _profiled(cls, dense: list[float], table: dict[int, float], x: int) -> float:
+        return dense[x] if x < len(dense) else cls._interp(table, x)
+
     def verify(self, n: int) -> float:
-        t = self._vt
-        return (t[n] if n < len(t) else self._interp(self.verify_ms, n)) + self.verify_extra_ms
+        return self._profiled(self._vt, self.verify_ms, n) + self.verify_extra_ms
 
     def draft(self, width: int) -> float:
-        t = self._dt
-        return (t[width] if width < len(t) else self._interp(self.draft_ms, width)) + self.draft_extra_ms
+        return self._profiled(self._dt, self.draft_ms, width) + self.draft_extra_ms
 
 
 def _time_ms(fn, repeats: int) -> float:

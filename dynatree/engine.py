@@ -107,8 +107,7 @@ def commit_target(model, cache, path: list[int], path_tokens: list[int], prefix_
         return 0
     # The seed's rollback + rebuild: crop to the prefix and run the accepted tokens again.
     cache.truncate(prefix_len)
-    model(input_ids=torch.tensor([path_tokens], device=model.device), past_key_values=cache,
-          use_cache=True)
+    model(input_ids=long_tensor(path_tokens, model.device)[None], past_key_values=cache, use_cache=True)
     return 1
 
 
