@@ -221,7 +221,7 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 "wall_time_s": m.get("wall_time_s"), "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"),
                 "iterations": m.get("iterations"), "tokens_per_iteration": m.get("tokens_per_iteration"),
                 "avg_path_length": m.get("avg_path_length"), "acceptance_rate": m.get("acceptance_rate"),
-                "mean_tree_size": m.get("mean_tree_size"), "draft_time_s": m.get("draft_time_s"),
+                "mean_tree_size": m.get("mean_tree_size"), "lookup_tokens": m.get("lookup_tokens"), "draft_time_s": m.get("draft_time_s"),
                 "verify_time_s": m.get("verify_time_s"), "forward_time_s": m.get("forward_time_s"),
                 "overhead_fraction": m.get("overhead_fraction"), "target_forwards": m.get("target_forwards"),
                 "draft_forwards": m.get("draft_forwards"), "peak_memory_mb": mem.peak_mb,

@@ -43,6 +43,9 @@ class SpecConfig(SamplingConfig):
     kv_update: str = opt("gather", "target cache after acceptance: 'gather' keeps the accepted nodes' "
                                    "keys/values (one target forward per iteration); 'recompute' crops and "
                                    "re-runs the accepted tokens (the seed's second forward)")
+    lookup: int = opt(0, "context lookup: graft up to this many tokens copied from the text so far (what "
+                         "followed the latest earlier occurrence of the last 2-4 tokens) onto each tree; "
+                         "greedy only (0 = off)")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class DynaTreeConfig(SpecConfig):
     dynamic_breadth: bool = opt(True, "per-node branching from draft confidence (off: b_mid everywhere)")
     dynamic_depth: bool = opt(True, "rho_stop / rho_deep depth gating up to d_max (off: fixed depth d0)")
     history: bool = opt(True, "adapt d0 and tau_h from the acceptance of the last W iterations")
+    lookup: int = opt(12, "context lookup (see SpecConfig): up to this many copied tokens, grafted while "
+                          "their learned acceptance pays for their verification under the hardware budget "
+                          "(all of them with hw_budget=off); 0 = off, the paper's drafting")
     hw_budget: str = opt("greedy", "'auto': hardware-aware budget — draft and verify only the nodes whose "
                              "expected tokens pay for their measured time on this device (see budget.py); "
                              "'off': the paper's node budget alone (the paper's ablation); 'greedy' "
@@ -158,6 +164,8 @@ def make_config(method: str, options: dict | None = None):
             raise ValueError(f"method {method!r} has no option {key!r}; its options: {known}")
         kwargs[key] = _coerce(fields[key].type, value, key) if isinstance(value, str) else value
     cfg = cls(**kwargs)
+    if isinstance(cfg, SpecConfig) and cfg.lookup < 0:
+        raise ValueError("lookup must be >= 0")
     if isinstance(cfg, SpecConfig) and cfg.kv_update not in ("gather", "recompute"):
         raise ValueError("kv_update must be 'gather' or 'recompute'")
     if isinstance(cfg, DySpecConfig) and cfg.mode not in ("heap", "threshold"):

@@ -37,6 +37,7 @@ import torch
 from .config import ARConfig, SpecConfig, make_config
 from .drafting import Drafter
 from .kvcache import new_cache
+from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, Timed, finish
 from .models import ModelPair
 from .native import argmax_rows
@@ -200,6 +201,10 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     if policy.needs_draft:
         drafter = Drafter(draft, pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
+    lookup = getattr(cfg, "lookup", 0) if sampler is None else 0
+    index = NgramIndex(prompt_ids + out) if lookup else None
+    lookup_stats = pair.state.setdefault("lookup", LookupStats()) if lookup else None
+    chain: list[int] = []
 
     while reason is None:
         root = out[-1]
@@ -209,6 +214,9 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
         # draft
         tree = policy.draft(drafter, root, max_depth) if drafter is not None else Tree.root_only(root)
+        if index is not None and max_depth > 0:
+            proposal, match = index.propose(min(lookup, max_depth))
+            chain, fresh = graft(tree, proposal, match, lookup_stats, tree.bar)
         tree, order = flatten_bfs(tree)
 
         # verify
@@ -246,6 +254,10 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             drafter.commit([order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
         accepted = len(path_nodes) - 1
         policy.observe(accepted, tree, path_nodes)
+        if chain:
+            new_index = {old: new for new, old in enumerate(order)}
+            lookup_stats.observe(match, [new_index[v] for v in chain], fresh, path_nodes)
+            chain = []
 
         committed = 0
         for tok in new_tokens:
@@ -253,7 +265,10 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             reason = stop_after(tok)
             if reason is not None:
                 break
-        tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1)
+        if index is not None:
+            index.extend(new_tokens[:committed])
+        from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
+        tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
 
     if cuda:
         _sync(dev)

@@ -11,6 +11,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
   figures above 100% count the bonus token as accepted; ours does not.
 * ``accepted_per_node``: accepted drafted tokens / drafted nodes, how much of the verified tree
   was useful.
+* ``lookup_tokens``: accepted tokens that came from context lookup (nodes grafted onto the tree,
+  lookup.py) rather than from the draft model.
 * ``target_forwards`` includes the prefill; with ``kv_update=gather`` it is iterations + 1.
 * ``draft_time_s`` / ``verify_time_s``: wall time inside drafting (draft forwards and tree
   growth) and inside target verification (forward + accept + cache commit); the rest of
@@ -45,6 +47,7 @@ class Metrics:
     acceptance_rate: float = 0.0
     accepted_per_node: float = 0.0
     mean_tree_size: float = 0.0
+    lookup_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
     prefill_time_s: float = 0.0
@@ -67,9 +70,11 @@ class Tally:
         self.accepted = 0
         self.depth_sum = 0
         self.nodes = 0
+        self.lookup = 0
 
-    def add(self, committed: int, accepted: int, depth: int, nodes: int) -> None:
+    def add(self, committed: int, accepted: int, depth: int, nodes: int, lookup: int = 0) -> None:
         self.iterations += 1
+        self.lookup += lookup
         self.iter_tokens += committed
         self.accepted += accepted
         self.depth_sum += depth
@@ -113,6 +118,7 @@ def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, tt
         acceptance_rate=tally.accepted / tally.depth_sum if tally.depth_sum else 0.0,
         accepted_per_node=tally.accepted / tally.nodes if tally.nodes else 0.0,
         mean_tree_size=tally.nodes / it if it else 0.0,
+        lookup_tokens=tally.lookup,
         target_forwards=target_forwards,
         draft_forwards=draft_forwards,
         prefill_time_s=prefill,

@@ -127,6 +127,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         dists = list(zip(*drafter.expand(tree, frontier, kmax)))
         lap(len(frontier))
     tree.keep = [0] + sorted(ranked[:k])
+    tree.bar = bar
     return tree
 
 
@@ -229,17 +230,23 @@ class DynaTree(NoDraft):
         next decision looks at W iterations under the new setting.
         """
         c = self.cfg
+        grafted = tree.grafted  # lookup nodes: the draft proposed none of them, so they teach nothing here
         if self.calib is not None and len(tree) > 1:
             on_path, rank = set(path), {}
             for u in range(1, len(tree)):  # siblings appear in draft rank order
                 parent = tree.parents[u]
-                if parent in on_path:
+                if parent in on_path and u not in grafted:
                     q = math.exp(tree.logp[u] - tree.logp[parent])
                     self.calib.update(q, u in on_path, rank=rank.get(parent, 0))
                     rank[parent] = rank.get(parent, 0) + 1
-        if not c.history or tree.max_depth == 0:
+        if grafted:
+            depth = max((d for u, d in enumerate(tree.depths) if u not in grafted), default=0)
+            accepted = sum(1 for u in path[1:] if u not in grafted)
+        else:
+            depth = tree.max_depth
+        if not c.history or depth == 0:
             return
-        self.window.append(accepted / tree.max_depth)
+        self.window.append(min(accepted, depth) / depth)
         if len(self.window) < c.window:
             return
         a = sum(self.window) / len(self.window)
@@ -260,7 +267,7 @@ def fixed_tree(cfg: FixedTreeConfig) -> DynaTree:
     return DynaTree(DynaTreeConfig(
         d0=cfg.depth, d_max=cfg.depth + 1, b_min=cfg.branch, b_mid=cfg.branch, b_max=cfg.branch,
         tau=cfg.tau, max_nodes=cfg.max_nodes, dynamic_breadth=False, dynamic_depth=False,
-        history=False, kv_update=cfg.kv_update))
+        history=False, kv_update=cfg.kv_update, lookup=cfg.lookup))
 
 
 class DySpecThreshold(NoDraft):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import array
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class Tree:
     depths: list[int]
     logp: list[float]  # cumulative draft log-probability of the path; 0.0 at the root
     keep: list[int] | None = None  # nodes to verify (ancestor-closed); None = all
+    grafted: set[int] = field(default_factory=set)  # nodes not drafted by the draft model (lookup.py)
+    bar: float = 0.0  # expected tokens a further node must bring to pay for itself (budget.py; 0 = no budget)
 
     @classmethod
     def root_only(cls, token: int) -> "Tree":
@@ -73,7 +75,8 @@ def flatten_bfs(tree: Tree) -> tuple[Tree, list[int]]:
     new_index = {old: new for new, old in enumerate(order)}
     parents = [-1 if tree.parents[o] < 0 else new_index[tree.parents[o]] for o in order]
     return Tree([tree.tokens[o] for o in order], parents, [tree.depths[o] for o in order],
-                [tree.logp[o] for o in order]), order
+                [tree.logp[o] for o in order],
+                grafted={new_index[o] for o in tree.grafted if o in new_index}), order
 
 
 def long_tensor(values: list[int], device: torch.device | None = None) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Context lookup (dynatree/lookup.py): n-gram proposals, grafting onto a tree, learned gating,
+and that grafted tokens are really committed while outputs stay identical to ar."""
+import math
+
+from dynatree import decode, make_config
+from dynatree.lookup import LookupStats, NgramIndex, graft
+from dynatree.tree import Tree, flatten_bfs
+
+
+def test_index_finds_latest_earlier_occurrence_of_longest_suffix():
+    idx = NgramIndex([5, 1, 2, 7, 9, 1, 2, 3, 4, 8, 1, 2])
+    # suffix (1, 2): latest earlier occurrence ends at index 6 -> followed by 3, 4, 8
+    assert idx.propose(3) == ([3, 4, 8], 2)
+    idx.extend([3])  # suffix (1, 2, 3) occurred at 5..7 -> 4, 8, 1, 2, 3
+    assert idx.propose(5) == ([4, 8, 1, 2, 3], 3)
+
+
+def test_index_continues_loops_and_never_matches_itself():
+    idx = NgramIndex([4, 6, 4, 6])
+    # (4, 6) last ended at index 1, followed by 4, 6 -- then the copy continues from itself
+    assert idx.propose(5) == ([4, 6, 4, 6, 4], 2)
+    assert NgramIndex([1, 2, 3]).propose(4) == ([], 0)  # no repeated suffix
+    assert NgramIndex([7]).propose(2) == ([], 0)
+    assert NgramIndex([], min_n=1, max_n=1).propose(2) == ([], 0)
+
+
+def tree3() -> Tree:
+    """root(10) -> a(11) -> b(12); root -> c(13)."""
+    t = Tree.root_only(10)
+    a = t.add(0, 11, math.log(0.5))
+    t.add(a, 12, math.log(0.25))
+    t.add(0, 13, math.log(0.3))
+    return t
+
+
+def test_graft_shares_existing_nodes_and_adds_the_rest():
+    t = tree3()
+    nodes, new = graft(t, [11, 12, 14, 15])
+    assert nodes == [1, 2, 4, 5] and new == [False, False, True, True]
+    assert t.parents[4:] == [2, 4] and t.depths[4:] == [3, 4] and t.tokens[4:] == [14, 15]
+    assert t.grafted == {4, 5}
+    flat, order = flatten_bfs(t)
+    assert {order[i] for i in flat.grafted} == {4, 5}
+
+
+def test_graft_diverging_at_the_root_and_keep_stays_ancestor_closed():
+    t = tree3()
+    t.keep = [0, 1]  # the budget verifies only a
+    nodes, new = graft(t, [11, 12, 16])
+    assert nodes == [1, 2, 4] and new == [False, True, True]  # b was left out: verifying it costs
+    assert t.keep == [0, 1, 2, 4]
+    t2 = tree3()
+    nodes, _ = graft(t2, [20, 21])
+    assert t2.parents[4:] == [0, 4] and nodes == [4, 5]
+
+
+def test_graft_gate_stops_where_the_chain_stops_paying():
+    stats = LookupStats(prior=(1.0, 1.0))  # every cell starts at 1/2
+    t = tree3()
+    nodes, new = graft(t, [11, 30, 31, 32], n=2, stats=stats, bar=0.2)
+    # values 0.5 (shared, free), 0.25 (new: > 0.2, added), 0.125 (new: below the bar, stop)
+    assert nodes == [1, 4] and new == [False, True]
+    stats.observe(2, [1, 4], [False, True], path=[0, 1, 4])
+    assert stats.value(2, 0, False) == 2 / 3 and stats.value(2, 1, True) == 2 / 3
+    stats.observe(2, [1, 4], [False, True], path=[0, 1])
+    assert stats.value(2, 1, True) == 2 / 4 and stats.value(3, 1, True) == 1 / 2  # cells are per match length
+
+
+def test_lookup_commits_grafted_tokens_exactly(close_pair):
+    """A prompt that repeats itself: the lookup proposes the repetition, and outputs equal ar."""
+    prompt = [3, 17, 29, 41, 5, 3, 17, 29, 41, 5, 3, 17, 29]
+    ref, _, _ = decode(close_pair, prompt, make_config("ar"), max_new_tokens=40, ignore_eos=True)
+    for method, opts in [("linear", {"k": 1, "lookup": 8}), ("dynatree", {"hw_budget": "off", "lookup": 8}),
+                         ("dynatree", {})]:
+        toks, _, m = decode(close_pair, prompt, make_config(method, opts), max_new_tokens=40, ignore_eos=True)
+        assert toks == ref, (method, opts)
+        assert m.lookup_tokens > 0, (method, opts)
+    toks, _, m = decode(close_pair, prompt, make_config("dynatree", {"lookup": 0}), max_new_tokens=40,
+                        ignore_eos=True)
+    assert toks == ref and m.lookup_tokens == 0
+
+
+def test_lookup_is_off_when_sampling(close_pair):
+    prompt = [3, 17, 29, 41, 5, 3, 17, 29, 41, 5, 3, 17, 29]
+    cfg = make_config("linear", {"k": 2, "lookup": 8, "temperature": 0.8, "seed": 3})
+    _, _, m = decode(close_pair, prompt, cfg, max_new_tokens=20, ignore_eos=True)
+    assert m.lookup_tokens == 0
