@@ -7,7 +7,9 @@ of the same run, dataset and setting.
 
 Peers: ``hf_ar`` is transformers ``generate(do_sample=False)``; ``hf_assisted`` is assisted
 generation with the draft (``assistant_model=``) at its defaults; ``hf_assisted_heuristic`` the
-same with ``num_assistant_tokens_schedule="heuristic"``.
+same with ``num_assistant_tokens_schedule="heuristic"``; ``hf_prompt_lookup`` is prompt lookup
+decoding (``prompt_lookup_num_tokens=10``, n-grams up to 2 — transformers' own context-copying
+drafter, the peer of ``lookup``).
 
 Every (dataset, prompt, method, setting) becomes one Parquet row; ``report.py`` builds all
 tables and plots from those rows alone.
@@ -28,7 +30,7 @@ from .config import make_config
 from .engine import decode
 from .models import ModelPair
 
-HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic")
+HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
 HUB_DATASETS = {
     "wikitext": ("wikitext", "wikitext-2-raw-v1", "test", "text"),
     "pg19": ("deepmind/pg19", None, "test", "text"),
@@ -174,10 +176,12 @@ def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int,
              "top_p": s.get("top_p", 1.0)} if sample else {}
     if sample:
         torch.manual_seed(s.get("seed", 0))
+    if method == "hf_prompt_lookup":
+        extra["prompt_lookup_num_tokens"] = 10
     gc = GenerationConfig(do_sample=sample, max_new_tokens=max_new_tokens, min_new_tokens=0,
                           eos_token_id=None, pad_token_id=pair.eos_token_id or 0, **extra)
     kwargs = {}
-    if method != "hf_ar":
+    if method != "hf_ar" and method != "hf_prompt_lookup":
         kwargs["assistant_model"] = pair.draft
         # defaults: 20 tokens, "constant" schedule, confidence threshold 0.4
         pair.draft.generation_config.num_assistant_tokens = 20

@@ -200,7 +200,7 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--warmup", default=2, show_default=True, help="first W prompts discarded")
 @click.option("--max-prompt-tokens", default=200, show_default=True, help="L_max")
 @click.option("--max-new-tokens", default=128, show_default=True, help="T (EOS ignored)")
-@click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic",
+@click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic,hf_prompt_lookup",
               show_default=True, help="LABEL=METHOD runs a method under another name")
 @click.option("--option", "options", multiple=True, metavar="[LABEL.]KEY=VALUE",
               help="LABEL.KEY=VALUE sets one method's option; KEY=VALUE every method's (e.g. temperature=0.6)")

@@ -24,7 +24,7 @@ def bench_args(pair_dirs, tmp_path, prompts: int, new_tokens: int) -> list[str]:
 def test_bench_and_report(pair_dirs, tmp_path):
     out = tmp_path / "bench"
     args = bench_args(pair_dirs, tmp_path, 3, 10) + [
-            "--methods", "ar,linear,fixed=fixed_tree,dynatree,dt_fixed=dynatree,dt_recompute=dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic",
+            "--methods", "ar,linear,fixed=fixed_tree,dynatree,dt_fixed=dynatree,dt_recompute=dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic,hf_prompt_lookup",
             "--option", "dt_fixed.dynamic_breadth=false", "--option", "dt_fixed.dynamic_depth=false",
             "--option", "dt_fixed.history=false", "--option", "dt_recompute.kv_update=recompute",
             "--sweep-tokens", "4,8", "--sweep-prompt-len", "8", "--grid-depth", "2,3", "--grid-branch", "2",
@@ -34,7 +34,7 @@ def test_bench_and_report(pair_dirs, tmp_path):
     rows = pq.read_table(out / "results.parquet").to_pylist()
     main_rows = [r for r in rows if json.loads(r["setting"])["sweep"] == "main"]
     assert {r["method"] for r in main_rows} >= {"ar", "linear", "fixed", "dynatree", "dyspec", "hf_ar", "hf_assisted"}
-    assert len(main_rows) == 3 * 10
+    assert len(main_rows) == 3 * 11
     for r in main_rows:
         assert r["matches_ar"], r["method"]  # float64: every method, HF's included, equals ar
         assert r["dataset"] == "tiny" and r["tokens_per_s"] > 0 and r["speedup"] > 0
