@@ -183,11 +183,13 @@ def test_cache_keep_moves_the_path_like_torch():
         assert torch.equal(a.keys[:, :, :8], b.keys[:, :, :8]) and torch.equal(a.values[:, :, :8], b.values[:, :, :8])
 
 
-def test_native_after_the_cache_grows_under_a_torch_prefill():
+def test_native_after_the_cache_grows_under_a_torch_prefill(monkeypatch):
     """A long prefill (torch path) may move the cache buffers; the native path must follow."""
+    import dynatree.lean
+    monkeypatch.setattr(dynatree.lean, "NATIVE_ROWS", 64)
     model = neox32(9)
     lean = LeanNeoX(model)
-    prompt = [(7 * i) % 97 for i in range(80)]  # > 64 tokens: the torch path
+    prompt = [(7 * i) % 97 for i in range(80)]  # > NATIVE_ROWS tokens: the torch path
     with torch.inference_mode():
         small = new_cache(model, 4)
         lean(input_ids=torch.tensor([[1, 2]]), past_key_values=small)  # native, capacity 4
