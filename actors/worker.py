@@ -50,7 +50,7 @@ def empty_result(row_id, method: str, error: str | None = None) -> dict:
             "error": error, "tokens_per_s": None, "wall_time_s": None, "ttft_s": None, "tpot_s": None,
             "iterations": None, "tokens_per_iteration": None, "avg_path_length": None,
             "acceptance_rate": None, "draft_time_s": None, "verify_time_s": None,
-            "target_forwards": None, "draft_forwards": None, "ar_tokens_per_s": None,
+            "target_forwards": None, "draft_forwards": None, "lookup_tokens": None, "ar_tokens_per_s": None,
             "matches_ar": None, "first_divergence": None, "divergence_margin": None}
 
 
@@ -95,7 +95,7 @@ class ShardWorker:
             "tokens_per_iteration": m.tokens_per_iteration, "avg_path_length": m.avg_path_length,
             "acceptance_rate": m.acceptance_rate, "draft_time_s": m.draft_time_s,
             "verify_time_s": m.verify_time_s, "target_forwards": m.target_forwards,
-            "draft_forwards": m.draft_forwards})
+            "draft_forwards": m.draft_forwards, "lookup_tokens": m.lookup_tokens})
 
     def _maybe_die(self, shard: str) -> None:
         fi = self.job.get("fault_injection") or {}

@@ -213,9 +213,12 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         max_depth = room - 1  # deepest useful drafted token: path + bonus must fit
 
         # draft
-        tree = policy.draft(drafter, root, max_depth) if drafter is not None else Tree.root_only(root)
+        proposal, match, hint = [], 0, ()
         if index is not None and max_depth > 0:
             proposal, match = index.propose(min(lookup, max_depth))
+            hint = lookup_stats.values(match, len(proposal))
+        tree = policy.draft(drafter, root, max_depth, hint) if drafter is not None else Tree.root_only(root)
+        if proposal:
             chain, fresh = graft(tree, proposal, match, lookup_stats, tree.bar)
         tree, order = flatten_bfs(tree)
 

@@ -79,6 +79,14 @@ class LookupStats:
         hits, tries = self._cell(n, j, new)
         return hits / tries
 
+    def values(self, n: int, length: int) -> list[float]:
+        """The expected value of each node of a chain of ``length`` new nodes (match length n)."""
+        out, v = [], 1.0
+        for j in range(length):
+            v *= self.value(n, j, True)
+            out.append(v)
+        return out
+
     def observe(self, n: int, chain: list[int], new: list[bool], path: list[int]) -> None:
         """chain: the grafted chain's nodes (flattened indices) in order, ``new`` marking the
         nodes graft added; path: the accepted path."""

@@ -1,7 +1,9 @@
 """Drafting policies: how each method grows its tree.  The decoding loop is shared (engine.py).
 
-A policy has ``attach(pair)`` (once per generation), ``draft(drafter, root_token, max_depth) ->
-Tree`` and ``observe(accepted, tree, path)`` (after each verification).  ``max_depth`` is the
+A policy has ``attach(pair)`` (once per generation), ``draft(drafter, root_token, max_depth,
+hint) -> Tree`` and ``observe(accepted, tree, path)`` (after each verification).  ``hint`` lists
+the expected values of the context-lookup nodes the engine will graft (lookup.py); the hardware
+budget counts them when it prices the tree, the other policies ignore it.  ``max_depth`` is the
 engine's cap (tokens left before ``max_new_tokens`` or the context limit); policies never draft
 deeper.
 
@@ -78,7 +80,7 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
 
 def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes: int, kmax: int,
                   n_children, gate, tau: float, lat: budget.LatencyModel,
-                  calib: budget.Calibration) -> Tree:
+                  calib: budget.Calibration, hint=()) -> Tree:
     """:func:`grow_levels` under the hardware-aware budget (rules in budget.py).
 
     DynaTree's rules run on *calibrated* probabilities: confidence is the calibrated chance the
@@ -117,12 +119,16 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
             new.append(tree.add(u, tok, lp))
             vals.append(v)
         ranked = sorted(range(1, len(tree)), key=lambda i: (-vals[i], tree.depths[i], i))
-        k, rate, delta = budget.select([vals[i] for i in ranked], lat, (drafter.seconds - t0) * 1e3)
+        # the lookup nodes to come compete for the same verification time, so they set the rate too
+        priced = sorted([vals[i] for i in ranked] + list(hint), reverse=True) if hint else [vals[i] for i in ranked]
+        n_all, rate, delta = budget.select(priced, lat, (drafter.seconds - t0) * 1e3)
+        cut = priced[n_all - 1] if n_all else math.inf
+        k = sum(1 for i in ranked if vals[i] >= cut) if hint else n_all  # drafted nodes that made the cut
         bar = rate * delta  # a node must bring more than this many expected tokens
         if not new or len(tree) - 1 >= max_nodes or tree.depths[new[0]] >= max_depth:
             break
         frontier = [v for v in new if gate(tree.depths[v], vals[v]) and vals[v] * a_top > bar]
-        if not frontier or not budget.worth_drafting([vals[v] for v in frontier], a_top, rate, lat, k + 1):
+        if not frontier or not budget.worth_drafting([vals[v] for v in frontier], a_top, rate, lat, n_all + 1):
             break
         dists = list(zip(*drafter.expand(tree, frontier, kmax)))
         lap(len(frontier))
@@ -139,7 +145,7 @@ class NoDraft:
     def attach(self, pair) -> None:
         """Called once per generation with the pair (policies that measure the device use it)."""
 
-    def draft(self, drafter, root_token: int, max_depth: int) -> Tree:
+    def draft(self, drafter, root_token: int, max_depth: int, hint=()) -> Tree:
         return Tree.root_only(root_token)
 
     def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
@@ -155,7 +161,7 @@ class Linear(NoDraft):
     def __init__(self, cfg: LinearConfig):
         self.cfg = cfg
 
-    def draft(self, drafter, root_token, max_depth):
+    def draft(self, drafter, root_token, max_depth, hint=()):
         k = min(self.cfg.k, max_depth)
         return grow_levels(drafter, root_token, max_depth=k, max_nodes=k, kmax=1,
                            n_children=lambda u, c: 1, expandable=lambda t, v: True,
@@ -205,14 +211,14 @@ class DynaTree(NoDraft):
         c = self.cfg
         return d < c.d_max and p >= c.rho_stop and (d < self.d0 or p >= c.rho_deep)
 
-    def draft(self, drafter, root_token, max_depth):
+    def draft(self, drafter, root_token, max_depth, hint=()):
         c = self.cfg
         depth_cap = c.d_max if c.dynamic_depth else self.d0
         if self.latency is not None:
             return grow_budgeted(drafter, root_token, max_depth=min(depth_cap, max_depth),
                                  max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                                  n_children=self._branching, gate=self._gate, tau=c.tau,
-                                 lat=self.latency, calib=self.calib)
+                                 lat=self.latency, calib=self.calib, hint=hint)
         return grow_levels(drafter, root_token, max_depth=min(depth_cap, max_depth),
                            max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                            n_children=self._branching, expandable=self._expandable,
@@ -264,10 +270,11 @@ class DynaTree(NoDraft):
 
 
 def fixed_tree(cfg: FixedTreeConfig) -> DynaTree:
+    """The textbook fixed tree: no hardware budget either (it would prune and stop the tree)."""
     return DynaTree(DynaTreeConfig(
         d0=cfg.depth, d_max=cfg.depth + 1, b_min=cfg.branch, b_mid=cfg.branch, b_max=cfg.branch,
         tau=cfg.tau, max_nodes=cfg.max_nodes, dynamic_breadth=False, dynamic_depth=False,
-        history=False, kv_update=cfg.kv_update, lookup=cfg.lookup))
+        history=False, hw_budget="off", kv_update=cfg.kv_update, lookup=cfg.lookup))
 
 
 class DySpecThreshold(NoDraft):
@@ -283,7 +290,7 @@ class DySpecThreshold(NoDraft):
     def __init__(self, cfg: DySpecConfig):
         self.cfg = cfg
 
-    def draft(self, drafter, root_token, max_depth):
+    def draft(self, drafter, root_token, max_depth, hint=()):
         c = self.cfg
         return grow_levels(drafter, root_token, max_depth=min(c.max_depth, max_depth),
                            max_nodes=c.budget, kmax=c.max_branch,
@@ -307,7 +314,7 @@ class DySpecHeap(NoDraft):
     def __init__(self, cfg: DySpecConfig):
         self.cfg = cfg
 
-    def draft(self, drafter, root_token, max_depth):
+    def draft(self, drafter, root_token, max_depth, hint=()):
         c = self.cfg
         tree = Tree.root_only(root_token)
         max_depth = min(c.max_depth, max_depth)

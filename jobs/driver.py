@@ -39,7 +39,7 @@ SCHEMA = pa.schema([
     ("tpot_s", pa.float64()), ("iterations", pa.int32()), ("tokens_per_iteration", pa.float64()),
     ("avg_path_length", pa.float64()), ("acceptance_rate", pa.float64()),
     ("draft_time_s", pa.float64()), ("verify_time_s", pa.float64()), ("target_forwards", pa.int32()),
-    ("draft_forwards", pa.int32()), ("ar_tokens_per_s", pa.float64()), ("matches_ar", pa.bool_()),
+    ("draft_forwards", pa.int32()), ("lookup_tokens", pa.int32()), ("ar_tokens_per_s", pa.float64()), ("matches_ar", pa.bool_()),
     ("first_divergence", pa.int32()), ("divergence_margin", pa.float64()),
 ])
 

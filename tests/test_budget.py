@@ -49,3 +49,33 @@ def test_drafting_looks_past_one_level():
     assert worth_drafting([1.0], 0.6, 0.13, lat, 1)
     assert not worth_drafting([1.0], 0.6, 0.13, lat, 1, horizon=1)
     assert not worth_drafting([0.05], 0.6, 0.13, lat, 1)
+
+
+class ChainDrafter:
+    """A stand-in drafter: every node's top-k is tokens 1..k with probabilities 0.6, 0.2, 0.1."""
+
+    seconds = 0.0
+
+    def root(self, tree, k):
+        return [0.6, 0.2, 0.1][:k], [1, 2, 3][:k]
+
+    def expand(self, tree, nodes, k):
+        return [[0.6, 0.2, 0.1][:k]] * len(nodes), [[1, 2, 3][:k]] * len(nodes)
+
+
+def test_lookup_hint_raises_the_bar_for_drafted_nodes():
+    """Confident lookup nodes to come compete for the same verification time: the budget keeps
+    no more drafted nodes than without them, and asks more of a further node (tree.bar)."""
+    from dynatree.policies import grow_budgeted
+
+    lat = LatencyModel({1: 3.0, 2: 3.2, 4: 3.6, 8: 4.6, 16: 8.0, 32: 15.0, 64: 30.0}, {1: 0.2, 4: 0.3, 16: 0.6})
+    calib = Calibration()
+    for i in range(200):  # first choices right 60% of the time, second ones 10%
+        calib.update(0.6, i % 10 < 6, rank=0)
+        calib.update(0.2, i % 10 == 0, rank=1)
+    kw = dict(max_depth=8, max_nodes=64, kmax=3, n_children=lambda u, c: 2, gate=lambda d, v: d < 8, tau=0.0,
+              lat=lat, calib=calib)
+    plain = grow_budgeted(ChainDrafter(), 7, **kw)
+    hinted = grow_budgeted(ChainDrafter(), 7, hint=[0.95 ** (j + 1) for j in range(12)], **kw)
+    assert len(plain.keep) > 1  # without a hint the budget verifies drafted nodes
+    assert len(hinted.keep) < len(plain.keep) and hinted.bar > plain.bar

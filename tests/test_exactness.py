@@ -64,7 +64,13 @@ def test_identical_to_ar_other_drafts(request, pair_name, method):
         toks, _, m = decode(pair, prompt, make_config(method), max_new_tokens=30, ignore_eos=True)
         assert toks == ref
     if pair_name == "same_pair":
-        assert m.tokens_per_iteration > 1.5  # a perfect draft must actually speculate
+        # A perfect draft must actually speculate.  Not under the hardware budget: with a draft as
+        # dear as the target, whether speculating pays is a measured (noisy) close call.
+        opts = {"hw_budget": "off"} if method == "dynatree" else {}
+        prompt = PROMPTS[7]
+        toks, _, m = decode(pair, prompt, make_config(method, opts), max_new_tokens=30, ignore_eos=True)
+        assert toks == ar(pair, prompt, 30)[0]
+        assert m.tokens_per_iteration > 1.5
 
 
 def test_trees_speculate_on_the_close_pair(close_pair):
