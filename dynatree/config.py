@@ -44,7 +44,7 @@ class SpecConfig(SamplingConfig):
                                    "keys/values (one target forward per iteration); 'recompute' crops and "
                                    "re-runs the accepted tokens (the seed's second forward)")
     lookup: int = opt(0, "context lookup: graft up to this many tokens copied from the text so far (what "
-                         "followed the latest earlier occurrence of the last 2-4 tokens) onto each tree; "
+                         "followed the latest earlier occurrence of the longest repeated suffix, up to 8 tokens) onto each tree; "
                          "greedy only (0 = off)")
 
 
