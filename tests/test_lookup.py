@@ -15,6 +15,13 @@ def test_index_finds_latest_earlier_occurrence_of_longest_suffix():
     assert idx.propose(5) == ([4, 8, 1, 2, 3], 3)
 
 
+def test_index_prefers_the_longest_match_over_the_latest_short_one():
+    # (2, 3) last occurred at 5..6 (-> 5), but (1, 2, 3) occurred at 0..2 (-> 9): longest wins
+    idx = NgramIndex([1, 2, 3, 9, 7, 2, 3, 5, 1, 2, 3])
+    assert idx.propose(2) == ([9, 7], 3)
+    assert NgramIndex([1, 2, 3, 9, 7, 2, 3, 5, 1, 2, 3], max_n=2).propose(1) == ([5], 2)
+
+
 def test_index_continues_loops_and_never_matches_itself():
     idx = NgramIndex([4, 6, 4, 6])
     # (4, 6) last ended at index 1, followed by 4, 6 -- then the copy continues from itself
