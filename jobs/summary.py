@@ -56,6 +56,7 @@ def summarize(out: Path, spec, run_stats: dict) -> dict:
         "tokens_per_s_per_prompt": _mean_std([r["tokens_per_s"] for r in ok]),
         "tokens_per_iteration": _mean_std([r["tokens_per_iteration"] for r in ok]),
         "acceptance_rate": _mean_std([r["acceptance_rate"] for r in ok]),
+        "lookup_tokens": sum(r.get("lookup_tokens") or 0 for r in ok),
         "ttft_s": _mean_std([r["ttft_s"] for r in ok]),
         "tpot_s": _mean_std([r["tpot_s"] for r in ok]),
         "speedup_vs_ar": _mean_std(speedups),
@@ -95,6 +96,7 @@ def format_table(s: dict) -> str:
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
+        f"tokens from lookup       {s.get('lookup_tokens', 0)}",
         f"speedup vs ar            {ms(s['speedup_vs_ar'])}  (rows re-decoded with ar: {s['speedup_vs_ar']['n']})",
         "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
     ]
