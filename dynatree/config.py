@@ -45,7 +45,7 @@ class SpecConfig(SamplingConfig):
                                    "re-runs the accepted tokens (the seed's second forward)")
     lookup: int = opt(0, "context lookup: graft up to this many tokens copied from the text so far (what "
                          "followed the latest earlier occurrence of the longest repeated suffix, up to 8 tokens) onto each tree; "
-                         "greedy only (0 = off)")
+                         "when sampling, each copied token is tried first at its parent (0 = off)")
 
 
 @dataclass(frozen=True)

@@ -119,11 +119,14 @@ def accept_greedy(tree: Tree, choice: list[int]) -> tuple[list[int], int]:
 
 
 def accept_sampled(tree: Tree, order: list[int], logits: torch.Tensor, drafter: Drafter,
-                   sampler: Sampler) -> tuple[list[int], int]:
-    """logits: (n, V).  Multi-candidate rejection sampling; returns (path, last token)."""
+                   sampler: Sampler, chain: list[int] = ()) -> tuple[list[int], int]:
+    """logits: (n, V).  Multi-candidate rejection sampling; returns (path, last token).
+
+    chain: the grafted lookup chain's nodes (pre-BFS ids): each is tried first at its parent."""
     new_index = {old: new for new, old in enumerate(order)}
     cands = {new_index[old]: c for old, c in drafter.cands.items() if old in new_index}
-    return walk(sampler.probs(logits), cands, child_index(tree.tokens, tree.parents), sampler)
+    copies = {new_index[tree_parent]: token for tree_parent, token in chain}
+    return walk(sampler.probs(logits), cands, child_index(tree.tokens, tree.parents), sampler, copies)
 
 
 @torch.inference_mode()
@@ -201,7 +204,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     if policy.needs_draft:
         drafter = Drafter(draft, pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
-    lookup = getattr(cfg, "lookup", 0) if sampler is None else 0
+    lookup = getattr(cfg, "lookup", 0)
     index = NgramIndex(prompt_ids + out) if lookup else None
     lookup_stats = pair.state.setdefault("lookup", LookupStats()) if lookup else None
     chain: list[int] = []
@@ -218,8 +221,11 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             proposal, match = index.propose(min(lookup, max_depth))
             hint = lookup_stats.values(match, len(proposal))
         tree = policy.draft(drafter, root, max_depth, hint) if drafter is not None else Tree.root_only(root)
+        copied = []  # (parent, token) along the grafted chain, pre-BFS ids: sampling tries each first
         if proposal:
             chain, fresh = graft(tree, proposal, match, lookup_stats, tree.bar)
+            if sampler is not None:
+                copied = [(tree.parents[v], tree.tokens[v]) for v in chain]
         tree, order = flatten_bfs(tree)
 
         # verify
@@ -242,7 +248,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             if sampler is None:
                 path_nodes, last = accept_greedy(tree, res.choice)
             else:
-                path_nodes, last = accept_sampled(tree, order, res.logits[0], drafter, sampler)
+                path_nodes, last = accept_sampled(tree, order, res.logits[0], drafter, sampler, copied)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
 
             # commit

@@ -93,23 +93,39 @@ def accept_prob(r_x: float, q_x: float) -> float:
 
 
 def walk(p: torch.Tensor, cands: dict[int, tuple[torch.Tensor, list[int]]],
-         children: dict[tuple[int, int], int], sampler: Sampler) -> tuple[list[int], int]:
+         children: dict[tuple[int, int], int], sampler: Sampler,
+         copies: dict[int, int] | None = None) -> tuple[list[int], int]:
     """Multi-candidate rejection sampling down a scored tree.
 
     p: (n, V_t) target probabilities at the flattened tree's nodes.
     cands: node -> (q_u (V_d,), candidate ids in draw order) for nodes the draft expanded.
     children: (node, token) -> child node, for the tree's verified nodes.
+    copies: node -> a context-lookup token proposed there (lookup.py), tried before the draws as a
+    candidate from a point mass: accepted with probability R(t) = min(1, R(t) / 1); if rejected,
+    R becomes norm(max(R - delta_t, 0)), i.e. R without t.  The copy is a deterministic function
+    of the committed text, so it is as valid a proposal as a draw.
     returns (path of nodes from the root, last token): the committed tokens are the path's
     drafted tokens followed by ``last``.
     """
     u, path = 0, [0]
+    copies = copies or {}
     while True:
         r = p[u]
         q0, xs = cands.get(u, (None, []))
         accepted, q = None, None
+        copy = copies.get(u)
+        if copy is not None:
+            r_t = float(r[copy])  # host sync: one per copied token tried
+            if sampler.uniform() < r_t:
+                accepted = copy
+                xs = []
+            elif r_t < 1.0:
+                r = r.clone()
+                r[copy] = 0
+                r = r / (1.0 - r_t)
         if xs:
-            # One transfer per node: the draws' draft and target probabilities.  While nothing is
-            # rejected, q_i(x_i) = q(x_i) / (1 - mass of earlier draws) and R = p, so an accepted
+            # One transfer per node: the draws' draft and target probabilities.  While no draw is
+            # rejected, q_i(x_i) = q(x_i) / (1 - mass of earlier draws) and R is unchanged, so an accepted
             # first draw (the common case) costs no vector work at all.
             idx = torch.tensor(xs, device=r.device)
             q_xs, r_xs = torch.stack([q0[idx].to(r.dtype), r[idx]]).tolist()  # host sync: one per node

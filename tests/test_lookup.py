@@ -87,8 +87,11 @@ def test_lookup_commits_grafted_tokens_exactly(close_pair):
     assert toks == ref and m.lookup_tokens == 0
 
 
-def test_lookup_is_off_when_sampling(close_pair):
+def test_sampled_lookup_commits_copies_and_reproduces(close_pair):
+    """Sampling tries the copied token first at its parent (the chi-square tests in
+    test_sampling.py check the distribution); at a low temperature the copies are taken."""
     prompt = [3, 17, 29, 41, 5, 3, 17, 29, 41, 5, 3, 17, 29]
-    cfg = make_config("linear", {"k": 2, "lookup": 8, "temperature": 0.8, "seed": 3})
-    _, _, m = decode(close_pair, prompt, cfg, max_new_tokens=20, ignore_eos=True)
-    assert m.lookup_tokens == 0
+    cfg = make_config("linear", {"k": 1, "lookup": 8, "temperature": 0.3, "seed": 3})
+    a, _, m = decode(close_pair, prompt, cfg, max_new_tokens=30, ignore_eos=True)
+    b, _, _ = decode(close_pair, prompt, cfg, max_new_tokens=30, ignore_eos=True)
+    assert a == b and m.lookup_tokens > 0

@@ -71,7 +71,9 @@ DECODERS = [
     ("ar", {}),
     ("linear", {"k": 3}),
     ("fixed_tree", {"depth": 2, "branch": 2, "tau": 0.2, "max_nodes": 3}),  # pruned, non-prefix subsets
-    ("dynatree", {}),
+    ("dynatree", {}),  # with context lookup (lookup=12): copies tried before the draws
+    ("dynatree", {"lookup": 0}),
+    ("linear", {"k": 1, "lookup": 3}),
     ("dyspec", {"threshold": 0.05, "max_branch": 4}),
     ("dyspec", {"mode": "heap", "budget": 6}),
 ]
@@ -82,6 +84,45 @@ def test_matches_target_distribution(small_pair, method, opts):
     opts = {"temperature": 1.0, **opts}
     p = chi_square_p(sample_counts(small_pair, method, opts), exact_distribution(small_pair, opts), N)
     assert p >= P_MIN, f"{method} {opts}: chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("method,opts", [("linear", {"k": 1, "lookup": 3}), ("dynatree", {})])
+def test_context_lookup_keeps_the_distribution(small_pair, monkeypatch, method, opts):
+    """A prompt whose tokens repeat, so most iterations try a copied token before the draft's
+    draws: accepted or rejected, the samples must still follow the target."""
+    import dynatree.engine
+    import test_sampling
+    monkeypatch.setattr(test_sampling, "PROMPT", [1, 3, 2, 1])
+    tried = []
+    real_walk = dynatree.engine.walk
+
+    def spy(p, cands, children, sampler, copies=None):
+        tried.append(bool(copies))
+        return real_walk(p, cands, children, sampler, copies)
+
+    monkeypatch.setattr(dynatree.engine, "walk", spy)
+    opts = {"temperature": 1.0, **opts}
+    p = chi_square_p(sample_counts(small_pair, method, opts), exact_distribution(small_pair, opts), N)
+    assert p >= P_MIN, f"{method} {opts}: chi-square p = {p:.2e}"
+    assert sum(tried) >= N // 2  # copies really were tried (in ~73% of iterations here)
+
+
+def test_a_verifier_that_takes_every_copy_fails(small_pair, monkeypatch):
+    """Negative control for the test above: accepting copied tokens unconditionally is caught."""
+    import dynatree.engine
+    import test_sampling
+    monkeypatch.setattr(test_sampling, "PROMPT", [1, 3, 2, 1])
+    real_walk = dynatree.engine.walk
+
+    def take_copies(p, cands, children, sampler, copies=None):
+        if copies and 0 in copies:  # take the root's copy, then sample the next token from the target
+            child = children[(0, copies[0])]
+            return [0, child], sampler.sample(p[child])
+        return real_walk(p, cands, children, sampler, copies)
+
+    monkeypatch.setattr(dynatree.engine, "walk", take_copies)
+    opts = {"temperature": 1.0, "k": 1, "lookup": 3}
+    assert chi_square_p(sample_counts(small_pair, "linear", opts), exact_distribution(small_pair, opts), N) < P_MIN
 
 
 def test_warped_distribution_with_top_k_top_p(small_pair):
