@@ -86,9 +86,10 @@ class DynaTreeConfig(SpecConfig):
     dynamic_breadth: bool = opt(True, "per-node branching from draft confidence (off: b_mid everywhere)")
     dynamic_depth: bool = opt(True, "rho_stop / rho_deep depth gating up to d_max (off: fixed depth d0)")
     history: bool = opt(True, "adapt d0 and tau_h from the acceptance of the last W iterations")
-    lookup: int = opt(12, "context lookup (see SpecConfig): up to this many copied tokens, grafted while "
+    lookup: int = opt(-1, "context lookup (see SpecConfig): up to this many copied tokens, grafted while "
                           "their learned acceptance pays for their verification under the hardware budget "
-                          "(all of them with hw_budget=off); 0 = off, the paper's drafting")
+                          "(all of them with hw_budget=off); -1 (default) = 12 when the hardware budget is "
+                          "on, off when it is not (the paper's drafting, and sampling by default)")
     hw_budget: str = opt("greedy", "'auto': hardware-aware budget — draft and verify only the nodes whose "
                              "expected tokens pay for their measured time on this device (see budget.py); "
                              "'off': the paper's node budget alone (the paper's ablation); 'greedy' "
@@ -98,6 +99,12 @@ class DynaTreeConfig(SpecConfig):
     @property
     def budget_on(self) -> bool:
         return self.hw_budget == "auto" or (self.hw_budget == "greedy" and self.temperature == 0)
+
+    @property
+    def lookup_length(self) -> int:
+        """The lookup length in effect: ``lookup``, or for -1 12 under the budget and 0 without it
+        (unbudgeted, a copy is grafted whole however rarely it is right: a loss when sampling)."""
+        return self.lookup if self.lookup >= 0 else (12 if self.budget_on else 0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -164,8 +171,8 @@ def make_config(method: str, options: dict | None = None):
             raise ValueError(f"method {method!r} has no option {key!r}; its options: {known}")
         kwargs[key] = _coerce(fields[key].type, value, key) if isinstance(value, str) else value
     cfg = cls(**kwargs)
-    if isinstance(cfg, SpecConfig) and cfg.lookup < 0:
-        raise ValueError("lookup must be >= 0")
+    if isinstance(cfg, SpecConfig) and cfg.lookup < (-1 if isinstance(cfg, DynaTreeConfig) else 0):
+        raise ValueError("lookup must be >= 0" + (" (or -1: automatic)" if isinstance(cfg, DynaTreeConfig) else ""))
     if isinstance(cfg, SpecConfig) and cfg.kv_update not in ("gather", "recompute"):
         raise ValueError("kv_update must be 'gather' or 'recompute'")
     if isinstance(cfg, DySpecConfig) and cfg.mode not in ("heap", "threshold"):

@@ -204,7 +204,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     if policy.needs_draft:
         drafter = Drafter(draft, pair.vocab, capacity, sampler)
         drafter.extend(prompt_ids)
-    lookup = getattr(cfg, "lookup", 0)
+    lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
     index = NgramIndex(prompt_ids + out) if lookup else None
     lookup_stats = pair.state.setdefault("lookup", LookupStats()) if lookup else None
     chain: list[int] = []

@@ -82,9 +82,17 @@ def test_lookup_commits_grafted_tokens_exactly(close_pair):
         toks, _, m = decode(close_pair, prompt, make_config(method, opts), max_new_tokens=40, ignore_eos=True)
         assert toks == ref, (method, opts)
         assert m.lookup_tokens > 0, (method, opts)
-    toks, _, m = decode(close_pair, prompt, make_config("dynatree", {"lookup": 0}), max_new_tokens=40,
-                        ignore_eos=True)
-    assert toks == ref and m.lookup_tokens == 0
+    for opts in ({"lookup": 0}, {"hw_budget": "off"}):  # off, and the default without the budget
+        toks, _, m = decode(close_pair, prompt, make_config("dynatree", opts), max_new_tokens=40, ignore_eos=True)
+        assert toks == ref and m.lookup_tokens == 0, opts
+
+
+def test_default_lookup_follows_the_budget():
+    assert make_config("dynatree").lookup_length == 12
+    assert make_config("dynatree", {"hw_budget": "off"}).lookup_length == 0
+    assert make_config("dynatree", {"temperature": 0.7}).lookup_length == 0  # budget off when sampling
+    assert make_config("dynatree", {"temperature": 0.7, "hw_budget": "auto"}).lookup_length == 12
+    assert make_config("dynatree", {"hw_budget": "off", "lookup": 5}).lookup_length == 5
 
 
 def test_sampled_lookup_commits_copies_and_reproduces(close_pair):

@@ -71,8 +71,8 @@ DECODERS = [
     ("ar", {}),
     ("linear", {"k": 3}),
     ("fixed_tree", {"depth": 2, "branch": 2, "tau": 0.2, "max_nodes": 3}),  # pruned, non-prefix subsets
-    ("dynatree", {}),  # with context lookup (lookup=12): copies tried before the draws
-    ("dynatree", {"lookup": 0}),
+    ("dynatree", {}),
+    ("dynatree", {"lookup": 6}),  # copies tried before the draws
     ("linear", {"k": 1, "lookup": 3}),
     ("dyspec", {"threshold": 0.05, "max_branch": 4}),
     ("dyspec", {"mode": "heap", "budget": 6}),
@@ -86,7 +86,7 @@ def test_matches_target_distribution(small_pair, method, opts):
     assert p >= P_MIN, f"{method} {opts}: chi-square p = {p:.2e}"
 
 
-@pytest.mark.parametrize("method,opts", [("linear", {"k": 1, "lookup": 3}), ("dynatree", {})])
+@pytest.mark.parametrize("method,opts", [("linear", {"k": 1, "lookup": 3}), ("dynatree", {"lookup": 4})])
 def test_context_lookup_keeps_the_distribution(small_pair, monkeypatch, method, opts):
     """A prompt whose tokens repeat, so most iterations try a copied token before the draft's
     draws: accepted or rejected, the samples must still follow the target."""
