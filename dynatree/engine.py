@@ -118,14 +118,14 @@ def accept_greedy(tree: Tree, choice: list[int]) -> tuple[list[int], int]:
     return accept_path(tree.tokens, tree.parents, choice)
 
 
-def accept_sampled(tree: Tree, order: list[int], logits: torch.Tensor, drafter: Drafter,
+def accept_sampled(tree: Tree, new_index: dict[int, int], logits: torch.Tensor, drafter: Drafter,
                    sampler: Sampler, chain: list[int] = ()) -> tuple[list[int], int]:
     """logits: (n, V).  Multi-candidate rejection sampling; returns (path, last token).
 
-    chain: the grafted lookup chain's nodes (pre-BFS ids): each is tried first at its parent."""
-    new_index = {old: new for new, old in enumerate(order)}
+    new_index: pre-BFS node id -> flattened index; chain: the grafted lookup chain's nodes
+    (flattened indices), each tried first at its parent."""
     cands = {new_index[old]: c for old, c in drafter.cands.items() if old in new_index}
-    copies = {new_index[tree_parent]: token for tree_parent, token in chain}
+    copies = {tree.parents[v]: tree.tokens[v] for v in chain}
     return walk(sampler.probs(logits), cands, child_index(tree.tokens, tree.parents), sampler, copies)
 
 
@@ -207,7 +207,6 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
     index = NgramIndex(prompt_ids + out) if lookup else None
     lookup_stats = pair.state.setdefault("lookup", LookupStats()) if lookup else None
-    chain: list[int] = []
 
     while reason is None:
         root = out[-1]
@@ -221,12 +220,10 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             proposal, match = index.propose(min(lookup, max_depth))
             hint = lookup_stats.values(match, len(proposal))
         tree = policy.draft(drafter, root, max_depth, hint) if drafter is not None else Tree.root_only(root)
-        copied = []  # (parent, token) along the grafted chain, pre-BFS ids: sampling tries each first
-        if proposal:
-            chain, fresh = graft(tree, proposal, match, lookup_stats, tree.bar)
-            if sampler is not None:
-                copied = [(tree.parents[v], tree.tokens[v]) for v in chain]
+        chain, fresh = graft(tree, proposal, match, lookup_stats, tree.bar) if proposal else ([], [])
         tree, order = flatten_bfs(tree)
+        new_index = {old: new for new, old in enumerate(order)} if chain or sampler is not None else None
+        chain = [new_index[v] for v in chain]  # flattened indices from here on
 
         # verify
         if cuda:
@@ -248,7 +245,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
             if sampler is None:
                 path_nodes, last = accept_greedy(tree, res.choice)
             else:
-                path_nodes, last = accept_sampled(tree, order, res.logits[0], drafter, sampler, copied)
+                path_nodes, last = accept_sampled(tree, new_index, res.logits[0], drafter, sampler, chain)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
 
             # commit
@@ -264,9 +261,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
         accepted = len(path_nodes) - 1
         policy.observe(accepted, tree, path_nodes)
         if chain:
-            new_index = {old: new for new, old in enumerate(order)}
-            lookup_stats.observe(match, [new_index[v] for v in chain], fresh, path_nodes)
-            chain = []
+            lookup_stats.observe(match, chain, fresh, path_nodes)
 
         committed = 0
         for tok in new_tokens:
