@@ -16,10 +16,16 @@ fp16 release), the packed copy is stored in that 16-bit format and widened in re
 the bytes to stream, bitwise the same float32 arithmetic (``weight_format``;
 ``DYNATREE_WEIGHTS16=0`` keeps float32).
 
+**Variants** (``DYNATREE_ISA``): ``native`` (default; ``-march=native``, the blocking of the
+instruction set found: AVX-512, AVX2 + FMA, NEON or plain 128-bit vectors — see csrc/vec.h),
+``avx2`` (``-march=x86-64-v3``: what an AVX2-only x86 CPU runs, buildable and testable on an
+AVX-512 host) and ``generic`` (portable 128-bit GCC vectors, no intrinsics: the code ARM and other
+CPUs compile).  Every variant computes the same bits where the CPU fuses multiply-adds.
+
 The shared object is cached under ``$DYNATREE_CACHE`` (default ``~/.cache/dynatree``), keyed by
-the source, the compiler and the CPU's feature flags (it is built with ``-march=native``).  No
-compiler, a failed build or ``DYNATREE_GEMM=0`` -> ``library()`` returns None and callers keep
-torch's kernels; ``status()`` says why.
+the source, the compiler, the variant's flags and the CPU's feature flags.  No compiler, a failed
+build or ``DYNATREE_GEMM=0`` -> ``library()`` returns None and callers keep torch's kernels;
+``status()`` says why.
 """
 from __future__ import annotations
 
@@ -36,10 +42,16 @@ import torch
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "neox.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "vec.h"]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+VARIANTS = {  # DYNATREE_ISA -> the flags that select it (csrc/vec.h picks the blocking from them)
+    "native": ["-march=native"] + (["-mprefer-vector-width=512"] if _X86 else []),
+    "avx2": ["-march=x86-64-v3"],
+    "generic": ["-march=native", "-DDT_GENERIC"],
+}
 MAX_PACKED_BYTES = 2 * 2**30  # a packed copy sits beside the model's own weights
 
-_state: dict = {}
+_libs: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # variant -> (library or None, status)
 
 
 def _cpu_flags() -> str:
@@ -52,9 +64,26 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
+def variant() -> str:
+    """The kernel variant this process asks for: ``$DYNATREE_ISA`` (default ``native``)."""
+    return os.environ.get("DYNATREE_ISA", "native")
+
+
+def variants_here() -> list[str]:
+    """The variants this CPU can run (``avx2`` needs an x86 CPU with AVX2 and FMA)."""
+    flags = _cpu_flags().split()
+    return ["native"] + (["avx2"] if _X86 and {"avx2", "fma"} <= set(flags) else []) + ["generic"]
+
+
+def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("DYNATREE_GEMM", "1") == "0":
         return None, "disabled by DYNATREE_GEMM=0"
+    isa = isa or variant()
+    if isa not in VARIANTS:
+        return None, f"unknown DYNATREE_ISA={isa!r} (one of {', '.join(VARIANTS)})"
+    if isa not in variants_here():
+        return None, f"DYNATREE_ISA={isa} cannot run on this CPU ({platform.machine()})"
+    flags = FLAGS + VARIANTS[isa]
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         return None, f"no C compiler ({cc!r} not on PATH)"
@@ -62,7 +91,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    parts = [*(src.read_text() for src in SOURCES + HEADERS), version, " ".join(FLAGS), platform.machine(), _cpu_flags()]
+    parts = [*(src.read_text() for src in SOURCES + HEADERS), version, " ".join(flags), platform.machine(), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
     lib_path = cache / f"libdtgemm-{key}.so"
@@ -71,7 +100,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         # build beside the target and rename: several Ray actors may build at once
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
             return None, f"{cc} failed: {proc.stderr.strip()[:500]}"
@@ -89,22 +118,31 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dt_cache_keep.argtypes = [P, P, L, L, L, L, L, P, L]
     lib.dt_cache_keep.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
-    return lib, f"built {lib_path}"
+    lib.dt_isa.restype = ctypes.c_char_p
+    return lib, f"{isa} variant: {describe(lib)}, {lib_path}"
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (see status())."""
-    if "lib" not in _state:
+def describe(lib: ctypes.CDLL) -> str:
+    """What a built kernel runs: its instruction set and register blocking."""
+    return (f"{lib.dt_isa().decode()} code, {lib.dt_vector_floats()}-float vectors, "
+            f"GEMM passes of {lib.dt_rows_per_pass()} rows x {lib.dt_tile_width()} columns")
+
+
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The loaded kernel of variant ``isa`` (default: ``variant()``), or None (see status())."""
+    isa = isa or variant()
+    if isa not in _libs:
         try:
-            _state["lib"], _state["status"] = _build()
+            _libs[isa] = _build(isa)
         except OSError as e:  # unwritable cache, unloadable object
-            _state["lib"], _state["status"] = None, f"unavailable: {e}"
-    return _state["lib"]
+            _libs[isa] = None, f"unavailable: {e}"
+    return _libs[isa][0]
 
 
-def status() -> str:
-    library()
-    return _state["status"]
+def status(isa: str | None = None) -> str:
+    isa = isa or variant()
+    library(isa)
+    return _libs[isa][1]
 
 
 def usable(model) -> bool:

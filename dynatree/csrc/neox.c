@@ -28,37 +28,23 @@ enum { ACT_GELU = 1, ACT_RELU = 2 };
 
 #include "vec.h"
 
-static inline float hsum(v16 v) {  /* a fixed reduction order */
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float t[16];
-    memcpy(t, &v, sizeof t);
-    for (int w = 8; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) t[i] += t[i + w];
-    return t[0];
-#endif
-}
-
-static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
-
-/* exp(x) for 16 lanes, Cephes' expf polynomial (~1 ulp); x below -87 gives ~0. */
-static inline v16 vexp(v16 x) {
+/* exp(x) lane-wise, Cephes' expf polynomial (~1 ulp); x below -87 gives ~0. */
+static inline vf vexp(vf x) {
     x = vsel(x < bc(-87.f), bc(-87.f), x);
     x = vsel(x > bc(88.f), bc(88.f), x);
-    v16 fx = x * bc(1.44269504088896341f) + bc(0.5f);
-    v16 t = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16);
+    vf fx = x * bc(1.44269504088896341f) + bc(0.5f);
+    vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
     t = vsel(t > fx, t - bc(1.f), t);  /* floor */
     x = x - t * bc(0.693359375f) - t * bc(-2.12194440e-4f);
-    v16 y = bc(1.9875691500e-4f);
+    vf y = bc(1.9875691500e-4f);
     y = y * x + bc(1.3981999507e-3f);
     y = y * x + bc(8.3334519073e-3f);
     y = y * x + bc(4.1665795894e-2f);
     y = y * x + bc(1.6666665459e-1f);
     y = y * x + bc(5.0000001201e-1f);
     y = y * x * x + x + bc(1.f);
-    v16i e = (__builtin_convertvector(t, v16i) + 127) << 23;
-    return y * (v16)e;
+    vi e = (__builtin_convertvector(t, vi) + 127) << 23;
+    return y * (vf)e;
 }
 
 /* y[i] = layer_norm(x[i]) for n rows of d; statistics in double, one row at a time. */
@@ -84,31 +70,43 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
     }
 }
 
-/* One (row, head) of attention: out[0..16*NV) = softmax(q . K[keys]) V[keys] over the row's
- * allowed keys.  NV = head_dim / 16 is a compile-time constant so the accumulators live in
+/* One (row, head) of attention: out[0..16*C16) = softmax(q . K[keys]) V[keys] over the row's
+ * allowed keys.  C16 = head_dim / 16 is a compile-time constant so the accumulators live in
  * registers.  Sums over keys run over the allowed keys in slot order, split two ways by the key's
  * ordinal among them (not its slot), so they depend only on which keys a row sees: a tree node
- * and an AR step over the same path add the same numbers in the same order. */
-#define ATTN_TASK(NV)                                                                                   \
-    static void attn_task_##NV(const float *q, const float *K, const float *V, long last, long visible,  \
-                               const unsigned char *ok, float scaling, float *s, float *e, long *idx,    \
-                               float *out) {                                                             \
-        const long hd = 16 * NV;                                                                        \
+ * and an AR step over the same path add the same numbers in the same order.  The value sums run
+ * over the head dims in blocks of NB registers (two sets of accumulators must fit, 16 registers
+ * on AVX2); each output lane's chain over keys is the same whatever the block. */
+#define DIV_OR(n, d, r) ((n) % (d) == 0 ? (d) : (r))
+#if DT_NREG >= 32
+#define PV_BLOCK(n) ((n) <= 8 ? (n) : DIV_OR(n, 8, DIV_OR(n, 7, DIV_OR(n, 6, DIV_OR(n, 5, DIV_OR(n, 4, DIV_OR(n, 3, DIV_OR(n, 2, 1))))))))
+#else
+#define PV_BLOCK(n) ((n) <= 5 ? (n) : DIV_OR(n, 5, DIV_OR(n, 4, DIV_OR(n, 3, DIV_OR(n, 2, 1)))))
+#endif
+#define ATTN_TASK(C16)                                                                                  \
+    static void attn_task_##C16(const float *q, const float *K, const float *V, long last, long visible, \
+                                const unsigned char *ok, float scaling, float *s, long *idx, float *out) { \
+        enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                  \
         long j = 0;                                                                                      \
         for (; j + 2 <= last + 1; j += 2) { /* scores, two keys at a time */                            \
-            v16 a0 = bc(0.f), a1 = bc(0.f);                                                              \
-            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) {                                      \
-                v16 qc = ld(q + 16 * c);                                                                 \
-                a0 = fmadd(qc, ld(K + j * hd + 16 * c), a0);                                             \
-                a1 = fmadd(qc, ld(K + (j + 1) * hd + 16 * c), a1);                                       \
-            }                                                                                            \
-            s[j] = hsum(a0) * scaling;                                                                   \
-            s[j + 1] = hsum(a1) * scaling;                                                               \
+            vf a0[DT_L16], a1[DT_L16];                                                                   \
+            _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) { a0[l] = bc(0.f); a1[l] = bc(0.f); } \
+            _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
+                _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) {                               \
+                    vf qc = ld(q + 16 * c + l * DT_W);                                                   \
+                    a0[l] = fmadd(qc, ld(K + j * HD + 16 * c + l * DT_W), a0[l]);                        \
+                    a1[l] = fmadd(qc, ld(K + (j + 1) * HD + 16 * c + l * DT_W), a1[l]);                  \
+                }                                                                                        \
+            s[j] = hsum16(a0) * scaling;                                                                 \
+            s[j + 1] = hsum16(a1) * scaling;                                                             \
         }                                                                                                \
         if (j <= last) {                                                                                 \
-            v16 a0 = bc(0.f);                                                                            \
-            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) a0 = fmadd(ld(q + 16 * c), ld(K + j * hd + 16 * c), a0); \
-            s[j] = hsum(a0) * scaling;                                                                   \
+            vf a0[DT_L16];                                                                               \
+            _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a0[l] = bc(0.f);                    \
+            _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
+                _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                                 \
+                    a0[l] = fmadd(ld(q + 16 * c + l * DT_W), ld(K + j * HD + 16 * c + l * DT_W), a0[l]); \
+            s[j] = hsum16(a0) * scaling;                                                                 \
         }                                                                                                \
         long cnt = 0;                                                                                    \
         float m = -INFINITY;                                                                             \
@@ -117,37 +115,36 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
                 idx[cnt++] = j;                                                                          \
                 if (s[j] > m) m = s[j];                                                                  \
             }                                                                                            \
-        for (j = 0; j <= last; j += 16) st(s + j, vexp(ld(s + j) - bc(m))); /* s has 16 spare */        \
+        for (j = 0; j <= last; j += DT_W) st(s + j, vexp(ld(s + j) - bc(m))); /* s has 16 spare */      \
         float s0 = 0.f, s1 = 0.f;                                                                        \
-        v16 x0[NV], x1[NV];                                                                              \
-        _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) { x0[c] = bc(0.f); x1[c] = bc(0.f); }      \
         long c2 = 0;                                                                                     \
-        for (; c2 + 2 <= cnt; c2 += 2) {                                                                 \
-            float e0 = s[idx[c2]], e1 = s[idx[c2 + 1]];                                                  \
-            const float *v0 = V + idx[c2] * hd, *v1 = V + idx[c2 + 1] * hd;                              \
-            s0 += e0;                                                                                    \
-            s1 += e1;                                                                                    \
-            v16 b0 = bc(e0), b1 = bc(e1);                                                                \
-            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) {                                      \
-                x0[c] = fmadd(b0, ld(v0 + 16 * c), x0[c]);                                               \
-                x1[c] = fmadd(b1, ld(v1 + 16 * c), x1[c]);                                               \
+        for (; c2 + 2 <= cnt; c2 += 2) { s0 += s[idx[c2]]; s1 += s[idx[c2 + 1]]; }                     \
+        if (c2 < cnt) s0 += s[idx[c2]];                                                                  \
+        vf inv = bc(1.f / (s0 + s1));                                                                    \
+        for (long b = 0; b < NVEC; b += NB) {                                                            \
+            vf x0[NB], x1[NB];                                                                           \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { x0[c] = bc(0.f); x1[c] = bc(0.f); }  \
+            for (c2 = 0; c2 + 2 <= cnt; c2 += 2) {                                                       \
+                vf b0 = bc(s[idx[c2]]), b1 = bc(s[idx[c2 + 1]]);                                         \
+                const float *v0 = V + idx[c2] * HD + b * DT_W, *v1 = V + idx[c2 + 1] * HD + b * DT_W;    \
+                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) {                                  \
+                    x0[c] = fmadd(b0, ld(v0 + c * DT_W), x0[c]);                                         \
+                    x1[c] = fmadd(b1, ld(v1 + c * DT_W), x1[c]);                                         \
+                }                                                                                        \
             }                                                                                            \
+            if (c2 < cnt) {                                                                              \
+                vf b0 = bc(s[idx[c2]]);                                                                  \
+                const float *v0 = V + idx[c2] * HD + b * DT_W;                                           \
+                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x0[c] = fmadd(b0, ld(v0 + c * DT_W), x0[c]); \
+            }                                                                                            \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) st(out + (b + c) * DT_W, (x0[c] + x1[c]) * inv); \
         }                                                                                                \
-        if (c2 < cnt) {                                                                                  \
-            float e0 = s[idx[c2]];                                                                       \
-            const float *v0 = V + idx[c2] * hd;                                                          \
-            s0 += e0;                                                                                    \
-            _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) x0[c] = fmadd(bc(e0), ld(v0 + 16 * c), x0[c]); \
-        }                                                                                                \
-        v16 inv = bc(1.f / (s0 + s1));                                                                   \
-        _Pragma("GCC unroll 16") for (int c = 0; c < NV; c++) st(out + 16 * c, (x0[c] + x1[c]) * inv);   \
-        (void)e;                                                                                         \
     }
 ATTN_TASK(1) ATTN_TASK(2) ATTN_TASK(3) ATTN_TASK(4) ATTN_TASK(5) ATTN_TASK(6) ATTN_TASK(7) ATTN_TASK(8)
 ATTN_TASK(10) ATTN_TASK(12) ATTN_TASK(16)
 
 typedef void (*attn_t)(const float *, const float *, const float *, long, long, const unsigned char *, float,
-                       float *, float *, long *, float *);
+                       float *, long *, float *);
 
 static attn_t attn_for(long nv) {
     switch (nv) {
@@ -177,14 +174,14 @@ static void attend(const long *dims, float scaling, long n, const float *qkv, co
     attn_t task = attn_for(hd / 16);
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * (size_t)(2 * L + 16));
+        float *s = malloc(sizeof(float) * (size_t)(L + 16));
         long *idx = malloc(sizeof(long) * (size_t)L);
         /* head-major: a thread's consecutive tasks share one head's keys and values */
 #pragma omp for schedule(static)
         for (long t = 0; t < n * H; t++) {
             long h = t / n, i = t % n;
             task(qkv + i * 3 * d + h * 3 * hd, kc + h * cap * hd, vc + h * cap * hd, allowed ? L - 1 : past + i,
-                 visible, allowed ? allowed + i * (L - visible) : NULL, scaling, s, s + L + 16, idx,
+                 visible, allowed ? allowed + i * (L - visible) : NULL, scaling, s, idx,
                  out + i * d + h * hd);
         }
         free(idx);
@@ -237,22 +234,22 @@ static void block_out(const long *dims, const float *const *p, long n, const flo
 }
 
 /* erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula torch's AVX-512 GELU uses. */
-static inline v16 verf(v16 x) {
-    v16i sign = (v16i)x & (v16i)bc(-0.f);
-    v16 ax = (v16)((v16i)x & ~(v16i)bc(-0.f));
-    v16 t = bc(1.f) / (bc(0.3275911f) * ax + bc(1.f));
-    v16 r = bc(1.061405429f);
+static inline vf verf(vf x) {
+    vi sign = (vi)x & (vi)bc(-0.f);
+    vf ax = (vf)((vi)x & ~(vi)bc(-0.f));
+    vf t = bc(1.f) / (bc(0.3275911f) * ax + bc(1.f));
+    vf r = bc(1.061405429f);
     r = r * t + bc(-1.453152027f);
     r = r * t + bc(1.421413741f);
     r = r * t + bc(-0.284496736f);
     r = r * t + bc(0.254829592f);
-    v16 y = bc(1.f) - r * t * vexp(-(ax * ax));
-    return (v16)((v16i)y | sign);
+    vf y = bc(1.f) - r * t * vexp(-(ax * ax));
+    return (vf)((vi)y | sign);
 }
 
 static void activate(int act, float *z, long count) {
-    for (long j = 0; j < count; j += 16) {
-        v16 x = ld(z + j);
+    for (long j = 0; j < count; j += DT_W) {
+        vf x = ld(z + j);
         if (act == ACT_GELU)
             x = bc(0.5f) * x * (bc(1.f) + verf(x * bc(0.70710678118654752f)));
         else
@@ -298,12 +295,12 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
 }
 
 static inline float vmax_row(const float *x, long V) {
-    v16 mv = bc(-INFINITY);
+    vf mv = bc(-INFINITY);
     long j = 0;
-    for (; j + 16 <= V; j += 16) { v16 v = ld(x + j); mv = vsel(v > mv, v, mv); }
-    float t[16], m = -INFINITY;
+    for (; j + DT_W <= V; j += DT_W) { vf v = ld(x + j); mv = vsel(v > mv, v, mv); }
+    float t[DT_W], m = -INFINITY;
     memcpy(t, &mv, sizeof t);
-    for (int i = 0; i < 16; i++) if (t[i] > m) m = t[i];
+    for (int i = 0; i < DT_W; i++) if (t[i] > m) m = t[i];
     for (; j < V; j++) if (x[j] > m) m = x[j];
     return m;
 }
@@ -329,12 +326,12 @@ void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, f
         long *bi = ids + i * k;
         long have = 0;
         float m = vmax_row(x, V), thr = -INFINITY;  /* thr: the k-th best so far once k are held */
-        for (long j0 = 0; j0 < V; j0 += 16) {
-            long j1 = j0 + 16 < V ? j0 + 16 : V;
-            if (have == k && j1 - j0 == 16) {  /* skip 16 at once when none beats the k-th */
-                v16i gt = ld(x + j0) > bc(thr);
+        for (long j0 = 0; j0 < V; j0 += DT_W) {
+            long j1 = j0 + DT_W < V ? j0 + DT_W : V;
+            if (have == k && j1 - j0 == DT_W) {  /* skip a vector at once when none beats the k-th */
+                vi gt = ld(x + j0) > bc(thr);
                 int any = 0;
-                for (int l = 0; l < 16; l++) any |= gt[l];
+                for (int l = 0; l < DT_W; l++) any |= gt[l];
                 if (!any) continue;
             }
             for (long j = j0; j < j1; j++) {
@@ -347,10 +344,12 @@ void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, f
                 if (have == k) thr = bv[k - 1];
             }
         }
-        v16 acc = bc(0.f);
+        vf acc[DT_L16];
+        for (int l = 0; l < DT_L16; l++) acc[l] = bc(0.f);
         long j = 0;
-        for (; j + 16 <= V; j += 16) acc += vexp(ld(x + j) - bc(m));
-        float sum = hsum(acc);
+        for (; j + 16 <= V; j += 16)
+            for (int l = 0; l < DT_L16; l++) acc[l] += vexp(ld(x + j + l * DT_W) - bc(m));
+        float sum = hsum16(acc);
         for (; j < V; j++) sum += expf(x[j] - m);
         for (long r = 0; r < have; r++) bv[r] = expf(bv[r] - m) / sum;
     }

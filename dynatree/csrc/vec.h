@@ -1,24 +1,105 @@
-/* 16-float vectors for the kernels: AVX-512 intrinsics where the compiler targets them, GCC
- * vector extensions elsewhere (same results on one machine; FMA only where fmadd is one). */
+/* Float vectors for the kernels, as wide as the instruction set the compiler targets.
+ *
+ * DT_W floats per register and DT_NREG registers decide every loop's blocking:
+ *   AVX-512: 16 x 32;  AVX2 + FMA: 8 x 16;  aarch64 (NEON): 4 x 32;  anything else: 4 x 16.
+ * DT_GENERIC (the `generic` build) takes the portable code on any machine: 128-bit GCC vector
+ * extensions, no intrinsics -- the path ARM and other CPUs compile, so x86 hosts can test it.
+ *
+ * The same bits on every variant: lane-wise arithmetic does not depend on the width, and every
+ * horizontal sum adds a *logical 16-float vector* (DT_L16 registers) in one fixed tree order
+ * (hsum16), so AVX-512, AVX2 and generic builds give bitwise the same results wherever the CPU
+ * fuses a*b+c (tests/test_native.py compares them).
+ */
 #ifndef DT_VEC_H
 #define DT_VEC_H
 #include <string.h>
-#if defined(__AVX512F__)
+
+#if defined(DT_GENERIC)
+#define DT_ISA "generic"
+#define DT_W 4
+#elif defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int v16i __attribute__((vector_size(64), aligned(4)));
-
-#if defined(__AVX512F__)
-static inline v16 ld(const float *p) { return (v16)_mm512_loadu_ps(p); }
-static inline void st(float *p, v16 v) { _mm512_storeu_ps(p, (__m512)v); }
-static inline v16 bc(float x) { return (v16)_mm512_set1_ps(x); }
-static inline v16 fmadd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#define DT_ISA "avx512"
+#define DT_W 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DT_ISA "avx2"
+#define DT_W 8
 #else
-static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline v16 fmadd(v16 a, v16 b, v16 c) { return a * b + c; }
+#define DT_ISA "generic"
+#define DT_W 4
 #endif
+#if DT_W == 16 || defined(__aarch64__)
+#define DT_NREG 32
+#else
+#define DT_NREG 16
+#endif
+#define DT_L16 (16 / DT_W) /* registers per logical 16-float vector, the unit of every sum */
+
+typedef float vf __attribute__((vector_size(4 * DT_W), aligned(4)));
+typedef int vi __attribute__((vector_size(4 * DT_W), aligned(4)));
+
+#if DT_W == 16 && !defined(DT_GENERIC)
+static inline vf ld(const float *p) { return (vf)_mm512_loadu_ps(p); }
+static inline void st(float *p, vf v) { _mm512_storeu_ps(p, (__m512)v); }
+static inline vf bc(float x) { return (vf)_mm512_set1_ps(x); }
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+/* one widening load each (the generic forms compile to several shuffles) */
+static inline vf ld_bf16(const unsigned short *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline vf ld_f16(const _Float16 *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif DT_W == 8 && !defined(DT_GENERIC)
+static inline vf ld(const float *p) { return (vf)_mm256_loadu_ps(p); }
+static inline void st(float *p, vf v) { _mm256_storeu_ps(p, (__m256)v); }
+static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+static inline vf ld_bf16(const unsigned short *p) {
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+static inline vf ld_f16(const _Float16 *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+typedef unsigned short u16v __attribute__((vector_size(2 * DT_W), aligned(2)));
+typedef _Float16 h16v __attribute__((vector_size(2 * DT_W), aligned(2)));
+static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf bc(float x) { vf v; for (int i = 0; i < DT_W; i++) v[i] = x; return v; } /* not {0} + x: -0.f */
+static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; } /* contracted to one FMA where the CPU has it */
+static inline vf ld_bf16(const unsigned short *p) {
+    u16v h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vi) << 16); /* bf16 is a float32's top half */
+}
+static inline vf ld_f16(const _Float16 *p) {
+    h16v h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vf);
+}
+#endif
+
+/* The sum of a logical 16-float vector held in DT_L16 registers, in one fixed tree order
+ * (lane i += lane i + 8, then + 4, + 2, + 1) whatever DT_W is. */
+static inline float hsum16(const vf *a) {
+#if DT_W == 16 && !defined(DT_GENERIC)
+    return _mm512_reduce_add_ps((__m512)a[0]); /* GCC's reduction is this tree */
+#else
+    vf t[DT_L16];
+    for (int i = 0; i < DT_L16; i++) t[i] = a[i];
+    for (int n = DT_L16; n > 1; n /= 2)
+        for (int i = 0; i < n / 2; i++) t[i] += t[i + n / 2];
+#if DT_W == 8 && !defined(DT_GENERIC)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)t[0]), _mm256_extractf128_ps((__m256)t[0], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#else
+    float f[DT_W];
+    memcpy(f, &t[0], sizeof f);
+    for (int w = DT_W / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) f[i] += f[i + w];
+    return f[0];
+#endif
+#endif
+}
+
+static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 #endif
