@@ -58,17 +58,19 @@ static inline vf ld_bf16(const unsigned short *p) {
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 }
 static inline vf ld_f16(const _Float16 *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-#else
-typedef unsigned short u16v __attribute__((vector_size(2 * DT_W), aligned(2)));
-typedef _Float16 h16v __attribute__((vector_size(2 * DT_W), aligned(2)));
+#else /* DT_W == 4 */
+typedef unsigned short u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef unsigned long long u64x2 __attribute__((vector_size(16)));
+typedef _Float16 h16v __attribute__((vector_size(8), aligned(2)));
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf bc(float x) { vf v; for (int i = 0; i < DT_W; i++) v[i] = x; return v; } /* not {0} + x: -0.f */
+static inline vf bc(float x) { return (vf){x, x, x, x}; } /* not {0} + x, which turns -0.f into +0.f */
 static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; } /* contracted to one FMA where the CPU has it */
-static inline vf ld_bf16(const unsigned short *p) {
-    u16v h;
-    memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vi) << 16); /* bf16 is a float32's top half */
+static inline vf ld_bf16(const unsigned short *p) { /* bf16 is a float32's top half: interleave with zeros */
+    unsigned long long bits;
+    memcpy(&bits, p, 8);
+    u16x8 h = (u16x8)(u64x2){bits, 0}, z = {0};
+    return (vf)__builtin_shufflevector(z, h, 0, 8, 1, 9, 2, 10, 3, 11);
 }
 static inline vf ld_f16(const _Float16 *p) {
     h16v h;
