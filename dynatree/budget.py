@@ -136,6 +136,23 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int) -> dict[int, flo
     return out
 
 
+@torch.inference_mode()
+def time_prefill(model, n: int, repeats: int) -> float:
+    """Median ms of a causal forward over an n-token prompt into an empty cache."""
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+    cache = new_cache(model, n + 1)
+
+    def step():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.truncate(0)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+
+    step()  # warm-up
+    return _time_ms(step, repeats)
+
+
 def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), widths=(1, 4, 16),
             repeats: int = 5) -> LatencyModel:
     """Measure verification and draft-level latency on this device (cached on the pair)."""

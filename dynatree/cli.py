@@ -247,14 +247,17 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
 @main.command()
 @_pair_options
 @click.option("--prefix", default=256, show_default=True, help="cached tokens before the timed forwards")
+@click.option("--prefill", default=300, show_default=True, help="prompt tokens of the timed prefill (0: skip)")
 @click.option("--repeats", default=9, show_default=True, help="timings per size (the median is shown)")
 @click.option("--threads", type=int, help="torch threads")
-def profile(target, draft, device, dtype, kernel, prefix, repeats, threads):
-    """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses)."""
+def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, threads):
+    """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
+    a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the
+    native kernel's variant (see README)."""
     import torch
 
     from . import native
-    from .budget import profile as run_profile
+    from .budget import profile as run_profile, time_prefill
     from .models import PairError, load_pair
 
     if threads:
@@ -266,10 +269,27 @@ def profile(target, draft, device, dtype, kernel, prefix, repeats, threads):
     lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats)
     click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, {prefix} cached tokens; ms per forward (median of {repeats})")
+    runner = pair.runner("target")
+    if getattr(runner, "native", False):
+        click.echo(f"native kernel: {native.status()}")
     for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
+    for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
+        lo, hi = (16, 64) if name == "target" else (4, 16)
+        ms = (table[hi] - table[lo]) / (hi - lo)
+        flops = 2 * matmul_params(pair.runner(name))
+        click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = "
+                   f"{flops / ms / 1e6 if ms > 0 else float('inf'):.1f} GFLOP/s ({flops / 1e6:.1f} MFLOP per token)")
+    if prefill:
+        click.echo(f"target prefill of {prefill} tokens: {time_prefill(runner, prefill, repeats):.1f} ms")
+
+
+def matmul_params(runner) -> int:
+    """Weights a token multiplies (every matrix but the embedding), for GFLOP/s."""
+    model = getattr(runner, "model", runner)
+    return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_in" not in n)
 
 
 @main.command("report")

@@ -74,8 +74,9 @@ def supports(model) -> bool:
 
 
 class LeanNeoX:
-    def __init__(self, model, gemm: bool = True):
-        """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch."""
+    def __init__(self, model, gemm: bool = True, isa: str | None = None):
+        """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch;
+        isa: the kernel variant (default: native.variant(), i.e. $DYNATREE_ISA or native)."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
@@ -99,7 +100,7 @@ class LeanNeoX:
         self.rot = emb.shape[-1]
         self.native = (gemm and cfg.hidden_act in ("gelu", "relu")
                        and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
-                       and native.usable(model) and native.library().dt_attn_supported(self.head_dim))
+                       and native.usable(model, isa) and native.library(isa).dt_attn_supported(self.head_dim))
         # The torch path serves everything when not native, and long causal prefills when native
         # (many rows: MKL's GEMM wins there, and a prompt is prefilled the same way by every method).
         pack = can_pack(model) and not self.native
@@ -111,18 +112,18 @@ class LeanNeoX:
                                                        l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
         ) for l in core.layers]
         if self.native:
-            self._init_native(core)
+            self._init_native(core, native.library(isa))
 
-    def _init_native(self, core) -> None:
+    def _init_native(self, core, lib) -> None:
         """Packed weights and the pointer table csrc/neox.c reads (NPARAM per layer, in its order)."""
         import ctypes
 
         cfg = self.config
-        self.lib = native.library()
+        self.lib = lib
         mats = [self.model.lm_head.weight] + [m.weight for l in core.layers for m in (
             l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)]
         self.weight_format = fmt = native.weight_format(mats)
-        head = native.PackedLinear(self.model.lm_head.weight, None, fmt)
+        head = native.PackedLinear(self.model.lm_head.weight, None, fmt, lib)
         self.n_vocab, self.vocab_pad = head.n_out, head.n_pad
         act = {"gelu": 1, "relu": 2}[cfg.hidden_act]
         self.dims = torch.tensor([cfg.hidden_size, self.heads, self.head_dim, self.rot, cfg.intermediate_size,
@@ -133,7 +134,7 @@ class LeanNeoX:
             ptrs += [t.data_ptr() for t in (l.input_layernorm.weight, l.input_layernorm.bias,
                                             l.post_attention_layernorm.weight, l.post_attention_layernorm.bias)]
             for m in (l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h):
-                pm = native.PackedLinear(m.weight, m.bias, fmt)
+                pm = native.PackedLinear(m.weight, m.bias, fmt, lib)
                 self.packed.append(pm)
                 ptrs += [pm.packed.data_ptr(), pm.bias.data_ptr() if pm.bias is not None else 0]
         self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)

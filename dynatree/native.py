@@ -119,6 +119,7 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_cache_keep.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
     lib.dt_isa.restype = ctypes.c_char_p
+    lib.dt_isa.argtypes = lib.dt_vector_floats.argtypes = lib.dt_rows_per_pass.argtypes = lib.dt_tile_width.argtypes = []
     return lib, f"{isa} variant: {describe(lib)}, {lib_path}"
 
 
@@ -145,11 +146,11 @@ def status(isa: str | None = None) -> str:
     return _libs[isa][1]
 
 
-def usable(model) -> bool:
+def usable(model, isa: str | None = None) -> bool:
     """A float32 CPU model whose packed copy is affordable, on a machine where the kernel built."""
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return (model.device.type == "cpu" and model.dtype == torch.float32 and n_bytes <= MAX_PACKED_BYTES
-            and library() is not None)
+            and library(isa) is not None)
 
 
 # dt_gemm's weight storage formats.  The kernels always compute in float32; a 16-bit format only
@@ -173,8 +174,8 @@ class PackedLinear:
     """``y = x W^T + b`` through dt_gemm, over a packed copy of W made once (in format ``fmt``,
     which must hold W exactly: see weight_format)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: int = 0):
-        lib = library()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: int = 0, lib: ctypes.CDLL | None = None):
+        lib = lib or library()
         assert lib is not None, status()
         self.lib, self.fmt = lib, fmt
         tw = lib.dt_tile_width()

@@ -19,6 +19,15 @@ from dynatree.tree import KeyMask, Tree, ancestor_matrix, flatten_bfs, position_
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
 
+@pytest.fixture(autouse=True, params=native.variants_here())
+def isa(request, monkeypatch):
+    """Every test here runs on each kernel variant this CPU can run: native, avx2 (x86 with AVX2),
+    generic (the portable 128-bit code ARM compiles).  Models pack their weights for the variant
+    in force when they are built."""
+    monkeypatch.setenv("DYNATREE_ISA", request.param)
+    return request.param
+
+
 def neox32(seed: int, *, parallel: bool = True, vocab: int = 100, hidden: int = 64, layers: int = 2):
     """float32, head_dim 16: the smallest shape the native path takes; vocab 100 exercises padding."""
     torch.manual_seed(seed)
@@ -29,8 +38,41 @@ def neox32(seed: int, *, parallel: bool = True, vocab: int = 100, hidden: int = 
     return GPTNeoXForCausalLM(cfg).float().eval()
 
 
-def test_library_builds_here():
+def test_library_builds_here(isa):
     assert native.library() is not None, native.status()
+    assert native.status().startswith(f"{isa} variant: ")
+
+
+def test_every_variant_computes_the_same_bits():
+    """Blocking and vector width never change a result (each output is one FMA chain; every
+    horizontal sum adds a logical 16-float vector in one order), so a corpus decoded on an AVX2
+    node and an AVX-512 node is the same corpus."""
+    prompt, path = [5, 9, 11, 40, 2, 7, 7], [17, 23, 4]
+    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+    seen = {}
+    for v in native.variants_here():
+        model = neox32(9, layers=2)
+        lean = LeanNeoX(model, isa=v)
+        assert lean.native and lean.lib is native.library(v)
+        with torch.inference_mode():
+            cache, p, ar = prefill_and_ar(lean, model, prompt, path)
+            logits = lean(input_ids=torch.tensor([tree.tokens]), attention_mask=KeyMask(p, ancestor_matrix(tree.parents)),
+                          position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
+        seen[v] = torch.stack(ar), logits
+    assert len(seen) >= 2  # native and generic everywhere
+    first = next(iter(seen.values()))
+    for v, (ar, logits) in seen.items():
+        assert torch.equal(ar, first[0]) and torch.equal(logits, first[1]), v
+
+
+def test_variants_that_cannot_run_here_say_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    lib, why = native._build("avx9")
+    assert lib is None and "unknown DYNATREE_ISA='avx9'" in why
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags: fpu sse sse2")  # an x86 CPU without AVX2
+    if native._X86:
+        lib, why = native._build("avx2")
+        assert lib is None and "cannot run on this CPU" in why
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -154,7 +196,7 @@ def test_build_fallbacks(monkeypatch, tmp_path):
 
 def test_lean_falls_back_to_torch_without_the_library(monkeypatch):
     model = neox32(7)
-    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "library", lambda isa=None: None)
     lean = LeanNeoX(model)
     assert not lean.native
     ids = torch.tensor([[5, 9, 11]])
