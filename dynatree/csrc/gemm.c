@@ -75,13 +75,14 @@ int dt_rows_per_pass(void) { return RMAX; }
 int dt_tile_width(void) { return TW; }
 
 /* x: (M, K) row-major; wp: packed (N/TW, K, TW) of format fmt (0 float32, 1 bfloat16, 2 half);
- * bp: (N,) float32 or NULL; y: (M, N) row-major; N % TW == 0.  Threads split the tiles; rows go
- * in passes of near-equal size (16 rows on AVX-512: 8 + 8, not 12 + 4). */
-void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
-             int threads) {
+ * bp: (N,) float32 or NULL; y: (M, N) row-major; N % TW == 0.  The calling threads split the
+ * tiles (an orphaned `omp for`: inside a parallel region it shares the work, outside it runs
+ * alone); rows go in passes of near-equal size (16 rows on AVX-512: 8 + 8, not 12 + 4).
+ * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
+void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
     if (M <= 0) return;
     long nt = N / TW, passes = (M + RMAX - 1) / RMAX, base = M / passes, extra = M % passes;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
     for (long t = 0; t < nt; t++) {
         const float *bt = bp ? bp + t * TW : 0;
         for (long p = 0, m = 0; p < passes; m += base + (p < extra), p++) {
@@ -96,4 +97,10 @@ void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const floa
                 KERNS_ld_f32[R](xm, K, (const float *)wp + t * K * TW, K, yt, N, bt);
         }
     }
+}
+
+void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
+             int threads) {
+#pragma omp parallel num_threads(threads)
+    dt_gemm_for(x, M, K, wp, fmt, bp, y, N);
 }

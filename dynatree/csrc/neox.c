@@ -13,14 +13,16 @@
  *     in BFS order == depth order), skipping masked ones, so a node sees exactly the keys, in
  *     exactly the order, that an AR step over the same path sees.
  *
+ * Threads: one parallel region per forward; every step splits rows, (row, head) pairs or GEMM
+ * output tiles between the threads (`omp for`), never a sum, so the thread count changes no bit.
+ *
  * Parameters come as an array of pointers (see enum); weights are dt_gemm-packed.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
-             int threads);
+void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 
 enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2_W, FC2_B, NPARAM };
 enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, WFMT, NDIM };  /* WFMT: see dt_gemm */
@@ -47,8 +49,10 @@ static inline vf vexp(vf x) {
     return y * (vf)e;
 }
 
-/* y[i] = layer_norm(x[i]) for n rows of d; statistics in double, one row at a time. */
-void dt_layer_norm(const float *x, long n, long d, const float *w, const float *b, float eps, float *y) {
+/* y[i] = layer_norm(x[i]) for n rows of d; statistics in double, one row at a time (rows split
+ * between the calling threads). */
+static void layer_norm(const float *x, long n, long d, const float *w, const float *b, float eps, float *y) {
+#pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const float *xi = x + i * d;
         double s = 0.0, ss = 0.0;
@@ -167,25 +171,18 @@ int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && attn_for(hea
 
 /* Attention of n query rows over L = past + n cached keys.  Row i sees keys j < visible and, for
  * j >= visible, those with allowed[i * (L - visible) + j - visible]; allowed NULL = causal.
- * q rows live in qkv (row stride 3d, head stride 3hd); kc/vc: (H, cap, hd); out: (n, d). */
+ * q rows live in qkv (row stride 3d, head stride 3hd); kc/vc: (H, cap, hd); out: (n, d);
+ * s, idx: this thread's scratch of L + 16 floats and L longs. */
 static void attend(const long *dims, float scaling, long n, const float *qkv, const float *kc, const float *vc,
-                   long cap, long past, long visible, const unsigned char *allowed, float *out, int threads) {
+                   long cap, long past, long visible, const unsigned char *allowed, float *out, float *s, long *idx) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], L = past + n;
     attn_t task = attn_for(hd / 16);
-#pragma omp parallel num_threads(threads)
-    {
-        float *s = malloc(sizeof(float) * (size_t)(L + 16));
-        long *idx = malloc(sizeof(long) * (size_t)L);
-        /* head-major: a thread's consecutive tasks share one head's keys and values */
+    /* head-major: a thread's consecutive tasks share one head's keys and values */
 #pragma omp for schedule(static)
-        for (long t = 0; t < n * H; t++) {
-            long h = t / n, i = t % n;
-            task(qkv + i * 3 * d + h * 3 * hd, kc + h * cap * hd, vc + h * cap * hd, allowed ? L - 1 : past + i,
-                 visible, allowed ? allowed + i * (L - visible) : NULL, scaling, s, idx,
-                 out + i * d + h * hd);
-        }
-        free(idx);
-        free(s);
+    for (long t = 0; t < n * H; t++) {
+        long h = t / n, i = t % n;
+        task(qkv + i * 3 * d + h * 3 * hd, kc + h * cap * hd, vc + h * cap * hd, allowed ? L - 1 : past + i,
+             visible, allowed ? allowed + i * (L - visible) : NULL, scaling, s, idx, out + i * d + h * hd);
     }
 }
 
@@ -195,42 +192,44 @@ static void attend(const long *dims, float scaling, long n, const float *qkv, co
 static void block_in(const long *dims, float eps, float scaling, const float *const *p, long n, const float *h,
                       const long *pos, const float *cos_t, const float *sin_t, float *kc, float *vc, long cap,
                       long past, long visible, const unsigned char *allowed, float *a, float *z, float *work,
-                      int threads) {
+                      float *s, long *idx) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], rot = dims[ROT], ff = dims[FF];
     float *x = work, *qkv = work + n * d, *att = work + 4 * n * d;
-    dt_layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
-    dt_gemm(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, 3 * d, threads);
+    layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
+    dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, 3 * d);
+#pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         long at = pos ? pos[i] : past + i;
-        const float *c = cos_t + at * rot, *s = sin_t + at * rot;
+        const float *c = cos_t + at * rot, *sn = sin_t + at * rot;
         for (long hh = 0; hh < H; hh++) {
             float *q = qkv + i * 3 * d + hh * 3 * hd, *k = q + hd, *v = q + 2 * hd;
-            rotate(q, rot, c, s);
-            rotate(k, rot, c, s);
+            rotate(q, rot, c, sn);
+            rotate(k, rot, c, sn);
             memcpy(kc + (hh * cap + past + i) * hd, k, sizeof(float) * hd);
             memcpy(vc + (hh * cap + past + i) * hd, v, sizeof(float) * hd);
         }
     }
-    attend(dims, scaling, n, qkv, kc, vc, cap, past, visible, allowed, att, threads);
-    dt_gemm(att, n, d, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d, threads);
+    attend(dims, scaling, n, qkv, kc, vc, cap, past, visible, allowed, att, s, idx);
+    dt_gemm_for(att, n, d, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d);
     if (dims[PARALLEL]) {
-        dt_layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
+        layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
     } else {
-        for (long j = 0; j < n * d; j++) a[j] += h[j];
-        dt_layer_norm(a, n, d, p[LN2_W], p[LN2_B], eps, x);
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++)
+            for (long j = i * d; j < (i + 1) * d; j++) a[j] += h[j];
+        layer_norm(a, n, d, p[LN2_W], p[LN2_B], eps, x);
     }
-    dt_gemm(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, ff, threads);
+    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, ff);
 }
 
 /* Second half.  g: (n, ff) activated fc1 output -> out: (n, d) = fc2(g) + a (+ h if parallel). */
 static void block_out(const long *dims, const float *const *p, long n, const float *g, const float *a,
-                       const float *h, float *out, int threads) {
+                       const float *h, float *out) {
     long d = dims[D_MODEL];
-    dt_gemm(g, n, dims[FF], p[FC2_W], (int)dims[WFMT], p[FC2_B], out, d, threads);
-    if (dims[PARALLEL])
-        for (long j = 0; j < n * d; j++) out[j] = (out[j] + a[j]) + h[j];
-    else
-        for (long j = 0; j < n * d; j++) out[j] = out[j] + a[j];
+    dt_gemm_for(g, n, dims[FF], p[FC2_W], (int)dims[WFMT], p[FC2_B], out, d);
+#pragma omp for schedule(static)
+    for (long i = 0; i < n; i++)
+        for (long j = i * d; j < (i + 1) * d; j++) out[j] = dims[PARALLEL] ? (out[j] + a[j]) + h[j] : out[j] + a[j];
 }
 
 /* erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula torch's AVX-512 GELU uses. */
@@ -247,8 +246,9 @@ static inline vf verf(vf x) {
     return (vf)((vi)y | sign);
 }
 
-static void activate(int act, float *z, long count) {
-    for (long j = 0; j < count; j += DT_W) {
+static void activate(int act, float *z, long n, long ff) {
+#pragma omp for schedule(static)
+    for (long j = 0; j < n * ff; j += DT_W) {
         vf x = ld(z + j);
         if (act == ACT_GELU)
             x = bc(0.5f) * x * (bc(1.f) + verf(x * bc(0.70710678118654752f)));
@@ -266,8 +266,8 @@ static void activate(int act, float *z, long count) {
  * Heads over the first `cols` logits of each kept row: topk > 0 -> softmax top-k into top_vals,
  * top_ids (keep, topk); topk < 0 -> argmax into top_ids (keep,); 0 -> none.
  * Returns 0, or 1 (nothing computed) if a token id is outside the embedding. */
-void dt_argmax(const float *logits, long n, long V, long stride, long *out);
-void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
+static void argmax_rows(const float *logits, long n, long V, long stride, long *out);
+static void softmax_topk_rows(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
 
 int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
                      const float *embed, const float *const *head, const long *ids, long n, const long *pos,
@@ -275,22 +275,31 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
                      long visible, const unsigned char *allowed, long keep, float *logits, float *work, int threads,
                      long cols, long topk, float *top_vals, long *top_ids) {
     long d = dims[D_MODEL], ff = dims[FF];
-    float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= dims[EMBED_ROWS]) return 1;
-    for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
-    for (long l = 0; l < nlayers; l++) {
-        const float *const *pl = p + l * NPARAM;
-        block_in(dims, eps, scaling, pl, n, h, pos, cos_t, sin_t, kc[l], vc[l], cap, past, visible, allowed, a, z, scratch,
-                 threads);
-        activate(dims[ACT], z, n * ff);
-        block_out(dims, pl, n, z, a, h, h2, threads);
-        float *t = h; h = h2; h2 = t;
+#pragma omp parallel num_threads(threads)
+    {
+        float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
+        long L = past + n;
+        float *s = malloc(sizeof(float) * (size_t)(L + 16));
+        long *idx = malloc(sizeof(long) * (size_t)L);
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
+        for (long l = 0; l < nlayers; l++) {
+            const float *const *pl = p + l * NPARAM;
+            block_in(dims, eps, scaling, pl, n, h, pos, cos_t, sin_t, kc[l], vc[l], cap, past, visible, allowed, a, z,
+                     scratch, s, idx);
+            activate(dims[ACT], z, n, ff);
+            block_out(dims, pl, n, z, a, h, h2);
+            float *t = h; h = h2; h2 = t;
+        }
+        layer_norm(h + (n - keep) * d, keep, d, head[0], head[1], eps, h2);
+        dt_gemm_for(h2, keep, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
+        if (topk > 0) softmax_topk_rows(logits, keep, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
+        if (topk < 0) argmax_rows(logits, keep, cols, dims[VOCAB_PAD], top_ids);
+        free(idx);
+        free(s);
     }
-    dt_layer_norm(h + (n - keep) * d, keep, d, head[0], head[1], eps, h2);
-    dt_gemm(h2, keep, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD], threads);
-    if (topk > 0) dt_softmax_topk(logits, keep, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
-    if (topk < 0) dt_argmax(logits, keep, cols, dims[VOCAB_PAD], top_ids);
     return 0;
 }
 
@@ -306,7 +315,8 @@ static inline float vmax_row(const float *x, long V) {
 }
 
 /* Index of each row's largest logit (the first on ties), n rows of V with row stride `stride`. */
-void dt_argmax(const float *logits, long n, long V, long stride, long *out) {
+static void argmax_rows(const float *logits, long n, long V, long stride, long *out) {
+#pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const float *x = logits + i * stride;
         float m = vmax_row(x, V);
@@ -319,7 +329,8 @@ void dt_argmax(const float *logits, long n, long V, long stride, long *out) {
 
 /* Softmax probabilities and ids of the k most likely tokens of each of n rows of logits (row
  * stride `stride`), most likely first; ties keep the lower id.  vals: (n, k); ids: (n, k). */
-void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids) {
+static void softmax_topk_rows(const float *logits, long n, long V, long stride, long k, float *vals, long *ids) {
+#pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const float *x = logits + i * stride;
         float *bv = vals + i * k;
@@ -353,6 +364,12 @@ void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, f
         for (; j < V; j++) sum += expf(x[j] - m);
         for (long r = 0; r < have; r++) bv[r] = expf(bv[r] - m) / sum;
     }
+}
+
+void dt_argmax(const float *logits, long n, long V, long stride, long *out) { argmax_rows(logits, n, V, stride, out); }
+
+void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids) {
+    softmax_topk_rows(logits, n, V, stride, k, vals, ids);
 }
 
 /* Move cache slots src[0..k) to start..start+k-1 in nl layers' key and value buffers, each
