@@ -276,12 +276,17 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, thre
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
+    peak = native.fma_peak(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
+    if peak:
+        click.echo(f"FMA peak of this variant, measured: {peak:.1f} GFLOP/s on {torch.get_num_threads()} threads")
     for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
         lo, hi = (16, 64) if name == "target" else (4, 16)
         ms = (table[hi] - table[lo]) / (hi - lo)
         flops = 2 * matmul_params(pair.runner(name))
-        click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = "
-                   f"{flops / ms / 1e6 if ms > 0 else float('inf'):.1f} GFLOP/s ({flops / 1e6:.1f} MFLOP per token)")
+        rate = flops / ms / 1e6 if ms > 0 else float("inf")
+        of_peak = f", {rate / peak:.0%} of the FMA peak" if peak else ""
+        click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = {rate:.1f} GFLOP/s{of_peak} "
+                   f"({flops / 1e6:.1f} MFLOP per token)")
     if prefill:
         click.echo(f"target prefill of {prefill} tokens: {time_prefill(runner, prefill, repeats):.1f} ms")
 

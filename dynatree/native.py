@@ -119,6 +119,8 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_cache_keep.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
     lib.dt_isa.restype = ctypes.c_char_p
+    lib.dt_fma_peak.restype = ctypes.c_double
+    lib.dt_fma_peak.argtypes = [L, I]
     lib.dt_isa.argtypes = lib.dt_vector_floats.argtypes = lib.dt_rows_per_pass.argtypes = lib.dt_tile_width.argtypes = []
     return lib, f"{isa} variant: {describe(lib)}, {lib_path}"
 
@@ -127,6 +129,13 @@ def describe(lib: ctypes.CDLL) -> str:
     """What a built kernel runs: its instruction set and register blocking."""
     return (f"{lib.dt_isa().decode()} code, {lib.dt_vector_floats()}-float vectors, "
             f"GEMM passes of {lib.dt_rows_per_pass()} rows x {lib.dt_tile_width()} columns")
+
+
+def fma_peak(threads: int, isa: str | None = None) -> float:
+    """GFLOP/s of independent FMA chains at this variant's vector width on ``threads`` threads
+    (best of three ~50 ms runs): the ceiling the GEMM's achieved GFLOP/s compare with."""
+    lib = library(isa)
+    return max(lib.dt_fma_peak(20_000_000 // lib.dt_vector_floats(), threads) for _ in range(3)) if lib else 0.0
 
 
 def library(isa: str | None = None) -> ctypes.CDLL | None:
