@@ -27,7 +27,8 @@ import time
 import torch
 
 from .kvcache import new_cache
-from .tree import KeyMask, Tree, long_tensor
+from .runtime import KeyMask
+from .tree import Tree, long_tensor
 
 
 def _inference(fn):

@@ -43,7 +43,8 @@ from .models import ModelPair
 from .native import argmax_rows
 from .policies import make_policy
 from .sampling import Sampler, walk
-from .tree import (KeyMask, Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, long_tensor,
+from .runtime import KeyMask
+from .tree import (Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, long_tensor,
                    position_ids)
 
 

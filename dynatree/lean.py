@@ -19,11 +19,13 @@ ops below.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
 from . import native
-from .tree import KeyMask
+from .runtime import KeyMask, Output, Seq, forward_each, with_heads
 
 
 NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
@@ -116,8 +118,6 @@ class LeanNeoX:
 
     def _init_native(self, core, lib) -> None:
         """Packed weights and the pointer table csrc/neox.c reads (NPARAM per layer, in its order)."""
-        import ctypes
-
         cfg = self.config
         self.lib = lib
         mats = [self.model.lm_head.weight] + [m.weight for l in core.layers for m in (
@@ -160,14 +160,35 @@ class LeanNeoX:
                  logits_to_keep: int = 0, topk: int = 0, argmax: bool = False, cols: int | None = None):
         """input_ids: (1, n); attention_mask: a KeyMask, additive (1, 1, n, P + n) or None (causal);
         position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
-        Returns a native.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
+        Returns a runtime.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
         (``topk``) or argmax (``argmax``) of each kept row's first ``cols`` logits, host lists."""
         n = input_ids.shape[1]
         cache = past_key_values
+        if self._takes(n, attention_mask, cache):
+            if attention_mask is not None and not isinstance(attention_mask, KeyMask):
+                # additive (1, 1, n, P + n): 0 where a key is visible
+                attention_mask = KeyMask(0, (attention_mask.reshape(n, -1) == 0))
+            seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
+                      attention_mask, logits_to_keep)
+            return self._native([seq], topk, argmax, cols)[0]
+        return self._torch(input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols)
+
+    def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
+        """Several sequences' new tokens -> one Output each (runtime.py).  On the native kernel
+        one packed forward: every row in one stream over the weights, each attending to its own
+        cache, and bitwise what it would get alone."""
+        if all(self._takes(len(s.ids), s.mask, s.cache) for s in seqs):
+            return self._native(seqs, topk, argmax, cols)
+        return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
+
+    def _takes(self, n: int, mask, cache) -> bool:
+        """Whether the native kernel runs this forward (masked, or causal up to NATIVE_ROWS rows)."""
+        return self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
+
+    def _torch(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols):
+        """The forward as torch ops (MKL/oneDNN on a CPU; any dtype and device)."""
+        n = input_ids.shape[1]
         past = cache.length if cache is not None else 0
-        if self.native and cache is not None and (attention_mask is not None or n <= NATIVE_ROWS):
-            return self._native(input_ids, attention_mask, position_ids, cache, past, logits_to_keep,
-                                topk, argmax, cols)
         if isinstance(attention_mask, KeyMask):
             attention_mask = attention_mask.additive(self.dtype)
         if position_ids is None:
@@ -199,67 +220,81 @@ class LeanNeoX:
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return native.with_heads(self.lm_head(h), topk, argmax, cols)
+        return with_heads(self.lm_head(h), topk, argmax, cols)
 
+    def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
+        """The sequences' forward as one call into csrc/neox.c (batch invariant: see that file).
 
-    def _native(self, input_ids, attention_mask, position_ids, cache, past, logits_to_keep, topk, argmax, cols):
-        """The same forward as one call into csrc/neox.c (batch invariant: see that file).
-
-        Lean on purpose: a draft forward is ~0.2 ms of C, so every microsecond of Python here shows."""
-        n = input_ids.shape[1]
-        end = past + n
-        keep = min(logits_to_keep, n) if logits_to_keep else n
-        ids = input_ids.reshape(-1)  # (n,) int64 (engine and tokenizers give int64)
+        Lean on purpose: a draft forward is ~0.1 ms of C, so every microsecond of Python here shows."""
+        descs = (native.DtSeq * len(seqs))()
+        ids, pos, alive, kept = [], [], [], 0
+        for d, s in zip(descs, seqs):
+            n, cache = len(s.ids), s.cache
+            past = cache.length
+            end = past + n
+            keep = min(s.keep, n) if s.keep else n
+            ids.append(s.ids)
+            pos.append(s.positions)
+            if s.mask is not None:
+                allowed = s.mask.allowed if s.mask.allowed.is_contiguous() else s.mask.allowed.contiguous()
+                if allowed.shape != (n, end - s.mask.visible):
+                    raise ValueError(f"mask covers {tuple(allowed.shape)} keys, expected {(n, end - s.mask.visible)}")
+                alive.append(allowed)
+                d.visible, d.allowed = s.mask.visible, allowed.data_ptr()
+            layers = cache.layers
+            if not layers[0].is_initialized or end > layers[0].capacity:
+                for layer in layers:
+                    layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
+            kc, vc = cache.pointers()
+            d.kc, d.vc = ctypes.addressof(kc), ctypes.addressof(vc)
+            alive.append((kc, vc))
+            d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
+            kept += keep
+        ids = ids[0] if len(ids) == 1 else torch.cat(ids)  # (n,)
         if ids.dtype != torch.long or not ids.is_contiguous():
             ids = ids.long().contiguous()
-        pos = None  # consecutive positions past.. are computed in C
-        if position_ids is not None:
-            pos = position_ids.reshape(-1)  # (n,)
-            if pos.dtype != torch.long or not pos.is_contiguous():
-                pos = pos.long().contiguous()
-        visible, allowed = 0, None
-        if isinstance(attention_mask, KeyMask):
-            visible, allowed = attention_mask.visible, attention_mask.allowed  # (n, end - visible) bool
-            if not allowed.is_contiguous():
-                allowed = allowed.contiguous()
-        elif attention_mask is not None:  # additive (1, 1, n, end): 0 where a key is visible
-            allowed = (attention_mask.reshape(n, end) == 0).contiguous()  # (n, end) bool
-        if allowed is not None and allowed.shape != (n, end - visible):
-            raise ValueError(f"mask covers {tuple(allowed.shape)} keys, expected {(n, end - visible)}")
+        n = ids.shape[0]
+        if all(p is None for p in pos):
+            pos = None  # consecutive positions past.. are computed in C
+        else:
+            pos = torch.cat([p.long() if p is not None else torch.arange(s.cache.length, s.cache.length + len(s.ids))
+                             for p, s in zip(pos, seqs)]).contiguous()  # (n,)
         if self.work.numel() < n * self.work_per_row:
             self.work = torch.empty(n * self.work_per_row)
-        layers = cache.layers
-        if not layers[0].is_initialized or end > layers[0].capacity:
-            for layer in layers:
-                layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
-        cap = layers[0].capacity
-        kc, vc = cache.pointers()
-        logits = torch.empty(keep, self.vocab_pad)  # (keep, V_pad)
+        logits = torch.empty(kept, self.vocab_pad)  # (sum keep, V_pad)
         cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
         vals = top = None
         mode = 0
         if topk:
             mode = k = min(topk, cols)
-            vals, top = torch.empty(keep, k), torch.empty(keep, k, dtype=torch.long)  # (keep, k)
+            vals, top = torch.empty(kept, k), torch.empty(kept, k, dtype=torch.long)  # (sum keep, k)
         elif argmax:
-            mode, top = -1, torch.empty(keep, dtype=torch.long)  # (keep,)
+            mode, top = -1, torch.empty(kept, dtype=torch.long)  # (sum keep,)
         bad = self.lib.dt_neox_forward(
             self.dims_ptr, self.eps, self.scaling, self.n_layers, self.ptrs, self.embed_ptr, self.head_ptrs,
-            ids.data_ptr(), n, pos.data_ptr() if pos is not None else None, self.cos_ptr, self.sin_ptr, kc, vc,
-            cap, past, visible, allowed.data_ptr() if allowed is not None else None, keep, logits.data_ptr(),
-            self.work.data_ptr(), torch.get_num_threads(), cols, mode, vals.data_ptr() if vals is not None else None,
-            top.data_ptr() if top is not None else None)
+            ids.data_ptr(), n, pos.data_ptr() if pos is not None else None, self.cos_ptr, self.sin_ptr,
+            descs, len(seqs), logits.data_ptr(), self.work.data_ptr(), torch.get_num_threads(), cols, mode,
+            vals.data_ptr() if vals is not None else None, top.data_ptr() if top is not None else None)
         if bad:
             raise IndexError(f"token id outside the embedding (0 .. {self.embed.shape[0] - 1})")
-        for layer in layers:
-            layer.length = end
+        for d, s in zip(descs, seqs):
+            for layer in s.cache.layers:
+                layer.length = d.past + d.rows
         if self.vocab_pad != self.n_vocab:
             logits = logits[:, :self.n_vocab]
-        if mode > 0:  # host sync: the caller shapes a tree from these
-            return native.Output(logits[None], (vals.tolist(), top.tolist()))
-        if mode < 0:  # host sync: the target's choices
-            return native.Output(logits[None], choice=top.tolist())
-        return native.Output(logits[None])
+        # host sync (heads): the caller shapes a tree from these, or accepts the target's choices
+        heads = vals.tolist() if mode > 0 else None, top.tolist() if mode else None
+        outs, r = [], 0
+        for d in descs:
+            lg = logits[r:r + d.keep][None]  # (1, keep, V)
+            if mode > 0:
+                outs.append(Output(lg, (heads[0][r:r + d.keep], heads[1][r:r + d.keep])))
+            elif mode < 0:
+                outs.append(Output(lg, choice=heads[1][r:r + d.keep]))
+            else:
+                outs.append(Output(lg))
+            r += d.keep
+        return outs
 
 
 def lean(model, gemm: bool = True):

@@ -94,6 +94,12 @@ class Timed:
         self.clock[0] += time.perf_counter() - t0
         return out
 
+    def forward(self, seqs, **heads):
+        t0 = time.perf_counter()
+        out = self.model.forward(seqs, **heads)
+        self.clock[0] += time.perf_counter() - t0
+        return out
+
 
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import KERNELS
-from .native import with_heads
-from .tree import KeyMask
+from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -60,6 +59,10 @@ class HFRunner:
             attention_mask = attention_mask.additive(self.dtype)
         return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols)
 
+    def forward(self, seqs, **heads):
+        """runtime.Seq inputs -> one runtime.Output each (one forward per sequence)."""
+        return forward_each(self, seqs, **heads)
+
 
 @dataclass
 class ModelPair:
@@ -80,7 +83,8 @@ class ModelPair:
     def runner(self, which: str):
         """The callable the engine runs for ``"target"`` or ``"draft"`` (same weights either way).
 
-        Runners take the engine's compact :class:`~dynatree.tree.KeyMask` as ``attention_mask``."""
+        Runners take the engine's compact :class:`~dynatree.runtime.KeyMask` as ``attention_mask``, and
+        ``forward(seqs)`` scores several sequences (runtime.py)."""
         from .lean import LeanNeoX, lean
 
         model = getattr(self, which)

@@ -75,6 +75,13 @@ def variants_here() -> list[str]:
     return ["native"] + (["avx2"] if _X86 and {"avx2", "fma"} <= set(flags) else []) + ["generic"]
 
 
+class DtSeq(ctypes.Structure):
+    """csrc/neox.c's dt_seq: one sequence's part of a packed forward."""
+
+    _fields_ = [("rows", ctypes.c_long), ("past", ctypes.c_long), ("visible", ctypes.c_long), ("cap", ctypes.c_long),
+                ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+
+
 def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("DYNATREE_GEMM", "1") == "0":
         return None, "disabled by DYNATREE_GEMM=0"
@@ -109,7 +116,7 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     lib.dt_gemm.argtypes = [P, L, L, P, I, P, P, L, I]
     lib.dt_gemm.restype = None
-    lib.dt_neox_forward.argtypes = [P, F, F, L, P, P, P, P, L, P, P, P, P, P, L, L, L, P, L, P, P, I, L, L, P, P]
+    lib.dt_neox_forward.argtypes = [P, F, F, L, P, P, P, P, L, P, P, P, P, L, P, P, I, L, L, P, P]
     lib.dt_softmax_topk.argtypes = [P, L, L, L, L, P, P]
     lib.dt_softmax_topk.restype = None
     lib.dt_argmax.argtypes = [P, L, L, L, P]
@@ -243,26 +250,6 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
     ids = torch.empty(n, k, dtype=torch.long)
     lib.dt_softmax_topk(logits.data_ptr(), n, v, logits.stride(0), k, vals.data_ptr(), ids.data_ptr())
     return vals.tolist(), ids.tolist()
-
-
-class Output:
-    """A runner's result: ``logits`` (1, n, V) and, when asked for, heads over each kept row's
-    first ``cols`` logits: ``top`` = (probabilities, ids) host lists of the softmax top-k,
-    ``choice`` = host list of argmax ids (the first on ties)."""
-
-    __slots__ = ("logits", "top", "choice")
-
-    def __init__(self, logits: torch.Tensor, top=None, choice=None):
-        self.logits, self.top, self.choice = logits, top, choice
-
-
-def with_heads(logits: torch.Tensor, topk: int = 0, argmax: bool = False, cols: int | None = None) -> Output:
-    """logits: (1, n, V) -> an Output with the heads asked for, computed after the forward (the
-    runners that cannot fuse them into it: transformers, lean.py's torch path).  Host sync."""
-    if not (topk or argmax):
-        return Output(logits)
-    rows = logits[0, :, :cols] if cols is not None else logits[0]  # (n, cols)
-    return Output(logits, topk_probs(rows, topk) if topk else None, argmax_rows(rows) if argmax else None)
 
 
 def kv_pointers(layers):

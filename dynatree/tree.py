@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .runtime import KeyMask
+
 
 @dataclass
 class Tree:
@@ -100,27 +102,6 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
             anc[i * n:i * n + p + 1] = anc[p * n:p * n + p + 1]  # a parent's row ends at the parent
         anc[i * n + i] = 1
     return torch.frombuffer(anc, dtype=torch.bool).view(n, n)
-
-
-@dataclass(frozen=True)
-class KeyMask:
-    """Which cached keys each of n new tokens may attend to: all of the first ``visible`` (the
-    committed prefix), and among the rest (the new tokens, and for the draft its earlier tree
-    levels) those marked in ``allowed``.
-
-    The compact form is what the native kernel reads; :meth:`additive` gives the 4-D additive
-    mask transformers' forwards take.
-    """
-
-    visible: int
-    allowed: torch.Tensor  # (n, m) bool, m = keys after the visible prefix
-
-    def additive(self, dtype: torch.dtype) -> torch.Tensor:
-        """(1, 1, n, visible + m) in ``dtype``: 0 where attention is allowed, the dtype's minimum elsewhere."""
-        n, m = self.allowed.shape
-        mask = torch.zeros((n, self.visible + m), dtype=dtype, device=self.allowed.device)
-        mask[:, self.visible:].masked_fill_(~self.allowed, torch.finfo(dtype).min)
-        return mask[None, None]
 
 
 def tree_attention_mask(anc: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,8 @@ from dynatree.config import make_config
 from dynatree.engine import decode
 from dynatree.kvcache import new_cache
 from dynatree.lean import LeanNeoX
-from dynatree.tree import KeyMask, Tree, ancestor_matrix, flatten_bfs, position_ids
+from dynatree.runtime import KeyMask
+from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
@@ -348,3 +349,46 @@ def test_fused_heads_equal_a_scan_of_the_logits(kernel):
         cache.truncate(3)
         out = run(input_ids=torch.tensor([[40, 2]]), past_key_values=cache, argmax=True)
         assert out.choice == out.logits[0].argmax(-1).tolist() and out.top is None
+
+
+def test_packed_sequences_get_bitwise_their_own_logits():
+    """Several sequences in one native forward (different prefix lengths; a tree, a chain, one
+    token, a prompt joining with an empty cache): each gets bitwise the logits, heads and cache
+    entries it gets alone."""
+    from dynatree.runtime import Seq
+
+    model = neox32(11, layers=2)
+    lean = LeanNeoX(model)
+    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
+
+    def steps(caches):
+        p0 = caches[0].length
+        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
+                    KeyMask(p0, ancestor_matrix(tree.parents))),
+                Seq(torch.tensor([30, 31, 32]), caches[1]),
+                Seq(torch.tensor([44]), caches[2]),
+                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
+
+    def prefilled():
+        caches = [new_cache(model, 64) for _ in prompts]
+        for c, p in zip(caches, prompts):
+            if p:
+                lean(input_ids=torch.tensor([p]), past_key_values=c)
+        return caches
+
+    with torch.inference_mode():
+        alone_caches = prefilled()
+        alone = [lean.forward([s], topk=3)[0] for s in steps(alone_caches)]
+        packed_caches = prefilled()
+        packed = lean.forward(steps(packed_caches), topk=3)
+        argmaxed = lean.forward(steps(prefilled()), argmax=True)
+    for a, b, c in zip(alone, packed, argmaxed):
+        assert torch.equal(a.logits, b.logits) and a.top == b.top
+        assert c.choice == b.logits[0].argmax(-1).tolist()
+    assert packed[3].logits.shape[1] == 1  # keep=1: the joining prompt's last row only
+    for ca, cb in zip(alone_caches, packed_caches):
+        assert ca.length == cb.length
+        for la, lb in zip(ca.layers, cb.layers):
+            assert torch.equal(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length])
+            assert torch.equal(la.values[:, :, :ca.length], lb.values[:, :, :cb.length])

@@ -1,7 +1,8 @@
 """Tree buffers on hand-written trees."""
 import torch
 
-from dynatree.tree import (KeyMask, Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids,
+from dynatree.runtime import KeyMask
+from dynatree.tree import (Tree, accept_path, ancestor_matrix, flatten_bfs, position_ids,
                            tree_attention_mask)
 
 #      0 (root, token 10)

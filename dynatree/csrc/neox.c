@@ -1,4 +1,5 @@
-/* A whole GPT-NeoX forward on the CPU, float32, batch 1, for 1..n new tokens over a KV cache.
+/* A whole GPT-NeoX forward on the CPU, float32, over the new tokens of one or several sequences,
+ * each with its own KV cache.
  *
  * Why: at draft and verify sizes a layer is ~20 small torch ops (layer norms, rotary halves, cache
  * writes, SDPA, residual adds) whose dispatch costs more than their arithmetic; here the whole
@@ -11,7 +12,10 @@
  *   - layer norms: one row at a time, fixed order;
  *   - attention: each (row, head) walks its *allowed* keys in slot order (prefix, then ancestors
  *     in BFS order == depth order), skipping masked ones, so a node sees exactly the keys, in
- *     exactly the order, that an AR step over the same path sees.
+ *     exactly the order, that an AR step over the same path sees;
+ *   - several sequences packed in one forward: rows share the GEMMs' weight stream and nothing
+ *     else (each attends to its own sequence's cache), so a row's logits are bitwise the same
+ *     alone, in a tree, or beside other sequences' rows.
  *
  * Threads: one parallel region per forward; every step splits rows, (row, head) pairs or GEMM
  * output tiles between the threads (`omp for`), never a sum, so the thread count changes no bit.
@@ -169,47 +173,69 @@ static attn_t attn_for(long nv) {
 
 int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && attn_for(head_dim / 16) != 0; }
 
-/* Attention of n query rows over L = past + n cached keys.  Row i sees keys j < visible and, for
- * j >= visible, those with allowed[i * (L - visible) + j - visible]; allowed NULL = causal.
- * q rows live in qkv (row stride 3d, head stride 3hd); kc/vc: (H, cap, hd); out: (n, d);
- * s, idx: this thread's scratch of L + 16 floats and L longs. */
-static void attend(const long *dims, float scaling, long n, const float *qkv, const float *kc, const float *vc,
-                   long cap, long past, long visible, const unsigned char *allowed, float *out, float *s, long *idx) {
-    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], L = past + n;
+/* One sequence's part of a packed forward: `rows` consecutive rows of the batch, after `past`
+ * cached tokens.  Its rows see keys j < visible and, for j >= visible, those marked in allowed
+ * (rows, past + rows - visible) bool, row-major; allowed NULL = causal.  kc[l], vc[l]: the
+ * sequence's own (H, cap, hd) key/value buffers of layer l -- rows never see another
+ * sequence's keys.  The logits of its last `keep` rows are returned. */
+typedef struct {
+    long rows, past, visible, cap, keep;
+    const unsigned char *allowed;
+    float *const *kc;
+    float *const *vc;
+} dt_seq;
+
+/* Where each packed row belongs: its sequence and its index among that sequence's rows. */
+typedef struct {
+    const dt_seq *seq;
+    long *of, *local; /* (n,) */
+} rowmap;
+
+/* Attention of the packed rows: (row, head) tasks, each over its own sequence's keys of layer l.
+ * q rows live in qkv (row stride 3d, head stride 3hd); out: (n, d); s, idx: this thread's
+ * scratch of (longest sequence + 16) floats and longs. */
+static void attend(const long *dims, float scaling, long n, const rowmap *rm, long l, const float *qkv, float *out,
+                   float *s, long *idx) {
+    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM];
     attn_t task = attn_for(hd / 16);
     /* head-major: a thread's consecutive tasks share one head's keys and values */
 #pragma omp for schedule(static)
     for (long t = 0; t < n * H; t++) {
-        long h = t / n, i = t % n;
-        task(qkv + i * 3 * d + h * 3 * hd, kc + h * cap * hd, vc + h * cap * hd, allowed ? L - 1 : past + i,
-             visible, allowed ? allowed + i * (L - visible) : NULL, scaling, s, idx, out + i * d + h * hd);
+        long h = t / n, i = t % n, li = rm->local[i];
+        const dt_seq *sq = rm->seq + rm->of[i];
+        long L = sq->past + sq->rows;
+        const float *K = sq->kc[l] + h * sq->cap * hd, *V = sq->vc[l] + h * sq->cap * hd;
+        const unsigned char *ok = sq->allowed ? sq->allowed + li * (L - sq->visible) : NULL;
+        task(qkv + i * 3 * d + h * 3 * hd, K, V, sq->allowed ? L - 1 : sq->past + li, sq->visible, ok, scaling, s,
+             idx, out + i * d + h * hd);
     }
 }
 
-/* First half of a layer.  h: (n, d) -> a: (n, d) attention output (plus h for a sequential
- * residual), z: (n, ff) fc1 pre-activation.  Writes the n new keys/values at slots past..past+n-1.
- * pos: (n,) positions; cos_t/sin_t: (max_pos, rot); work: >= n * 5d floats. */
-static void block_in(const long *dims, float eps, float scaling, const float *const *p, long n, const float *h,
-                      const long *pos, const float *cos_t, const float *sin_t, float *kc, float *vc, long cap,
-                      long past, long visible, const unsigned char *allowed, float *a, float *z, float *work,
-                      float *s, long *idx) {
+/* First half of layer l.  h: (n, d) -> a: (n, d) attention output (plus h for a sequential
+ * residual), z: (n, ff) fc1 pre-activation.  Writes each row's key/value at its sequence's slot
+ * past + local index.  pos: (n,) positions or NULL (past + local index); cos_t/sin_t: (max_pos,
+ * rot); work: >= n * 5d floats. */
+static void block_in(const long *dims, float eps, float scaling, const float *const *p, long l, long n,
+                      const rowmap *rm, const float *h, const long *pos, const float *cos_t, const float *sin_t,
+                      float *a, float *z, float *work, float *s, long *idx) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], rot = dims[ROT], ff = dims[FF];
     float *x = work, *qkv = work + n * d, *att = work + 4 * n * d;
     layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
     dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, 3 * d);
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
-        long at = pos ? pos[i] : past + i;
+        const dt_seq *sq = rm->seq + rm->of[i];
+        long slot = sq->past + rm->local[i], at = pos ? pos[i] : slot;
         const float *c = cos_t + at * rot, *sn = sin_t + at * rot;
         for (long hh = 0; hh < H; hh++) {
             float *q = qkv + i * 3 * d + hh * 3 * hd, *k = q + hd, *v = q + 2 * hd;
             rotate(q, rot, c, sn);
             rotate(k, rot, c, sn);
-            memcpy(kc + (hh * cap + past + i) * hd, k, sizeof(float) * hd);
-            memcpy(vc + (hh * cap + past + i) * hd, v, sizeof(float) * hd);
+            memcpy(sq->kc[l] + (hh * sq->cap + slot) * hd, k, sizeof(float) * hd);
+            memcpy(sq->vc[l] + (hh * sq->cap + slot) * hd, v, sizeof(float) * hd);
         }
     }
-    attend(dims, scaling, n, qkv, kc, vc, cap, past, visible, allowed, att, s, idx);
+    attend(dims, scaling, n, rm, l, qkv, att, s, idx);
     dt_gemm_for(att, n, d, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d);
     if (dims[PARALLEL]) {
         layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
@@ -258,48 +284,63 @@ static void activate(int act, float *z, long n, long ff) {
     }
 }
 
-/* A whole forward over n new tokens: embedding, every layer (cache slots past..past+n-1 written),
- * final layer norm and LM head for the last `keep` rows.
+/* A whole forward over the new tokens of nseq sequences packed into n = sum(rows) rows:
+ * embedding, every layer (each sequence's cache slots past .. past + rows - 1 written), final
+ * layer norm and LM head for each sequence's last `keep` rows.
  *   dims: NDIM longs; p: nlayers * NPARAM pointers; head: {final_ln_w, final_ln_b, packed lm head};
- *   ids, pos: (n,); kc[l], vc[l]: (H, cap, hd); visible, allowed: see attend (allowed NULL: causal);
- *   logits: (keep, VOCAB_PAD); work: >= n * (8d + ff) floats; pos NULL: past .. past+n-1.
+ *   ids, pos: (n,) (pos NULL: past + index within the sequence); seqs: see dt_seq;
+ *   logits: (sum keep, VOCAB_PAD), sequence by sequence; work: >= n * (8d + ff) floats.
  * Heads over the first `cols` logits of each kept row: topk > 0 -> softmax top-k into top_vals,
- * top_ids (keep, topk); topk < 0 -> argmax into top_ids (keep,); 0 -> none.
+ * top_ids (sum keep, topk); topk < 0 -> argmax into top_ids (sum keep,); 0 -> none.
+ * Every row is computed as it would be alone (batch invariance: see the top of this file), so a
+ * sequence's logits do not depend on what else is packed with it.
  * Returns 0, or 1 (nothing computed) if a token id is outside the embedding. */
 static void argmax_rows(const float *logits, long n, long V, long stride, long *out);
 static void softmax_topk_rows(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
 
 int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
                      const float *embed, const float *const *head, const long *ids, long n, const long *pos,
-                     const float *cos_t, const float *sin_t, float *const *kc, float *const *vc, long cap, long past,
-                     long visible, const unsigned char *allowed, long keep, float *logits, float *work, int threads,
-                     long cols, long topk, float *top_vals, long *top_ids) {
-    long d = dims[D_MODEL], ff = dims[FF];
+                     const float *cos_t, const float *sin_t, const dt_seq *seqs, long nseq, float *logits,
+                     float *work, int threads, long cols, long topk, float *top_vals, long *top_ids) {
+    long d = dims[D_MODEL], ff = dims[FF], longest = 0, kept = 0;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= dims[EMBED_ROWS]) return 1;
+    rowmap rm = {seqs, malloc(sizeof(long) * (size_t)n), malloc(sizeof(long) * (size_t)n)};
+    long *keep_rows = malloc(sizeof(long) * (size_t)n);
+    for (long q = 0, i = 0; q < nseq; q++) {
+        for (long r = 0; r < seqs[q].rows; r++, i++) {
+            rm.of[i] = q;
+            rm.local[i] = r;
+            if (r >= seqs[q].rows - seqs[q].keep) keep_rows[kept++] = i;
+        }
+        if (seqs[q].past + seqs[q].rows > longest) longest = seqs[q].past + seqs[q].rows;
+    }
 #pragma omp parallel num_threads(threads)
     {
         float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
-        long L = past + n;
-        float *s = malloc(sizeof(float) * (size_t)(L + 16));
-        long *idx = malloc(sizeof(long) * (size_t)L);
+        float *s = malloc(sizeof(float) * (size_t)(longest + 16));
+        long *idx = malloc(sizeof(long) * (size_t)longest);
 #pragma omp for schedule(static)
         for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
         for (long l = 0; l < nlayers; l++) {
             const float *const *pl = p + l * NPARAM;
-            block_in(dims, eps, scaling, pl, n, h, pos, cos_t, sin_t, kc[l], vc[l], cap, past, visible, allowed, a, z,
-                     scratch, s, idx);
+            block_in(dims, eps, scaling, pl, l, n, &rm, h, pos, cos_t, sin_t, a, z, scratch, s, idx);
             activate(dims[ACT], z, n, ff);
             block_out(dims, pl, n, z, a, h, h2);
             float *t = h; h = h2; h2 = t;
         }
-        layer_norm(h + (n - keep) * d, keep, d, head[0], head[1], eps, h2);
-        dt_gemm_for(h2, keep, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
-        if (topk > 0) softmax_topk_rows(logits, keep, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
-        if (topk < 0) argmax_rows(logits, keep, cols, dims[VOCAB_PAD], top_ids);
+#pragma omp for schedule(static)
+        for (long r = 0; r < kept; r++) memcpy(scratch + r * d, h + keep_rows[r] * d, sizeof(float) * d);
+        layer_norm(scratch, kept, d, head[0], head[1], eps, h2);
+        dt_gemm_for(h2, kept, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
+        if (topk > 0) softmax_topk_rows(logits, kept, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
+        if (topk < 0) argmax_rows(logits, kept, cols, dims[VOCAB_PAD], top_ids);
         free(idx);
         free(s);
     }
+    free(keep_rows);
+    free(rm.local);
+    free(rm.of);
     return 0;
 }
 

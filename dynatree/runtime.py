@@ -1,0 +1,86 @@
+"""The runtime boundary: what the engine hands a model runner and what it gets back.
+
+A runner (lean.LeanNeoX, models.HFRunner, or either wrapped by metrics.Timed) scores the new
+tokens of one or several sequences in one call::
+
+    outs = runner.forward([Seq(ids, cache, positions, mask, keep), ...], topk=k | argmax=True, cols=V)
+
+Each :class:`Seq` carries its own KV cache (a kvcache.BufferCache holding ``cache.length`` tokens),
+its new token ids, their positions and which keys they may see (:class:`KeyMask`, or causal), and
+how many of its last rows' logits to return.  The runner returns one :class:`Output` per
+sequence: those logits and the heads the engine reads (softmax top-k for drafting, argmax for
+greedy verification) as host lists.  The native kernel packs every sequence's rows into one
+forward (one stream over the weights) and is batch invariant, so a sequence's results do not
+depend on its neighbours; the torch runners loop over the sequences.
+
+Kernels and their types (ctypes, packed weights, C structs) stay behind this interface.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeyMask:
+    """Which cached keys each of n new tokens may attend to: all of the first ``visible`` (the
+    committed prefix), and among the rest (the new tokens, and for the draft its earlier tree
+    levels) those marked in ``allowed``.
+
+    The compact form is what the native kernel reads; :meth:`additive` gives the 4-D additive
+    mask transformers' forwards take.
+    """
+
+    visible: int
+    allowed: torch.Tensor  # (n, m) bool, m = keys after the visible prefix
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """(1, 1, n, visible + m) in ``dtype``: 0 where attention is allowed, the dtype's minimum elsewhere."""
+        n, m = self.allowed.shape
+        mask = torch.zeros((n, self.visible + m), dtype=dtype, device=self.allowed.device)
+        mask[:, self.visible:].masked_fill_(~self.allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+
+@dataclass
+class Seq:
+    """One sequence's new tokens in a (possibly packed) forward."""
+
+    ids: torch.Tensor  # (n,) int64
+    cache: object  # kvcache.BufferCache with the sequence's cached tokens; the n new ones are appended
+    positions: torch.Tensor | None = None  # (n,) int64; None: cache.length .. cache.length + n - 1
+    mask: KeyMask | None = None  # None: causal over the new tokens, all of the cache
+    keep: int = 0  # logits of the last ``keep`` rows; 0: all n
+
+
+class Output:
+    """A runner's result for one sequence: ``logits`` (1, n, V) and, when asked for, heads over
+    each kept row's first ``cols`` logits: ``top`` = (probabilities, ids) host lists of the
+    softmax top-k, ``choice`` = host list of argmax ids (the first on ties)."""
+
+    __slots__ = ("logits", "top", "choice")
+
+    def __init__(self, logits: torch.Tensor, top=None, choice=None):
+        self.logits, self.top, self.choice = logits, top, choice
+
+
+def with_heads(logits: torch.Tensor, topk: int = 0, argmax: bool = False, cols: int | None = None) -> Output:
+    """logits: (1, n, V) -> an Output with the heads asked for, computed after the forward (the
+    runners that cannot fuse them into it: transformers, lean.py's torch path).  Host sync."""
+    from .native import argmax_rows, topk_probs
+
+    if not (topk or argmax):
+        return Output(logits)
+    rows = logits[0, :, :cols] if cols is not None else logits[0]  # (n, cols)
+    return Output(logits, topk_probs(rows, topk) if topk else None, argmax_rows(rows) if argmax else None)
+
+
+def forward_each(runner, seqs: list[Seq], **heads) -> list[Output]:
+    """Runner.forward for runners without a packed forward: one call per sequence."""
+    outs = []
+    for s in seqs:
+        outs.append(runner(input_ids=s.ids[None], attention_mask=s.mask,
+                           position_ids=None if s.positions is None else s.positions[None],
+                           past_key_values=s.cache, use_cache=True, logits_to_keep=s.keep, **heads))
+    return outs
