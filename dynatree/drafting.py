@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
 from .kvcache import new_cache
-from .runtime import KeyMask
+from .runtime import KeyMask, Seq
 from .tree import Tree, long_tensor
 
 
@@ -43,7 +44,19 @@ def _inference(fn):
     return wrapper
 
 
+@dataclass
+class DraftCall:
+    """One draft forward a drafter asks for: its sequence's new rows and the top-k it reads."""
+
+    seq: Seq
+    k: int
+
+
 class Drafter:
+    """A sequence's draft state.  ``root`` and ``expand`` are generators: each yields one
+    :class:`DraftCall` and receives its runtime.Output, so several sequences' levels can share one
+    packed draft forward (:func:`drive`); :func:`run` drives one sequence alone."""
+
     def __init__(self, model, vocab: int, capacity: int, sampler=None):
         self.model, self.device = model, model.device
         self.sampler = sampler
@@ -52,7 +65,8 @@ class Drafter:
         self.pending: list[int] = []
         self.forwards = 0
         self.fed_tokens = 0  # tokens run through the draft; a re-prefilling drafter would blow this up
-        self.seconds = 0.0
+        self.seconds = 0.0  # wall time of the draft forwards (and tree growth) this sequence waited for
+        self.forward_seconds = 0.0  # of which inside the draft forwards
         self._reset_tree()
 
     def _reset_tree(self) -> None:
@@ -66,17 +80,14 @@ class Drafter:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
         self.pending.extend(tokens)
 
-    def _forward(self, nodes: list[int], k: int, **kwargs) -> tuple[list[list[float]], list[list[int]]]:
-        """One draft forward whose kept rows belong to ``nodes`` -> per row k proposals:
-        probabilities and token ids (host lists).
-
-        Host sync: the tree's shape depends on these numbers, so they come back once per level.
-        Greedy proposals are the forward's own top-k head (fused into the native kernel)."""
-        k = min(k, self.vocab)
+    def _proposals(self, out, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """A draft forward's Output for ``nodes`` -> per row k proposals: probabilities and token
+        ids (host lists).  Greedy proposals are the forward's own top-k head (fused into the
+        native kernel; a packed forward asks for the largest k, so rows are cut to theirs)."""
         if self.sampler is None:
-            return self.model(past_key_values=self.cache, use_cache=True, topk=k, cols=self.vocab, **kwargs).top
-        logits = self.model(past_key_values=self.cache, use_cache=True, **kwargs).logits[0, :, : self.vocab]
-        q = self.sampler.probs(logits)  # (n, V)
+            vals, ids = out.top
+            return [v[:k] for v in vals], [t[:k] for t in ids]
+        q = self.sampler.probs(out.logits[0, :, : self.vocab])  # (n, V)
         idx = self.sampler.candidates(q, k)  # (n, k) in draw order
         vals, ids = q.gather(-1, idx).tolist(), idx.tolist()
         for r, u in enumerate(nodes):  # draws of probability 0 only pad rows past the support
@@ -85,26 +96,24 @@ class Drafter:
             self.cands[u] = (q[r], ids[r])
         return vals, ids
 
-    @_inference
-    def root(self, tree: Tree, k: int) -> tuple[list[float], list[int]]:
-        """Feed pending committed tokens (ending with the root); top-k of the root's next token."""
-        t0 = time.perf_counter()
+    def root(self, tree: Tree, k: int):
+        """Feed pending committed tokens (ending with the root); top-k of the root's next token.
+        A generator (see the class); returns (probabilities, ids)."""
         self._reset_tree()
-        ids = long_tensor(self.pending, self.device)[None]  # (1, p)
-        vals, idx = self._forward([0], k, input_ids=ids, logits_to_keep=1)
+        ids = long_tensor(self.pending, self.device)  # (p,)
+        out = yield DraftCall(Seq(ids, self.cache, keep=1), min(k, self.vocab))
+        vals, idx = self._proposals(out, [0], min(k, self.vocab))
         self.forwards += 1
         self.fed_tokens += len(self.pending)
         self.pending = []
         self.base = self.cache.length
         self.root_pos = self.base - 1
         self.started = True
-        self.seconds += time.perf_counter() - t0
         return vals[0], idx[0]
 
-    @_inference
-    def expand(self, tree: Tree, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
-        """One draft forward over ``nodes`` (any depths); top-k of each node's next token."""
-        t0 = time.perf_counter()
+    def expand(self, tree: Tree, nodes: list[int], k: int):
+        """One draft forward over ``nodes`` (any depths); top-k of each node's next token.
+        A generator (see the class); returns (probabilities, ids) per node."""
         n = len(nodes)
         dev = self.device
         start, base, slot, parents = self.cache.length, self.base, self.slot, tree.parents
@@ -123,13 +132,12 @@ class Drafter:
         mask = None  # a chain: the one node sees every cached slot, as a plain cached step does
         if not (n == 1 and seen == m):
             mask = KeyMask(base, torch.frombuffer(allowed, dtype=torch.bool).view(n, m).to(dev))  # (n, m)
-        ids = long_tensor([tree.tokens[u] for u in nodes], dev)[None]  # (1, n)
-        pos = long_tensor([self.root_pos + tree.depths[u] for u in nodes], dev)[None]  # (1, n)
-        res = self._forward(nodes, k, input_ids=ids, attention_mask=mask, position_ids=pos)
+        ids = long_tensor([tree.tokens[u] for u in nodes], dev)  # (n,)
+        pos = long_tensor([self.root_pos + tree.depths[u] for u in nodes], dev)  # (n,)
+        out = yield DraftCall(Seq(ids, self.cache, pos, mask), min(k, self.vocab))
         self.forwards += 1
         self.fed_tokens += n
-        self.seconds += time.perf_counter() - t0
-        return res
+        return self._proposals(out, nodes, min(k, self.vocab))
 
     @_inference
     def commit(self, path: list[int], committed: list[int]) -> None:
@@ -150,3 +158,54 @@ class Drafter:
         self.pending = list(committed[len(fed):])
         self._reset_tree()
         self.seconds += time.perf_counter() - t0
+
+
+@_inference
+def drive(jobs: list[tuple[Drafter, object]]) -> list:
+    """Advance several sequences' drafting generators (policies' ``grow``) together: each round,
+    every generator still drafting has asked for one draft forward, and the round runs them all
+    as one packed forward.  Returns each generator's result (its tree).
+
+    Each drafter is charged every round it took part in (its wall time: the forward and the
+    rounds' tree growth), which is what its level cost the batch."""
+    results: list = [None] * len(jobs)
+    calls: dict[int, DraftCall] = {}
+
+    def advance(i: int, value) -> None:
+        try:
+            calls[i] = jobs[i][1].send(value)
+        except StopIteration as stop:
+            results[i] = stop.value
+
+    t0 = time.perf_counter()
+    for i in range(len(jobs)):
+        advance(i, None)
+    idx: list[int] = []
+    while calls:
+        idx = list(calls)
+        batch = [calls.pop(i) for i in idx]
+        lead = jobs[idx[0]][0]
+        greedy = [c.k for i, c in zip(idx, batch) if jobs[i][0].sampler is None]
+        tf = time.perf_counter()
+        outs = lead.model.forward([c.seq for c in batch], topk=max(greedy, default=0), cols=lead.vocab)
+        tf = time.perf_counter() - tf
+        for i in idx:
+            jobs[i][0].forward_seconds += tf
+        t0 = _charge(jobs, idx, t0)  # before advancing: a policy reads its time spent so far
+        for i, out in zip(idx, outs):
+            advance(i, out)
+    _charge(jobs, idx, t0)
+    return results
+
+
+def _charge(jobs, idx: list[int], t0: float) -> float:
+    """Add the time since t0 to the drafters of ``idx``; returns now."""
+    t1 = time.perf_counter()
+    for i in idx:
+        jobs[i][0].seconds += t1 - t0
+    return t1
+
+
+def run(drafter: Drafter, gen):
+    """Drive one sequence's drafting generator alone (the B = 1 case of :func:`drive`)."""
+    return drive([(drafter, gen)])[0]

@@ -35,15 +35,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .config import ARConfig, SpecConfig, make_config
-from .drafting import Drafter
+from .drafting import Drafter, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
-from .metrics import Metrics, Tally, Timed, finish
+from .metrics import Metrics, Tally, finish
 from .models import ModelPair
 from .native import argmax_rows
 from .policies import make_policy
 from .sampling import Sampler, walk
-from .runtime import KeyMask
+from .runtime import KeyMask, Seq
 from .tree import (Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, long_tensor,
                    position_ids)
 
@@ -130,161 +130,246 @@ def accept_sampled(tree: Tree, new_index: dict[int, int], logits: torch.Tensor, 
     return walk(sampler.probs(logits), cands, child_index(tree.tokens, tree.parents), sampler, copies)
 
 
-@torch.inference_mode()
+class _Row:
+    """One sequence's decoding state inside a :class:`BatchDecoder`.
+
+    Between iterations: ``out`` holds the committed new tokens; the target cache holds the
+    prompt and every committed token but the last (the root of the next tree)."""
+
+    def __init__(self, key, pair: ModelPair, prompt: list[int], cfg, max_new_tokens: int, ignore_eos: bool):
+        self.key, self.prompt, self.cfg, self.max_new_tokens = key, prompt, cfg, max_new_tokens
+        self.policy = make_policy(cfg)
+        self.policy.attach(pair)
+        self.eos = None if ignore_eos else pair.eos_token_id
+        self.max_context = pair.max_context
+        self.sampler = Sampler.from_config(cfg)
+        self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
+        self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
+        budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
+        self.capacity = len(prompt) + max_new_tokens + budget + 8
+        self.cache = new_cache(pair.runner("target"), self.capacity)
+        self.drafter: Drafter | None = None
+        self.index: NgramIndex | None = None
+        self.out: list[int] = []
+        self.reason: str | None = None
+        self.tally = Tally()
+        self.t_start = time.perf_counter()
+        self.ttft = self.verify_time = self.forward_time = 0.0
+        self.target_forwards = 0
+
+    def stop_after(self, tok: int) -> str | None:
+        """Commit one token; the finish reason if it ends the sequence."""
+        self.out.append(tok)
+        if self.eos is not None and tok == self.eos:
+            self.reason = "eos"
+        elif len(self.out) >= self.max_new_tokens:
+            self.reason = "length"
+        elif len(self.prompt) + len(self.out) >= self.max_context:
+            self.reason = "context"
+        return self.reason
+
+    def next_token(self, out) -> int:
+        """The token after an Output's last row: its argmax head, or a draw.  Host sync."""
+        if self.sampler is None:
+            return out.choice[-1]
+        return self.sampler.sample(self.sampler.probs(out.logits[0, -1:])[0])
+
+    def metrics(self, dev: torch.device) -> Metrics:
+        d = self.drafter
+        return finish(self.tally, prompt_tokens=len(self.prompt), new_tokens=len(self.out),
+                      wall=time.perf_counter() - self.t_start if self.max_new_tokens > 0 else 0.0, ttft=self.ttft,
+                      prefill=self.ttft, draft_time=d.seconds if d else 0.0, verify_time=self.verify_time,
+                      target_forwards=self.target_forwards, draft_forwards=d.forwards if d else 0, device=dev,
+                      forward_time=self.forward_time + (d.forward_seconds if d else 0.0))
+
+
+class _Step:
+    """One row's tree for the current iteration, from drafting to commit."""
+
+    __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "new_index", "prefix_len")
+
+
+class BatchDecoder:
+    """Decodes many sequences together (rows may use different methods and options).
+
+    Each :meth:`step` runs one iteration for every active row: every drafting level of every row
+    in one packed draft forward, every row's tree (or bare root) in one packed target forward,
+    then accept and commit per row.  Rows added with :meth:`add` are prefilled together at the
+    next step and join; finished rows leave.  On the native kernel a row's logits do not depend
+    on its neighbours (batch invariance), so each row's tokens are what it gets alone: greedy
+    rows equal greedy ``ar``; a sampled row with the budget off depends only on its seed.
+    One sequence alone is the B = 1 case (:func:`decode`).
+    """
+
+    def __init__(self, pair: ModelPair):
+        self.pair, self.dev = pair, pair.device
+        self.target = pair.runner("target")
+        self.joining: list[_Row] = []
+        self.active: list[_Row] = []
+
+    def __len__(self) -> int:
+        return len(self.joining) + len(self.active)
+
+    def add(self, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
+            key=None) -> None:
+        """Queue a prompt (token ids); ``key`` names it in :meth:`step`'s results."""
+        cfg = cfg if cfg is not None else ARConfig()
+        if make_policy(cfg).needs_draft and self.pair.draft is None:
+            raise ValueError("this method needs a draft model; the pair was loaded without one")
+        if not prompt_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        if len(prompt_ids) >= self.pair.max_context:
+            raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                               f"{self.pair.max_context}-token context")
+        self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos))
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, list[int], str, Metrics]]:
+        """One iteration for every row (prefilling the ones that joined); returns the rows that
+        finished, as (key, new token ids, finish reason, metrics)."""
+        if self.joining:
+            self._prefill(self.joining)
+            self.active += self.joining
+            self.joining = []
+        live = [r for r in self.active if r.reason is None]
+        if live:
+            self._iterate(live)
+        done = [r for r in self.active if r.reason is not None]
+        self.active = [r for r in self.active if r.reason is None]
+        return [(r.key, r.out, r.reason, r.metrics(self.dev)) for r in done]
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        """Every joining prompt in one packed forward; its last logits give the first token (TTFT)."""
+        for r in rows:
+            if r.max_new_tokens <= 0:
+                r.reason = "length"
+        rows = [r for r in rows if r.reason is None]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        seqs = [Seq(torch.tensor(r.prompt, device=self.dev), r.cache, keep=1) for r in rows]
+        outs = self.target.forward(seqs, argmax=True)
+        dt = time.perf_counter() - t0
+        for r, o in zip(rows, outs):
+            r.target_forwards += 1
+            r.forward_time += dt
+            r.stop_after(r.next_token(o))
+            r.ttft = time.perf_counter() - r.t_start
+            if r.policy.needs_draft:
+                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler)
+                r.drafter.extend(r.prompt)
+            r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
+            r.lookup_stats = self.pair.state.setdefault("lookup", LookupStats()) if r.lookup else None
+
+    def _iterate(self, rows: list[_Row]) -> None:
+        steps = self._draft(rows)
+        cuda = self.dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
+        if cuda:
+            _sync(self.dev)
+        t0 = time.perf_counter()
+        seqs = [self._verify_input(s) for s in steps]
+        outs = self.target.forward(seqs, argmax=any(r.sampler is None for r in rows))
+        t_forward = time.perf_counter() - t0
+        n_total = sum(len(s.ids) for s in seqs)
+        for s, out in zip(steps, outs):
+            t1 = time.perf_counter()
+            s.row.target_forwards += 1
+            s.row.forward_time += t_forward
+            self._accept_commit(s, out, n_total, t_forward, t1)
+
+    def _draft(self, rows: list[_Row]) -> list[_Step]:
+        """draft: every row's policy grows its tree; drafting rows share packed draft forwards."""
+        steps, jobs = [], []
+        for r in rows:
+            s = _Step()
+            s.row, s.prefix_len = r, len(r.prompt) + len(r.out) - 1  # tokens in the target cache; the root's position
+            room = min(r.max_new_tokens - len(r.out), r.max_context - len(r.prompt) - len(r.out))
+            max_depth = room - 1  # deepest useful drafted token: path + bonus must fit
+            s.chain, s.match, hint = [], 0, ()
+            if r.index is not None and max_depth > 0:
+                s.chain, s.match = r.index.propose(min(r.lookup, max_depth))
+                hint = r.lookup_stats.values(s.match, len(s.chain))
+            if r.drafter is not None:
+                jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], max_depth, hint)))
+            steps.append(s)
+        trees = iter(drive(jobs))
+        for s in steps:
+            r = s.row
+            tree = next(trees) if r.drafter is not None else Tree.root_only(r.out[-1])
+            proposal, s.chain = s.chain, []
+            s.chain, s.fresh = graft(tree, proposal, s.match, r.lookup_stats, tree.bar) if proposal else ([], [])
+            s.tree, s.order = flatten_bfs(tree)
+            s.new_index = {old: new for new, old in enumerate(s.order)} if s.chain or r.sampler is not None else None
+            s.chain = [s.new_index[v] for v in s.chain]  # flattened indices from here on
+        return steps
+
+    def _verify_input(self, s: _Step) -> Seq:
+        """verify: the row's flattened tree as a Seq of the packed target forward.  A bare root
+        (ar, or nothing worth drafting) is an ordinary cached step."""
+        if len(s.tree) == 1:
+            return Seq(long_tensor([s.tree.tokens[0]], self.dev), s.row.cache)
+        tt = tree_tensors(s.tree, s.prefix_len, self.dev)
+        return Seq(tt.tokens, s.row.cache, None if tt.positions is None else tt.positions[0], tt.mask)
+
+    def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> None:
+        """accept, then commit; the row's bookkeeping and stop checks."""
+        r, tree = s.row, s.tree
+        if len(tree) == 1:
+            path_nodes, new_tokens = [0], [r.next_token(out)]
+        else:
+            if r.sampler is None:
+                path_nodes, last = accept_greedy(tree, out.choice)
+            else:
+                path_nodes, last = accept_sampled(tree, s.new_index, out.logits[0], r.drafter, r.sampler, s.chain)
+            new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
+            r.target_forwards += commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
+                                               s.prefix_len, r.kv_update)
+        if self.dev.type == "cuda":
+            _sync(self.dev)
+        dt = t_forward + time.perf_counter() - t1
+        r.verify_time += dt
+        r.policy.observe_verify(n_total, dt)
+        if r.drafter is not None:
+            r.drafter.commit([s.order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
+        accepted = len(path_nodes) - 1
+        r.policy.observe(accepted, tree, path_nodes)
+        if s.chain:
+            r.lookup_stats.observe(s.match, s.chain, s.fresh, path_nodes)
+        committed = 0
+        for tok in new_tokens:
+            committed += 1
+            if r.stop_after(tok) is not None:
+                break
+        if r.index is not None:
+            r.index.extend(new_tokens[:committed])
+        from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
+        r.tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
+
+
+def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new_tokens: int = 128,
+                 ignore_eos: bool = False) -> list[tuple[list[int], str, Metrics]]:
+    """Decode several prompts together (one BatchDecoder); returns (new token ids, finish reason,
+    metrics) per prompt, in order.  ``cfg`` is one config for all or a list with one per prompt."""
+    cfgs = cfg if isinstance(cfg, (list, tuple)) else [cfg] * len(prompts)
+    dec = BatchDecoder(pair)
+    for i, (p, c) in enumerate(zip(prompts, cfgs)):
+        dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, key=i)
+    results: dict = {}
+    while dec:
+        for key, toks, reason, m in dec.step():
+            results[key] = (toks, reason, m)
+    return [results[i] for i in range(len(prompts))]
+
+
 def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128,
            ignore_eos: bool = False) -> tuple[list[int], str, Metrics]:
-    """Decode one prompt with the method described by ``cfg``.
+    """Decode one prompt with the method described by ``cfg`` (the B = 1 case of BatchDecoder).
 
     Returns (new token ids, finish reason, metrics).  At temperature 0 the tokens equal greedy
     autoregressive decoding with the target, whatever the method; above 0 they are a sample
     from the target's distribution (reproducible with ``cfg.seed``).
     """
-    cfg = cfg if cfg is not None else ARConfig()
-    policy = make_policy(cfg)
-    policy.attach(pair)
-    if policy.needs_draft and pair.draft is None:
-        raise ValueError("this method needs a draft model; the pair was loaded without one")
-    if not prompt_ids:
-        raise ValueError("empty prompt: at least one token is needed")
-    if len(prompt_ids) >= pair.max_context:
-        raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                           f"{pair.max_context}-token context")
-    kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
-    clock = [0.0]  # seconds inside model forwards (metrics.Timed)
-    target, dev = Timed(pair.runner("target"), clock), pair.device
-    draft = Timed(pair.runner("draft"), clock) if policy.needs_draft else None  # built before the clock starts
-    eos = None if ignore_eos else pair.eos_token_id
-    n_prompt = len(prompt_ids)
-    sampler = Sampler.from_config(cfg)
-
-    def next_token(logits: torch.Tensor) -> int:
-        """logits: (V,).  Host sync: the next token."""
-        return argmax_rows(logits[None])[0] if sampler is None else sampler.sample(sampler.probs(logits[None])[0])
-
-    cuda = dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
-
-    if cuda:
-        _sync(dev)
-    t_start = time.perf_counter()
-    budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
-    capacity = n_prompt + max_new_tokens + budget + 8
-    cache = new_cache(target, capacity)
-    out: list[int] = []
-    finish_reason = "length"
-    target_forwards = 0
-    tally = Tally()
-    verify_time = 0.0
-
-    def stop_after(tok: int) -> str | None:
-        out.append(tok)
-        if eos is not None and tok == eos:
-            return "eos"
-        if len(out) >= max_new_tokens:
-            return "length"
-        if n_prompt + len(out) >= pair.max_context:
-            return "context"
-        return None
-
-    if max_new_tokens <= 0:
-        return [], "length", finish(tally, prompt_tokens=n_prompt, new_tokens=0, wall=0.0, ttft=0.0,
-                                    prefill=0.0, draft_time=0.0, verify_time=0.0,
-                                    target_forwards=0, draft_forwards=0, device=dev)
-
-    # Prefill: the whole prompt; its last logits give the first token (TTFT).
-    ids = torch.tensor([prompt_ids], device=dev)  # (1, n_prompt)
-    logits = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-    target_forwards += 1
-    first = next_token(logits)
-    ttft = time.perf_counter() - t_start
-    prefill = ttft
-    reason = stop_after(first)
-
-    drafter = None
-    if policy.needs_draft:
-        drafter = Drafter(draft, pair.vocab, capacity, sampler)
-        drafter.extend(prompt_ids)
-    lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
-    index = NgramIndex(prompt_ids + out) if lookup else None
-    lookup_stats = pair.state.setdefault("lookup", LookupStats()) if lookup else None
-
-    while reason is None:
-        root = out[-1]
-        prefix_len = n_prompt + len(out) - 1  # tokens in the target cache; the root's position
-        room = min(max_new_tokens - len(out), pair.max_context - n_prompt - len(out))
-        max_depth = room - 1  # deepest useful drafted token: path + bonus must fit
-
-        # draft
-        proposal, match, hint = [], 0, ()
-        if index is not None and max_depth > 0:
-            proposal, match = index.propose(min(lookup, max_depth))
-            hint = lookup_stats.values(match, len(proposal))
-        tree = policy.draft(drafter, root, max_depth, hint) if drafter is not None else Tree.root_only(root)
-        chain, fresh = graft(tree, proposal, match, lookup_stats, tree.bar) if proposal else ([], [])
-        tree, order = flatten_bfs(tree)
-        new_index = {old: new for new, old in enumerate(order)} if chain or sampler is not None else None
-        chain = [new_index[v] for v in chain]  # flattened indices from here on
-
-        # verify
-        if cuda:
-            _sync(dev)
-        t0 = time.perf_counter()
-        if len(tree) == 1:
-            # A bare root (ar, or nothing worth drafting): an ordinary cached step; accepting
-            # and committing are trivial, so skip the tree buffers entirely.
-            ids = long_tensor([root], dev)[None]  # (1, 1)
-            res = target(input_ids=ids, past_key_values=cache, use_cache=True, argmax=sampler is None)
-            target_forwards += 1
-            path_nodes, new_tokens = [0], [res.choice[0] if sampler is None else next_token(res.logits[0, -1])]
-        else:
-            tt = tree_tensors(tree, prefix_len, dev)
-            res = verify_tree(target, cache, tt, greedy=sampler is None)
-            target_forwards += 1
-
-            # accept
-            if sampler is None:
-                path_nodes, last = accept_greedy(tree, res.choice)
-            else:
-                path_nodes, last = accept_sampled(tree, new_index, res.logits[0], drafter, sampler, chain)
-            new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
-
-            # commit
-            target_forwards += commit_target(target, cache, path_nodes, [tree.tokens[u] for u in path_nodes],
-                                             prefix_len, kv_update)
-        if cuda:
-            _sync(dev)
-        dt = time.perf_counter() - t0
-        verify_time += dt
-        policy.observe_verify(len(tree), dt)
-        if drafter is not None:
-            drafter.commit([order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
-        accepted = len(path_nodes) - 1
-        policy.observe(accepted, tree, path_nodes)
-        if chain:
-            lookup_stats.observe(match, chain, fresh, path_nodes)
-
-        committed = 0
-        for tok in new_tokens:
-            committed += 1
-            reason = stop_after(tok)
-            if reason is not None:
-                break
-        if index is not None:
-            index.extend(new_tokens[:committed])
-        from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
-        tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
-
-    if cuda:
-        _sync(dev)
-    wall = time.perf_counter() - t_start
-    finish_reason = reason
-    metrics = finish(tally, prompt_tokens=n_prompt, new_tokens=len(out), wall=wall, ttft=ttft,
-                     prefill=prefill, draft_time=drafter.seconds if drafter else 0.0,
-                     verify_time=verify_time, target_forwards=target_forwards,
-                     draft_forwards=drafter.forwards if drafter else 0, device=dev,
-                     forward_time=clock[0])
-    return out, finish_reason, metrics
+    return decode_batch(pair, [prompt_ids], cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)[0]
 
 
 def generate(pair: ModelPair, prompt: str | list[int], method: str = "dynatree",

@@ -1,7 +1,9 @@
 """Drafting policies: how each method grows its tree.  The decoding loop is shared (engine.py).
 
-A policy has ``attach(pair)`` (once per generation), ``draft(drafter, root_token, max_depth,
-hint) -> Tree`` and ``observe(accepted, tree, path)`` (after each verification).  ``hint`` lists
+A policy has ``attach(pair)`` (once per generation), ``grow(drafter, root_token, max_depth,
+hint)`` -- a generator that yields the draft forwards it needs and returns the Tree, so the engine
+packs many sequences' levels into one forward (drafting.drive); ``draft(...)`` grows one alone --
+and ``observe(accepted, tree, path)`` (after each verification).  ``hint`` lists
 the expected values of the context-lookup nodes the engine will graft (lookup.py); the hardware
 budget counts them when it prices the tree, the other policies ignore it.  ``max_depth`` is the
 engine's cap (tokens left before ``max_new_tokens`` or the context limit); policies never draft
@@ -31,7 +33,7 @@ from collections import deque
 
 from .config import (ARConfig, DynaTreeConfig, DySpecConfig, FixedTreeConfig, LinearConfig)
 from . import budget
-from .drafting import Drafter
+from .drafting import Drafter, run
 from .tree import Tree
 
 
@@ -59,7 +61,7 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
     tree = Tree.root_only(root_token)
     if max_depth <= 0 or max_nodes <= 0:
         return tree
-    probs, ids = drafter.root(tree, kmax)
+    probs, ids = yield from drafter.root(tree, kmax)
     frontier, dists = [0], [(probs, ids)]
     while True:
         cands = []  # (logp, parent, token) in parent/rank order
@@ -75,7 +77,7 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
         frontier = [v for v in new if expandable(tree, v)]
         if not frontier:
             return tree
-        dists = list(zip(*drafter.expand(tree, frontier, kmax)))
+        dists = list(zip(*(yield from drafter.expand(tree, frontier, kmax))))
 
 
 def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes: int, kmax: int,
@@ -102,7 +104,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         lat.observe_draft(width, (now - clock[0]) * 1e3)
         clock[0] = now
 
-    probs, ids = drafter.root(tree, kmax)
+    probs, ids = yield from drafter.root(tree, kmax)
     lap(1)
     frontier, dists, vals = [0], [(probs, ids)], [1.0]
     a_top = calib.top1()
@@ -130,7 +132,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         frontier = [v for v in new if gate(tree.depths[v], vals[v]) and vals[v] * a_top > bar]
         if not frontier or not budget.worth_drafting([vals[v] for v in frontier], a_top, rate, lat, n_all + 1):
             break
-        dists = list(zip(*drafter.expand(tree, frontier, kmax)))
+        dists = list(zip(*(yield from drafter.expand(tree, frontier, kmax))))
         lap(len(frontier))
     tree.keep = [0] + sorted(ranked[:k])
     tree.bar = bar
@@ -146,7 +148,14 @@ class NoDraft:
         """Called once per generation with the pair (policies that measure the device use it)."""
 
     def draft(self, drafter, root_token: int, max_depth: int, hint=()) -> Tree:
+        """Grow one sequence's tree alone."""
+        return run(drafter, self.grow(drafter, root_token, max_depth, hint))
+
+    def grow(self, drafter, root_token: int, max_depth: int, hint=()):
+        """A generator that yields the draft forwards it needs (drafting.DraftCall) and returns the
+        tree, so that drafting.drive can pack several sequences' levels into one forward."""
         return Tree.root_only(root_token)
+        yield  # drafts nothing
 
     def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
         pass
@@ -161,7 +170,7 @@ class Linear(NoDraft):
     def __init__(self, cfg: LinearConfig):
         self.cfg = cfg
 
-    def draft(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=()):
         k = min(self.cfg.k, max_depth)
         return grow_levels(drafter, root_token, max_depth=k, max_nodes=k, kmax=1,
                            n_children=lambda u, c: 1, expandable=lambda t, v: True,
@@ -211,7 +220,7 @@ class DynaTree(NoDraft):
         c = self.cfg
         return d < c.d_max and p >= c.rho_stop and (d < self.d0 or p >= c.rho_deep)
 
-    def draft(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=()):
         c = self.cfg
         depth_cap = c.d_max if c.dynamic_depth else self.d0
         if self.latency is not None:
@@ -290,7 +299,7 @@ class DySpecThreshold(NoDraft):
     def __init__(self, cfg: DySpecConfig):
         self.cfg = cfg
 
-    def draft(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=()):
         c = self.cfg
         return grow_levels(drafter, root_token, max_depth=min(c.max_depth, max_depth),
                            max_nodes=c.budget, kmax=c.max_branch,
@@ -314,14 +323,14 @@ class DySpecHeap(NoDraft):
     def __init__(self, cfg: DySpecConfig):
         self.cfg = cfg
 
-    def draft(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=()):
         c = self.cfg
         tree = Tree.root_only(root_token)
         max_depth = min(c.max_depth, max_depth)
         if max_depth <= 0 or c.budget <= 0:
             return tree
         k = c.max_branch
-        dist: dict[int, tuple[list[float], list[int]]] = {0: drafter.root(tree, k)}
+        dist: dict[int, tuple[list[float], list[int]]] = {0: (yield from drafter.root(tree, k))}
         heap: list = []  # (-value, seq, parent, rank, resolved)
         seq = 0
 
@@ -337,7 +346,7 @@ class DySpecHeap(NoDraft):
             if not resolved:
                 batch = [v for v in unresolved if v not in dist]
                 if batch:
-                    for v, p, t in zip(batch, *drafter.expand(tree, batch, k)):
+                    for v, p, t in zip(batch, *(yield from drafter.expand(tree, batch, k))):
                         dist[v] = (p, t)
                 unresolved = []
                 push(-math.exp(tree.logp[u]) * dist[u][0][0], u, 0, True)

@@ -34,3 +34,78 @@ def test_batched_ar_rows_stop_independently(close_pair):
     got = decode_ar_batch(close_pair, [long, prompts[1]], max_new_tokens=20, ignore_eos=True)
     assert got[0][1] == "context" and len(got[0][0]) == 5
     assert got[1][0] == decode(close_pair, prompts[1], make_config("ar"), max_new_tokens=20, ignore_eos=True)[0]
+
+
+# ---- the batched engine (engine.BatchDecoder): every method, many sequences per forward ----
+
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dynatree.engine import BatchDecoder, decode_batch  # noqa: E402
+
+from conftest import EOS, tiny_neox  # noqa: E402
+
+METHODS = [("ar", {}), ("linear", {}), ("fixed_tree", {}), ("dynatree", {}), ("dynatree", {"hw_budget": "off"}),
+           ("dynatree", {"lookup": 4, "hw_budget": "off"}), ("dyspec", {}), ("dyspec", {"mode": "heap", "budget": 6}),
+           ("dynatree", {"kv_update": "recompute"})]
+
+
+def test_batched_decoding_equals_ar_every_method_float64(close_pair):
+    """Torch path (float64): a batch of ragged prompts, each row with its own method and length
+    budget, gives every row AR's tokens; a row joins after two steps."""
+    prompts = random_prompts(7, seed=21, lo=1, hi=20)
+    ns = [1, 5, 17, 30, 9, 30, 2]
+    refs = [decode(close_pair, p, make_config("ar"), max_new_tokens=n, ignore_eos=True)[0] for p, n in zip(prompts, ns)]
+    for method, opts in METHODS:
+        got = decode_batch(close_pair, prompts[:3], make_config(method, opts), max_new_tokens=17, ignore_eos=True)
+        assert [g[0] for g in got] == [decode(close_pair, p, make_config("ar"), max_new_tokens=17, ignore_eos=True)[0]
+                                       for p in prompts[:3]], (method, opts)
+    dec, got = BatchDecoder(close_pair), {}
+    for i, (p, n) in enumerate(zip(prompts, ns)):
+        if i == len(prompts) - 1:
+            for _ in range(2):
+                got.update((k, t) for k, t, _, _ in dec.step())
+        method, opts = METHODS[i % len(METHODS)]
+        dec.add(p, make_config(method, opts), max_new_tokens=n, ignore_eos=True, key=i)
+    while dec:
+        got.update((k, t) for k, t, _, _ in dec.step())
+    assert [got[i] for i in range(len(prompts))] == refs
+
+
+def f32_pair(eos=None):
+    target, draft = tiny_neox(31, hidden=64, dtype=torch.float32), tiny_neox(32, hidden=64, layers=1, dtype=torch.float32)
+    return pair_from_models(target, draft, None, eos_token_id=EOS if eos is None else eos)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_batched_native_greedy_is_batch1_ar(batch):
+    """Native kernel, float32, no tolerance: at any batch size every row's tokens (with EOS
+    stops) are batch-1 AR's, and every iteration is one target forward per row."""
+    pair = f32_pair()
+    assert pair.runner("target").native
+    prompts = random_prompts(5, seed=23, lo=2, hi=40)
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=24) for p in prompts]
+    for method, opts in METHODS[1:]:
+        for at in range(0, len(prompts), batch):
+            chunk = prompts[at:at + batch]
+            for (toks, reason, m), (ref, ref_reason, _) in zip(decode_batch(pair, chunk, make_config(method, opts),
+                                                                            max_new_tokens=24), refs[at:at + batch]):
+                assert (toks, reason) == (ref, ref_reason), (method, opts, batch)
+                if opts.get("kv_update") != "recompute":
+                    assert m.target_forwards == m.iterations + 1
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_batched_sample_does_not_depend_on_neighbours():
+    """Sampling (budget off): a row's sample is a function of its prompt and seed alone."""
+    pair = f32_pair()
+    prompts = random_prompts(4, seed=25, lo=3, hi=20)
+    for method in ("ar", "linear", "dynatree"):
+        cfgs = [make_config(method, {"temperature": 0.8, "seed": 100 + i}) for i in range(len(prompts))]
+        alone = [decode(pair, p, c, max_new_tokens=20, ignore_eos=True)[0] for p, c in zip(prompts, cfgs)]
+        together = [t for t, _, _ in decode_batch(pair, prompts, cfgs, max_new_tokens=20, ignore_eos=True)]
+        assert together == alone, method
+        assert len(set(map(tuple, alone))) > 1

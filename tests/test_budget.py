@@ -56,16 +56,19 @@ class ChainDrafter:
 
     seconds = 0.0
 
-    def root(self, tree, k):
+    def root(self, tree, k):  # generators like drafting.Drafter's, that never need a forward
         return [0.6, 0.2, 0.1][:k], [1, 2, 3][:k]
+        yield
 
     def expand(self, tree, nodes, k):
         return [[0.6, 0.2, 0.1][:k]] * len(nodes), [[1, 2, 3][:k]] * len(nodes)
+        yield
 
 
 def test_lookup_hint_raises_the_bar_for_drafted_nodes():
     """Confident lookup nodes to come compete for the same verification time: the budget keeps
     no more drafted nodes than without them, and asks more of a further node (tree.bar)."""
+    from dynatree.drafting import run
     from dynatree.policies import grow_budgeted
 
     lat = LatencyModel({1: 3.0, 2: 3.2, 4: 3.6, 8: 4.6, 16: 8.0, 32: 15.0, 64: 30.0}, {1: 0.2, 4: 0.3, 16: 0.6})
@@ -75,7 +78,7 @@ def test_lookup_hint_raises_the_bar_for_drafted_nodes():
         calib.update(0.2, i % 10 == 0, rank=1)
     kw = dict(max_depth=8, max_nodes=64, kmax=3, n_children=lambda u, c: 2, gate=lambda d, v: d < 8, tau=0.0,
               lat=lat, calib=calib)
-    plain = grow_budgeted(ChainDrafter(), 7, **kw)
-    hinted = grow_budgeted(ChainDrafter(), 7, hint=[0.95 ** (j + 1) for j in range(12)], **kw)
+    plain = run(None, grow_budgeted(ChainDrafter(), 7, **kw))
+    hinted = run(None, grow_budgeted(ChainDrafter(), 7, hint=[0.95 ** (j + 1) for j in range(12)], **kw))
     assert len(plain.keep) > 1  # without a hint the budget verifies drafted nodes
     assert len(hinted.keep) < len(plain.keep) and hinted.bar > plain.bar

@@ -60,13 +60,13 @@ class Recorder(Drafter):
         super().__init__(*a, **k)
         self.seen = {}
 
-    def root(self, tree, k):
-        out = super().root(tree, k)
+    def root(self, tree, k):  # generators, as Drafter's are
+        out = yield from super().root(tree, k)
         self.seen[0] = out
         return out
 
     def expand(self, tree, nodes, k):
-        probs, ids = super().expand(tree, nodes, k)
+        probs, ids = yield from super().expand(tree, nodes, k)
         for u, p, i in zip(nodes, probs, ids):
             self.seen[u] = (p, i)
         return probs, ids
