@@ -99,6 +99,51 @@ class LatencyModel:
     def draft(self, width: int) -> float:
         return self._profiled(self._dt, self.draft_ms, width) + self.draft_extra_ms
 
+    def spent(self, ms: float) -> float:
+        """The part of ``ms`` of drafting wall time that is this sequence's (all of it alone)."""
+        return ms
+
+    def view(self, others: int, share: int) -> "LatencyModel | BatchView":
+        """This model as one row of a batch sees it (``share`` rows; ``others`` tokens from the
+        other rows in each target forward)."""
+        return self if share <= 1 else BatchView(self, others, share)
+
+
+@dataclass
+class BatchView:
+    """A :class:`LatencyModel` as one row of a batched iteration sees it (engine.BatchDecoder).
+
+    The rows share every forward.  A row pays its share of the batch's base cost (a forward over
+    every row's root, and the iteration's bookkeeping) and the *whole* marginal cost of its own
+    nodes on top of the ``others`` tokens the other rows bring, so its rate (tokens per ms of its
+    share) times the marginal cost is the batch's bar: when the batch makes the forward
+    compute-bound, a node costs what it really costs and only confident ones are verified; a draft
+    level costs its share of a level over all rows' frontiers.  With one row it is the model
+    itself."""
+
+    lat: LatencyModel
+    others: int
+    share: int
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.lat.overhead_ms / self.share
+
+    def verify(self, n: int) -> float:
+        return self.lat.verify(self.share) / self.share + self.lat.verify(self.others + n) - self.lat.verify(self.others + 1)
+
+    def draft(self, width: int) -> float:
+        return self.lat.draft(width * self.share) / self.share
+
+    def spent(self, ms: float) -> float:
+        return ms / self.share
+
+    def observe_draft(self, width: int, ms: float) -> None:
+        self.lat.observe_draft(width * self.share, ms)
+
+    def relax(self) -> None:
+        self.lat.relax()
+
 
 def _time_ms(fn, repeats: int) -> float:
     times = []

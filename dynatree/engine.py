@@ -156,6 +156,7 @@ class _Row:
         self.t_start = time.perf_counter()
         self.ttft = self.verify_time = self.forward_time = 0.0
         self.target_forwards = 0
+        self.last_n = 1  # tokens this row put in the last target forward
 
     def stop_after(self, tok: int) -> str | None:
         """Commit one token; the finish reason if it ends the sequence."""
@@ -280,7 +281,9 @@ class BatchDecoder:
     def _draft(self, rows: list[_Row]) -> list[_Step]:
         """draft: every row's policy grows its tree; drafting rows share packed draft forwards."""
         steps, jobs = [], []
+        total = sum(r.last_n for r in rows)  # the previous iteration's packed target forward
         for r in rows:
+            r.policy.batch = (total - r.last_n, len(rows))  # what the budget prices its nodes against
             s = _Step()
             s.row, s.prefix_len = r, len(r.prompt) + len(r.out) - 1  # tokens in the target cache; the root's position
             room = min(r.max_new_tokens - len(r.out), r.max_context - len(r.prompt) - len(r.out))
@@ -314,6 +317,7 @@ class BatchDecoder:
     def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> None:
         """accept, then commit; the row's bookkeeping and stop checks."""
         r, tree = s.row, s.tree
+        r.last_n = len(tree)
         if len(tree) == 1:
             path_nodes, new_tokens = [0], [r.next_token(out)]
         else:

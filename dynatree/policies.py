@@ -123,7 +123,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         ranked = sorted(range(1, len(tree)), key=lambda i: (-vals[i], tree.depths[i], i))
         # the lookup nodes to come compete for the same verification time, so they set the rate too
         priced = sorted([vals[i] for i in ranked] + list(hint), reverse=True) if hint else [vals[i] for i in ranked]
-        n_all, rate, delta = budget.select(priced, lat, (drafter.seconds - t0) * 1e3)
+        n_all, rate, delta = budget.select(priced, lat, lat.spent((drafter.seconds - t0) * 1e3))
         cut = priced[n_all - 1] if n_all else math.inf
         k = sum(1 for i in ranked if vals[i] >= cut) if hint else n_all  # drafted nodes that made the cut
         bar = rate * delta  # a node must bring more than this many expected tokens
@@ -143,6 +143,7 @@ class NoDraft:
     """``ar``: the tree is just the root, so each iteration is one plain target step."""
 
     needs_draft = False
+    batch: tuple[int, int] = (0, 1)  # (tokens other rows put in the target forward, rows sharing it): engine.BatchDecoder
 
     def attach(self, pair) -> None:
         """Called once per generation with the pair (policies that measure the device use it)."""
@@ -227,7 +228,7 @@ class DynaTree(NoDraft):
             return grow_budgeted(drafter, root_token, max_depth=min(depth_cap, max_depth),
                                  max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                                  n_children=self._branching, gate=self._gate, tau=c.tau,
-                                 lat=self.latency, calib=self.calib, hint=hint)
+                                 lat=self.latency.view(*self.batch), calib=self.calib, hint=hint)
         return grow_levels(drafter, root_token, max_depth=min(depth_cap, max_depth),
                            max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                            n_children=self._branching, expandable=self._expandable,

@@ -78,25 +78,42 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
     }
 }
 
-/* One (row, head) of attention: out[0..16*C16) = softmax(q . K[keys]) V[keys] over the row's
- * allowed keys.  C16 = head_dim / 16 is a compile-time constant so the accumulators live in
- * registers.  Sums over keys run over the allowed keys in slot order, split two ways by the key's
- * ordinal among them (not its slot), so they depend only on which keys a row sees: a tree node
- * and an AR step over the same path add the same numbers in the same order.  The value sums run
- * over the head dims in blocks of NB registers (two sets of accumulators must fit, 16 registers
- * on AVX2); each output lane's chain over keys is the same whatever the block. */
+/* Attention of one sequence's rows for one head: out[r] = softmax(q_r . K[keys]) V[keys] over
+ * row r's allowed keys.  C16 = head_dim / 16 is a compile-time constant so accumulators live in
+ * registers.
+ *
+ * Shared prefix: the rows of a sequence (tree nodes, prompt tokens) see mostly the same keys, so
+ * keys are walked in blocks of KB and each block is scored and summed for every row while it sits
+ * in L1 -- each key and value row is read from memory once per (sequence, head), not once per
+ * row (at batch, re-reading the cache per row costs more than the weights).
+ *
+ * Batch invariance: the blocking only decides which rows share a load.  Per (row, key) the score
+ * is the same chain (lanes over 16-dim chunks, then hsum16); sums over keys run over the row's
+ * allowed keys in slot order, split two ways by the key's ordinal among them (carried across
+ * blocks), so they depend only on which keys a row sees: a tree node and an AR step over the
+ * same path add the same numbers in the same order.  The value sums run over the head dims in
+ * blocks of NB registers (two sets of accumulators must fit 16 registers on AVX2). */
 #define DIV_OR(n, d, r) ((n) % (d) == 0 ? (d) : (r))
 #if DT_NREG >= 32
 #define PV_BLOCK(n) ((n) <= 8 ? (n) : DIV_OR(n, 8, DIV_OR(n, 7, DIV_OR(n, 6, DIV_OR(n, 5, DIV_OR(n, 4, DIV_OR(n, 3, DIV_OR(n, 2, 1))))))))
 #else
 #define PV_BLOCK(n) ((n) <= 5 ? (n) : DIV_OR(n, 5, DIV_OR(n, 4, DIV_OR(n, 3, DIV_OR(n, 2, 1)))))
 #endif
-#define ATTN_TASK(C16)                                                                                  \
-    static void attn_task_##C16(const float *q, const float *K, const float *V, long last, long visible, \
-                                const unsigned char *ok, float scaling, float *s, long *idx, float *out) { \
-        enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                  \
-        long j = 0;                                                                                      \
-        for (; j + 2 <= last + 1; j += 2) { /* scores, two keys at a time */                            \
+#define KEY_BLOCK_BYTES 16384 /* a block of keys (and one of values) that stays in L1 */
+
+/* Scratch of one thread's attention tasks, sized for the longest sequence and most rows. */
+typedef struct {
+    float *s;   /* (rows, L + 16) scores, then softmax numerators */
+    float *acc; /* (rows, 2, hd) value sums: even and odd key ordinals */
+    float *inv; /* (rows,) 1 / softmax denominators */
+    long *last, *par, *idx; /* (rows,) last key a row may see; its ordinal parity; (KB,) key list */
+} attn_scratch;
+
+#define ATTN_SEQ(C16)                                                                                    \
+    static void scores_##C16(const float *q, const float *K, long j0, long j1, float scaling, float *s) { \
+        enum { HD = 16 * C16 };                                                                          \
+        long j = j0;                                                                                     \
+        for (; j + 2 <= j1; j += 2) { /* two keys at a time */                                          \
             vf a0[DT_L16], a1[DT_L16];                                                                   \
             _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) { a0[l] = bc(0.f); a1[l] = bc(0.f); } \
             _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
@@ -108,7 +125,7 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
             s[j] = hsum16(a0) * scaling;                                                                 \
             s[j + 1] = hsum16(a1) * scaling;                                                             \
         }                                                                                                \
-        if (j <= last) {                                                                                 \
+        if (j < j1) {                                                                                    \
             vf a0[DT_L16];                                                                               \
             _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a0[l] = bc(0.f);                    \
             _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
@@ -116,24 +133,23 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
                     a0[l] = fmadd(ld(q + 16 * c + l * DT_W), ld(K + j * HD + 16 * c + l * DT_W), a0[l]); \
             s[j] = hsum16(a0) * scaling;                                                                 \
         }                                                                                                \
-        long cnt = 0;                                                                                    \
-        float m = -INFINITY;                                                                             \
-        for (j = 0; j <= last; j++)                                                                      \
-            if (!ok || j < visible || ok[j - visible]) {                                                 \
-                idx[cnt++] = j;                                                                          \
-                if (s[j] > m) m = s[j];                                                                  \
-            }                                                                                            \
-        for (j = 0; j <= last; j += DT_W) st(s + j, vexp(ld(s + j) - bc(m))); /* s has 16 spare */      \
-        float s0 = 0.f, s1 = 0.f;                                                                        \
-        long c2 = 0;                                                                                     \
-        for (; c2 + 2 <= cnt; c2 += 2) { s0 += s[idx[c2]]; s1 += s[idx[c2 + 1]]; }                     \
-        if (c2 < cnt) s0 += s[idx[c2]];                                                                  \
-        vf inv = bc(1.f / (s0 + s1));                                                                    \
+    }                                                                                                    \
+    /* acc (2, HD) += the values of idx[0..cnt) weighted by e, continuing chains of parity par */       \
+    static void values_##C16(const float *V, const float *e, const long *idx, long cnt, long par, float *acc) { \
+        enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                  \
         for (long b = 0; b < NVEC; b += NB) {                                                            \
             vf x0[NB], x1[NB];                                                                           \
-            _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { x0[c] = bc(0.f); x1[c] = bc(0.f); }  \
-            for (c2 = 0; c2 + 2 <= cnt; c2 += 2) {                                                       \
-                vf b0 = bc(s[idx[c2]]), b1 = bc(s[idx[c2 + 1]]);                                         \
+            float *a0 = acc + b * DT_W, *a1 = acc + HD + b * DT_W;                                       \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { x0[c] = ld(a0 + c * DT_W); x1[c] = ld(a1 + c * DT_W); } \
+            long c2 = 0;                                                                                 \
+            if (par && cnt) { /* an odd ordinal first: it continues the odd chain */                    \
+                vf b1 = bc(e[idx[0]]);                                                                   \
+                const float *v1 = V + idx[0] * HD + b * DT_W;                                            \
+                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x1[c] = fmadd(b1, ld(v1 + c * DT_W), x1[c]); \
+                c2 = 1;                                                                                  \
+            }                                                                                            \
+            for (; c2 + 2 <= cnt; c2 += 2) {                                                             \
+                vf b0 = bc(e[idx[c2]]), b1 = bc(e[idx[c2 + 1]]);                                         \
                 const float *v0 = V + idx[c2] * HD + b * DT_W, *v1 = V + idx[c2 + 1] * HD + b * DT_W;    \
                 _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) {                                  \
                     x0[c] = fmadd(b0, ld(v0 + c * DT_W), x0[c]);                                         \
@@ -141,32 +157,79 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
                 }                                                                                        \
             }                                                                                            \
             if (c2 < cnt) {                                                                              \
-                vf b0 = bc(s[idx[c2]]);                                                                  \
+                vf b0 = bc(e[idx[c2]]);                                                                  \
                 const float *v0 = V + idx[c2] * HD + b * DT_W;                                           \
                 _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x0[c] = fmadd(b0, ld(v0 + c * DT_W), x0[c]); \
             }                                                                                            \
-            _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) st(out + (b + c) * DT_W, (x0[c] + x1[c]) * inv); \
+            _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { st(a0 + c * DT_W, x0[c]); st(a1 + c * DT_W, x1[c]); } \
+        }                                                                                                \
+    }                                                                                                    \
+    static void attn_seq_##C16(const float *q, long qstride, long nr, long L, long visible,             \
+                               const unsigned char *allowed, const float *K, const float *V, float scaling, \
+                               attn_scratch *w, float *out, long ostride) {                             \
+        enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };   \
+        long ss = L + 16, okstride = L - visible;                                                        \
+        for (long j0 = 0; j0 < L; j0 += KB)                                                              \
+            for (long r = 0; r < nr; r++) {                                                              \
+                long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1;                           \
+                if (j1 > j0) scores_##C16(q + r * qstride, K, j0, j1, scaling, w->s + r * ss);           \
+            }                                                                                            \
+        for (long r = 0; r < nr; r++) softmax_row(w->s + r * ss, w->last[r], visible,                   \
+                                                  allowed ? allowed + r * okstride : NULL, w->inv + r);  \
+        memset(w->acc, 0, sizeof(float) * (size_t)(nr * 2 * HD));                                        \
+        memset(w->par, 0, sizeof(long) * (size_t)nr);                                                    \
+        for (long j0 = 0; j0 < L; j0 += KB)                                                              \
+            for (long r = 0; r < nr; r++) {                                                              \
+                const unsigned char *ok = allowed ? allowed + r * okstride : NULL;                       \
+                long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1, cnt = 0;                  \
+                for (long j = j0; j < j1; j++)                                                           \
+                    if (!ok || j < visible || ok[j - visible]) w->idx[cnt++] = j;                        \
+                values_##C16(V, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);             \
+                w->par[r] ^= cnt & 1;                                                                    \
+            }                                                                                            \
+        for (long r = 0; r < nr; r++) {                                                                  \
+            const float *a = w->acc + r * 2 * HD;                                                        \
+            vf inv = bc(w->inv[r]);                                                                      \
+            for (long c = 0; c < HD; c += DT_W) st(out + r * ostride + c, (ld(a + c) + ld(a + HD + c)) * inv); \
         }                                                                                                \
     }
-ATTN_TASK(1) ATTN_TASK(2) ATTN_TASK(3) ATTN_TASK(4) ATTN_TASK(5) ATTN_TASK(6) ATTN_TASK(7) ATTN_TASK(8)
-ATTN_TASK(10) ATTN_TASK(12) ATTN_TASK(16)
 
-typedef void (*attn_t)(const float *, const float *, const float *, long, long, const unsigned char *, float,
-                       float *, long *, float *);
+/* Row r's softmax over its scores s[0..last]: numerators exp(s - max) in place (over every key
+ * up to last; the masked ones are never read) and 1 / (sum over allowed keys, even and odd
+ * ordinals summed apart as the value sums are). */
+static void softmax_row(float *s, long last, long visible, const unsigned char *ok, float *inv) {
+    float m = -INFINITY;
+    for (long j = 0; j <= last; j++)
+        if ((!ok || j < visible || ok[j - visible]) && s[j] > m) m = s[j];
+    for (long j = 0; j <= last; j += DT_W) st(s + j, vexp(ld(s + j) - bc(m))); /* s has 16 spare */
+    float s0 = 0.f, s1 = 0.f;
+    long cnt = 0;
+    for (long j = 0; j <= last; j++)
+        if (!ok || j < visible || ok[j - visible]) {
+            if (cnt++ & 1) s1 += s[j]; else s0 += s[j];
+        }
+    *inv = 1.f / (s0 + s1);
+}
+
+ATTN_SEQ(1) ATTN_SEQ(2) ATTN_SEQ(3) ATTN_SEQ(4) ATTN_SEQ(5) ATTN_SEQ(6) ATTN_SEQ(7) ATTN_SEQ(8)
+ATTN_SEQ(10) ATTN_SEQ(12) ATTN_SEQ(16)
+
+typedef void (*attn_t)(const float *, long, long, long, long, const unsigned char *, const float *, const float *,
+                       float, attn_scratch *, float *, long);
 
 static attn_t attn_for(long nv) {
     switch (nv) {
-    case 1: return attn_task_1;
-    case 2: return attn_task_2;
-    case 3: return attn_task_3;
-    case 4: return attn_task_4;
-    case 5: return attn_task_5;
-    case 6: return attn_task_6;
-    case 7: return attn_task_7;
-    case 8: return attn_task_8;
-    case 10: return attn_task_10;
-    case 12: return attn_task_12;
-    case 16: return attn_task_16;
+    case 1: return attn_seq_1;
+    case 2: return attn_seq_2;
+    case 3: return attn_seq_3;
+    case 4: return attn_seq_4;
+    case 5: return attn_seq_5;
+    case 6: return attn_seq_6;
+    case 7: return attn_seq_7;
+    case 8: return attn_seq_8;
+    case 10: return attn_seq_10;
+    case 12: return attn_seq_12;
+    case 16: return attn_seq_16;
     default: return 0;
     }
 }
@@ -185,29 +248,29 @@ typedef struct {
     float *const *vc;
 } dt_seq;
 
-/* Where each packed row belongs: its sequence and its index among that sequence's rows. */
+/* Where each packed row belongs: its sequence and its index among that sequence's rows; where
+ * each sequence's rows start. */
 typedef struct {
     const dt_seq *seq;
-    long *of, *local; /* (n,) */
+    long nseq;
+    long *of, *local, *start; /* (n,), (n,), (nseq,) */
 } rowmap;
 
-/* Attention of the packed rows: (row, head) tasks, each over its own sequence's keys of layer l.
- * q rows live in qkv (row stride 3d, head stride 3hd); out: (n, d); s, idx: this thread's
- * scratch of (longest sequence + 16) floats and longs. */
-static void attend(const long *dims, float scaling, long n, const rowmap *rm, long l, const float *qkv, float *out,
-                   float *s, long *idx) {
-    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM];
+/* Attention of the packed rows: one task per (sequence, head), over that sequence's keys of
+ * layer l (attn_seq).  q rows live in qkv (row stride 3d, head stride 3hd); out: (n, d). */
+static void attend(const long *dims, float scaling, const rowmap *rm, long l, const float *qkv, float *out,
+                   attn_scratch *w) {
+    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], ns = rm->nseq;
     attn_t task = attn_for(hd / 16);
-    /* head-major: a thread's consecutive tasks share one head's keys and values */
+    /* head-major: a thread's consecutive tasks share one head's weights of attention work */
 #pragma omp for schedule(static)
-    for (long t = 0; t < n * H; t++) {
-        long h = t / n, i = t % n, li = rm->local[i];
-        const dt_seq *sq = rm->seq + rm->of[i];
+    for (long t = 0; t < ns * H; t++) {
+        long h = t / ns, q = t % ns, r0 = rm->start[q];
+        const dt_seq *sq = rm->seq + q;
         long L = sq->past + sq->rows;
-        const float *K = sq->kc[l] + h * sq->cap * hd, *V = sq->vc[l] + h * sq->cap * hd;
-        const unsigned char *ok = sq->allowed ? sq->allowed + li * (L - sq->visible) : NULL;
-        task(qkv + i * 3 * d + h * 3 * hd, K, V, sq->allowed ? L - 1 : sq->past + li, sq->visible, ok, scaling, s,
-             idx, out + i * d + h * hd);
+        for (long r = 0; r < sq->rows; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r;
+        task(qkv + r0 * 3 * d + h * 3 * hd, 3 * d, sq->rows, L, sq->visible, sq->allowed,
+             sq->kc[l] + h * sq->cap * hd, sq->vc[l] + h * sq->cap * hd, scaling, w, out + r0 * d + h * hd, d);
     }
 }
 
@@ -217,7 +280,7 @@ static void attend(const long *dims, float scaling, long n, const rowmap *rm, lo
  * rot); work: >= n * 5d floats. */
 static void block_in(const long *dims, float eps, float scaling, const float *const *p, long l, long n,
                       const rowmap *rm, const float *h, const long *pos, const float *cos_t, const float *sin_t,
-                      float *a, float *z, float *work, float *s, long *idx) {
+                      float *a, float *z, float *work, attn_scratch *w) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], rot = dims[ROT], ff = dims[FF];
     float *x = work, *qkv = work + n * d, *att = work + 4 * n * d;
     layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
@@ -235,7 +298,7 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
             memcpy(sq->vc[l] + (hh * sq->cap + slot) * hd, v, sizeof(float) * hd);
         }
     }
-    attend(dims, scaling, n, rm, l, qkv, att, s, idx);
+    attend(dims, scaling, rm, l, qkv, att, w);
     dt_gemm_for(att, n, d, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d);
     if (dims[PARALLEL]) {
         layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
@@ -302,29 +365,33 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
                      const float *embed, const float *const *head, const long *ids, long n, const long *pos,
                      const float *cos_t, const float *sin_t, const dt_seq *seqs, long nseq, float *logits,
                      float *work, int threads, long cols, long topk, float *top_vals, long *top_ids) {
-    long d = dims[D_MODEL], ff = dims[FF], longest = 0, kept = 0;
+    long d = dims[D_MODEL], ff = dims[FF], hd = dims[HEAD_DIM], kept = 0, most = 0, span = 0;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= dims[EMBED_ROWS]) return 1;
-    rowmap rm = {seqs, malloc(sizeof(long) * (size_t)n), malloc(sizeof(long) * (size_t)n)};
+    rowmap rm = {seqs, nseq, malloc(sizeof(long) * (size_t)n), malloc(sizeof(long) * (size_t)n),
+                 malloc(sizeof(long) * (size_t)nseq)};
     long *keep_rows = malloc(sizeof(long) * (size_t)n);
     for (long q = 0, i = 0; q < nseq; q++) {
+        rm.start[q] = i;
+        if (seqs[q].rows > most) most = seqs[q].rows;
+        if (seqs[q].rows * (seqs[q].past + seqs[q].rows + 16) > span) span = seqs[q].rows * (seqs[q].past + seqs[q].rows + 16);
         for (long r = 0; r < seqs[q].rows; r++, i++) {
             rm.of[i] = q;
             rm.local[i] = r;
             if (r >= seqs[q].rows - seqs[q].keep) keep_rows[kept++] = i;
         }
-        if (seqs[q].past + seqs[q].rows > longest) longest = seqs[q].past + seqs[q].rows;
     }
 #pragma omp parallel num_threads(threads)
     {
         float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
-        float *s = malloc(sizeof(float) * (size_t)(longest + 16));
-        long *idx = malloc(sizeof(long) * (size_t)longest);
+        attn_scratch w = {malloc(sizeof(float) * (size_t)span), malloc(sizeof(float) * (size_t)(most * 2 * hd)),
+                          malloc(sizeof(float) * (size_t)most), malloc(sizeof(long) * (size_t)most),
+                          malloc(sizeof(long) * (size_t)most), malloc(sizeof(long) * (size_t)(KEY_BLOCK_BYTES / 4))};
 #pragma omp for schedule(static)
         for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
         for (long l = 0; l < nlayers; l++) {
             const float *const *pl = p + l * NPARAM;
-            block_in(dims, eps, scaling, pl, l, n, &rm, h, pos, cos_t, sin_t, a, z, scratch, s, idx);
+            block_in(dims, eps, scaling, pl, l, n, &rm, h, pos, cos_t, sin_t, a, z, scratch, &w);
             activate(dims[ACT], z, n, ff);
             block_out(dims, pl, n, z, a, h, h2);
             float *t = h; h = h2; h2 = t;
@@ -335,10 +402,15 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         dt_gemm_for(h2, kept, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
         if (topk > 0) softmax_topk_rows(logits, kept, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
         if (topk < 0) argmax_rows(logits, kept, cols, dims[VOCAB_PAD], top_ids);
-        free(idx);
-        free(s);
+        free(w.idx);
+        free(w.par);
+        free(w.last);
+        free(w.inv);
+        free(w.acc);
+        free(w.s);
     }
     free(keep_rows);
+    free(rm.start);
     free(rm.local);
     free(rm.of);
     return 0;
