@@ -241,6 +241,68 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     return rows
 
 
+@torch.inference_mode()
+def run_hf_batch(pair: ModelPair, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers ``generate`` (greedy) on a left-padded batch; EOS ignored."""
+    from transformers import GenerationConfig
+
+    pad = pair.eos_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # (B, W)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                          pad_token_id=pad)
+    out = pair.target.generate(ids.to(pair.device), attention_mask=mask.to(pair.device), generation_config=gc)
+    return out[:, width:].tolist()
+
+
+def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods: list[MethodSpec],
+               batch_sizes: tuple[int, ...], *, max_new_tokens: int, max_prompt_tokens: int, log=print) -> list[dict]:
+    """Throughput per actor at batch size B: every prompt decoded in batches of B (the engine's
+    BatchDecoder; transformers' batched generate for hf_ar), tokens/s = all tokens ÷ all wall
+    time, prefill included.  Each row's tokens are checked against batch-1 ``ar``."""
+    from .engine import decode_batch
+
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
+    rows = []
+    for b in batch_sizes:
+        for ms in methods:
+            if ms.method in HF_METHODS and ms.method != "hf_ar":
+                continue  # transformers' assisted generation takes batch size 1
+
+            def run(chunk, n):
+                if ms.method == "hf_ar":
+                    return [(t, None) for t in run_hf_batch(pair, chunk, n)]
+                return [(t, m) for t, _, m in decode_batch(pair, chunk, make_config(ms.method, ms.options),
+                                                            max_new_tokens=n, ignore_eos=True)]
+
+            run(prompts[:b], 4)  # warm-up (first-use costs, budget profile)
+            got, t0 = [], time.perf_counter()
+            for at in range(0, len(prompts), b):
+                got += run(prompts[at:at + b], max_new_tokens)
+            wall = time.perf_counter() - t0
+            mets = [m for _, m in got if m is not None]
+            same = sum(t == r for (t, _), r in zip(got, refs))
+            rows.append({
+                "dataset": dataset, "prompt_id": -1, "warmup": False, "method": ms.label, "base_method": ms.method,
+                "options": json.dumps(ms.options, sort_keys=True),
+                "setting": json.dumps({"sweep": "batch", "B": b}, sort_keys=True), "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),
+                "new_tokens": sum(len(t) for t, _ in got), "tokens_per_s": sum(len(t) for t, _ in got) / wall,
+                "wall_time_s": wall, "tokens_per_iteration": _avg([m.tokens_per_iteration for m in mets]),
+                "mean_tree_size": _avg([m.mean_tree_size for m in mets]), "matches_ar": same == len(prompts),
+                "rows_matching_ar": same, "rows": len(prompts),
+            })
+            log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, {same}/{len(prompts)} rows == ar")
+    return rows
+
+
+def _avg(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 @dataclass(frozen=True)
 class BenchSpec:
     datasets: tuple[str, ...]
@@ -254,6 +316,7 @@ class BenchSpec:
     sweep_prompt_len: tuple[int, ...] = ()  # L_max values
     grid: dict = field(default_factory=dict)  # fixed-tree grid: {"depth": [...], "branch": [...], "tau": [...]}
     sweep_methods: tuple[str, ...] = ("ar", "dynatree")  # methods run in the T / L sweeps
+    batch_sizes: tuple[int, ...] = ()  # B values: throughput per actor with the batched engine
 
 
 def grid_methods(grid: dict) -> list[MethodSpec]:
@@ -283,10 +346,12 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
         enc = [pair.encode(t) for t in texts]
         base = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
         log(f"{name}: {len(base)} prompts ({spec.warmup} warm-up), L_max={spec.max_prompt_tokens}, T={spec.max_new_tokens}")
-        main = bench_rows(pair, name, base, list(spec.methods), warmup=spec.warmup,
-                          max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens,
-                          setting={"sweep": "main"}, log=log)
-        rows += main
+        if spec.batch_sizes:
+            base = base[spec.warmup:]  # the batch sweep warms each (B, method) up itself
+        if not spec.batch_sizes:  # with batch sizes, B = 1 is the one-at-a-time measurement
+            rows += bench_rows(pair, name, base, list(spec.methods), warmup=spec.warmup,
+                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens,
+                               setting={"sweep": "main"}, log=log)
         sweep_ms = [m for m in spec.methods if m.label in spec.sweep_methods]
         for t in spec.sweep_tokens:
             rows += bench_rows(pair, name, base, sweep_ms, warmup=spec.warmup, max_new_tokens=t,
@@ -295,6 +360,9 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
             ps = [truncate_prompt(e, lmax) for e in enc]
             rows += bench_rows(pair, name, ps, sweep_ms, warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=lmax, setting={"sweep": "prompt_len", "L": lmax}, log=log)
+        if spec.batch_sizes:
+            rows += batch_rows(pair, name, base, list(spec.methods), spec.batch_sizes,
+                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens, log=log)
         if spec.grid:
             rows += bench_rows(pair, name, base, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
                                warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,

@@ -207,13 +207,15 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--sweep-tokens", help="comma-separated T values for the generation-length sweep")
 @click.option("--sweep-prompt-len", help="comma-separated L_max values for the prompt-length sweep")
 @click.option("--sweep-methods", default="ar,dynatree", show_default=True, help="labels run in the T/L sweeps")
+@click.option("--batch-sizes", help="comma-separated B values: tokens/s per actor decoding B prompts per forward "
+                                    "(instead of the one-at-a-time main table; hf_ar runs transformers' batched generate)")
 @click.option("--grid-depth", help="fixed-tree grid depths, e.g. 3,4,5,6,7,8")
 @click.option("--grid-branch", help="fixed-tree grid branching, e.g. 2,3,4")
 @click.option("--grid-tau", help="fixed-tree grid tau, e.g. 0.01,0.02,0.03,0.05,0.1")
 @click.option("--threads", type=int, help="torch threads")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
 def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
-          max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, grid_depth,
+          max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, batch_sizes, grid_depth,
           grid_branch, grid_tau, threads, out_dir):
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
     import torch
@@ -234,7 +236,8 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                          prompts=n_prompts, warmup=warmup, max_prompt_tokens=max_prompt_tokens,
                          max_new_tokens=max_new_tokens, prompt_column=prompt_column,
                          sweep_tokens=_int_list(sweep_tokens), sweep_prompt_len=_int_list(sweep_prompt_len),
-                         grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m))
+                         grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
+                         batch_sizes=_int_list(batch_sizes))
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:

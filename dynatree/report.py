@@ -40,8 +40,8 @@ def _speedup(rs, ar_rs) -> float | None:
     return a / b if a and b else None
 
 
-def tables(rows: list[dict]) -> str:
-    g = _groups(rows)
+def _main_tables(g: dict) -> list[str]:
+    """The tables of the main setting (every method on every prompt, one at a time)."""
     datasets = list(g)
     methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
     parts = []
@@ -143,7 +143,33 @@ def tables(rows: list[dict]) -> str:
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(_ms([r["peak_memory_mb"] for r in g[d].get(m, [])]) for d in datasets) + " |")
     parts.append("\n".join(lines))
+    return parts
 
+
+def _batch_table(rows: list[dict]) -> list[str]:
+    """Throughput per actor against batch size (``--batch-sizes``)."""
+    brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
+    if not brows:
+        return []
+    lines = ["## Batched decoding (tokens/s per actor: all tokens ÷ all wall time, prefill included; "
+             "× batched ar at the same B; rows identical to batch-1 ar)", "",
+             "| dataset | B | method | tokens/s | × ar at B | L̄ | tree nodes | identical to ar |", "|---|---|---|---|---|---|---|---|"]
+    for d in dict.fromkeys(r["dataset"] for r in brows):
+        for b in sorted({json.loads(r["setting"])["B"] for r in brows if r["dataset"] == d}):
+            sub = [r for r in brows if r["dataset"] == d and json.loads(r["setting"])["B"] == b]
+            ar_rs = [r for r in sub if r["method"] == "ar"]
+            for r in sub:
+                sp = _speedup([r], ar_rs)
+                lines.append(f"| {d} | {b} | {r['method']} | {r['tokens_per_s']:.1f} | {f'{sp:.2f}×' if sp else '-'} | "
+                             + " | ".join(f"{v:.2f}" if v is not None else "-" for v in (r["tokens_per_iteration"], r["mean_tree_size"]))
+                             + f" | {r['rows_matching_ar']}/{r['rows']} |")
+    return ["\n".join(lines)]
+
+
+def tables(rows: list[dict]) -> str:
+    g = _groups(rows)
+    parts = _main_tables(g) if g else []
+    parts += _batch_table(rows)
     for sweep, key, title in (("tokens", "T", "Generation length sweep"), ("prompt_len", "L", "Prompt length sweep")):
         srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
         if not srows:
@@ -227,6 +253,25 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out / f"sweep_{sweep}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
+    if brows:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for d in dict.fromkeys(r["dataset"] for r in brows):
+            for m in dict.fromkeys(r["method"] for r in brows):
+                pts = sorted((json.loads(r["setting"])["B"], r["tokens_per_s"]) for r in brows
+                             if r["dataset"] == d and r["method"] == m)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{d} {m}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B (sequences per forward)")
+        ax.set_ylabel("tokens/s per actor")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "batch.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         made.append(path)

@@ -86,3 +86,19 @@ def test_profile_command(pair_dirs):
     lines = res.output.splitlines()
     assert "kernel hf" in lines[0] and lines[1].startswith("target") and "64:" in lines[1]
     assert lines[2].startswith("draft") and "16:" in lines[2]
+
+
+def test_bench_batch_sizes(pair_dirs, tmp_path):
+    """--batch-sizes: one row per (B, method) with tokens/s per actor and a check of every row
+    against batch-1 ar (float64, so transformers' batched generate agrees too)."""
+    out = tmp_path / "batch"
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 6) + [
+        "--methods", "ar,linear,dynatree,hf_ar", "--batch-sizes", "1,2,3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert {(json.loads(r["setting"])["B"], r["method"]) for r in rows} == {
+        (b, m) for b in (1, 2, 3) for m in ("ar", "linear", "dynatree", "hf_ar")}
+    for r in rows:
+        assert r["rows"] == 2 and r["rows_matching_ar"] == 2 and r["matches_ar"], r  # 3 prompts, 1 warm-up
+        assert r["new_tokens"] == 12 and r["tokens_per_s"] > 0
+    assert "Batched decoding" in (out / "summary.md").read_text() and (out / "batch.png").exists()
