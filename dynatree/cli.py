@@ -37,44 +37,47 @@ def _pair_options(f):
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="method option, repeatable (listed below)")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--prompt", help="prompt text (default: read stdin)")
+@click.option("--prompt", "prompts", multiple=True,
+              help="prompt text (default: read stdin); repeat it to decode several prompts together, "
+                   "many sequences per forward")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
-@click.option("--json", "as_json", is_flag=True, help="print a JSON object (token_ids, text, metrics)")
-def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, prompt, ignore_eos,
+@click.option("--json", "as_json", is_flag=True,
+              help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
+def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, prompts, ignore_eos,
              check_ar, as_json):
-    """Generate a continuation of one prompt."""
+    """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .config import make_config, parse_options
     from .models import PairError, load_pair
 
-    if prompt is None:
-        prompt = sys.stdin.read()
-    if not prompt:
+    prompts = list(prompts) or [sys.stdin.read()]
+    if not all(p.strip() for p in prompts):
         _fail("empty prompt")
     try:
         cfg = make_config(method, parse_options(options))
         if check_ar and cfg.temperature > 0:
             raise ValueError("--check-ar compares with greedy ar; it needs temperature 0")
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
-        gen = engine.generate(pair, prompt, method, cfg, max_new_tokens=max_new_tokens,
-                              ignore_eos=ignore_eos)
-        result = gen.as_dict()
+        gens = engine.generate_batch(pair, prompts, method, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        results = [g.as_dict() for g in gens]
         if check_ar:
-            ref = engine.generate(pair, prompt, "ar", None, max_new_tokens=max_new_tokens,
-                                  ignore_eos=ignore_eos)
-            result["matches_ar"] = ref.token_ids == gen.token_ids
+            refs = engine.generate_batch(pair, prompts, "ar", None, max_new_tokens=max_new_tokens,
+                                         ignore_eos=ignore_eos)
+            for res, ref, gen in zip(results, refs, gens):
+                res["matches_ar"] = ref.token_ids == gen.token_ids
     except (PairError, ValueError) as e:
         _fail(str(e))
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    click.echo(gen.text)
-    m = gen.metrics
-    click.echo(f"\n[{method}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
-               f"{m.iterations} iterations, {m.tokens_per_iteration:.2f} tokens/iteration, "
-               f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else ""),
-               err=True)
+    for gen, result in zip(gens, results):
+        if as_json:
+            click.echo(json.dumps(result))
+            continue
+        click.echo(gen.text)
+        m = gen.metrics
+        click.echo(f"\n[{method}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
+                   f"{m.iterations} iterations, {m.tokens_per_iteration:.2f} tokens/iteration, "
+                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else ""),
+                   err=True)
 
 
 @main.command()

@@ -380,8 +380,16 @@ def generate(pair: ModelPair, prompt: str | list[int], method: str = "dynatree",
              options: dict | None = None, *, max_new_tokens: int = 128,
              ignore_eos: bool = False) -> Generation:
     """Decode one prompt (text or token ids) and return tokens, text and metrics."""
-    prompt_ids = pair.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return generate_batch(pair, [prompt], method, options, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)[0]
+
+
+def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str = "dynatree",
+                   options: dict | None = None, *, max_new_tokens: int = 128,
+                   ignore_eos: bool = False) -> list[Generation]:
+    """Decode several prompts (texts or token ids) together, many sequences per forward
+    (BatchDecoder); one Generation per prompt, in order."""
+    ids = [pair.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
-    ids, reason, metrics = decode(pair, prompt_ids, cfg, max_new_tokens=max_new_tokens,
-                                  ignore_eos=ignore_eos)
-    return Generation(ids, pair.decode(ids), reason, method, metrics, asdict(cfg))
+    return [Generation(toks, pair.decode(toks), reason, method, metrics, asdict(cfg))
+            for toks, reason, metrics in decode_batch(pair, ids, cfg, max_new_tokens=max_new_tokens,
+                                                      ignore_eos=ignore_eos)]
