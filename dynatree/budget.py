@@ -103,10 +103,10 @@ class LatencyModel:
         """The part of ``ms`` of drafting wall time that is this sequence's (all of it alone)."""
         return ms
 
-    def view(self, others: int, share: int) -> "LatencyModel | BatchView":
+    def view(self, others: int, share: int, scale: float = 1.0) -> "LatencyModel | BatchView":
         """This model as one row of a batch sees it (``share`` rows; ``others`` tokens from the
-        other rows in each target forward)."""
-        return self if share <= 1 else BatchView(self, others, share)
+        other rows in each target forward; ``scale``: see :class:`Governor`)."""
+        return self if share <= 1 else BatchView(self, others, share, scale)
 
 
 @dataclass
@@ -124,16 +124,18 @@ class BatchView:
     lat: LatencyModel
     others: int
     share: int
+    scale: float = 1.0  # on every marginal cost (Governor)
 
     @property
     def overhead_ms(self) -> float:
         return self.lat.overhead_ms / self.share
 
     def verify(self, n: int) -> float:
-        return self.lat.verify(self.share) / self.share + self.lat.verify(self.others + n) - self.lat.verify(self.others + 1)
+        marginal = self.lat.verify(self.others + n) - self.lat.verify(self.others + 1)
+        return self.lat.verify(self.share) / self.share + self.scale * marginal
 
     def draft(self, width: int) -> float:
-        return self.lat.draft(width * self.share) / self.share
+        return self.scale * self.lat.draft(width * self.share) / self.share
 
     def spent(self, ms: float) -> float:
         return ms / self.share
@@ -143,6 +145,52 @@ class BatchView:
 
     def relax(self) -> None:
         self.lat.relax()
+
+
+@dataclass
+class Governor:
+    """Keeps the batched budget honest with measurements (engine.BatchDecoder, B > 1).
+
+    The budget's model of a batched iteration leaves things out (per-row bookkeeping, the draft's
+    real cost at that width), and a wrong model could make trees slower than plain batched ``ar``.
+    So iterations are of two kinds: *drafted* ones, and ones where the budgeted rows draft nothing
+    (every row a bare root: exactly a batched ``ar`` step).  The realised tokens per ms of each
+    kind are tracked (EMAs).  While drafted iterations win, every ``every``-th iteration is an
+    ``ar`` probe; while they lose, only every ``every``-th iteration drafts (so the comparison
+    stays measured and trees come back when they pay again).  ``scale`` -- the factor on every
+    node's and draft level's marginal cost (:class:`BatchView`) -- rises while drafted iterations
+    lose, shrinking trees, and falls back toward 1 while they win.
+    """
+
+    every: int = 8
+    ema: float = 0.25
+    scale: float = 1.0
+    max_scale: float = 64.0
+    ar_rate: float | None = None
+    tree_rate: float | None = None
+    iteration: int = 0
+
+    def skip_drafting(self) -> bool:
+        """Whether the coming iteration runs without drafting (see the class)."""
+        explore = self.iteration % self.every == self.every - 1
+        trees_win = self.ar_rate is None or self.tree_rate is None or self.tree_rate >= self.ar_rate
+        return explore if trees_win else not explore
+
+    def observe(self, tokens: int, ms: float, skipped: bool) -> None:
+        """One iteration's committed tokens (all rows), wall ms, and whether it drafted."""
+        self.iteration += 1
+        if ms <= 0:
+            return
+        rate = tokens / ms
+        if skipped:
+            self.ar_rate = rate if self.ar_rate is None else self.ar_rate + self.ema * (rate - self.ar_rate)
+            return
+        self.tree_rate = rate if self.tree_rate is None else self.tree_rate + self.ema * (rate - self.tree_rate)
+        if self.ar_rate is not None:
+            if self.tree_rate < self.ar_rate:
+                self.scale = min(self.scale * 1.1, self.max_scale)
+            else:
+                self.scale = max(self.scale / 1.05, 1.0)
 
 
 def _time_ms(fn, repeats: int) -> float:

@@ -41,6 +41,7 @@ from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair
 from .native import argmax_rows
+from .budget import Governor
 from .policies import make_policy
 from .sampling import Sampler, walk
 from .runtime import KeyMask, Seq
@@ -157,6 +158,7 @@ class _Row:
         self.ttft = self.verify_time = self.forward_time = 0.0
         self.target_forwards = 0
         self.last_n = 1  # tokens this row put in the last target forward
+        self.budgeted = getattr(self.policy, "latency", None) is not None  # under the hardware budget
 
     def stop_after(self, tok: int) -> str | None:
         """Commit one token; the finish reason if it ends the sequence."""
@@ -207,6 +209,7 @@ class BatchDecoder:
         self.target = pair.runner("target")
         self.joining: list[_Row] = []
         self.active: list[_Row] = []
+        self.governor = Governor()  # batched budget against measured batched ar (B > 1)
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
@@ -263,7 +266,10 @@ class BatchDecoder:
             r.lookup_stats = self.pair.state.setdefault("lookup", LookupStats()) if r.lookup else None
 
     def _iterate(self, rows: list[_Row]) -> None:
-        steps = self._draft(rows)
+        t_iter = time.perf_counter()
+        budgeted = [r for r in rows if r.budgeted]
+        probe = len(rows) > 1 and bool(budgeted) and self.governor.skip_drafting()
+        steps = self._draft(rows, probe)
         cuda = self.dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
         if cuda:
             _sync(self.dev)
@@ -272,33 +278,40 @@ class BatchDecoder:
         outs = self.target.forward(seqs, argmax=any(r.sampler is None for r in rows))
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)
+        committed = 0
         for s, out in zip(steps, outs):
             t1 = time.perf_counter()
             s.row.target_forwards += 1
             s.row.forward_time += t_forward
-            self._accept_commit(s, out, n_total, t_forward, t1)
+            committed += self._accept_commit(s, out, n_total, t_forward, t1)
+        if len(rows) > 1 and budgeted:
+            self.governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
 
-    def _draft(self, rows: list[_Row]) -> list[_Step]:
-        """draft: every row's policy grows its tree; drafting rows share packed draft forwards."""
+    def _draft(self, rows: list[_Row], probe: bool = False) -> list[_Step]:
+        """draft: every row's policy grows its tree; drafting rows share packed draft forwards.
+        In a probe (budget.Governor) the rows under the hardware budget draft nothing (bare
+        roots); rows without it never skip, so their samples stay a function of their seeds."""
         steps, jobs = [], []
         total = sum(r.last_n for r in rows)  # the previous iteration's packed target forward
         for r in rows:
-            r.policy.batch = (total - r.last_n, len(rows))  # what the budget prices its nodes against
+            # what the budget prices its nodes against
+            r.policy.batch = (total - r.last_n, len(rows), self.governor.scale)
             s = _Step()
             s.row, s.prefix_len = r, len(r.prompt) + len(r.out) - 1  # tokens in the target cache; the root's position
             room = min(r.max_new_tokens - len(r.out), r.max_context - len(r.prompt) - len(r.out))
             max_depth = room - 1  # deepest useful drafted token: path + bonus must fit
             s.chain, s.match, hint = [], 0, ()
-            if r.index is not None and max_depth > 0:
+            skip = probe and r.budgeted
+            if r.index is not None and max_depth > 0 and not skip:
                 s.chain, s.match = r.index.propose(min(r.lookup, max_depth))
                 hint = r.lookup_stats.values(s.match, len(s.chain))
-            if r.drafter is not None:
+            if r.drafter is not None and not skip:
                 jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], max_depth, hint)))
             steps.append(s)
         trees = iter(drive(jobs))
         for s in steps:
             r = s.row
-            tree = next(trees) if r.drafter is not None else Tree.root_only(r.out[-1])
+            tree = next(trees) if r.drafter is not None and not (probe and r.budgeted) else Tree.root_only(r.out[-1])
             proposal, s.chain = s.chain, []
             s.chain, s.fresh = graft(tree, proposal, s.match, r.lookup_stats, tree.bar) if proposal else ([], [])
             s.tree, s.order = flatten_bfs(tree)
@@ -314,8 +327,8 @@ class BatchDecoder:
         tt = tree_tensors(s.tree, s.prefix_len, self.dev)
         return Seq(tt.tokens, s.row.cache, None if tt.positions is None else tt.positions[0], tt.mask)
 
-    def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> None:
-        """accept, then commit; the row's bookkeeping and stop checks."""
+    def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> int:
+        """accept, then commit; the row's bookkeeping and stop checks.  Returns tokens committed."""
         r, tree = s.row, s.tree
         r.last_n = len(tree)
         if len(tree) == 1:
@@ -348,6 +361,7 @@ class BatchDecoder:
             r.index.extend(new_tokens[:committed])
         from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
         r.tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
+        return committed
 
 
 def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new_tokens: int = 128,

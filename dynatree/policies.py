@@ -143,7 +143,8 @@ class NoDraft:
     """``ar``: the tree is just the root, so each iteration is one plain target step."""
 
     needs_draft = False
-    batch: tuple[int, int] = (0, 1)  # (tokens other rows put in the target forward, rows sharing it): engine.BatchDecoder
+    # (tokens other rows put in the target forward, rows sharing it, cost scale): engine.BatchDecoder
+    batch: tuple[int, int, float] = (0, 1, 1.0)
 
     def attach(self, pair) -> None:
         """Called once per generation with the pair (policies that measure the device use it)."""

@@ -109,3 +109,13 @@ def test_batched_sample_does_not_depend_on_neighbours():
         together = [t for t, _, _ in decode_batch(pair, prompts, cfgs, max_new_tokens=20, ignore_eos=True)]
         assert together == alone, method
         assert len(set(map(tuple, alone))) > 1
+
+
+def test_generate_batch_is_generate_per_prompt(close_pair):
+    from dynatree import generate, generate_batch
+
+    prompts = random_prompts(3, seed=27, lo=2, hi=12)
+    gens = generate_batch(close_pair, prompts, "dynatree", {"hw_budget": "off"}, max_new_tokens=12)
+    for p, g in zip(prompts, gens):
+        one = generate(close_pair, p, "dynatree", {"hw_budget": "off"}, max_new_tokens=12)
+        assert (g.token_ids, g.finish_reason, g.options) == (one.token_ids, one.finish_reason, one.options)

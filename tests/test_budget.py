@@ -82,3 +82,25 @@ def test_lookup_hint_raises_the_bar_for_drafted_nodes():
     hinted = run(None, grow_budgeted(ChainDrafter(), 7, hint=[0.95 ** (j + 1) for j in range(12)], **kw))
     assert len(plain.keep) > 1  # without a hint the budget verifies drafted nodes
     assert len(hinted.keep) < len(plain.keep) and hinted.bar > plain.bar
+
+
+def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
+    from dynatree.budget import Governor
+
+    g = Governor(every=4)
+    kinds = []
+    for _ in range(40):  # drafted iterations commit 1 token/ms, plain ones 2: drafting loses
+        skip = g.skip_drafting()
+        kinds.append(skip)
+        g.observe(2 if skip else 1, 1.0, skip)
+    assert g.scale > 1.5 and sum(kinds[-20:]) >= 14  # mostly plain iterations, trees still explored
+    assert not all(kinds[-20:])
+    for _ in range(200):  # now drafting wins
+        skip = g.skip_drafting()
+        g.observe(2 if skip else 4, 1.0, skip)
+    assert g.scale == 1.0
+    skips = []
+    for _ in range(8):
+        skips.append(g.skip_drafting())
+        g.observe(2 if skips[-1] else 4, 1.0, skips[-1])
+    assert sum(skips) == 2  # only the ar probes
