@@ -171,10 +171,12 @@ class Governor:
     iteration: int = 0
 
     def skip_drafting(self) -> bool:
-        """Whether the coming iteration runs without drafting (see the class)."""
-        explore = self.iteration % self.every == self.every - 1
-        trees_win = self.ar_rate is None or self.tree_rate is None or self.tree_rate >= self.ar_rate
-        return explore if trees_win else not explore
+        """Whether the coming iteration runs without drafting (see the class).  The first is an
+        ``ar`` probe, so the comparison starts at once."""
+        if self.ar_rate is None:
+            return True
+        explore = self.iteration % self.every == 0
+        return explore if self.tree_rate is None or self.tree_rate >= self.ar_rate else not explore
 
     def observe(self, tokens: int, ms: float, skipped: bool) -> None:
         """One iteration's committed tokens (all rows), wall ms, and whether it drafted."""

@@ -93,6 +93,7 @@ def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
         skip = g.skip_drafting()
         kinds.append(skip)
         g.observe(2 if skip else 1, 1.0, skip)
+    assert kinds[0]  # an ar probe first
     assert g.scale > 1.5 and sum(kinds[-20:]) >= 14  # mostly plain iterations, trees still explored
     assert not all(kinds[-20:])
     for _ in range(200):  # now drafting wins
