@@ -392,3 +392,19 @@ def test_packed_sequences_get_bitwise_their_own_logits():
         for la, lb in zip(ca.layers, cb.layers):
             assert torch.equal(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length])
             assert torch.equal(la.values[:, :, :ca.length], lb.values[:, :, :cb.length])
+
+
+def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa):
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    for name, seed in (("target", 12), ("draft", 13)):
+        neox32(seed).save_pretrained(tmp_path / name)
+    res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                                    "--device", "cpu", "--prefix", "16", "--prefill", "20", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert f"native kernel: {isa} variant" in out and "FMA peak of this variant, measured:" in out
+    assert "% of the FMA peak" in out and "target prefill of 20 tokens" in out
+    assert "target, native ÷ lean-mkl time: 1 token " in out and "20-token prefill" in out
