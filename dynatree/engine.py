@@ -71,32 +71,18 @@ def _sync(device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
-@dataclass
-class TreeTensors:
-    tokens: torch.Tensor  # (n,) int64, BFS order
-    positions: torch.Tensor | None  # (1, n) int64 prefix_len + depth; None for a chain
-    mask: KeyMask | None  # prefix + ancestors; None for a chain (the causal mask)
-
-
-def tree_tensors(tree: Tree, prefix_len: int, device: torch.device) -> TreeTensors:
-    """The verification inputs of a flattened tree whose root sits at position ``prefix_len``.
-
-    A chain (node i's parent is i - 1) is an ordinary multi-token cached step: causal mask,
-    consecutive positions, no tree buffers."""
-    tokens = long_tensor(tree.tokens, device)
+def verify_seq(tree: Tree, prefix_len: int, cache, device: torch.device) -> Seq:
+    """verify: a flattened tree whose root sits at position ``prefix_len``, as one sequence of the
+    packed target forward: each node sees the prefix and its ancestors, at position prefix_len +
+    depth.  A chain (a bare root included) is an ordinary cached step: causal mask, consecutive
+    positions, no tree buffers."""
+    tokens = long_tensor(tree.tokens, device)  # (n,) BFS order
     if tree.parents == list(range(-1, len(tree) - 1)):
-        return TreeTensors(tokens, None, None)
-    pos, anc = position_ids(tree.depths, prefix_len), ancestor_matrix(tree.parents)
+        return Seq(tokens, cache)
+    pos, anc = position_ids(tree.depths, prefix_len)[0], ancestor_matrix(tree.parents)  # (n,), (n, n)
     if device.type != "cpu":
         pos, anc = pos.to(device), anc.to(device)
-    return TreeTensors(tokens, pos, KeyMask(prefix_len, anc))
-
-
-def verify_tree(model, cache, tt: TreeTensors, greedy: bool = True):
-    """One target forward over the flattened tree; returns the runner's Output: logits (1, n, V)
-    and, when greedy, ``choice``, the target's argmax at every node (host sync)."""
-    return model(input_ids=tt.tokens[None], attention_mask=tt.mask, position_ids=tt.positions,
-                 past_key_values=cache, use_cache=True, argmax=greedy)
+    return Seq(tokens, cache, pos, KeyMask(prefix_len, anc))
 
 
 def commit_target(model, cache, path: list[int], path_tokens: list[int], prefix_len: int,
@@ -274,7 +260,7 @@ class BatchDecoder:
         if cuda:
             _sync(self.dev)
         t0 = time.perf_counter()
-        seqs = [self._verify_input(s) for s in steps]
+        seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev) for s in steps]
         outs = self.target.forward(seqs, argmax=any(r.sampler is None for r in rows))
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)
@@ -318,14 +304,6 @@ class BatchDecoder:
             s.new_index = {old: new for new, old in enumerate(s.order)} if s.chain or r.sampler is not None else None
             s.chain = [s.new_index[v] for v in s.chain]  # flattened indices from here on
         return steps
-
-    def _verify_input(self, s: _Step) -> Seq:
-        """verify: the row's flattened tree as a Seq of the packed target forward.  A bare root
-        (ar, or nothing worth drafting) is an ordinary cached step."""
-        if len(s.tree) == 1:
-            return Seq(long_tensor([s.tree.tokens[0]], self.dev), s.row.cache)
-        tt = tree_tensors(s.tree, s.prefix_len, self.dev)
-        return Seq(tt.tokens, s.row.cache, None if tt.positions is None else tt.positions[0], tt.mask)
 
     def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> int:
         """accept, then commit; the row's bookkeeping and stop checks.  Returns tokens committed."""

@@ -81,26 +81,6 @@ class Tally:
         self.nodes += nodes
 
 
-class Timed:
-    """A model forward that adds its wall time to ``clock[0]`` (one clock shared by target and draft)."""
-
-    def __init__(self, model, clock: list[float]):
-        self.model, self.clock = model, clock
-        self.config, self.dtype, self.device = model.config, model.dtype, model.device
-
-    def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self.model(*args, **kwargs)
-        self.clock[0] += time.perf_counter() - t0
-        return out
-
-    def forward(self, seqs, **heads):
-        t0 = time.perf_counter()
-        out = self.model.forward(seqs, **heads)
-        self.clock[0] += time.perf_counter() - t0
-        return out
-
-
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

@@ -1,6 +1,6 @@
 """The runtime boundary: what the engine hands a model runner and what it gets back.
 
-A runner (lean.LeanNeoX, models.HFRunner, or either wrapped by metrics.Timed) scores the new
+A runner (lean.LeanNeoX, models.HFRunner) scores the new
 tokens of one or several sequences in one call::
 
     outs = runner.forward([Seq(ids, cache, positions, mask, keep), ...], topk=k | argmax=True, cols=V)

@@ -2,7 +2,7 @@
 import torch
 
 from dynatree.drafting import Drafter
-from dynatree.engine import tree_tensors, verify_tree
+from dynatree.engine import verify_seq
 from dynatree.models import HFRunner
 from dynatree.kvcache import new_cache
 from dynatree.policies import DynaTree, DySpecHeap
@@ -45,7 +45,7 @@ def test_tree_logits_equal_sequential_path_logits(target):
             if prefix:
                 target(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
             tree = hand_tree(root)
-            out = verify_tree(HFRunner(target), cache, tree_tensors(tree, len(prefix), target.device))
+            out = HFRunner(target).forward([verify_seq(tree, len(prefix), cache, target.device)], argmax=True)[0]
             logits = out.logits[0]
         for u in range(len(tree)):
             ref = sequential_logits(target, prefix + path_tokens(tree, u))
