@@ -132,6 +132,7 @@ class _Row:
         self.sampler = Sampler.from_config(cfg)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
+        self.lookup_stats = pair.state.setdefault("lookup", LookupStats()) if self.lookup else None
         budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
         self.capacity = len(prompt) + max_new_tokens + budget + 8
         self.cache = new_cache(pair.runner("target"), self.capacity)
@@ -249,7 +250,6 @@ class BatchDecoder:
                 r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler)
                 r.drafter.extend(r.prompt)
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
-            r.lookup_stats = self.pair.state.setdefault("lookup", LookupStats()) if r.lookup else None
 
     def _iterate(self, rows: list[_Row]) -> None:
         t_iter = time.perf_counter()
@@ -298,7 +298,7 @@ class BatchDecoder:
         for s in steps:
             r = s.row
             tree = next(trees) if r.drafter is not None and not (probe and r.budgeted) else Tree.root_only(r.out[-1])
-            proposal, s.chain = s.chain, []
+            proposal = s.chain
             s.chain, s.fresh = graft(tree, proposal, s.match, r.lookup_stats, tree.bar) if proposal else ([], [])
             s.tree, s.order = flatten_bfs(tree)
             s.new_index = {old: new for new, old in enumerate(s.order)} if s.chain or r.sampler is not None else None
