@@ -1,4 +1,7 @@
-"""The Ray actor: a thin shell around ShardWorker (the pair is loaded once, in __init__)."""
+"""The Ray actor: a thin shell around ShardWorker (the pair is loaded once, in __init__).
+
+Started with ``max_concurrency`` > 1 (driver): each in-flight ``run_shard`` call waits on its
+own thread while the worker's one decoding thread serves all of them in shared batches."""
 from __future__ import annotations
 
 import ray

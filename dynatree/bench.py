@@ -16,6 +16,7 @@ tables and plots from those rows alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -28,6 +29,7 @@ import torch
 from .check import first_difference, truncate_prompt
 from .config import make_config
 from .engine import decode
+from .metrics import Metrics
 from .models import ModelPair
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
@@ -220,15 +222,9 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
                 "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
                 "setting": json.dumps(setting, sort_keys=True), "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": len(prompt),
-                "new_tokens": m.get("new_tokens"), "tokens_per_s": m.get("tokens_per_s"),
-                "wall_time_s": m.get("wall_time_s"), "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"),
-                "iterations": m.get("iterations"), "tokens_per_iteration": m.get("tokens_per_iteration"),
-                "avg_path_length": m.get("avg_path_length"), "acceptance_rate": m.get("acceptance_rate"),
-                "mean_tree_size": m.get("mean_tree_size"), "lookup_tokens": m.get("lookup_tokens"), "draft_time_s": m.get("draft_time_s"),
-                "verify_time_s": m.get("verify_time_s"), "forward_time_s": m.get("forward_time_s"),
-                "overhead_fraction": m.get("overhead_fraction"), "target_forwards": m.get("target_forwards"),
-                "draft_forwards": m.get("draft_forwards"), "peak_memory_mb": mem.peak_mb,
+                "max_prompt_tokens": max_prompt_tokens,
+                **{f.name: m.get(f.name) for f in dataclasses.fields(Metrics)},  # one source: the dataclass
+                "prompt_tokens": len(prompt), "peak_memory_mb": mem.peak_mb,
                 "matches_ar": None if sampled else diff is None, "first_divergence": diff,
             })
         log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"

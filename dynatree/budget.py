@@ -38,8 +38,13 @@ drafted and verified.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -250,15 +255,57 @@ def time_prefill(model, n: int, repeats: int) -> float:
 
 def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), widths=(1, 4, 16),
             repeats: int = 5) -> LatencyModel:
-    """Measure verification and draft-level latency on this device (cached on the pair)."""
+    """Measure verification and draft-level latency on this device (cached on the pair, and on
+    disk per machine, models, kernel and thread count: see :func:`_disk_key`)."""
     key = ("latency", prefix_len)
     if key in pair.state:
         return pair.state[key]
     prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
-    lm = LatencyModel(_profile_model(pair.runner("target"), prefix_len, sizes, repeats),
-                      _profile_model(pair.runner("draft"), prefix_len, widths, repeats))
+    path = _disk_path(pair, (prefix_len, sizes, widths, repeats))
+    try:
+        saved = json.loads(path.read_text()) if path else None
+        lm = LatencyModel({int(k): v for k, v in saved["verify_ms"].items()},
+                          {int(k): v for k, v in saved["draft_ms"].items()}) if saved else None
+    except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: measure again
+        lm = None
+    if lm is None:
+        lm = LatencyModel(_profile_model(pair.runner("target"), prefix_len, sizes, repeats),
+                          _profile_model(pair.runner("draft"), prefix_len, widths, repeats))
+        if path:
+            _save(path, {"verify_ms": lm.verify_ms, "draft_ms": lm.draft_ms})
     pair.state[key] = lm
     return lm
+
+
+def _disk_path(pair, params) -> Path | None:
+    """Where a profile of this pair on this machine is kept, or None when the models are not
+    files (built in memory) or it is turned off (``DYNATREE_PROFILE_CACHE=0``).  A stale profile
+    only costs accuracy: the online corrections (LatencyModel.observe_*) track the real times."""
+    if os.environ.get("DYNATREE_PROFILE_CACHE", "1") == "0":
+        return None
+    files = []
+    for name in (pair.names.get("target"), pair.names.get("draft")):
+        if not name or not Path(name).is_dir():
+            return None
+        files += [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(name).iterdir())
+                  if f.suffix in (".json", ".safetensors", ".bin")]
+    from . import native
+    cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "") \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    blob = json.dumps([files, cpu, os.cpu_count(), torch.get_num_threads(), pair.kernel, str(pair.device),
+                       str(pair.dtype), native.variant() if pair.kernel == "lean" else None, params, torch.__version__])
+    cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
+    return cache / "profiles" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+
+
+def _save(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only means profiling again next time
 
 
 @dataclass

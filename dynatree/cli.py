@@ -136,37 +136,34 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         sys.exit(1)
 
 
+def _spec_options(f):
+    """``dynatree run``'s flags, one per JobSpec field (its type and help come from the field)."""
+    import dataclasses
+
+    from .jobs.spec import JobSpec
+
+    for fld in reversed(dataclasses.fields(JobSpec)):
+        name = fld.metadata.get("flag", fld.name).replace("_", "-")
+        parts = [t.strip() for t in fld.type.split("|")]
+        kind = "str" if "str" in parts else parts[0]
+        help_ = fld.metadata["help"] + (f" [{fld.default}]" if fld.default not in (None, "", dataclasses.MISSING)
+                                        and kind != "bool" else "")
+        if kind == "bool":
+            f = click.option(f"--{name}/--no-{name}", fld.name, default=None, help=help_)(f)
+        elif kind == "dict":
+            f = click.option(f"--{name}", fld.name, multiple=True, metavar="KEY=VALUE", help=help_)(f)
+        else:
+            choices = fld.metadata.get("choices")
+            kind = click.Choice(list(choices)) if choices else {"int": int, "float": float}.get(kind, str)
+            f = click.option(f"--{name}", fld.name, type=kind, default=None, help=help_)(f)
+    return f
+
+
 @main.command()
 @click.option("--config", "config_file", type=click.Path(), help="job file (YAML or JSON); flags override it")
-@click.option("--input", "input_", help="Parquet file/dir/glob, Arrow IPC, JSONL, or a datasets name/dir")
-@click.option("--output", help="output directory")
-@click.option("--prompt-column", help="column holding prompts [text]")
-@click.option("--id-column", help="column holding ids [row index]")
-@click.option("--target", help="target model (default: bundled demo pair)")
-@click.option("--draft", help="draft model (default: bundled demo pair)")
-@click.option("--method", type=click.Choice(list(METHODS)))
-@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="method option, repeatable")
-@click.option("--max-new-tokens", type=int)
-@click.option("--max-prompt-tokens", type=int, help="L_max: prompts keep their last L_max tokens [512]")
-@click.option("--ignore-eos", is_flag=True, default=None)
-@click.option("--device")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]))
-@click.option("--batch-size", type=int, help="prompts per step (method ar only)")
-@click.option("--num-actors", type=int)
-@click.option("--cpus-per-actor", type=float)
-@click.option("--gpus-per-actor", type=float)
-@click.option("--shard-size", type=int)
-@click.option("--max-retries", type=int)
-@click.option("--verify-fraction", type=float, help="fraction of prompts re-decoded with ar to check equality")
-@click.option("--fail-on-mismatch", is_flag=True, default=None)
-@click.option("--address", help="Ray address (default: start a local cluster)")
-@click.option("--resume", is_flag=True, default=None, help="continue a job in --output (the default)")
-@click.option("--overwrite", is_flag=True, default=None, help="discard what --output holds")
+@_spec_options
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def run(config_file, input_, output, prompt_column, id_column, target, draft, method, options,
-        max_new_tokens, max_prompt_tokens, ignore_eos, device, dtype, batch_size, num_actors,
-        cpus_per_actor, gpus_per_actor, shard_size, max_retries, verify_fraction, fail_on_mismatch,
-        address, resume, overwrite, quiet):
+def run(config_file, quiet, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
     from .jobs.driver import JobError, run_job
@@ -174,15 +171,8 @@ def run(config_file, input_, output, prompt_column, id_column, target, draft, me
     from .jobs.summary import format_table
 
     try:
-        spec = build_spec(config_file, input=input_, output=output, prompt_column=prompt_column,
-                          id_column=id_column, target=target, draft=draft, method=method,
-                          options=parse_options(options), max_new_tokens=max_new_tokens,
-                          max_prompt_tokens=max_prompt_tokens, ignore_eos=ignore_eos, device=device,
-                          dtype=dtype, batch_size=batch_size, num_actors=num_actors,
-                          cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                          shard_size=shard_size, max_retries=max_retries,
-                          verify_fraction=verify_fraction, fail_on_mismatch=fail_on_mismatch,
-                          address=address, resume=resume, overwrite=overwrite)
+        fields["options"] = parse_options(fields["options"])
+        spec = build_spec(config_file, **fields)
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True))
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))

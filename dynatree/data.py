@@ -1,16 +1,27 @@
 """Reading text columns from Parquet, Arrow IPC, JSONL, plain text or a `datasets` dataset."""
 from __future__ import annotations
 
+import bisect
 import glob
+import itertools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
 
 
 class InputError(ValueError):
     """The input cannot be read, or lacks the requested column."""
+
+
+_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+            ".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt"}
 
 
 def _files(source: str) -> list[str]:
@@ -18,7 +29,7 @@ def _files(source: str) -> list[str]:
         files = sorted(glob.glob(source, recursive=True))
     elif os.path.isdir(source):
         files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file()
-                       and p.suffix in (".parquet", ".arrow", ".feather", ".ipc", ".jsonl", ".json", ".txt"))
+                       and p.suffix in _FORMATS)
     elif os.path.exists(source):
         files = [source]
     else:
@@ -32,10 +43,8 @@ def _read_one(path: str) -> pa.Table:
     suffix = Path(path).suffix
     try:
         if suffix == ".parquet":
-            import pyarrow.parquet as pq
             return pq.read_table(path)
         if suffix in (".arrow", ".feather", ".ipc"):
-            import pyarrow.ipc as ipc
             with pa.memory_map(path) as src:
                 try:
                     return ipc.open_file(src).read_all()
@@ -44,7 +53,7 @@ def _read_one(path: str) -> pa.Table:
                     return ipc.open_stream(src).read_all()
         if suffix in (".jsonl", ".json"):
             with open(path, encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+                rows = [_json_row(line, path, n) for n, line in enumerate(f, 1) if line.strip()]
             return pa.Table.from_pylist(rows)
         if suffix == ".txt":
             return pa.table({"text": [Path(path).read_text(encoding="utf-8")]})
@@ -59,18 +68,9 @@ def read_table(source: str) -> pa.Table:
     A `datasets` source may be a directory written by ``save_to_disk`` or a hub name with an
     optional config and split: ``NAME[:CONFIG]:SPLIT`` (``wikitext:wikitext-2-raw-v1:test``).
     """
-    if os.path.isdir(source) and (Path(source) / "dataset_info.json").exists() or \
-            (os.path.isdir(source) and (Path(source) / "dataset_dict.json").exists()):
-        return _read_datasets(source, None)
-    if not os.path.exists(source) and not any(c in source for c in "*?["):
-        if Path(source).suffix in (".parquet", ".arrow", ".feather", ".ipc", ".jsonl", ".json", ".txt") \
-                or os.sep in source.rstrip(os.sep) and not source.count("/") == 1:
-            raise InputError(f"no input files found at {source!r}")
-        parts = source.split(":")
-        if len(parts) > 3:
-            raise InputError(f"{source!r}: expected NAME[:CONFIG]:SPLIT")
-        name, config, split = parts[0], parts[1] if len(parts) == 3 else None, parts[-1] if len(parts) > 1 else None
-        return _read_datasets(name, split, config)
+    target = _datasets_target(source)
+    if target is not None:
+        return _read_datasets(*target)
     tables = [_read_one(f) for f in _files(source)]
     try:
         return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
@@ -78,7 +78,22 @@ def read_table(source: str) -> pa.Table:
         raise InputError(f"input files under {source!r} have incompatible schemas: {e}") from e
 
 
-def _read_datasets(name: str, split: str | None, config: str | None = None) -> pa.Table:
+def _datasets_target(source: str) -> tuple[str, str | None, str | None] | None:
+    """(name, split, config) when `source` names a `datasets` dataset rather than files."""
+    if os.path.isdir(source) and any((Path(source) / n).exists() for n in ("dataset_info.json", "dataset_dict.json")):
+        return source, None, None
+    if os.path.exists(source) or any(c in source for c in "*?["):
+        return None
+    # A path-like name that does not exist is a missing file, not a hub dataset to download.
+    if Path(source).suffix in _FORMATS or os.sep in source.rstrip(os.sep) and not source.count("/") == 1:
+        raise InputError(f"no input files found at {source!r}")
+    parts = source.split(":")
+    if len(parts) > 3:
+        raise InputError(f"{source!r}: expected NAME[:CONFIG]:SPLIT")
+    return parts[0], parts[-1] if len(parts) > 1 else None, parts[1] if len(parts) == 3 else None
+
+
+def _load_dataset(name: str, split: str | None, config: str | None = None):
     try:
         import datasets
     except ImportError as e:
@@ -93,6 +108,11 @@ def _read_datasets(name: str, split: str | None, config: str | None = None) -> p
     if isinstance(ds, datasets.DatasetDict):
         key = split or ("test" if "test" in ds else next(iter(ds)))
         ds = ds[key]
+    return ds
+
+
+def _read_datasets(name: str, split: str | None, config: str | None = None) -> pa.Table:
+    ds = _load_dataset(name, split, config)
     return ds.data.table if hasattr(ds.data, "table") else ds.with_format("arrow")[:]
 
 
@@ -101,3 +121,507 @@ def read_texts(source: str, column: str = "text") -> list:
     if column not in table.column_names:
         raise InputError(f"{source}: no column {column!r} (columns: {', '.join(table.column_names)})")
     return table.column(column).to_pylist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming, planned input: row counts from file metadata, rows read by range on demand.
+
+JSONL_CHECKPOINT_EVERY = 4096  # rows between remembered byte offsets (10M lines -> ~2.5k offsets)
+JSONL_INFER_ROWS = 10000       # leading rows whose values decide a JSONL file's schema
+BATCH_ROWS = 1024              # rows decoded per step; bounds what a cursor holds between reads
+_SCAN_BYTES = 4 << 20          # JSONL planning reads this much at a time
+_MAX_CURSORS = 4               # files kept open for sequential reads (a retry may go back a file)
+_WS = np.zeros(256, dtype=bool)
+_WS[[9, 10, 13, 32]] = True    # the whitespace JSON allows around a value
+
+
+def _json_row(line: str | bytes, path: str, n: int) -> dict:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({getattr(e, 'msg', e)}{where})") from e
+    if not isinstance(row, dict):
+        raise InputError(f"cannot read {path}: line {n}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str          # absolute (for a hub dataset: its name)
+    format: str        # "parquet" | "arrow" | "jsonl" | "txt" | "datasets"
+    rows: int
+    size: int          # bytes (0 for datasets)
+    mtime_ns: int      # (0 for datasets)
+
+
+class _Part:
+    """One input file.  Sequential range reads advance a forward cursor instead of re-decoding
+    from the file start; between reads the cursor holds at most one undelivered batch."""
+
+    def __init__(self, info: InputFile, schema: pa.Schema):
+        self.info, self.schema = info, schema.remove_metadata()
+        self._it = self._cur = self._cols = None
+        self._pos = 0
+
+    def anchor(self, row: int) -> int:
+        """The nearest row <= `row` that batches() can start from without decoding earlier rows."""
+        return 0
+
+    def batches(self, row: int, columns: list[str]):
+        """Items (len(), .slice(offset, length)) from `row`, an anchor(), to the end of the file."""
+        raise NotImplementedError
+
+    def convert(self, items: list, columns: list[str], raw: Sequence[str]) -> tuple[pa.Table, dict]:
+        table = pa.Table.from_batches(items)
+        return table, {c: table.column(c).to_pylist() for c in raw if c in columns}
+
+    def read(self, lo: int, hi: int, need: list[str], raw: Sequence[str]) -> tuple[pa.Table, dict]:
+        """Rows [lo, hi) of this file in its own types; `raw` values as Python objects."""
+        cols = [c for c in need if c in self.schema.names]
+        if not cols or lo >= hi:
+            return pa.table({}), {}
+        return self.convert(self._take(lo, hi, cols), cols, raw)
+
+    def _take(self, start: int, end: int, columns: list[str]) -> list:
+        anchor = self.anchor(start)
+        buffered_end = self._pos + (len(self._cur) if self._cur is not None else 0)
+        # Restart when going back, when the columns change, or when a later anchor is cheaper
+        # to reach than decoding forward from where the cursor stands.
+        if self._it is None or columns != self._cols or start < self._pos or anchor > buffered_end:
+            self.close()
+            self._it, self._pos, self._cols = self.batches(anchor, columns), anchor, columns
+        out = []
+        while self._pos < end:
+            if self._cur is None:
+                self._cur = next(self._it, None)
+                if self._cur is None:
+                    self.close()
+                    raise InputError(f"{self.info.path}: ended at row {self._pos}, planned {self.info.rows} "
+                                     "rows (was the file changed while the job ran?)")
+            n = len(self._cur)
+            lo, hi = max(start - self._pos, 0), min(end - self._pos, n)
+            if lo < hi:
+                out.append(self._cur.slice(lo, hi - lo))
+            if self._pos + n > end:
+                break
+            self._pos, self._cur = self._pos + n, None
+        return out
+
+    def close(self) -> None:
+        if hasattr(self._it, "close"):
+            self._it.close()
+        self._it = self._cur = self._cols = None
+        self._pos = 0
+
+    def locate(self, row: int) -> str:
+        return f"row {row}"
+
+
+def _stat(path: str, fmt: str, rows: int) -> InputFile:
+    st = os.stat(path)
+    return InputFile(path, fmt, rows, st.st_size, st.st_mtime_ns)
+
+
+class _ParquetPart(_Part):
+    def __init__(self, path: str):
+        try:
+            pf = pq.ParquetFile(path)
+            meta, schema = pf.metadata, pf.schema_arrow
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"cannot read {path}: {e}") from e
+        sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        self._starts = [0, *itertools.accumulate(sizes)][:-1]
+        super().__init__(_stat(path, "parquet", meta.num_rows), schema)
+
+    def anchor(self, row: int) -> int:
+        return self._starts[bisect.bisect_right(self._starts, row) - 1] if self._starts else 0
+
+    def batches(self, row: int, columns: list[str]):
+        # Without pre_buffer and with a read buffer, a column chunk is streamed page by page:
+        # pyarrow's default reads a whole column chunk, which for a 1Mi-row group is the file.
+        pf = pq.ParquetFile(self.info.path, pre_buffer=False, buffer_size=1 << 20)
+        group = bisect.bisect_right(self._starts, row) - 1
+        return pf.iter_batches(batch_size=BATCH_ROWS, columns=columns,
+                               row_groups=range(group, len(self._starts)), use_threads=False)
+
+
+class _ArrowPart(_Part):
+    def __init__(self, path: str):
+        try:
+            with pa.memory_map(path) as src:  # zero-copy: counting rows touches only batch headers
+                try:
+                    reader, self._stream = ipc.open_file(src), False
+                    sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+                except pa.ArrowInvalid:
+                    src.seek(0)
+                    reader, self._stream = ipc.open_stream(src), True
+                    sizes = [b.num_rows for b in reader]
+                schema = reader.schema
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"cannot read {path}: {e}") from e
+        self._starts = [0, *itertools.accumulate(sizes)][:-1]
+        super().__init__(_stat(path, "arrow", sum(sizes)), schema)
+
+    def anchor(self, row: int) -> int:
+        if self._stream or not self._starts:
+            return 0
+        return self._starts[bisect.bisect_right(self._starts, row) - 1]
+
+    def batches(self, row: int, columns: list[str]):
+        # A plain file (not a memory map) so pages already delivered do not stay resident.
+        options = ipc.IpcReadOptions(included_fields=[self.schema.get_field_index(c) for c in columns])
+        with pa.OSFile(self.info.path) as src:
+            if self._stream:
+                yield from ipc.open_stream(src, options=options)
+                return
+            reader = ipc.open_file(src, options=options)
+            for i in range(bisect.bisect_right(self._starts, row) - 1, reader.num_record_batches):
+                yield reader.get_batch(i)
+
+
+class _TextPart(_Part):
+    def __init__(self, path: str):
+        super().__init__(_stat(path, "txt", 1), pa.schema([("text", pa.string())]))
+
+    def read(self, lo, hi, need, raw):
+        if "text" not in need or lo >= hi:
+            return pa.table({}), {}
+        try:
+            text = Path(self.info.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read {self.info.path}: {e}") from e
+        return pa.table({"text": [text]}), {"text": [text]} if "text" in raw else {}
+
+
+class _DatasetPart(_Part):
+    """A `datasets` dataset is Arrow already (memory mapped), so a range is a zero-copy slice."""
+
+    def __init__(self, name: str, split: str | None, config: str | None):
+        ds = _load_dataset(name, split, config)
+        if getattr(ds, "_indices", None) is not None:
+            ds = ds.flatten_indices()  # a selection/shuffle mapping would make slices wrong
+        self.table = ds.data.table if hasattr(ds.data, "table") else ds.with_format("arrow")[:]
+        self.meta = {"name": name, "split": split, "config": config,
+                     "fingerprint": getattr(ds, "_fingerprint", None)}
+        path = os.path.abspath(name) if os.path.isdir(name) else name
+        super().__init__(InputFile(path, "datasets", self.table.num_rows, 0, 0), self.table.schema)
+
+    def read(self, lo, hi, need, raw):
+        cols = [c for c in need if c in self.schema.names]
+        table = self.table.slice(lo, max(hi - lo, 0)).select(cols)
+        return table, {c: table.column(c).to_pylist() for c in raw if c in cols}
+
+
+def _scan_jsonl(path: str, every: int) -> tuple[int, list[tuple[int, int]]]:
+    """Non-blank lines of a file, and (byte offset, 1-based line) of rows 0, every, 2*every, ...
+
+    Vectorised over large chunks: a Python loop over 10M lines would dominate planning."""
+    rows = lines = pos = 0
+    marks: list[tuple[int, int]] = []
+    tail_start, tail_text = 0, False  # the line still open at a chunk boundary
+    with open(path, "rb") as f:
+        while chunk := f.read(_SCAN_BYTES):
+            a = np.frombuffer(chunk, dtype=np.uint8)
+            text = np.cumsum(~_WS[a], dtype=np.int32)
+            nl = np.flatnonzero(a == 10)
+            if len(nl):
+                ends = text[nl]
+                nonblank = np.diff(ends, prepend=0) > 0
+                nonblank[0] |= tail_text
+                starts = np.concatenate(([tail_start], pos + nl[:-1] + 1))
+                idx = np.flatnonzero(nonblank)
+                keep = idx[(rows + np.arange(len(idx))) % every == 0]
+                marks.extend(zip(starts[keep].tolist(), (lines + keep + 1).tolist()))
+                rows, lines = rows + len(idx), lines + len(nl)
+                tail_start, tail_text = pos + int(nl[-1]) + 1, bool(text[-1] > ends[-1])
+            else:
+                tail_text = tail_text or bool(text[-1] > 0)
+            pos += len(a)
+    if tail_text:  # a last line without a newline
+        if rows % every == 0:
+            marks.append((tail_start, lines + 1))
+        rows += 1
+    return rows, marks
+
+
+class _Rows:
+    """Parsed JSONL rows with their 1-based line numbers (blank lines are not rows)."""
+
+    def __init__(self, rows: list[dict], lines: list[int]):
+        self.rows, self.lines = rows, lines
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def slice(self, lo: int, n: int) -> "_Rows":
+        return _Rows(self.rows[lo:lo + n], self.lines[lo:lo + n])
+
+
+_CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
+
+
+def _infer_type(values: list) -> pa.DataType:
+    """The pyarrow type of a JSONL column's values; string when they mix types (str and int...)."""
+    if all(v is None for v in values):
+        return pa.string()  # nothing to go on; string takes any later value as text
+    try:
+        return pa.array(values).type
+    except _CONVERT_ERRORS:
+        return pa.string()
+
+
+def _truncates(v, t: pa.DataType) -> bool:
+    # pyarrow silently truncates 1.5 into an integer column; count that as a value that does not fit
+    return isinstance(v, float) and pa.types.is_integer(t) and not v.is_integer()
+
+
+class _JsonlPart(_Part):
+    def __init__(self, path: str):
+        self._path = path
+        try:
+            rows, self._marks = _scan_jsonl(path, JSONL_CHECKPOINT_EVERY)
+        except OSError as e:
+            raise InputError(f"cannot read {path}: {e}") from e
+        self._every = JSONL_CHECKPOINT_EVERY
+        head = list(itertools.islice(self._lines(0), JSONL_INFER_ROWS))
+        keys = list(dict.fromkeys(k for _, row in head for k in row))
+        types = {k: _infer_type([row.get(k) for _, row in head]) for k in keys}
+        super().__init__(_stat(path, "jsonl", rows), pa.schema(list(types.items())))
+
+    def _lines(self, row: int):
+        """(line number, parsed row) from `row`, a multiple of the checkpoint interval."""
+        if row >= len(self._marks) * self._every:
+            return
+        offset, line = self._marks[row // self._every]
+        with open(self._path, "rb") as f:
+            f.seek(offset)
+            for n, text in enumerate(f, line):
+                if text.strip():
+                    yield n, _json_row(text, self._path, n)
+
+    def anchor(self, row: int) -> int:
+        return row // self._every * self._every
+
+    def batches(self, row: int, columns: list[str]):
+        lines = self._lines(row)
+        try:
+            while chunk := list(itertools.islice(lines, BATCH_ROWS)):
+                yield _Rows([r for _, r in chunk], [n for n, _ in chunk])
+        finally:
+            lines.close()
+
+    def convert(self, items, columns, raw):
+        rows = [r for item in items for r in item.rows]
+        lines = [n for item in items for n in item.lines]
+        arrays = [self._column(c, [r.get(c) for r in rows], lines) for c in columns]
+        return (pa.Table.from_arrays(arrays, names=columns),
+                {c: [r.get(c) for r in rows] for c in raw if c in columns})
+
+    def _column(self, name: str, values: list, lines: list[int]) -> pa.Array:
+        t = self.schema.field(name).type
+        if pa.types.is_string(t):
+            # A string column takes any value: non-strings as their JSON text, so a mixed
+            # prompt column still reads and the caller can reject single rows.
+            return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], t)
+        try:
+            if not any(_truncates(v, t) for v in values):
+                return pa.array(values, t)
+        except _CONVERT_ERRORS:
+            pass
+        for v, n in zip(values, lines):  # the slow path only runs to name the offending line
+            try:
+                if _truncates(v, t):
+                    raise pa.ArrowInvalid(v)
+                pa.array([v], t)
+            except _CONVERT_ERRORS:
+                raise InputError(f"{self.info.path}: line {n}: column {name!r} value {v!r:.80} "
+                                 f"does not fit type {t} (inferred from the first rows)") from None
+        raise InputError(f"{self.info.path}: lines {lines[0]}-{lines[-1]}: column {name!r} does not fit type {t}")
+
+    def locate(self, row: int) -> str:
+        base = self.anchor(row)
+        for i, (n, _) in enumerate(self._lines(base)):
+            if base + i == row:
+                return f"line {n}"
+        return f"row {row}"
+
+
+_PARTS = {"parquet": _ParquetPart, "arrow": _ArrowPart, "jsonl": _JsonlPart, "txt": _TextPart}
+
+
+def _plan_files(source: str) -> list[str]:
+    """The data files of a file/directory/glob source, all of one format."""
+    files = [os.path.abspath(f) for f in _files(source)]
+    by_format: dict[str, list[str]] = {}
+    for f in files:
+        fmt = _FORMATS.get(Path(f).suffix)
+        if fmt is None:
+            raise InputError(f"unsupported input file type {Path(f).suffix!r}: {f}")
+        by_format.setdefault(fmt, []).append(f)
+    if len(by_format) > 1:
+        main = max(by_format, key=lambda k: len(by_format[k]))
+        found = "; ".join(f"{k}: {', '.join(Path(f).name for f in v[:3])}{', ...' if len(v) > 3 else ''}"
+                          for k, v in sorted(by_format.items()))
+        suffix = Path(by_format[main][0]).suffix
+        base = source.rstrip(os.sep) if os.path.isdir(source) else os.path.dirname(source) or "."
+        nested = any(os.path.dirname(f) != os.path.abspath(base) for f in by_format[main])
+        hint = os.path.join(base, *(["**"] if nested else []), f"*{suffix}")
+        raise InputError(f"{source!r} mixes input formats ({found}); read one format, e.g. {hint!r}")
+    return files
+
+
+def _unify(parts: list[_Part]) -> pa.Schema:
+    schema = parts[0].schema
+    for part in parts[1:]:
+        if part.schema.equals(schema):
+            continue
+        try:
+            schema = pa.unify_schemas([schema, part.schema], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise InputError(f"{part.info.path}: schema does not match the files before it "
+                             f"({parts[0].info.path}, ...): {e}") from e
+    return schema
+
+
+class InputSource:
+    """A planned view of an input: row counts from file metadata, rows read by range on demand.
+
+    Global row order is files in sorted path order, rows in file order.  Reading ranges in
+    increasing order is cheap (each file keeps a forward cursor); going back restarts a cursor.
+    """
+
+    def __init__(self, source: str, parts: list[_Part], schema: pa.Schema, dataset: dict | None = None):
+        self.source, self._parts, self.schema, self._dataset = source, parts, schema, dataset
+        self.files = [p.info for p in parts]
+        self._starts = [0, *itertools.accumulate(f.rows for f in self.files)]
+        self.num_rows = self._starts[-1]
+        self.column_names = list(schema.names)
+        self._open: list[_Part] = []  # parts holding a cursor, least recently used first
+
+    @classmethod
+    def open(cls, source: str) -> "InputSource":
+        """A file, directory, glob, or `datasets` name/directory (as `read_table` accepts)."""
+        target = _datasets_target(source)
+        if target is not None:
+            part = _DatasetPart(*target)
+            return cls(source, [part], part.schema, part.meta)
+        parts = [_PARTS[_FORMATS[Path(f).suffix]](f) for f in _plan_files(source)]
+        return cls(source, parts, _unify(parts))
+
+    def fingerprint(self) -> dict:
+        fp = {"source": self.source, "num_rows": self.num_rows,
+              "files": [{"path": f.path, "format": f.format, "size": f.size, "mtime_ns": f.mtime_ns,
+                         "rows": f.rows} for f in self.files]}
+        if self._dataset is not None:
+            fp["dataset"] = dict(self._dataset)
+        return fp
+
+    def _require(self, columns) -> None:
+        for c in columns:
+            if c not in self.column_names:
+                raise InputError(f"{self.source}: no column {c!r} (columns: {', '.join(self.column_names)})")
+
+    def read(self, start: int, end: int, columns: list[str], raw: Sequence[str] = ()) -> tuple[pa.Table, dict[str, list]]:
+        """Rows [start, end) with only `columns`, typed with `self.schema`; plus, per name in
+        `raw`, that column's values as Python objects exactly as the file holds them."""
+        columns, raw = list(columns), list(raw)
+        self._require(columns + raw)
+        need = list(dict.fromkeys(columns + raw))
+        start, end = max(start, 0), min(end, self.num_rows)
+        tables, raws = [], {c: [] for c in raw}
+        k = bisect.bisect_right(self._starts, start) - 1
+        while start < end:
+            part, base = self._parts[k], self._starts[k]
+            hi = min(end, self._starts[k + 1])
+            if hi > start:
+                self._touch(part)
+                t, r = part.read(start - base, hi - base, need, raw)
+                tables.append(self._conform(t, columns, hi - start, part))
+                for c in raw:
+                    raws[c].extend(r.get(c) or [None] * (hi - start))
+            start, k = hi, k + 1
+        sub = pa.schema([self.schema.field(c) for c in columns])
+        return (pa.concat_tables(tables) if tables else sub.empty_table()), raws
+
+    def _touch(self, part: _Part) -> None:
+        if part in self._open:
+            self._open.remove(part)
+        self._open.append(part)
+        while len(self._open) > _MAX_CURSORS:
+            self._open.pop(0).close()
+
+    def _conform(self, table: pa.Table, columns: list[str], n: int, part: _Part) -> pa.Table:
+        """One file's rows in the input's unified schema; columns the file lacks are null."""
+        arrays = []
+        for c in columns:
+            field = self.schema.field(c)
+            if c not in table.column_names:
+                arrays.append(pa.nulls(n, field.type))
+                continue
+            col = table.column(c)
+            if col.type != field.type:
+                try:
+                    col = col.cast(field.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+                    raise InputError(f"{part.info.path}: column {c!r} cannot be read as {field.type}: {e}") from e
+            arrays.append(col)
+        return pa.Table.from_arrays(arrays, schema=pa.schema([self.schema.field(c) for c in columns]))
+
+    def _where(self, row: int) -> tuple[_Part, str]:
+        k = bisect.bisect_right(self._starts, row) - 1
+        part = self._parts[k]
+        return part, part.locate(row - self._starts[k])
+
+    def _id_hashes(self, column: str, chunk: int):
+        """(first global row, int64 hashes of str(id)) per chunk; a null id raises."""
+        for s in range(0, self.num_rows, chunk):
+            table, _ = self.read(s, s + chunk, [column])
+            col = table.column(0)
+            if col.null_count:
+                part, where = self._where(s + col.is_null().index(True).as_py())
+                raise InputError(f"{part.info.path}: id column {column!r} is null at {where}")
+            ids = col.to_pylist()
+            if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
+                ids = [str(v) for v in ids]
+            yield s, ids, np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
+
+    def check_ids(self, column: str, chunk: int = 65536) -> None:
+        """Null ids and duplicate ids (compared as str) raise InputError.
+
+        Memory is 8 bytes per row (a hash), not a set of id strings: repeated hashes are found by
+        sorting, and a second pass confirms only the ids behind them."""
+        self._require([column])
+        hashes = [h for _, _, h in self._id_hashes(column, chunk)]
+        if not hashes:
+            return
+        h = np.sort(np.concatenate(hashes))
+        del hashes
+        repeated = np.unique(h[1:][h[1:] == h[:-1]])
+        del h
+        if not len(repeated):
+            return
+        dups = self._confirm_dups(column, chunk, repeated)
+        if dups:
+            shown = sorted(dups)[:10]
+            (part_a, a), (part_b, b) = (self._where(r) for r in dups[shown[0]])
+            raise InputError(f"{self.source}: duplicate ids in {column!r} ({len(repeated)} ids repeat): "
+                             f"{', '.join(map(repr, shown))} (e.g. {shown[0]!r} at {part_a.info.path} {a} "
+                             f"and {part_b.info.path} {b})")
+
+    def _confirm_dups(self, column: str, chunk: int, repeated: np.ndarray) -> dict[str, tuple[int, int]]:
+        """Duplicated ids among those whose hash repeats, with two global rows each.
+
+        Candidates are checked 1000 hashes at a time, stopping once 10 duplicates are known, so a
+        heavily duplicated input cannot make this pass hold every id."""
+        dups: dict[str, tuple[int, int]] = {}
+        for i in range(0, len(repeated), 1000):
+            wanted, seen = repeated[i:i + 1000], {}
+            for s, ids, h in self._id_hashes(column, chunk):
+                for j in np.flatnonzero(np.isin(h, wanted)).tolist():
+                    first = seen.setdefault(ids[j], s + j)
+                    if first != s + j and ids[j] not in dups:
+                        dups[ids[j]] = (first, s + j)
+            if len(dups) >= 10:
+                break
+        return dups

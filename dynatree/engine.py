@@ -197,6 +197,7 @@ class BatchDecoder:
         self.joining: list[_Row] = []
         self.active: list[_Row] = []
         self.governor = Governor()  # batched budget against measured batched ar (B > 1)
+        self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
@@ -245,6 +246,7 @@ class BatchDecoder:
             r.target_forwards += 1
             r.forward_time += dt
             r.stop_after(r.next_token(o))
+            self.tokens += 1
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft:
                 r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler)
@@ -270,6 +272,7 @@ class BatchDecoder:
             s.row.target_forwards += 1
             s.row.forward_time += t_forward
             committed += self._accept_commit(s, out, n_total, t_forward, t1)
+        self.tokens += committed
         if len(rows) > 1 and budgeted:
             self.governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
 
@@ -380,6 +383,8 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str 
                    ignore_eos: bool = False) -> list[Generation]:
     """Decode several prompts (texts or token ids) together, many sequences per forward
     (BatchDecoder); one Generation per prompt, in order."""
+    if any(isinstance(p, str) and not p.strip() for p in prompts):
+        raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
     ids = [pair.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     return [Generation(toks, pair.decode(toks), reason, method, metrics, asdict(cfg))

@@ -27,9 +27,9 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 from __future__ import annotations
 
 import resource
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
+import pyarrow as pa
 import torch
 
 
@@ -59,6 +59,46 @@ class Metrics:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Check:
+    """A row's comparison with greedy ``ar`` (the job's ``verify_fraction``; check.divergence)."""
+
+    ar_tokens_per_s: float | None = None
+    matches_ar: bool | None = None
+    first_divergence: int | None = None
+    divergence_margin: float | None = None
+
+
+# The output row: these columns, then every Metrics field, then every Check field.  The job's
+# Parquet schema and the worker's rows both come from here (output_schema, result_row).
+_HEAD = (("id", pa.string()), ("generated_text", pa.string()), ("generated_token_ids", pa.list_(pa.int32())),
+         ("num_generated_tokens", pa.int32()), ("finish_reason", pa.string()), ("method", pa.string()),
+         ("error", pa.string()))
+_ARROW = {"int": pa.int32(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+
+
+def _arrow_type(annotation: str) -> pa.DataType:
+    return _ARROW[annotation.split("|")[0].strip()]
+
+
+def output_schema() -> pa.Schema:
+    cols = list(_HEAD) + [(f.name, _arrow_type(f.type)) for cls in (Metrics, Check) for f in fields(cls)]
+    return pa.schema(cols)
+
+
+def result_row(row_id, method: str, error: str | None = None) -> dict:
+    """A row with every output column: metrics unset until :func:`fill_row`."""
+    row = dict.fromkeys(output_schema().names)
+    row.update(id=str(row_id), method=method, error=error, finish_reason="error" if error else None,
+               num_generated_tokens=0)
+    return row
+
+
+def fill_row(row: dict, text: str, tokens: list[int], reason: str, m: Metrics) -> None:
+    row.update(generated_text=text, generated_token_ids=tokens, num_generated_tokens=len(tokens),
+               finish_reason=reason, **m.as_dict())
 
 
 class Tally:

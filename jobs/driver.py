@@ -1,139 +1,39 @@
-"""The batch driver: reads prompts, shards them over Ray actors, writes Parquet, resumes.
+"""The batch driver: plans shards over the input, feeds them to Ray actors, writes Parquet, resumes.
 
-The driver never touches tensors: it moves ``{"id", "text"}`` rows to actors and result rows
-(plain Python values) back to Parquet.
+The driver never touches tensors and never holds the whole input: it reads one shard's rows
+(plan.Plan, data.InputSource) when an actor has room for it, sends ``{"id", "text"}`` rows, and
+writes the returned result rows plus the shard's kept input columns.  Each actor keeps enough
+shards queued to fill its batch (``JobSpec.inflight_shards``) and decodes them together.
 
 Output directory::
 
-    OUT/manifest.json            job identity, spec and shard plan (written before any work)
-    OUT/shards/part-NNNNN.parquet one file per shard, written to a temp name then renamed
-    OUT/summary.json             throughput, acceptance, equivalence, errors, config, versions
+    OUT/manifest.json              job identity, input fingerprint, shard count
+    OUT/shards/part-NNNNNN.parquet one file per shard, written to a temp name then renamed
+    OUT/summary.json               throughput, start-up, acceptance, equivalence, errors, config
 
 A shard file exists only when complete, so a killed driver loses at most the shards in
 flight; re-running on the same directory skips finished shards.  A re-run whose output
-identity differs (see ``spec.OUTPUT_IDENTITY``) is refused unless ``overwrite``.
+identity or input differs is refused unless ``overwrite`` (plan.prepare_output).  Actors that
+the cluster cannot hold fail the job with a message (placement.py), never a silent wait.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
 import time
 from collections import deque
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from dynatree.data import InputError, read_table
+from dynatree.metrics import output_schema
 
-from .spec import JobSpec
+from . import placement
+from .plan import JobError, Plan, finished_shards, make_plan, prepare_output, write_shard
+from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
-SCHEMA = pa.schema([
-    ("id", pa.string()), ("prompt_tokens", pa.int32()), ("generated_text", pa.string()),
-    ("generated_token_ids", pa.list_(pa.int32())), ("num_generated_tokens", pa.int32()),
-    ("finish_reason", pa.string()), ("method", pa.string()), ("error", pa.string()),
-    ("tokens_per_s", pa.float64()), ("wall_time_s", pa.float64()), ("ttft_s", pa.float64()),
-    ("tpot_s", pa.float64()), ("iterations", pa.int32()), ("tokens_per_iteration", pa.float64()),
-    ("avg_path_length", pa.float64()), ("acceptance_rate", pa.float64()),
-    ("draft_time_s", pa.float64()), ("verify_time_s", pa.float64()), ("target_forwards", pa.int32()),
-    ("draft_forwards", pa.int32()), ("lookup_tokens", pa.int32()), ("ar_tokens_per_s", pa.float64()), ("matches_ar", pa.bool_()),
-    ("first_divergence", pa.int32()), ("divergence_margin", pa.float64()),
-])
-
-
-class JobError(RuntimeError):
-    """The job cannot start or did not finish."""
-
-
-def load_prompts(spec: JobSpec) -> list[dict]:
-    """[{"id": str, "text": any}] in input order; bad files, columns and duplicate ids fail here."""
-    try:
-        table = read_table(spec.input)
-    except InputError as e:
-        raise JobError(str(e)) from e
-    cols = table.column_names
-    if spec.prompt_column not in cols:
-        raise JobError(f"input {spec.input}: no prompt column {spec.prompt_column!r} (columns: {', '.join(cols)})")
-    texts = table.column(spec.prompt_column).to_pylist()
-    if spec.id_column:
-        if spec.id_column not in cols:
-            raise JobError(f"input {spec.input}: no id column {spec.id_column!r} (columns: {', '.join(cols)})")
-        ids = table.column(spec.id_column).to_pylist()
-        if any(i is None for i in ids):
-            raise JobError(f"input {spec.input}: id column {spec.id_column!r} has null ids")
-        ids = [str(i) for i in ids]
-        seen, dups = set(), []
-        for i in ids:
-            if i in seen:
-                dups.append(i)
-            seen.add(i)
-        if dups:
-            raise JobError(f"input {spec.input}: duplicate ids in {spec.id_column!r}: {', '.join(sorted(set(dups))[:10])}")
-    else:
-        ids = [str(i) for i in range(len(texts))]
-    return [{"id": i, "text": t} for i, t in zip(ids, texts)]
-
-
-def plan_shards(n_rows: int, shard_size: int) -> list[tuple[str, int, int]]:
-    return [(f"part-{k:05d}", s, min(s + shard_size, n_rows))
-            for k, s in enumerate(range(0, n_rows, shard_size))]
-
-
-def prepare_output(spec: JobSpec, shards: list) -> Path:
-    out = Path(spec.output)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "shards").mkdir(exist_ok=True)
-        probe = out / ".write-probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise JobError(f"output directory {out} is not writable: {e}") from e
-    manifest_path = out / "manifest.json"
-    manifest = {"identity_hash": spec.identity_hash(), "identity": spec.identity(),
-                "shards": [{"name": n, "start": s, "end": e} for n, s, e in shards]}
-    if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
-        if spec.overwrite:
-            shutil.rmtree(out / "shards")
-            (out / "shards").mkdir()
-            for f in out.glob(".fault-*"):
-                f.unlink()
-        elif old.get("identity_hash") != manifest["identity_hash"]:
-            changed = sorted(k for k in manifest["identity"]
-                             if json.dumps(manifest["identity"][k], default=str)
-                             != json.dumps(old.get("identity", {}).get(k), default=str))
-            raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
-                           "use --overwrite to replace it or another --output")
-        elif not spec.resume:
-            raise JobError(f"{out} already holds this job; pass --resume to continue it or --overwrite")
-    elif any((out / "shards").iterdir()):
-        raise JobError(f"{out}/shards has files but no manifest; refusing to mix outputs (use --overwrite)")
-    tmp = manifest_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp, manifest_path)
-    return out
-
-
-def shard_done(out: Path, name: str, n_rows: int) -> bool:
-    path = out / "shards" / f"{name}.parquet"
-    if not path.exists():
-        return False
-    try:
-        return pq.ParquetFile(path).metadata.num_rows == n_rows
-    except Exception:  # a damaged file is redone
-        return False
-
-
-def write_shard(out: Path, name: str, rows: list[dict]) -> None:
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    final = out / "shards" / f"{name}.parquet"
-    tmp = final.with_name(f".{name}.parquet.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, final)  # atomic: a shard file is either absent or complete
+__all__ = ["JobError", "run_job"]
 
 
 def _progress(total: int):
@@ -144,12 +44,23 @@ def _progress(total: int):
         return None
 
 
+def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, float]:
+    gpus = spec.gpus_per_actor
+    if gpus is None:
+        gpus = 1.0 if resources.get("GPU", 0) >= 1 and spec.device != "cpu" else 0.0
+    return spec.num_actors, spec.cpus_per_actor, gpus  # num_actors None: as many as fit
+
+
 def _init_ray(spec: JobSpec):
     import ray
 
     if not ray.is_initialized():
         if spec.address or os.environ.get("RAY_ADDRESS"):  # RAY_ADDRESS: inside `ray job submit`
-            ray.init(address=spec.address, log_to_driver=True)
+            try:
+                ray.init(address=spec.address, log_to_driver=True)
+            except ConnectionError as e:
+                raise JobError(f"cannot reach the Ray cluster at {spec.address or os.environ['RAY_ADDRESS']}: "
+                               f"{e}") from e
         else:
             # a private local cluster on loopback ("local": never attach to a cluster some earlier
             # `ray start` left registered); the dashboard is not needed for `dynatree run`
@@ -158,33 +69,57 @@ def _init_ray(spec: JobSpec):
     return ray
 
 
-def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int, float, float]:
-    gpus = spec.gpus_per_actor
-    if gpus is None:
-        gpus = 1.0 if resources.get("GPU", 0) >= 1 and spec.device != "cpu" else 0.0
-    if spec.num_actors is not None:
-        n = spec.num_actors
-    elif gpus > 0:
-        n = max(1, int(resources.get("GPU", 0) // gpus))
-    else:
-        n = max(1, int(resources.get("CPU", 1) // spec.cpus_per_actor))
-    return n, spec.cpus_per_actor, gpus
+def _looks_local(name: str) -> bool:
+    """A hub id is ``name`` or ``org/name``; anything else is meant as a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def preflight(spec: JobSpec) -> None:
+    """Model problems found before any actor starts: missing paths, mismatched tokenizers."""
+    names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
+    for flag, name in names.items():
+        if name and not Path(name).expanduser().exists() and _looks_local(name):
+            raise JobError(f"{flag} {name}: no such file or directory")
+    t, d = (Path(n).expanduser() if n else None for n in names.values())
+    if t is None or d is None or not (t.is_dir() and d.is_dir()):
+        return
+    tj, dj = t / "tokenizer.json", d / "tokenizer.json"
+    if tj.exists() and dj.exists() and tj.read_bytes() == dj.read_bytes():
+        return  # the common case, without importing transformers in the driver
+    from dynatree.models import PairError, _same_tokenizer, load_tokenizer
+    try:
+        reason = _same_tokenizer(load_tokenizer(str(t)), load_tokenizer(str(d)))
+    except PairError:
+        return  # e.g. a draft directory without tokenizer files: the actor trusts the target's
+    if reason:
+        raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
+
+
+def _check_devices(spec: JobSpec, resources: dict) -> None:
+    if spec.device.startswith("cuda") and resources.get("GPU", 0) <= 0:
+        raise JobError(f"--device {spec.device}: the Ray cluster has no GPUs (resources: "
+                       f"{resources.get('CPU', 0):g} CPU); use --device cpu or auto")
 
 
 def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     """Run (or resume) a job; returns the summary.  Raises JobError on fatal problems."""
     t_start = time.time()
-    rows = load_prompts(spec)
-    shards = plan_shards(len(rows), spec.shard_size)
-    out = prepare_output(spec, shards)
-    todo = [s for s in shards if not shard_done(out, s[0], s[2] - s[1])]
-    if len(todo) < len(shards):
-        log(f"resuming: {len(shards) - len(todo)} of {len(shards)} shards already done")
+    plan = make_plan(spec, log)
+    preflight(spec)
+    out = prepare_output(spec, plan)
+    startup = {"plan_s": round(time.time() - t_start, 3)}
+    done = finished_shards(out, spec, plan)
+    todo = [k for k in range(plan.num_shards) if k not in done]
+    if done:
+        log(f"resuming: {len(done)} of {plan.num_shards} shards already done")
+    if plan.num_shards == 0:
+        log(f"the input {spec.input} has no rows; writing an empty dataset")
+        write_shard(out, spec, plan, 0, plan.schema.empty_table())
     run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
     if todo:
-        _run_shards(spec, out, rows, todo, run_stats, progress, log)
+        _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
     run_stats["wall_time_s"] = time.time() - t_start
-    summary = summarize(out, spec, run_stats)
+    summary = summarize(out, spec, run_stats, startup)
     write_summary(out, summary)
     if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:
         raise JobError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
@@ -192,78 +127,147 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     return summary
 
 
-def _run_shards(spec: JobSpec, out: Path, rows: list[dict], todo: list, stats: dict, progress: bool, log):
-    ray = _init_ray(spec)
-    from ray.exceptions import RayActorError, RayTaskError
+def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table]:
+    """The shard's {"id", "text"} rows for the actor and its kept columns for the output."""
+    _, s, e = plan.shard(k)
+    id_col = [spec.id_column] if spec.id_column else []
+    cols = list(dict.fromkeys([spec.prompt_column, *id_col, *plan.keep]))
+    table, raw = plan.source.read(s, e, cols, raw=[spec.prompt_column, *id_col])
+    ids = [str(v) for v in raw[spec.id_column]] if spec.id_column else [str(i) for i in range(s, e)]
+    return [{"id": i, "text": t} for i, t in zip(ids, raw[spec.prompt_column])], table.select(list(plan.keep))
 
-    from dynatree.actors.ray_actor import PairActor
 
-    n_actors, cpus, gpus = _actor_shape(spec, ray.cluster_resources())
-    n_actors = min(n_actors, len(todo))
-    job = spec.to_dict()
-    threads = max(1, int(cpus))
+def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Table) -> pa.Table:
+    if [r["id"] for r in results] != [r["id"] for r in rows]:
+        raise JobError("an actor returned rows that do not match its shard's ids")
+    table = pa.Table.from_pylist(results, schema=output_schema())
+    for c in plan.keep:
+        table = table.append_column(plan.schema.field(c), kept.column(c))
+    return table
 
-    def start_actor():
-        return PairActor.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0).remote(job, threads)
 
-    actors = [start_actor() for _ in range(n_actors)]
-    try:
-        infos = ray.get([a.ready.remote() for a in actors])
-    except (RayActorError, RayTaskError) as e:
-        for a in actors:
-            ray.kill(a)
-        raise JobError(f"actors could not load the model pair: {e}") from e
-    log(f"{n_actors} actor(s) ready: {infos[0]['device']}, {infos[0]['dtype']}, "
-        f"{cpus:g} CPU / {gpus:g} GPU each, context {infos[0]['context']}")
+class _Dispatch:
+    """Places the actors, keeps each one's queue of shards full, writes results, retries."""
 
-    pending = deque(todo)
-    attempts: dict[str, int] = {}
-    inflight: dict = {}  # ref -> (slot, actor handle, shard)
-    failed: list[str] = []
-    bar = _progress(sum(e - s for _, s, e in todo)) if progress else None
-    t0 = time.time()
-    try:
-        while pending or inflight:
-            for slot, actor in enumerate(actors):
-                busy = sum(1 for v in inflight.values() if v[0] == slot)
-                while pending and busy < spec.max_inflight_per_actor:
-                    shard = pending.popleft()
-                    name, s, e = shard
-                    inflight[actor.run_shard.remote(name, rows[s:e])] = (slot, actor, shard)
-                    busy += 1
-            done, _ = ray.wait(list(inflight), num_returns=1)
-            for ref in done:
-                slot, actor, shard = inflight.pop(ref)
-                name, s, e = shard
-                try:
-                    result = ray.get(ref)
-                except (RayActorError, RayTaskError) as err:
-                    attempts[name] = attempts.get(name, 0) + 1
-                    stats["retries"] += 1
-                    actor_died = isinstance(err, RayActorError)
-                    if attempts[name] > spec.max_retries:
-                        failed.append(name)
-                        log(f"shard {name} failed {attempts[name]} times; giving up: {str(err).splitlines()[0]}")
-                    else:
-                        log(f"shard {name} failed ({'actor died' if actor_died else 'task error'}); "
-                            f"retry {attempts[name]}/{spec.max_retries}")
-                        pending.appendleft(shard)
-                    if actor_died and actors[slot] is actor:  # replace a dead actor once
-                        actors[slot] = start_actor()
-                    continue
-                write_shard(out, name, result)
-                toks = sum(r["num_generated_tokens"] or 0 for r in result)
-                stats["rows_this_run"] += len(result)
-                stats["tokens_this_run"] += toks
-                stats["shards_this_run"] += 1
-                if bar is not None:
-                    bar.update(len(result))
-                    bar.set_postfix_str(f"{stats['tokens_this_run'] / (time.time() - t0):.1f} tok/s")
-    finally:
-        if bar is not None:
-            bar.close()
-        for a in actors:
-            ray.kill(a)
-    if failed:
-        raise JobError(f"shard(s) failed after {spec.max_retries} retries: {', '.join(sorted(failed))}; "
-                       f"finished shards are kept in {out}/shards — re-run to retry the rest")
+    def __init__(self, spec: JobSpec, plan: Plan, out: Path, stats: dict, startup: dict, log):
+        self.spec, self.plan, self.out, self.stats, self.startup, self.log = spec, plan, out, stats, startup, log
+        self.attempts: dict[int, int] = {}  # failures while running alone
+        self.suspects: set[int] = set()  # shards in flight on an actor when it failed
+        self.failed: list[str] = []
+
+    def _start(self, ray, n: int) -> None:
+        from dynatree.actors.ray_actor import PairActor
+
+        spec, cpus, gpus = self.spec, self.cpus, self.gpus
+        t0 = time.time()
+        self.pg = placement.reserve(n, cpus, gpus, timeout_s=spec.placement_timeout_s, log=self.log)
+        self.startup["placement_s"] = round(time.time() - t0, 3)
+        env = {FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else {}
+        threads = max(1, int(cpus))
+
+        def start(i: int):
+            return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus), max_restarts=0,
+                                     max_concurrency=spec.inflight_shards + 2,
+                                     runtime_env={"env_vars": env} if env else None).remote(spec, threads)
+
+        self.start_actor = start
+        self.actors = [start(i) for i in range(n)]
+        t0 = time.time()
+        infos = placement.wait_ready([a.ready.remote() for a in self.actors], timeout_s=spec.ready_timeout_s,
+                                     what="actor")
+        self.startup["actors_ready_s"] = round(time.time() - t0, 3)
+        self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
+        self.log(f"{n} actor(s) ready: {infos[0]['device']}, {infos[0]['dtype']}, {cpus:g} CPU / {gpus:g} GPU "
+                 f"each, context {infos[0]['context']}, batch size {spec.batch_size}")
+
+    def run(self, todo: list[int], progress: bool) -> None:
+        t0 = time.time()
+        ray = _init_ray(self.spec)
+        resources = ray.cluster_resources()
+        _check_devices(self.spec, resources)
+        n, self.cpus, self.gpus = _actor_shape(self.spec, resources)
+        try:
+            n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus)
+        except placement.PlacementError as e:
+            raise JobError(str(e)) from e
+        self.startup["cluster_s"] = round(time.time() - t0, 3)
+        self.actors, self.pg = [], None
+        try:
+            self._start(ray, min(n, len(todo)))
+            self._loop(ray, deque((k, None) for k in todo), progress)
+            self.stats["actors"] = ray.get([a.stats.remote() for a in self.actors], timeout=30)
+        except placement.PlacementError as e:
+            raise JobError(str(e)) from e
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            if self.pg is not None:
+                placement.release(self.pg)
+        if self.failed:
+            raise JobError(f"shard(s) failed after {self.spec.max_retries} retries: {', '.join(sorted(self.failed))}; "
+                           f"finished shards are kept in {self.out}/shards — re-run to retry the rest")
+
+    def _feed(self, inflight: dict, pending: deque) -> None:
+        """Top up every actor's queue.  A *suspect* shard (in flight on an actor that failed)
+        runs alone on an idle actor, so a failure is charged only to the shard that caused it."""
+        for slot, actor in enumerate(self.actors):
+            mine = [v for v in inflight.values() if v[0] == slot]
+            while pending and len(mine) < self.spec.inflight_shards and not any(v[5] for v in mine):
+                k, got = pending[0]
+                alone = k in self.suspects
+                if alone and mine:
+                    break  # wait until this actor drains
+                pending.popleft()
+                rows, kept = got or _read_shard(self.spec, self.plan, k)
+                entry = (slot, actor, k, rows, kept, alone)
+                inflight[actor.run_shard.remote(self.plan.shard(k)[0], rows)] = entry
+                mine.append(entry)
+
+    def _loop(self, ray, pending: deque, progress: bool) -> None:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        inflight: dict = {}  # ref -> (slot, actor, shard number, rows, kept columns, alone)
+        bar = _progress(sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending)) if progress else None
+        t0 = time.time()
+        try:
+            while pending or inflight:
+                self._feed(inflight, pending)
+                done, _ = ray.wait(list(inflight), num_returns=1)
+                for ref in done:
+                    slot, actor, k, rows, kept, alone = inflight.pop(ref)
+                    try:
+                        results = ray.get(ref)
+                    except (RayActorError, RayTaskError) as err:
+                        self._retry(k, rows, kept, err, pending, alone)
+                        if isinstance(err, RayActorError) and self.actors[slot] is actor:
+                            self.actors[slot] = self.start_actor(slot)  # once, in its bundle
+                        continue
+                    self.suspects.discard(k)
+                    write_shard(self.out, self.spec, self.plan, k, _shard_table(self.plan, rows, results, kept))
+                    self.stats["rows_this_run"] += len(results)
+                    self.stats["tokens_this_run"] += sum(r["num_generated_tokens"] or 0 for r in results)
+                    self.stats["shards_this_run"] += 1
+                    if bar is not None:
+                        bar.update(len(results))
+                        bar.set_postfix_str(f"{self.stats['tokens_this_run'] / (time.time() - t0):.1f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _retry(self, k: int, rows, kept, err, pending: deque, alone: bool) -> None:
+        """A failed shard goes back to the front of the queue; only a failure while it ran alone
+        counts as an attempt (in a shared batch, any shard in flight may have caused it)."""
+        from ray.exceptions import RayActorError
+
+        name = self.plan.shard(k)[0]
+        self.stats["retries"] += 1
+        self.suspects.add(k)
+        self.attempts[k] = self.attempts.get(k, 0) + alone
+        why = "actor died" if isinstance(err, RayActorError) else "task error"
+        if self.attempts[k] > self.spec.max_retries:
+            self.failed.append(name)
+            self.log(f"shard {name} failed {self.attempts[k]} times; giving up: {placement.describe_error(err)}")
+            return
+        self.log(f"shard {name} failed ({why}); " + (f"retry {self.attempts[k]}/{self.spec.max_retries}" if alone
+                                                     else "retrying it alone"))
+        pending.appendleft((k, (rows, kept)))

@@ -13,46 +13,64 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import make_config
+from dynatree.config import KERNELS, METHODS, make_config
+
+
+FAULTS_ENV = "DYNATREE_FAULT_INJECTION"  # tests only: {"die_once_on_shard": name} as JSON, read by actors
 
 
 class SpecError(ValueError):
     """The job spec is invalid."""
 
 
-OUTPUT_IDENTITY = ("input", "prompt_column", "id_column", "target", "draft", "method", "options",
-                   "max_new_tokens", "max_prompt_tokens", "ignore_eos", "dtype", "batch_size",
+OUTPUT_IDENTITY = ("input", "prompt_column", "id_column", "keep_columns", "target", "draft", "kernel",
+                   "method", "options", "max_new_tokens", "max_prompt_tokens", "ignore_eos", "dtype",
                    "shard_size", "verify_fraction")
+
+
+def _f(default, help: str, **meta):
+    """A JobSpec field; ``help`` is its ``dynatree run`` flag's help (cli.py builds the flags)."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    input: str
-    output: str
-    prompt_column: str = "text"
-    id_column: str | None = None
-    target: str | None = None  # None: the bundled demo pair
-    draft: str | None = None
-    method: str = "dynatree"
-    options: dict = field(default_factory=dict)
-    max_new_tokens: int = 128
-    max_prompt_tokens: int | None = 512  # L_max: prompts keep their last L_max tokens
-    ignore_eos: bool = False
-    device: str = "auto"
-    dtype: str = "float32"
-    batch_size: int = 1  # prompts decoded together (method ar only)
-    num_actors: int | None = None  # None: one per GPU, else CPUs // cpus_per_actor
-    cpus_per_actor: float = 2
-    gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
-    shard_size: int = 16
-    max_inflight_per_actor: int = 2
-    max_retries: int = 3  # attempts per shard after actor failures
-    verify_fraction: float = 0.0
-    fail_on_mismatch: bool = False
-    address: str | None = None  # Ray address; None starts a local cluster
-    resume: bool = True
-    overwrite: bool = False
-    fault_injection: dict = field(default_factory=dict)  # tests only: {"die_once_on_shard": name}
+    input: str = _f("", "Parquet/Arrow/JSONL file, directory or glob, or a datasets name/dir")
+    output: str = _f("", "output directory (shards/, manifest.json, summary.json)")
+    prompt_column: str = _f("text", "column holding prompts")
+    id_column: str | None = _f(None, "column holding ids (default: the row index)")
+    keep_columns: tuple | None = _f(None, "input columns copied to every output row, comma-separated "
+                                          "(default: all; 'none' for none)")
+    target: str | None = _f(None, "target model: hub name or local directory (default: the bundled demo pair)")
+    draft: str | None = _f(None, "draft model: hub name or local directory (default: the bundled demo pair)")
+    kernel: str = _f("lean", "forward the engine runs: lean (dynatree's CPU kernels), lean-mkl (the same "
+                             "forward on torch's GEMMs) or hf (transformers')", choices=KERNELS)
+    method: str = _f("dynatree", "decoding method", choices=METHODS)
+    options: dict = _f({}, "method option KEY=VALUE, repeatable", flag="option")
+    max_new_tokens: int = _f(128, "new tokens per prompt (T)")
+    max_prompt_tokens: int | None = _f(512, "L_max: prompts keep their last L_max tokens")
+    ignore_eos: bool = _f(False, "generate max_new_tokens even past EOS")
+    device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = _f("float32", "weights' dtype", choices=("float32", "bfloat16", "float16", "float64"))
+    batch_size: int | str = _f("auto", "rows each actor decodes together: a number, or auto (tuned "
+                                       "from measured throughput)")
+    max_batch_size: int = _f(64, "the largest batch auto may pick")
+    num_actors: int | None = _f(None, "actors (default: one per GPU, else CPUs // cpus_per_actor)")
+    cpus_per_actor: float = _f(2.0, "CPUs (and threads) per actor")
+    gpus_per_actor: float | None = _f(None, "GPUs per actor (default: 1 when the cluster has GPUs)")
+    shard_size: int = _f(64, "rows per output file (the unit of resume and retry)")
+    max_inflight_per_actor: int | None = _f(None, "shards queued per actor (default: enough to keep "
+                                                  "its batch full)")
+    max_retries: int = _f(3, "attempts per shard after actor failures")
+    verify_fraction: float = _f(0.0, "fraction of prompts re-decoded with ar to check equality")
+    fail_on_mismatch: bool = _f(False, "exit non-zero if a checked row differs from ar")
+    address: str | None = _f(None, "Ray address (default: start a local cluster)")
+    placement_timeout_s: float = _f(60.0, "give up if the actors cannot be placed within this time")
+    ready_timeout_s: float = _f(900.0, "give up if actors have not loaded the models within this time")
+    resume: bool = _f(True, "continue a job found in output")
+    overwrite: bool = _f(False, "discard what output holds")
 
     def __post_init__(self):
         problems = []
@@ -66,24 +84,24 @@ class JobSpec:
             problems.append("max_prompt_tokens must be >= 1")
         if self.shard_size < 1:
             problems.append("shard_size must be >= 1")
-        if self.batch_size < 1:
-            problems.append("batch_size must be >= 1")
-        if self.batch_size > 1 and self.method != "ar":
-            problems.append("batch_size > 1 is only supported with method ar (tree decoders are one prompt at a time)")
+        if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            problems.append(f"batch_size must be a number >= 1 or auto, got {self.batch_size!r}")
+        if self.max_batch_size < 1:
+            problems.append("max_batch_size must be >= 1")
         if not 0.0 <= self.verify_fraction <= 1.0:
             problems.append("verify_fraction must be within [0, 1]")
         if self.num_actors is not None and self.num_actors < 1:
             problems.append("num_actors must be >= 1")
         if self.cpus_per_actor <= 0:
             problems.append("cpus_per_actor must be > 0")
-        if self.max_inflight_per_actor < 1:
+        if self.max_inflight_per_actor is not None and self.max_inflight_per_actor < 1:
             problems.append("max_inflight_per_actor must be >= 1")
+        if self.kernel not in KERNELS:
+            problems.append(f"kernel must be one of {', '.join(KERNELS)}")
         if (self.target is None) != (self.draft is None) and self.method != "ar":
             problems.append("give both target and draft, or neither (the bundled demo pair)")
         try:
             cfg = make_config(self.method, self.options)
-            if cfg.temperature > 0 and self.batch_size > 1:
-                problems.append("batch_size > 1 decodes greedily; use batch_size 1 with temperature > 0")
             if cfg.temperature > 0 and self.fail_on_mismatch:
                 problems.append("fail_on_mismatch compares with greedy ar, which a sampled job (temperature > 0) "
                                 "does not reproduce")
@@ -91,6 +109,18 @@ class JobSpec:
             problems.append(str(e))
         if problems:
             raise SpecError("invalid job spec: " + "; ".join(problems))
+
+    @property
+    def batch_rows(self) -> int:
+        """The most rows an actor holds in flight."""
+        return self.max_batch_size if self.batch_size == "auto" else int(self.batch_size)
+
+    @property
+    def inflight_shards(self) -> int:
+        """Shards queued per actor: enough rows for a full batch plus one shard to refill from."""
+        if self.max_inflight_per_actor is not None:
+            return self.max_inflight_per_actor
+        return -(-self.batch_rows // self.shard_size) + 1
 
     @property
     def method_config(self):
@@ -140,6 +170,7 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
         data["options"] = {k: getattr(cfg, k) for k in options}
     except (ValueError, TypeError) as e:
         raise SpecError(f"invalid job spec: {e}") from e
+    data = _coerce(data)
     missing = [k for k in ("input", "output") if not data.get(k)]
     if missing:
         raise SpecError(f"missing required field(s): {', '.join(missing)}")
@@ -147,3 +178,21 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
         return JobSpec(**data)
     except TypeError as e:
         raise SpecError(f"invalid job spec: {e}") from e
+
+
+def _coerce(data: dict) -> dict:
+    """Flag strings and YAML values to the field types: "8" and 8 are the same batch size."""
+    data = dict(data)
+    b = data.get("batch_size")
+    if isinstance(b, str) and b != "auto":
+        try:
+            data["batch_size"] = int(b)
+        except ValueError:
+            raise SpecError(f"batch_size must be a number or auto, got {b!r}") from None
+    keep = data.get("keep_columns")
+    if isinstance(keep, str):
+        data["keep_columns"] = () if keep.strip().lower() == "none" else \
+            tuple(c.strip() for c in keep.split(",") if c.strip())
+    elif isinstance(keep, list):
+        data["keep_columns"] = tuple(keep)
+    return data

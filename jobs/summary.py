@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
+import math
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
@@ -21,51 +22,88 @@ def _versions() -> dict:
     return out
 
 
-def _mean_std(values: list[float]) -> dict:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-            "n": len(vals)}
+class _Moments:
+    """Mean and sample standard deviation without keeping the values (corpora are large)."""
+
+    def __init__(self):
+        self.n, self.total, self.squares = 0, 0.0, 0.0
+
+    def add(self, v) -> None:
+        if v is not None:
+            self.n, self.total, self.squares = self.n + 1, self.total + v, self.squares + v * v
+
+    def as_dict(self) -> dict:
+        if not self.n:
+            return {"mean": None, "std": None, "n": 0}
+        mean = self.total / self.n
+        var = max(self.squares - self.n * mean * mean, 0.0) / (self.n - 1) if self.n > 1 else 0.0
+        return {"mean": mean, "std": math.sqrt(var), "n": self.n}
+
+
+_COLUMNS = ["id", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
+            "acceptance_rate", "lookup_tokens", "ttft_s", "tpot_s", "ar_tokens_per_s", "matches_ar",
+            "first_divergence", "divergence_margin"]
+_MOMENTS = ("tokens_per_s", "tokens_per_iteration", "acceptance_rate", "ttft_s", "tpot_s")
+
+
+def shard_files(out: Path) -> list[Path]:
+    return sorted((Path(out) / "shards").glob("part-*.parquet"))
 
 
 def read_rows(out: Path) -> list[dict]:
-    files = sorted((Path(out) / "shards").glob("part-*.parquet"))
+    """Every output row (tests and small jobs; a corpus is read with pyarrow.dataset)."""
     rows: list[dict] = []
-    for f in files:
+    for f in shard_files(out):
         rows.extend(pq.read_table(f).to_pylist())
     return rows
 
 
-def summarize(out: Path, spec, run_stats: dict) -> dict:
-    rows = read_rows(out)
-    ok = [r for r in rows if r["error"] is None]
-    checked = [r for r in ok if r["matches_ar"] is not None]
-    mismatched = [r for r in checked if not r["matches_ar"]]
-    speedups = [r["tokens_per_s"] / r["ar_tokens_per_s"] for r in checked
-                if r["ar_tokens_per_s"] and r["tokens_per_s"]]
+def _tally(out: Path) -> dict:
+    t = {"rows": 0, "errors": 0, "tokens": 0, "lookup": 0, "checked": 0, "mismatched": [], "mismatches": 0,
+         "reasons": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
+    for f in shard_files(out):  # one shard's columns at a time: memory stays flat
+        for r in pq.read_table(f, columns=_COLUMNS).to_pylist():
+            t["rows"] += 1
+            if r["finish_reason"]:
+                t["reasons"][r["finish_reason"]] += 1
+            if r["error"] is not None:
+                t["errors"] += 1
+                continue
+            t["tokens"] += r["num_generated_tokens"] or 0
+            t["lookup"] += r["lookup_tokens"] or 0
+            for k in _MOMENTS:
+                t[k].add(r[k])
+            if r["matches_ar"] is not None:
+                t["checked"] += 1
+                if r["ar_tokens_per_s"] and r["tokens_per_s"]:
+                    t["speedup"].add(r["tokens_per_s"] / r["ar_tokens_per_s"])
+                if not r["matches_ar"]:
+                    t["mismatches"] += 1
+                    if len(t["mismatched"]) < 50:
+                        t["mismatched"].append({k: r[k] for k in ("id", "first_divergence", "divergence_margin")})
+    return t
+
+
+def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> dict:
+    t = _tally(out)
     wall = run_stats.get("wall_time_s") or 0.0
+    checked = t["checked"]
     return {
-        "rows": len(rows),
-        "errors": len(rows) - len(ok),
-        "generated_tokens": sum(r["num_generated_tokens"] or 0 for r in ok),
-        "finish_reasons": {k: sum(1 for r in rows if r["finish_reason"] == k)
-                           for k in sorted({r["finish_reason"] for r in rows if r["finish_reason"]})},
+        "rows": t["rows"],
+        "errors": t["errors"],
+        "generated_tokens": t["tokens"],
+        "finish_reasons": dict(sorted(t["reasons"].items())),
         "this_run": {**run_stats,
                      "job_tokens_per_s": run_stats.get("tokens_this_run", 0) / wall if wall else None},
-        "tokens_per_s_per_prompt": _mean_std([r["tokens_per_s"] for r in ok]),
-        "tokens_per_iteration": _mean_std([r["tokens_per_iteration"] for r in ok]),
-        "acceptance_rate": _mean_std([r["acceptance_rate"] for r in ok]),
-        "lookup_tokens": sum(r.get("lookup_tokens") or 0 for r in ok),
-        "ttft_s": _mean_std([r["ttft_s"] for r in ok]),
-        "tpot_s": _mean_std([r["tpot_s"] for r in ok]),
-        "speedup_vs_ar": _mean_std(speedups),
+        "startup": startup or {},
+        **{k: t[k].as_dict() for k in _MOMENTS if k != "tokens_per_s"},
+        "tokens_per_s_per_prompt": t["tokens_per_s"].as_dict(),
+        "lookup_tokens": t["lookup"],
+        "speedup_vs_ar": t["speedup"].as_dict(),
         "equivalence": {
-            "checked": len(checked), "matched": len(checked) - len(mismatched),
-            "mismatches": len(mismatched),
-            "pass_rate": (len(checked) - len(mismatched)) / len(checked) if checked else None,
-            "mismatched_rows": [{"id": r["id"], "first_divergence": r["first_divergence"],
-                                 "divergence_margin": r["divergence_margin"]} for r in mismatched[:50]],
+            "checked": checked, "matched": checked - t["mismatches"], "mismatches": t["mismatches"],
+            "pass_rate": (checked - t["mismatches"]) / checked if checked else None,
+            "mismatched_rows": t["mismatched"],
         },
         "config": spec.to_dict(),
         "versions": _versions(),
@@ -93,6 +131,8 @@ def format_table(s: dict) -> str:
         "job tokens/s (this run)  " + (f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
         + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
           f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries)",
+        f"start-up                 {startup_line(s.get('startup') or {})}",
+        "batch size per actor     " + (", ".join(str(a["batch_size"]) for a in run.get("actors", [])) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
@@ -101,3 +141,14 @@ def format_table(s: dict) -> str:
         "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
     ]
     return "\n".join(lines)
+
+
+def startup_line(st: dict) -> str:
+    """Start-up split: planning, cluster, placement, actors ready (load, kernel, profile inside)."""
+    if not st:
+        return "-"
+    total = sum(st.get(k, 0) for k in ("plan_s", "cluster_s", "placement_s", "actors_ready_s"))
+    a = st.get("actor", {})
+    return (f"{total:.1f}s (plan {st.get('plan_s', 0):.1f}, cluster {st.get('cluster_s', 0):.1f}, placement "
+            f"{st.get('placement_s', 0):.1f}, actors ready {st.get('actors_ready_s', 0):.1f}: model load "
+            f"{a.get('load_s', 0):.1f}, kernel {a.get('kernel_s', 0):.1f}, profile {a.get('profile_s', 0):.1f})")

@@ -119,3 +119,9 @@ def test_generate_batch_is_generate_per_prompt(close_pair):
     for p, g in zip(prompts, gens):
         one = generate(close_pair, p, "dynatree", {"hw_budget": "off"}, max_new_tokens=12)
         assert (g.token_ids, g.finish_reason, g.options) == (one.token_ids, one.finish_reason, one.options)
+
+
+def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
+    from dynatree import generate
+    with pytest.raises(ValueError, match="empty"):
+        generate(close_pair, "  \n\t ", "ar")

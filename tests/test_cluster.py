@@ -88,3 +88,44 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
+    """On a real 2-CPU head started by hand, requests it cannot hold end with a message naming
+    the shortfall (they used to wait forever)."""
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_ADDRESS", None)
+    gcs = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rp", dir="/tmp")
+    head = subprocess.Popen(
+        [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
+         f"--port={gcs}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while subprocess.run([str(bindir / "ray"), "status", "--address", f"127.0.0.1:{gcs}"], env=env,
+                             capture_output=True).returncode != 0:  # wait for the head
+            assert time.time() < deadline, "the Ray head did not start"
+            time.sleep(2)
+        pq.write_table(pa.table({"text": [f"prompt {i}" for i in range(12)]}), tmp_path / "in.parquet")
+        cases = [(["--num-actors", "2", "--cpus-per-actor", "2"], "at most 1"),
+                 (["--num-actors", "3", "--cpus-per-actor", "1"], "at most 2"),
+                 (["--cpus-per-actor", "4"], "cpus-per-actor")]
+        for flags, expect in cases:
+            t0 = time.time()
+            res = subprocess.run(
+                [str(bindir / "dynatree"), "run", "--input", str(tmp_path / "in.parquet"), "--output",
+                 str(tmp_path / "out"), "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                 "--address", f"127.0.0.1:{gcs}", "--shard-size", "2", "--quiet", "--device", "cpu", *flags],
+                env=env, capture_output=True, text=True, timeout=120)
+            assert res.returncode != 0 and time.time() - t0 < 60, res.stderr[-2000:]
+            assert "cannot place" in res.stderr and expect in res.stderr, res.stderr[-2000:]
+            assert "Traceback" not in res.stderr
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,12 +1,14 @@
 """Input readers: Parquet file/dir/glob, Arrow IPC (file and stream), JSONL, datasets directories."""
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
-from dynatree.data import InputError, read_table, read_texts
+from dynatree import data
+from dynatree.data import InputError, InputSource, read_table, read_texts
 
 
 def test_parquet_file_dir_and_glob(tmp_path):
@@ -35,6 +37,10 @@ def test_datasets_saved_to_disk(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["u", "v"]}).save_to_disk(str(tmp_path / "ds"))
     assert read_texts(str(tmp_path / "ds")) == ["u", "v"]
+    src = InputSource.open(str(tmp_path / "ds"))
+    assert src.num_rows == 2 and src.files[0].format == "datasets"
+    assert src.read(1, 2, ["text"], raw=["text"])[1] == {"text": ["v"]}
+    assert src.fingerprint()["dataset"]["fingerprint"]
 
 
 def test_errors(tmp_path):
@@ -46,3 +52,197 @@ def test_errors(tmp_path):
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "t.parquet")
     with pytest.raises(InputError, match="no column 'text'"):
         read_texts(str(tmp_path / "t.parquet"))
+
+
+# --- InputSource: planned, streaming reads -------------------------------------------------
+
+def _shards(src, size, columns, raw=()):
+    return [src.read(s, s + size, columns, raw) for s in range(0, src.num_rows, size)]
+
+
+@pytest.mark.parametrize("row_group_size", [7, None])  # several groups; one group (pyarrow's default)
+def test_parquet_sequential_shards_match_read_table(tmp_path, monkeypatch, row_group_size):
+    monkeypatch.setattr(data, "BATCH_ROWS", 5)  # shards straddle decoded batches
+    t = pa.table({"key": [f"k{i}" for i in range(50)], "text": [f"t{i}" * (i % 4) for i in range(50)],
+                  "n": list(range(50))})
+    pq.write_table(t, tmp_path / "a.parquet", row_group_size=row_group_size)
+    src = InputSource.open(str(tmp_path / "a.parquet"))
+    assert src.num_rows == 50 and src.column_names == ["key", "text", "n"]
+    assert src.files[0].format == "parquet" and os.path.isabs(src.files[0].path)
+    whole = read_table(str(tmp_path / "a.parquet"))
+    starts = []
+    batches = data._ParquetPart.batches
+    monkeypatch.setattr(data._ParquetPart, "batches", lambda self, row, cols: starts.append(row) or batches(self, row, cols))
+    for k, (part, raw) in enumerate(_shards(src, 8, ["key", "text"], raw=["text"])):
+        assert part.equals(whole.slice(8 * k, 8).select(["key", "text"]))
+        assert raw["text"] == whole.column("text").to_pylist()[8 * k:8 * k + 8]
+    assert starts == [0]  # one streaming pass, never re-decoding earlier rows
+    back, _ = src.read(3, 12, ["n"])  # a retry going backwards, then forwards again
+    assert back.column("n").to_pylist() == list(range(3, 12))
+    assert starts == [0, 0]
+    assert src.read(30, 33, ["n"])[0].column("n").to_pylist() == [30, 31, 32]
+    assert starts[-1] == (28 if row_group_size else 0)  # a jump restarts at its row group
+    assert src.read(40, 60, ["n"])[0].column("n").to_pylist() == list(range(40, 50))
+    assert src.read(50, 60, ["n"])[0].num_rows == 0
+    with pytest.raises(InputError, match=r"no column 'body' \(columns: key, text, n\)"):
+        src.read(0, 1, ["body"])
+
+
+def test_directory_and_glob_order_and_schema_unification(tmp_path):
+    d = tmp_path / "parts"
+    (d / "sub").mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["c"], "n": pa.array([3], pa.int32())}), d / "p1.parquet")
+    pq.write_table(pa.table({"text": ["a", "b"], "n": [1, 2]}), d / "p0.parquet")
+    pq.write_table(pa.table({"text": ["d"]}), d / "sub" / "p2.parquet")
+    src = InputSource.open(str(d))
+    assert [os.path.basename(f.path) for f in src.files] == ["p0.parquet", "p1.parquet", "p2.parquet"]
+    assert src.schema.field("n").type == pa.int64()
+    table, _ = src.read(1, 4, ["text", "n"])
+    assert table.to_pylist() == [{"text": "b", "n": 2}, {"text": "c", "n": 3}, {"text": "d", "n": None}]
+    glob_src = InputSource.open(str(d / "p*.parquet"))
+    assert glob_src.read(0, 10, ["text"])[0].column("text").to_pylist() == ["a", "b", "c"]
+    pq.write_table(pa.table({"text": [1]}), d / "p3.parquet")
+    with pytest.raises(InputError, match="p3.parquet"):
+        InputSource.open(str(d / "p*.parquet"))
+
+
+def test_arrow_file_and_stream_formats(tmp_path):
+    t = pa.table({"text": [f"x{i}" for i in range(10)], "n": list(range(10))})
+    with ipc.new_file(tmp_path / "f.arrow", t.schema) as w:
+        for b in t.to_batches(max_chunksize=3):
+            w.write_batch(b)
+    with ipc.new_stream(tmp_path / "s.arrow", t.schema) as w:
+        for b in t.to_batches(max_chunksize=4):
+            w.write_batch(b)
+    for name in ("f.arrow", "s.arrow"):
+        src = InputSource.open(str(tmp_path / name))
+        assert src.num_rows == 10 and src.files[0].format == "arrow"
+        got = [src.read(s, s + 3, ["text"])[0].column("text").to_pylist() for s in range(0, 10, 3)]
+        assert sum(got, []) == t.column("text").to_pylist()
+        assert src.read(2, 5, ["n"])[0].column("n").to_pylist() == [2, 3, 4]
+
+
+def _jsonl(path, rows, blank_every=0):
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append(r if isinstance(r, str) else json.dumps(r))
+        if blank_every and i % blank_every == 0:
+            lines.append("   ")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_jsonl_ranges_across_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "JSONL_CHECKPOINT_EVERY", 4)
+    monkeypatch.setattr(data, "BATCH_ROWS", 3)
+    monkeypatch.setattr(data, "_SCAN_BYTES", 64)  # lines straddle planning chunks
+    rows = [{"id": i, "text": f"row {i}"} for i in range(37)]
+    _jsonl(tmp_path / "r.jsonl", rows, blank_every=5)
+    with open(tmp_path / "r.jsonl", "a") as f:
+        f.write(json.dumps({"id": 37, "text": "last, no newline"}))
+    rows.append({"id": 37, "text": "last, no newline"})
+    starts = []
+    batches = data._JsonlPart.batches
+    monkeypatch.setattr(data._JsonlPart, "batches", lambda self, row, cols: starts.append(row) or batches(self, row, cols))
+    src = InputSource.open(str(tmp_path / "r.jsonl"))
+    assert src.num_rows == 38 and src.schema == pa.schema([("id", pa.int64()), ("text", pa.string())])
+    assert len(src._parts[0]._marks) == 10  # a checkpoint per 4 rows, not an offset per line
+    assert sum((src.read(s, s + 5, ["id", "text"])[0].to_pylist() for s in range(0, 38, 5)), []) == rows
+    assert starts == [0]
+    for s, e in [(9, 14), (0, 2), (33, 38), (4, 8), (21, 22)]:  # forwards, backwards, jumps
+        assert src.read(s, e, ["id"])[0].column("id").to_pylist() == list(range(s, e))
+    assert starts[1:] == [8, 0, 32, 4, 20]  # each restart seeks to the checkpoint at or before it
+
+
+def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
+    lines = [{"text": f"t{i}", "n": i} for i in range(5)]
+    _jsonl(tmp_path / "bad.jsonl", lines[:3] + ["", *lines[3:], "{not json"], blank_every=0)
+    with pytest.raises(InputError, match=r"bad.jsonl: line 7: invalid JSON"):
+        InputSource.open(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(InputError, match="line 7"):
+        read_table(str(tmp_path / "bad.jsonl"))
+    monkeypatch.setattr(data, "JSONL_INFER_ROWS", 2)  # later lines are checked on read
+    src = InputSource.open(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(InputError, match="line 7"):
+        src.read(0, 6, ["text"])
+    _jsonl(tmp_path / "late.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}, {"n": "three"}, {"n": 1.5}])
+    src = InputSource.open(str(tmp_path / "late.jsonl"))
+    with pytest.raises(InputError, match=r"line 4: column 'n' value 'three'"):
+        src.read(0, 5, ["n"])
+    with pytest.raises(InputError, match=r"line 5: column 'n' value 1.5"):
+        src.read(4, 5, ["n"])
+
+
+def test_jsonl_mixed_prompt_column_gives_raw_values(tmp_path):
+    texts = ["a string", None, "", 42, "x", {"k": 1}]
+    _jsonl(tmp_path / "m.jsonl", [{"text": t, "id": i} for i, t in enumerate(texts)] + [{"id": 6}])
+    src = InputSource.open(str(tmp_path / "m.jsonl"))
+    assert src.schema.field("text").type == pa.string()
+    table, raw = src.read(0, 7, ["id", "text"], raw=["text"])
+    assert raw["text"] == texts + [None]
+    assert table.column("text").to_pylist() == ["a string", None, "", "42", "x", '{"k": 1}', None]
+
+
+def test_mixed_format_directory_and_txt_directory(tmp_path):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": ["a"]}), d / f"p{i}.parquet")
+    (d / "notes.txt").write_text("stray")
+    with pytest.raises(InputError, match=r"parquet: p0.parquet, p1.parquet; txt: notes.txt.*mixed/\*\.parquet"):
+        InputSource.open(str(d))
+    assert InputSource.open(str(d / "*.parquet")).num_rows == 2
+    t = tmp_path / "texts"
+    t.mkdir()
+    (t / "b.txt").write_text("second\nprompt")
+    (t / "a.txt").write_text("first")
+    src = InputSource.open(str(t))
+    assert src.column_names == ["text"] and [f.format for f in src.files] == ["txt", "txt"]
+    assert src.read(0, 2, ["text"], raw=["text"])[1] == {"text": ["first", "second\nprompt"]}
+
+
+def test_empty_inputs(tmp_path):
+    pq.write_table(pa.table({"key": pa.array([], pa.string()), "text": pa.array([], pa.string())}),
+                   tmp_path / "e.parquet")
+    src = InputSource.open(str(tmp_path / "e.parquet"))
+    assert src.num_rows == 0 and src.column_names == ["key", "text"]
+    table, raw = src.read(0, 64, ["text"], raw=["text"])
+    assert table.num_rows == 0 and table.schema.names == ["text"] and raw == {"text": []}
+    src.check_ids("key")
+    (tmp_path / "e.jsonl").write_text("")
+    src = InputSource.open(str(tmp_path / "e.jsonl"))
+    assert src.num_rows == 0 and src.column_names == []
+
+
+def test_fingerprint_follows_file_contents(tmp_path):
+    f = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), f)
+    fp = InputSource.open(str(f)).fingerprint()
+    assert json.loads(json.dumps(fp)) == fp and fp["num_rows"] == 2 and fp["source"] == str(f)
+    assert InputSource.open(str(f)).fingerprint() == fp
+    pq.write_table(pa.table({"text": ["a", "c"]}), f)  # same size, new contents
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert InputSource.open(str(f)).fingerprint() != fp
+
+
+def test_check_ids(tmp_path, monkeypatch):
+    d = tmp_path / "ids"
+    d.mkdir()
+    pq.write_table(pa.table({"key": ["a", "b", "c"]}), d / "p0.parquet")
+    pq.write_table(pa.table({"key": ["d", "b", "e", "a"]}), d / "p1.parquet")
+    src = InputSource.open(str(d))
+    with pytest.raises(InputError, match=r"duplicate ids in 'key' \(2 ids repeat\): 'a', 'b'.*p0.parquet row 0 .*p1.parquet row 3"):
+        src.check_ids("key", chunk=2)
+    InputSource.open(str(d / "p0.parquet")).check_ids("key", chunk=2)
+    with pytest.raises(InputError, match=r"no column 'id' \(columns: key\)"):
+        src.check_ids("id")
+    pq.write_table(pa.table({"key": [1, 2, None]}), tmp_path / "n.parquet")
+    with pytest.raises(InputError, match=r"n.parquet: id column 'key' is null at row 2"):
+        InputSource.open(str(tmp_path / "n.parquet")).check_ids("key")
+    monkeypatch.setattr(data, "JSONL_CHECKPOINT_EVERY", 2)
+    _jsonl(tmp_path / "n.jsonl", [{"id": i} for i in range(5)] + [{"text": "no id"}], blank_every=2)
+    with pytest.raises(InputError, match=r"n.jsonl: id column 'id' is null at line 9"):
+        InputSource.open(str(tmp_path / "n.jsonl")).check_ids("id", chunk=4)
+    _jsonl(tmp_path / "i.jsonl", [{"id": 1}, {"id": "1"}, {"id": 2}])  # compared as str(value)
+    with pytest.raises(InputError, match="duplicate ids in 'id'.*'1'"):
+        InputSource.open(str(tmp_path / "i.jsonl")).check_ids("id")

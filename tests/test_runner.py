@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynatree.jobs.driver import JobError, run_job
-from dynatree.jobs.spec import SpecError, build_spec
+from dynatree.jobs.spec import FAULTS_ENV, SpecError, build_spec
 from dynatree.jobs.summary import read_rows
 
 PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael.", "Some years ago",
@@ -58,7 +58,7 @@ def test_end_to_end_two_actors_verify_all(ray_cluster, pair_dirs, tmp_path):
     assert summary["rows"] == len(texts) and summary["errors"] == 3
     assert summary["equivalence"]["checked"] == len(PROMPTS) and summary["equivalence"]["mismatches"] == 0
     assert summary["versions"]["ray"] and summary["config"]["method"] == "dynatree"
-    assert sorted(os.listdir(tmp_path / "out" / "shards")) == [f"part-{i:05d}.parquet" for i in range(4)]
+    assert sorted(os.listdir(tmp_path / "out" / "shards")) == [f"part-{i:06d}.parquet" for i in range(4)]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == len(texts)
 
 
@@ -67,12 +67,12 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
     shards = tmp_path / "out" / "shards"
     before = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
-    os.remove(shards / "part-00001.parquet")  # as if the driver died while it was in flight
+    os.remove(shards / "part-000001.parquet")  # as if the driver died while it was in flight
     summary = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
     assert summary["this_run"]["shards_this_run"] == 1 and summary["rows"] == len(PROMPTS)
     after = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
-    assert after["part-00000.parquet"] == before["part-00000.parquet"]
-    assert after["part-00002.parquet"] == before["part-00002.parquet"]
+    assert after["part-000000.parquet"] == before["part-000000.parquet"]
+    assert after["part-000002.parquet"] == before["part-000002.parquet"]
     assert [r["id"] for r in read_rows(tmp_path / "out")] == [f"k{i}" for i in range(len(PROMPTS))]
     # a different config on the same directory is refused, unless overwrite
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
@@ -83,29 +83,36 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert all(r["num_generated_tokens"] <= 5 for r in read_rows(tmp_path / "out"))
 
 
-def test_actor_killed_mid_job_still_yields_exact_rows(ray_cluster, pair_dirs, tmp_path):
+def faults(monkeypatch, **kw):
+    monkeypatch.setenv(FAULTS_ENV, json.dumps(kw))  # reaches the actors through their runtime_env
+
+
+def test_actor_killed_mid_job_still_yields_exact_rows(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
-    s = run_job(spec(pair_dirs, tmp_path, fault_injection={"die_once_on_shard": "part-00001"}),
-                progress=False, log=quiet)
+    faults(monkeypatch, die_once_on_shard="part-000001")
+    s = run_job(spec(pair_dirs, tmp_path, batch_size=3), progress=False, log=quiet)
     rows = read_rows(tmp_path / "out")
     assert [r["id"] for r in rows] == [f"k{i}" for i in range(len(PROMPTS))]
     assert s["this_run"]["retries"] >= 1 and s["equivalence"]["mismatches"] == 0
-    assert (tmp_path / "out" / ".fault-part-00001").exists()
+    assert (tmp_path / "out" / ".fault-part-000001").exists()
 
 
-def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path):
+def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
-    with pytest.raises(JobError, match="part-00002"):
-        run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0,
-                     fault_injection={"die_always_on_shard": "part-00002"}), progress=False, log=quiet)
+    faults(monkeypatch, die_always_on_shard="part-000002")
+    with pytest.raises(JobError, match="part-000002"):
+        run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
     done = sorted(os.listdir(tmp_path / "out" / "shards"))
-    assert "part-00002.parquet" not in done and "part-00000.parquet" in done
+    assert "part-000002.parquet" not in done and "part-000000.parquet" in done
 
 
-def test_batched_ar_job_matches_unbatched(ray_cluster, pair_dirs, tmp_path):
+@pytest.mark.parametrize("method,batch_size", [("ar", 3), ("dynatree", 5), ("linear", "auto")])
+def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_size):
     write_input(tmp_path)
-    s = run_job(spec(pair_dirs, tmp_path, method="ar", batch_size=3, num_actors=1), progress=False, log=quiet)
+    s = run_job(spec(pair_dirs, tmp_path, method=method, batch_size=batch_size, num_actors=1), progress=False,
+                log=quiet)
     assert s["equivalence"]["checked"] == len(PROMPTS) and s["equivalence"]["mismatches"] == 0
+    assert s["this_run"]["actors"][0]["steps"] > 0
 
 
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
@@ -144,8 +151,9 @@ def test_spec_validation_messages(tmp_path):
         build_spec(None, input="x")
     with pytest.raises(SpecError, match="verify_fraction"):
         build_spec(None, input="x", output="y", verify_fraction=2)
-    with pytest.raises(SpecError, match="only supported with method ar"):
-        build_spec(None, input="x", output="y", batch_size=4)
+    with pytest.raises(SpecError, match="batch_size must be a number or auto"):
+        build_spec(None, input="x", output="y", batch_size="many")
+    assert build_spec(None, input="x", output="y", batch_size="8").batch_size == 8
     with pytest.raises(SpecError, match="no option 'depth'"):
         build_spec(None, input="x", output="y", options={"depth": "3"})
     job = tmp_path / "job.yaml"
@@ -191,5 +199,70 @@ def test_sampled_job_reproducible_per_row(ray_cluster, pair_dirs, tmp_path):
     assert [r["generated_token_ids"] for r in a] == [r["generated_token_ids"] for r in b]
     assert all(r["error"] is None and r["matches_ar"] is None for r in a)
     assert len({tuple(r["generated_token_ids"]) for r in a}) > 1
-    with pytest.raises(SpecError, match="batch_size"):
-        spec(pair_dirs, tmp_path, method="ar", batch_size=4, options=opts)
+
+
+def test_changed_input_resume_is_refused(ray_cluster, pair_dirs, tmp_path):
+    """Defect: the same path with other contents must not resume into lost and duplicated ids."""
+    write_input(tmp_path)
+    run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=4), progress=False, log=quiet)
+    for f in sorted(os.listdir(tmp_path / "out" / "shards"))[:2]:
+        os.remove(tmp_path / "out" / "shards" / f)
+    write_input(tmp_path, PROMPTS[::-1], keys=[f"k{i}" for i in range(len(PROMPTS))][::-1])
+    with pytest.raises(JobError, match="input .* changed since"):
+        run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=4), progress=False, log=quiet)
+    s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=4, overwrite=True), progress=False,
+                log=quiet)
+    ids = [r["id"] for r in read_rows(tmp_path / "out")]
+    assert s["rows"] == len(PROMPTS) and sorted(ids) == sorted(set(ids)) and ids[0] == f"k{len(PROMPTS) - 1}"
+
+
+def test_input_columns_pass_through(ray_cluster, pair_dirs, tmp_path):
+    keys = [f"k{i}" for i in range(5)]
+    pq.write_table(pa.table({"key": keys, "text": PROMPTS[:5], "topic": [f"t{i}" for i in range(5)],
+                             "score": [0.5 * i for i in range(5)], "error": ["x"] * 5}), tmp_path / "in.parquet")
+    run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0), progress=False, log=quiet)
+    t = pq.read_table(tmp_path / "out" / "shards")
+    assert t.column("topic").to_pylist() == [f"t{i}" for i in range(5)] and t.schema.field("score").type == pa.float64()
+    assert t.column("text").to_pylist() == PROMPTS[:5] and t.column("error").to_pylist() == [None] * 5
+    run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0, keep_columns="topic", overwrite=True),
+            progress=False, log=quiet)
+    t = pq.read_table(tmp_path / "out" / "shards")
+    assert "topic" in t.column_names and "score" not in t.column_names and "text" not in t.column_names
+    with pytest.raises(JobError, match="overwrite result column"):
+        run_job(spec(pair_dirs, tmp_path, keep_columns="error", overwrite=True), progress=False, log=quiet)
+
+
+def test_awkward_inputs(ray_cluster, pair_dirs, tmp_path):
+    # mixed-type JSONL prompt column: per-row errors, as in Parquet
+    vals = ["The quick brown fox", None, "", 42, "Call me"]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps({"key": f"m{i}", "text": v}) for i, v in enumerate(vals)))
+    run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "mixed.jsonl"), max_new_tokens=3, verify_fraction=0.0,
+                 keep_columns="none"), progress=False, log=quiet)
+    rows = read_rows(tmp_path / "out")
+    assert [r["error"] is None for r in rows] == [True, False, False, False, True]
+    assert "not a string (int)" in rows[3]["error"]
+    # an empty input writes an empty dataset with the full schema
+    pq.write_table(pa.table({"key": pa.array([], pa.string()), "text": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    s = run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "empty.parquet"), output=str(tmp_path / "o2")),
+                progress=False, log=quiet)
+    t = pq.read_table(tmp_path / "o2" / "shards")
+    assert s["rows"] == 0 and t.num_rows == 0 and {"generated_text", "key", "text"} <= set(t.column_names)
+
+
+def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
+    write_input(tmp_path)
+    with pytest.raises(JobError, match="--target /no/such/model: no such file"):
+        run_job(spec(pair_dirs, tmp_path, target="/no/such/model"), progress=False, log=quiet)
+    with pytest.raises(JobError, match="do not share a tokenizer"):
+        run_job(spec(pair_dirs, tmp_path, draft=str(pair_dirs / "foreign")), progress=False, log=quiet)
+    assert not (tmp_path / "out").exists()  # checked before anything is written
+
+
+def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
+    write_input(tmp_path)
+    with pytest.raises(JobError, match="no GPUs"):
+        run_job(spec(pair_dirs, tmp_path, device="cuda"), progress=False, log=quiet)
+    # no shard was written, so another config on the same output is not refused
+    s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0), progress=False, log=quiet)
+    assert s["rows"] == len(PROMPTS) and s["startup"]["actors_ready_s"] > 0

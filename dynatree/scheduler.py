@@ -1,0 +1,190 @@
+"""Continuous batching: one thread keeps a BatchDecoder full from a queue of requests.
+
+Callers (the job worker: one call per shard, several shards in flight) :meth:`Scheduler.submit`
+a group of requests and wait on its Future.  Rows of every waiting group share the decoder, so
+batches stay full across shard boundaries: when a row finishes, the next queued request joins
+at the following step.  The number of rows in flight, B, is fixed or chosen online by
+:class:`BatchTuner` from measured committed tokens per second.
+
+A request that cannot be decoded (its prompt does not fit the context) resolves to the
+ValueError instead of a result.  An unexpected error inside a step fails the groups that had
+rows in the decoder (their callers see the exception; the job retries their shards) and the
+scheduler goes on with a fresh decoder.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import BatchDecoder
+from .models import ModelPair
+
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Request:
+    ids: list[int]
+    cfg: object
+    max_new_tokens: int
+    ignore_eos: bool = False
+
+
+@dataclass
+class BatchTuner:
+    """Picks B (rows in flight) by hill-climbing measured throughput on :data:`LADDER`.
+
+    A size is measured over a window of at least ``window_s`` seconds of steps taken with the
+    batch full (steps with fewer rows — the queue ran dry — say nothing about B), skipping the
+    first full step after a change (it carries the newcomers' prefill burst, which a steady
+    state spreads out).  The best size is the smallest whose rate no larger size beats by
+    ``gain``; its unmeasured neighbours are tried (larger first); once both are measured the
+    best is kept, and every ``recheck`` windows one neighbour is measured again, because the rate
+    moves with prompt lengths and acceptance.
+    """
+
+    max_size: int = 64
+    start: int = 8
+    window_s: float = 2.0
+    gain: float = 1.05
+    recheck: int = 8
+    rates: dict = field(default_factory=dict)  # size -> tokens/s (last window)
+    size: int = 0
+    _tokens: int = 0
+    _seconds: float = 0.0
+    _skip: bool = True
+    _windows: int = 0
+
+    def __post_init__(self):
+        self.sizes = [b for b in LADDER if b <= self.max_size] or [1]
+        self.size = max(b for b in self.sizes if b <= max(self.start, 1))
+
+    def observe(self, tokens: int, seconds: float, full: bool) -> None:
+        if not full:
+            return
+        if self._skip:
+            self._skip = False
+            return
+        self._tokens += tokens
+        self._seconds += seconds
+        if self._seconds >= self.window_s:
+            self.rates[self.size] = self._tokens / self._seconds
+            self._tokens, self._seconds, self._windows = 0, 0.0, self._windows + 1
+            self._move(self._next())
+
+    def best(self) -> int:
+        best = None
+        for b in sorted(self.rates):
+            if best is None or self.rates[b] > self.gain * self.rates[best]:
+                best = b
+        return best if best is not None else self.size
+
+    def _next(self) -> int:
+        best = self.best()
+        i = self.sizes.index(best)
+        near = [self.sizes[j] for j in (i + 1, i - 1) if 0 <= j < len(self.sizes)]
+        unmeasured = [b for b in near if b not in self.rates]
+        if unmeasured:
+            return unmeasured[0]
+        if near and self._windows % self.recheck == 0:
+            return near[(self._windows // self.recheck) % len(near)]
+        return best
+
+    def _move(self, size: int) -> None:
+        if size != self.size:
+            self.size, self._skip = size, True
+
+
+class _Group:
+    def __init__(self, n: int):
+        self.future: Future = Future()
+        self.results: list = [None] * n
+        self.left = n
+
+    def resolve(self, i: int, value) -> None:
+        self.results[i] = value
+        self.left -= 1
+        if self.left == 0 and not self.future.done():
+            self.future.set_result(self.results)
+
+    def fail(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
+
+
+class Scheduler:
+    """Decodes submitted requests in shared batches on a background thread.
+
+    ``batch_size``: rows in flight, or None to tune it (:class:`BatchTuner`, up to ``max_batch``).
+    ``threads``: the torch/OpenMP thread count of the decoding thread (thread counts are per
+    thread in OpenMP, so the caller's setting does not reach a new thread by itself).
+    """
+
+    def __init__(self, pair: ModelPair, batch_size: int | None = None, *, max_batch: int = 64,
+                 threads: int | None = None):
+        self.pair, self.fixed, self.threads = pair, batch_size, threads
+        self.tuner = BatchTuner(max_size=max_batch, start=min(8, max_batch)) if batch_size is None else None
+        self._queue: deque = deque()  # (group, index, Request)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.fixed if self.tuner is None else self.tuner.size
+
+    def submit(self, requests: list[Request]) -> Future:
+        """Queue requests; the Future gives one (tokens, finish reason, Metrics) — or the
+        ValueError that rejected it — per request, in order."""
+        group = _Group(len(requests))
+        if not requests:
+            group.future.set_result([])
+            return group.future
+        with self._cond:
+            self._queue.extend((group, i, r) for i, r in enumerate(requests))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dynatree-decode", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return group.future
+
+    def _fill(self, dec: BatchDecoder) -> None:
+        with self._cond:
+            while not len(dec) and not self._queue:
+                self._cond.wait()
+            while self._queue and len(dec) < self.batch_size:
+                group, i, r = self._queue.popleft()
+                if group.future.done():  # its shard already failed: don't decode the rest
+                    continue
+                try:
+                    dec.add(r.ids, r.cfg, max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
+                            key=(group, i))
+                except ValueError as e:  # this row only
+                    group.resolve(i, e)
+
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        dec = BatchDecoder(self.pair)
+        while True:
+            self._fill(dec)
+            if not len(dec):
+                continue
+            rows, tokens, t0 = len(dec), dec.tokens, time.perf_counter()
+            try:
+                finished = dec.step()
+            except Exception as e:  # noqa: BLE001 - the rows' callers get it; the thread lives on
+                for r in dec.joining + dec.active:
+                    r.key[0].fail(e)
+                dec = BatchDecoder(self.pair)
+                continue
+            self.steps += 1
+            if self.tuner is not None:
+                self.tuner.observe(dec.tokens - tokens, time.perf_counter() - t0, rows >= self.tuner.size)
+            for (group, i), toks, reason, m in finished:
+                group.resolve(i, (toks, reason, m))

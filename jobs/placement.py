@@ -1,0 +1,235 @@
+"""Reserve cluster resources for the job's actors up front, and fail loudly when they cannot fit.
+
+Starting actors whose resources the cluster cannot provide makes ``ray.get(actor.ready.remote())``
+wait forever without a word.  Here the request is checked against the nodes' totals first (an
+impossible shape fails at once), then reserved as a placement group with a deadline (a shape that
+fits but is held by someone else fails after ``timeout_s``), and actors are placed into its
+bundles so a replacement for a dead actor lands in the resources its predecessor freed.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+_UNIT = 10_000  # Ray stores resource quantities as fixed point with 1e-4 resolution
+_FLAGS = {"CPU": "--cpus-per-actor", "GPU": "--gpus-per-actor", "memory": "the memory per actor"}
+
+
+class PlacementError(RuntimeError):
+    """The requested actors cannot be placed or did not start."""
+
+
+def _shape(cpus: float, gpus: float, memory: float | None = None) -> dict[str, float]:
+    shape = {"CPU": float(cpus), "GPU": float(gpus)}
+    if memory:
+        shape["memory"] = float(memory)
+    return shape
+
+
+def _wanted(shape: dict[str, float]) -> dict[str, float]:
+    # zero-valued resources constrain nothing, and Ray rejects them inside bundles
+    wanted = {k: v for k, v in shape.items() if v > 0}
+    if not wanted:
+        raise PlacementError(f"an actor must ask for some CPU or GPU, got {_fmt_shape(shape)}")
+    return wanted
+
+
+def _alive(nodes: list[dict]) -> list[dict]:
+    return [n for n in nodes if n.get("Alive", n.get("alive", True))]
+
+
+def _node_fits(resources: dict, wanted: dict[str, float]) -> int:
+    return min(round(resources.get(k, 0) * _UNIT) // round(v * _UNIT) for k, v in wanted.items())
+
+
+def feasible_actors(nodes: list[dict], cpus: float, gpus: float, memory: float | None = None) -> int:
+    """How many actors of this shape fit in the alive nodes' total resources (an actor cannot
+    span nodes, so each node contributes its own whole number)."""
+    wanted = _wanted(_shape(cpus, gpus, memory))
+    return sum(_node_fits(n.get("Resources", {}), wanted) for n in _alive(nodes))
+
+
+def _fmt_num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _fmt_shape(shape: dict[str, float]) -> str:
+    parts = [f"{k}: {_fmt_mem(v) if k == 'memory' else _fmt_num(v)}" for k, v in shape.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _fmt_mem(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def _fmt_resources(res: dict) -> str:
+    return (f"{_fmt_num(res.get('CPU', 0))} CPU, {_fmt_num(res.get('GPU', 0))} GPU, "
+            f"{_fmt_mem(res.get('memory', 0))} memory")
+
+
+def _fmt_nodes(nodes: list[dict], limit: int = 4) -> str:
+    alive = _alive(nodes)
+    if not alive:
+        return "no alive nodes"
+    parts = [f"node {n.get('NodeManagerAddress', '?')}: {_fmt_resources(n.get('Resources', {}))}"
+             for n in alive[:limit]]
+    if len(alive) > limit:
+        parts.append(f"and {len(alive) - limit} more")
+    return "; ".join(parts)
+
+
+def _hint(nodes: list[dict], wanted: dict[str, float], fits: int) -> str:
+    if fits > 0:
+        return (f"lower --num-actors to at most {fits} or lower "
+                + " / ".join(_FLAGS[k] for k in wanted))
+    # name the resources no single node has enough of; if each exists somewhere but never
+    # together, all requested resources are candidates
+    short = [k for k, v in wanted.items()
+             if not any(n.get("Resources", {}).get(k, 0) >= v for n in _alive(nodes))]
+    return "lower " + " / ".join(_FLAGS[k] for k in (short or wanted))
+
+
+def check_request(nodes: list[dict], n: int | None, cpus: float, gpus: float,
+                  memory: float | None = None) -> int:
+    """The number of actors to start: ``n`` if it fits, else as many as fit when ``n`` is None.
+    Raises PlacementError naming the request, the cluster and the flag to change."""
+    shape = _shape(cpus, gpus, memory)
+    fits = feasible_actors(nodes, cpus, gpus, memory)
+    want = 1 if n is None else n
+    if want <= fits:
+        return fits if n is None else n
+    asked = "even 1 actor" if n is None else f"{n} actor(s)"
+    raise PlacementError(
+        f"cannot place {asked} × {_fmt_shape(shape)}: the cluster's nodes hold at most {fits} "
+        f"({_fmt_nodes(nodes)}); {_hint(nodes, _wanted(shape), fits)}")
+
+
+def _core(res: dict) -> dict:
+    # placement groups add per-group resources (CPU_group_<id>, bundle_group_...) that mean
+    # nothing to the user
+    return {k: res.get(k, 0) for k in ("CPU", "GPU", "memory")}
+
+
+def reserve(n: int, cpus: float, gpus: float, *, memory: float | None = None,
+            timeout_s: float = 60.0, log=print):
+    """Reserve ``n`` bundles of the actor shape as a PACK placement group; returns the group.
+
+    Raises PlacementError (after removing the group) if it is not ready within ``timeout_s``."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    shape = _shape(cpus, gpus, memory)
+    pg = placement_group([_wanted(shape)] * n, strategy="PACK")
+    ready = pg.ready()
+    t0 = time.monotonic()
+    done, _ = ray.wait([ready], timeout=min(5.0, timeout_s))
+    if not done:  # say why we are waiting rather than sit silent
+        log(f"waiting up to {timeout_s:g} s for {n} × {_fmt_shape(shape)} "
+            f"(available now: {_fmt_resources(_core(ray.available_resources()))})")
+        done, _ = ray.wait([ready], timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
+    if done:
+        return pg
+    release(pg)
+    total, avail = _core(ray.cluster_resources()), _core(ray.available_resources())
+    fits = feasible_actors(ray.nodes(), cpus, gpus, memory)
+    why = ("the cluster could hold them, so other jobs or actors may hold the resources now"
+           if fits >= n else f"the cluster's nodes hold at most {fits}")
+    raise PlacementError(
+        f"could not reserve {n} actor(s) × {_fmt_shape(shape)} within {timeout_s:g} s: {why} "
+        f"(available: {_fmt_resources(avail)}; total: {_fmt_resources(total)}); "
+        f"free them or lower --num-actors / --cpus-per-actor")
+
+
+def actor_options(pg, index: int, cpus: float, gpus: float, memory: float | None = None) -> dict:
+    """``.options(...)`` kwargs that start an actor inside bundle ``index`` of ``pg``; a
+    replacement for a dead actor given the same index takes the resources it freed."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts = {"num_cpus": cpus, "num_gpus": gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=index)}
+    if memory:
+        opts["memory"] = memory
+    return opts
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _clip(text: str, lines: int = 2, width: int = 300) -> str:
+    kept = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()][:lines]
+    return "\n".join(ln if len(ln) <= width else ln[:width - 1] + "…" for ln in kept)
+
+
+def _task_error(err: BaseException):
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(err, RayTaskError):
+        return err
+    # an ActorDiedError built from a failed __init__ keeps that RayTaskError as its only arg
+    # (it is not stored under an attribute; pickling re-runs __init__ with it)
+    if isinstance(err, RayActorError) and err.args and isinstance(err.args[0], RayTaskError):
+        return err.args[0]
+    return None
+
+
+def describe_error(err: BaseException) -> str:
+    """The root cause of a remote failure in one or two lines, e.g. ``ValueError: no such file``,
+    instead of Ray's message (which embeds the remote traceback)."""
+    from ray.exceptions import RayError, RayTaskError
+
+    task_err = _task_error(err)
+    if task_err is None:
+        lines = str(err).splitlines()
+        if getattr(err, "actor_init_failed", False) and lines:
+            return _clip(lines[-1])  # the traceback's last line is the exception itself
+        # system deaths: first line says what, the next un-indented one says why
+        return _clip("\n".join(ln for ln in lines if not ln.startswith("\t")))
+    cause = task_err.cause
+    while isinstance(cause, RayTaskError):  # a remote call made from inside the remote code
+        cause = cause.cause
+    if cause is None or type(cause) is RayError:
+        # the original exception could not be pickled; Ray's stand-in text ends with its
+        # traceback, whose last line is the original "Type: message"
+        text = str(cause if cause is not None else task_err).rstrip().splitlines()
+        return _clip(text[-1] if text else repr(err))
+    msg = str(cause)
+    return _clip(f"{type(cause).__name__}: {msg}" if msg else type(cause).__name__)
+
+
+def wait_ready(refs: list, *, timeout_s: float, what: str = "actor") -> list:
+    """Results of ``refs`` (``actor.ready.remote()`` calls) in order, waiting at most
+    ``timeout_s``.  The first failure raises PlacementError with its root cause; the deadline
+    raises PlacementError saying how many are still not ready."""
+    import ray
+    from ray.exceptions import RayError
+
+    deadline = time.monotonic() + timeout_s
+    where = {ref: i for i, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                results[where[ref]] = ray.get(ref)
+            except RayError as err:
+                raise PlacementError(f"{what} {where[ref] + 1} of {len(refs)} failed to start: "
+                                     f"{describe_error(err)}") from err
+    if pending:
+        raise PlacementError(
+            f"{len(pending)} of {len(refs)} {what}(s) not ready after {timeout_s:g} s: they may "
+            f"be waiting for resources other jobs hold, or loading is slower than the deadline")
+    return results
+
+
+def release(pg) -> None:
+    """Remove the placement group (no-op for None or after ray.shutdown())."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if pg is not None and ray.is_initialized():
+        remove_placement_group(pg)

@@ -1,0 +1,155 @@
+"""A job's plan and output directory: shards from row counts, the manifest, finished shards.
+
+Nothing here holds the prompts: shards are row ranges ``[k * shard_size, ...)`` of the input
+(data.InputSource reads them on demand), the manifest holds the job identity, the input's
+fingerprint and the shard count, and a shard file carries in its Parquet metadata the identity
+and the range it covers.  So planning a 10M-row job reads file footers, and a resume trusts a
+shard file only if it was written by this job for exactly its planned rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynatree.data import InputError, InputSource
+from dynatree.metrics import output_schema
+
+from .spec import JobSpec
+
+META_KEY = b"dynatree"
+
+
+class JobError(RuntimeError):
+    """The job cannot start or did not finish."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: InputSource
+    shard_size: int
+    keep: tuple[str, ...]  # input columns copied to the output
+    schema: pa.Schema  # the output rows' schema: result columns, then the kept ones
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.source.num_rows // self.shard_size)
+
+    def shard(self, k: int) -> tuple[str, int, int]:
+        s = k * self.shard_size
+        return f"part-{k:06d}", s, min(s + self.shard_size, self.source.num_rows)
+
+
+def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
+    result_cols = set(output_schema().names)
+    if spec.keep_columns is not None:
+        missing = [c for c in spec.keep_columns if c not in source.column_names]
+        if missing:
+            raise JobError(f"--keep-columns: no column(s) {', '.join(missing)} in {spec.input} "
+                           f"(columns: {', '.join(source.column_names)})")
+        clash = [c for c in spec.keep_columns if c in result_cols]
+        if clash:
+            raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
+        return tuple(spec.keep_columns)
+    skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column]
+    if skipped:
+        log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name")
+    return tuple(c for c in source.column_names if c not in result_cols)
+
+
+def make_plan(spec: JobSpec, log=print) -> Plan:
+    """Open the input (metadata only), check its columns and ids; InputError becomes JobError."""
+    try:
+        source = InputSource.open(spec.input)
+        cols = source.column_names
+        if source.num_rows and spec.prompt_column not in cols:
+            raise JobError(f"input {spec.input}: no prompt column {spec.prompt_column!r} (columns: {', '.join(cols)})")
+        if spec.id_column:
+            if spec.id_column not in cols:
+                raise JobError(f"input {spec.input}: no id column {spec.id_column!r} (columns: {', '.join(cols)})")
+            source.check_ids(spec.id_column)
+        keep = _kept_columns(spec, source, log)
+    except InputError as e:
+        raise JobError(str(e)) from e
+    schema = output_schema()
+    for c in keep:
+        schema = schema.append(source.schema.field(c))
+    return Plan(source, spec.shard_size, keep, schema)
+
+
+def _manifest(spec: JobSpec, plan: Plan) -> dict:
+    return {"identity_hash": spec.identity_hash(), "identity": spec.identity(),
+            "input_fingerprint": plan.source.fingerprint(), "rows": plan.source.num_rows,
+            "shard_size": plan.shard_size, "shards": plan.num_shards}
+
+
+def _has_shards(out: Path) -> bool:
+    return any(p.name.startswith("part-") for p in (out / "shards").iterdir())
+
+
+def _refuse_change(out: Path, old: dict, new: dict) -> None:
+    if old.get("identity_hash") != new["identity_hash"]:
+        changed = sorted(k for k in new["identity"] if json.dumps(new["identity"][k], default=str)
+                         != json.dumps(old.get("identity", {}).get(k), default=str))
+        raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
+                       "use --overwrite to replace it or another --output")
+    if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True):
+        raise JobError(f"the input {new['identity']['input']} changed since {out} was started (file sizes, times or "
+                       "row counts differ), so its finished shards may not match the rows they were planned "
+                       "for; use --overwrite to start again or another --output")
+
+
+def prepare_output(spec: JobSpec, plan: Plan) -> Path:
+    out = Path(spec.output)
+    try:
+        (out / "shards").mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise JobError(f"output directory {out} is not writable: {e}") from e
+    path, manifest = out / "manifest.json", _manifest(spec, plan)
+    if spec.overwrite:
+        shutil.rmtree(out / "shards")
+        (out / "shards").mkdir()
+        for f in out.glob(".fault-*"):
+            f.unlink()
+    elif path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
+        _refuse_change(out, json.loads(path.read_text()), manifest)
+        if not spec.resume:
+            raise JobError(f"{out} already holds this job; pass --resume to continue it or --overwrite")
+    elif _has_shards(out):
+        raise JobError(f"{out}/shards has files but no manifest; refusing to mix outputs (use --overwrite)")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, default=str))
+    os.replace(tmp, path)
+    return out
+
+
+def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
+    """Shard numbers whose file this job wrote for exactly its planned range (footers only)."""
+    ident, done = spec.identity_hash(), set()
+    for p in (out / "shards").glob("part-*.parquet"):
+        try:
+            k = int(p.stem.split("-")[1])
+            meta = json.loads(pq.read_metadata(p).metadata[META_KEY])
+        except Exception:  # a damaged or foreign file is redone (and overwritten)
+            continue
+        if k < plan.num_shards and meta == {"identity": ident, "range": list(plan.shard(k)[1:])}:
+            done.add(k)
+    return done
+
+
+def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -> None:
+    name, s, e = plan.shard(k)
+    meta = json.dumps({"identity": spec.identity_hash(), "range": [s, e]}).encode()
+    table = table.replace_schema_metadata({META_KEY: meta})
+    final = out / "shards" / f"{name}.parquet"
+    tmp = final.with_name(f".{name}.parquet.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, final)  # atomic: a shard file is either absent or complete

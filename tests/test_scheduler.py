@@ -1,0 +1,77 @@
+"""Continuous batching (scheduler.py): groups share batches, rows equal their batch-1 decode,
+bad rows and failing steps stay contained; the batch-size tuner climbs to the measured best."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dynatree import decode, make_config
+from dynatree.scheduler import BatchTuner, Request, Scheduler
+
+from conftest import random_prompts
+
+
+def _requests(prompts, cfg, n=14):
+    return [Request(p, cfg, n, ignore_eos=True) for p in prompts]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, None])
+def test_groups_share_batches_and_equal_batch1(close_pair, batch_size):
+    dyna, ar = make_config("dynatree"), make_config("ar")
+    prompts = random_prompts(7, seed=21, lo=2, hi=20)
+    sched = Scheduler(close_pair, batch_size, max_batch=4, threads=1)
+    groups = [_requests(prompts[:3], dyna), _requests(prompts[3:], ar) + _requests(prompts[:1], dyna)]
+    with ThreadPoolExecutor(2) as pool:  # two callers, as two in-flight shards of one actor
+        got = list(pool.map(lambda g: sched.submit(g).result(timeout=120), groups))
+    for reqs, outs in zip(groups, got):
+        for r, (toks, reason, m) in zip(reqs, outs):
+            ref, ref_reason, _ = decode(close_pair, r.ids, make_config("ar"), max_new_tokens=14, ignore_eos=True)
+            assert toks == ref and reason == ref_reason == "length" and m.new_tokens == 14
+    assert sched.steps > 0
+
+
+def test_bad_row_and_failing_step_are_contained(close_pair, monkeypatch):
+    sched = Scheduler(close_pair, 2, threads=1)
+    too_long = [5] * close_pair.max_context
+    ok, bad = random_prompts(1, seed=3)[0], too_long
+    out = sched.submit([Request(ok, make_config("ar"), 4), Request(bad, make_config("ar"), 4)]).result(timeout=60)
+    assert out[0][0] and isinstance(out[1], ValueError) and "context" in str(out[1])
+
+    from dynatree import engine
+    real = engine.BatchDecoder._iterate
+    calls = {"n": 0}
+
+    def flaky(self, rows):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(self, rows)
+
+    monkeypatch.setattr(engine.BatchDecoder, "_iterate", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.submit([Request(ok, make_config("ar"), 6)]).result(timeout=60)
+    again = sched.submit([Request(ok, make_config("ar"), 6)]).result(timeout=60)  # the thread lives on
+    assert again[0][0] == decode(close_pair, ok, make_config("ar"), max_new_tokens=6)[0]
+
+
+def _drive(tuner: BatchTuner, rate_of, windows: int = 40):
+    sizes = []
+    for _ in range(windows * 4):
+        b = tuner.size
+        tuner.observe(int(rate_of(b) * 0.5), 0.5, full=True)
+        sizes.append(b)
+    return sizes
+
+
+def test_tuner_climbs_to_the_best_size_and_rechecks():
+    rate = {1: 60, 2: 110, 4: 190, 8: 300, 16: 380, 32: 385, 64: 300}
+    t = BatchTuner(max_size=64, start=8, window_s=1.0)
+    sizes = _drive(t, rate.get)
+    assert t.best() == 16  # 32 is not 5% better than 16
+    assert sizes[-40:].count(16) > 30  # settles, with occasional rechecks of the neighbours
+    assert {8, 16, 32} <= set(sizes) and 64 not in sizes[-40:]
+    t = BatchTuner(max_size=4, start=8, window_s=1.0)
+    _drive(t, rate.get)
+    assert t.best() == 4 and t.size <= 4
+    t = BatchTuner(window_s=1.0)
+    t.observe(1000, 10.0, full=False)  # a partly empty batch measures nothing
+    assert t.rates == {}
