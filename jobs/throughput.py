@@ -1,0 +1,72 @@
+"""Job throughput as a corpus user sees it: whole `dynatree run` jobs, measured side by side.
+
+Each configuration runs a small and a large job on the same prompts; the *marginal* rate
+(extra tokens / extra wall time between the two) cancels the start-up both pay, and the
+start-up is reported on its own.  All configurations run one after another in one process
+(the host drifts, so compare configurations from the same run only).
+
+    python -m dynatree.jobs.throughput --input P.parquet --target T --draft D \\
+        --configs dynatree:1,dynatree:16,ar:16,dynatree:auto --sizes 16,64 --out bench-jobs
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+import pyarrow.parquet as pq
+
+from .driver import run_job
+from .spec import build_spec
+
+
+def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpus: float, base: dict) -> dict:
+    rows = pq.read_table(inp).slice(0, n)
+    path = work / f"in-{n}.parquet"
+    if not path.exists():
+        pq.write_table(rows, path)
+    spec = build_spec(None, input=str(path), output=str(work / f"out-{method}-{batch}-{actors}x{cpus:g}-{n}"),
+                      method=method, batch_size=batch, num_actors=actors, cpus_per_actor=cpus,
+                      overwrite=True, **base)
+    s = run_job(spec, progress=False, log=lambda m: None)
+    run = s["this_run"]
+    st = s["startup"]
+    return {"rows": n, "tokens": run["tokens_this_run"], "wall_s": run["wall_time_s"],
+            "startup_s": sum(st.get(k, 0) for k in ("plan_s", "cluster_s", "placement_s", "actors_ready_s")),
+            "startup": st, "batch_sizes": [a["batch_size"] for a in run.get("actors", [])],
+            "mismatches": s["equivalence"]["mismatches"], "checked": s["equivalence"]["checked"]}
+
+
+@click.command()
+@click.option("--input", "inp", required=True)
+@click.option("--target", required=True)
+@click.option("--draft", required=True)
+@click.option("--configs", default="dynatree:1,dynatree:16,ar:16,dynatree:auto", show_default=True,
+              help="METHOD:BATCH[:ACTORSxCPUS], comma-separated")
+@click.option("--sizes", default="16,64", show_default=True, help="small,large job sizes (prompts)")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--verify-fraction", default=0.0, show_default=True)
+@click.option("--out", default="bench-jobs", show_default=True, help="directory for results.json")
+def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, out):
+    small, large = (int(x) for x in sizes.split(","))
+    base = dict(target=target, draft=draft, max_new_tokens=max_new_tokens, ignore_eos=True, device="cpu",
+                verify_fraction=verify_fraction, shard_size=16)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dt-jobs-") as tmp:
+        for c in configs.split(","):
+            method, batch, *shape = c.split(":")
+            actors, cpus = (int(shape[0].split("x")[0]), float(shape[0].split("x")[1])) if shape else (1, 2.0)
+            a = _job(inp, small, Path(tmp), method, batch, actors, cpus, base)
+            b = _job(inp, large, Path(tmp), method, batch, actors, cpus, base)
+            rate = (b["tokens"] - a["tokens"]) / (b["wall_s"] - a["wall_s"])
+            results.append({"config": c, "small": a, "large": b, "marginal_tokens_per_s": rate})
+            click.echo(f"{c:<22} marginal {rate:7.1f} tok/s   whole {large}-prompt job {b['tokens'] / b['wall_s']:7.1f}"
+                       f" tok/s   start-up {a['startup_s']:.1f}/{b['startup_s']:.1f} s   batch {b['batch_sizes']}"
+                       f"   mismatches {b['mismatches']}/{b['checked']}")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "results.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
