@@ -129,3 +129,35 @@ def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
+    """SIGKILL the driver (and the local cluster it started) while batched actors are busy; the
+    re-run finishes with every id exactly once, every row equal to ar."""
+    n = 24
+    pq.write_table(pa.table({"key": [f"r{i}" for i in range(n)],
+                             "text": [f"The quick brown fox {i} jumps over" for i in range(n)]}), tmp_path / "in.parquet")
+    cmd = [str(Path(sys.executable).parent / "dynatree"), "run", "--input", str(tmp_path / "in.parquet"),
+           "--output", str(tmp_path / "out"), "--target", str(pair_dirs / "target"), "--draft",
+           str(pair_dirs / "draft"), "--id-column", "key", "--shard-size", "2", "--batch-size", "4",
+           "--max-new-tokens", "40", "--ignore-eos", "--num-actors", "1", "--cpus-per-actor", "1",
+           "--verify-fraction", "1", "--device", "cpu", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    shards = tmp_path / "out" / "shards"
+    deadline = time.time() + 240
+    try:
+        while not (shards.exists() and len(list(shards.glob("part-*.parquet"))) >= 2):
+            assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+        proc.wait(timeout=60)
+    assert len(list(shards.glob("part-*.parquet"))) < n // 2
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in res.stderr
+    t = pq.read_table(shards)
+    assert sorted(t.column("id").to_pylist()) == sorted(f"r{i}" for i in range(n))
+    assert all(t.column("matches_ar").to_pylist())
