@@ -59,12 +59,16 @@ class BatchTuner:
     _seconds: float = 0.0
     _skip: bool = True
     _windows: int = 0
+    available: int | None = None
 
     def __post_init__(self):
         self.sizes = [b for b in LADDER if b <= self.max_size] or [1]
         self.size = max(b for b in self.sizes if b <= max(self.start, 1))
 
-    def observe(self, tokens: int, seconds: float, full: bool) -> None:
+    def observe(self, tokens: int, seconds: float, full: bool, available: int | None = None) -> None:
+        """One step: tokens committed, its seconds, whether the batch was full, and how many rows
+        there are to decode (in flight + queued; sizes beyond it cannot be measured)."""
+        self.available = available
         if not full:
             return
         if self._skip:
@@ -87,7 +91,8 @@ class BatchTuner:
     def _next(self) -> int:
         best = self.best()
         i = self.sizes.index(best)
-        near = [self.sizes[j] for j in (i + 1, i - 1) if 0 <= j < len(self.sizes)]
+        room = self.available if self.available is not None else self.sizes[-1]
+        near = [self.sizes[j] for j in (i + 1, i - 1) if 0 <= j < len(self.sizes) and self.sizes[j] <= room]
         unmeasured = [b for b in near if b not in self.rates]
         if unmeasured:
             return unmeasured[0]
@@ -185,6 +190,7 @@ class Scheduler:
                 continue
             self.steps += 1
             if self.tuner is not None:
-                self.tuner.observe(dec.tokens - tokens, time.perf_counter() - t0, rows >= self.tuner.size)
+                self.tuner.observe(dec.tokens - tokens, time.perf_counter() - t0, rows >= self.tuner.size,
+                                   len(dec) + len(self._queue))
             for (group, i), toks, reason, m in finished:
                 group.resolve(i, (toks, reason, m))

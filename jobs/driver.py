@@ -208,20 +208,27 @@ class _Dispatch:
                            f"finished shards are kept in {self.out}/shards — re-run to retry the rest")
 
     def _feed(self, inflight: dict, pending: deque) -> None:
-        """Top up every actor's queue.  A *suspect* shard (in flight on an actor that failed)
-        runs alone on an idle actor, so a failure is charged only to the shard that caused it."""
-        for slot, actor in enumerate(self.actors):
-            mine = [v for v in inflight.values() if v[0] == slot]
-            while pending and len(mine) < self.spec.inflight_shards and not any(v[5] for v in mine):
+        """Top up the actors' queues one shard per actor per round, so a short job is spread
+        over every actor.  A *suspect* shard (in flight on an actor that failed) runs alone on an
+        idle actor, so a failure is charged only to the shard that caused it."""
+        mine = {slot: [v for v in inflight.values() if v[0] == slot] for slot in range(len(self.actors))}
+        progress = True
+        while pending and progress:
+            progress = False
+            for slot, actor in enumerate(self.actors):
+                queue = mine[slot]
+                if not pending or len(queue) >= self.spec.inflight_shards or any(v[5] for v in queue):
+                    continue
                 k, got = pending[0]
                 alone = k in self.suspects
-                if alone and mine:
-                    break  # wait until this actor drains
+                if alone and queue:
+                    continue  # wait until this actor drains
                 pending.popleft()
                 rows, kept = got or _read_shard(self.spec, self.plan, k)
                 entry = (slot, actor, k, rows, kept, alone)
                 inflight[actor.run_shard.remote(self.plan.shard(k)[0], rows)] = entry
-                mine.append(entry)
+                queue.append(entry)
+                progress = True
 
     def _loop(self, ray, pending: deque, progress: bool) -> None:
         from ray.exceptions import RayActorError, RayTaskError

@@ -1,9 +1,13 @@
 """The job spec: one validated object built from a YAML/JSON file and/or CLI flags.
 
-Fields that change what is generated (models, method, options, lengths, prompt handling) form
-the *output identity*: a re-run on the same output directory must have the same identity, or
-it is refused unless ``overwrite`` is set.  Fields that only change how the work is spread
-(actors, CPUs, address, shard concurrency) may differ between a run and its resume.
+``JobSpec``'s fields are the job's schema: ``dynatree run``'s flags are generated from them
+(cli.py; each field's ``help``), job files use their names, and the actors receive the spec itself.
+
+Fields that change what is generated (models, kernel, method, options, lengths, prompt
+handling, input, shard size) form the *output identity*: a re-run on the same output directory
+must have the same identity, or it is refused unless ``overwrite`` is set.  Fields that only
+change how the work is spread (actors, CPUs, batch size, address, deadlines) may differ between
+a run and its resume: outputs do not depend on them (the batched engine is batch invariant).
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ class JobSpec:
     batch_size: int | str = _f("auto", "rows each actor decodes together: a number, or auto (tuned "
                                        "from measured throughput)")
     max_batch_size: int = _f(64, "the largest batch auto may pick")
-    num_actors: int | None = _f(None, "actors (default: one per GPU, else CPUs // cpus_per_actor)")
+    num_actors: int | None = _f(None, "actors (default: as many as the cluster's nodes hold at this shape)")
     cpus_per_actor: float = _f(2.0, "CPUs (and threads) per actor")
     gpus_per_actor: float | None = _f(None, "GPUs per actor (default: 1 when the cluster has GPUs)")
     shard_size: int = _f(64, "rows per output file (the unit of resume and retry)")

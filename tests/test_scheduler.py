@@ -53,11 +53,11 @@ def test_bad_row_and_failing_step_are_contained(close_pair, monkeypatch):
     assert again[0][0] == decode(close_pair, ok, make_config("ar"), max_new_tokens=6)[0]
 
 
-def _drive(tuner: BatchTuner, rate_of, windows: int = 40):
+def _drive(tuner: BatchTuner, rate_of, windows: int = 40, available=None):
     sizes = []
     for _ in range(windows * 4):
         b = tuner.size
-        tuner.observe(int(rate_of(b) * 0.5), 0.5, full=True)
+        tuner.observe(int(rate_of(b) * 0.5), 0.5, full=True, available=available)
         sizes.append(b)
     return sizes
 
@@ -69,6 +69,8 @@ def test_tuner_climbs_to_the_best_size_and_rechecks():
     assert t.best() == 16  # 32 is not 5% better than 16
     assert sizes[-40:].count(16) > 30  # settles, with occasional rechecks of the neighbours
     assert {8, 16, 32} <= set(sizes) and 64 not in sizes[-40:]
+    t = BatchTuner(max_size=64, start=8, window_s=1.0)
+    assert max(_drive(t, rate.get, available=20)) == 16  # 32 rows could never fill a batch
     t = BatchTuner(max_size=4, start=8, window_s=1.0)
     _drive(t, rate.get)
     assert t.best() == 4 and t.size <= 4
