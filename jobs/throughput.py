@@ -48,11 +48,13 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
 @click.option("--sizes", default="16,64", show_default=True, help="small,large job sizes (prompts)")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--verify-fraction", default=0.0, show_default=True)
+@click.option("--shard-size", default=4, show_default=True,
+              help="small enough that the small job reaches every actor (else its marginal rate flatters many actors)")
 @click.option("--out", default="bench-jobs", show_default=True, help="directory for results.json")
-def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, out):
+def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, shard_size, out):
     small, large = (int(x) for x in sizes.split(","))
     base = dict(target=target, draft=draft, max_new_tokens=max_new_tokens, ignore_eos=True, device="cpu",
-                verify_fraction=verify_fraction, shard_size=16)
+                verify_fraction=verify_fraction, shard_size=shard_size)
     results = []
     import ray
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
