@@ -1,14 +1,28 @@
 """The Ray actor: a thin shell around ShardWorker (the pair is loaded once, in __init__).
 
-Started with ``max_concurrency`` > 1 (driver): each in-flight ``run_shard`` call waits on its
-own thread while the worker's one decoding thread serves all of them in shared batches."""
+The worker module (torch, transformers, the engine) is imported inside the actor process only,
+so the driver that defines and starts actors stays light.  Started with ``max_concurrency`` > 1
+(driver): each in-flight ``run_shard`` call waits on its own thread while the worker's one
+decoding thread serves all of them in shared batches."""
 from __future__ import annotations
 
 import ray
 
-from .worker import ShardWorker
-
 
 @ray.remote
-class PairActor(ShardWorker):
+class PairActor:
     """One per GPU on a GPU box; a CPU share (``cpus_per_actor`` threads) on CPU machines."""
+
+    def __init__(self, spec, threads: int | None = None):
+        from .worker import ShardWorker
+
+        self.worker = ShardWorker(spec, threads)
+
+    def ready(self) -> dict:
+        return self.worker.ready()
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def run_shard(self, shard: str, rows: list[dict]) -> list[dict]:
+        return self.worker.run_shard(shard, rows)

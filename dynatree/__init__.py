@@ -1,9 +1,18 @@
-"""dynatree: exact tree speculative decoding (DynaTree, DySpec) for offline batch generation."""
-from .config import METHODS, make_config, parse_options
-from .engine import BatchDecoder, ContextError, Generation, decode, decode_batch, generate, generate_batch
-from .models import ModelPair, PairError, load_pair, pair_from_models
+"""dynatree: exact tree speculative decoding (DynaTree, DySpec) for offline batch generation.
+
+The public names load on first use (PEP 562), so the job driver — which plans shards and writes
+Parquet but never touches tensors — imports neither torch nor transformers."""
+from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = ["METHODS", "BatchDecoder", "ContextError", "Generation", "ModelPair", "PairError", "decode", "decode_batch",
-           "generate", "generate_batch",
-           "load_pair", "make_config", "pair_from_models", "parse_options", "__version__"]
+_WHERE = {"METHODS": "config", "make_config": "config", "parse_options": "config",
+          "BatchDecoder": "engine", "ContextError": "engine", "Generation": "engine", "decode": "engine",
+          "decode_batch": "engine", "generate": "engine", "generate_batch": "engine",
+          "ModelPair": "models", "PairError": "models", "load_pair": "models", "pair_from_models": "models"}
+__all__ = sorted(_WHERE) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,6 @@ import resource
 from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
-import torch
 
 
 @dataclass
@@ -121,15 +120,17 @@ class Tally:
         self.nodes += nodes
 
 
-def peak_memory_mb(device: torch.device) -> float:
+def peak_memory_mb(device) -> float:
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, ttft: float,
            prefill: float, draft_time: float, verify_time: float, target_forwards: int,
-           draft_forwards: int, device: torch.device, forward_time: float = 0.0) -> Metrics:
+           draft_forwards: int, device, forward_time: float = 0.0) -> Metrics:
     it = tally.iterations
     return Metrics(
         prompt_tokens=prompt_tokens,
