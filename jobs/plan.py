@@ -58,7 +58,8 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
         return tuple(spec.keep_columns)
     skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column]
     if skipped:
-        log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name")
+        hint = " (--id-column id makes it the row id)" if "id" in skipped else ""
+        log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name{hint}")
     return tuple(c for c in source.column_names if c not in result_cols)
 
 
