@@ -266,3 +266,13 @@ def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
     # no shard was written, so another config on the same output is not refused
     s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0), progress=False, log=quiet)
     assert s["rows"] == len(PROMPTS) and s["startup"]["actors_ready_s"] > 0
+
+
+def test_the_driver_imports_neither_torch_nor_transformers():
+    """The driver's memory stays small on corpus jobs: the engine loads only inside actors."""
+    import subprocess
+    import sys
+    code = ("import sys, dynatree, dynatree.jobs.driver, dynatree.actors.ray_actor, dynatree.cli; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
