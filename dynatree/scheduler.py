@@ -137,6 +137,7 @@ class Scheduler:
         self._queue: deque = deque()  # (group, index, Request)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self.broken: BaseException | None = None  # why the decoding thread ended, if it did
         self.steps = 0
 
     @property
@@ -151,6 +152,8 @@ class Scheduler:
             group.future.set_result([])
             return group.future
         with self._cond:
+            if self.broken is not None:
+                raise RuntimeError(f"the decoding thread stopped: {self.broken!r}")
             self._queue.extend((group, i, r) for i, r in enumerate(requests))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dynatree-decode", daemon=True)
@@ -171,11 +174,27 @@ class Scheduler:
                             key=(group, i))
                 except ValueError as e:  # this row only
                     group.resolve(i, e)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory for its cache: its shard fails
+                    group.fail(e)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the thread is ending: no caller may wait for it forever
+            with self._cond:
+                self.broken = e
+                err = RuntimeError(f"the decoding thread stopped: {e!r}")
+                for group, _, _ in self._queue:
+                    group.fail(err)
+                self._queue.clear()
+                for r in self._dec.joining + self._dec.active:
+                    r.key[0].fail(err)
+            raise
+
+    def _loop(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
-        dec = BatchDecoder(self.pair)
+        dec = self._dec = BatchDecoder(self.pair)
         while True:
             self._fill(dec)
             if not len(dec):
@@ -186,7 +205,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the rows' callers get it; the thread lives on
                 for r in dec.joining + dec.active:
                     r.key[0].fail(e)
-                dec = BatchDecoder(self.pair)
+                dec = self._dec = BatchDecoder(self.pair)
                 continue
             self.steps += 1
             if self.tuner is not None:

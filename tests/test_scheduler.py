@@ -77,3 +77,34 @@ def test_tuner_climbs_to_the_best_size_and_rechecks():
     t = BatchTuner(window_s=1.0)
     t.observe(1000, 10.0, full=False)  # a partly empty batch measures nothing
     assert t.rates == {}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises, as it should
+def test_nothing_waits_forever_when_the_decoding_thread_dies(close_pair, monkeypatch):
+    from dynatree import engine
+
+    class Fatal(BaseException):  # not an Exception: escapes the per-step handler
+        pass
+
+    sched = Scheduler(close_pair, 2, threads=1)
+    ok = random_prompts(2, seed=4)
+    real_add = engine.BatchDecoder.add
+
+    def add(self, ids, *a, **k):
+        if ids == ok[1]:
+            raise MemoryError("no room for its cache")
+        return real_add(self, ids, *a, **k)
+
+    monkeypatch.setattr(engine.BatchDecoder, "add", add)
+    with pytest.raises(MemoryError):  # that row's group fails; the scheduler goes on
+        sched.submit([Request(ok[1], make_config("ar"), 4)]).result(timeout=60)
+    assert sched.submit([Request(ok[0], make_config("ar"), 4)]).result(timeout=60)[0][0]
+
+    def die(self, rows):
+        raise Fatal()
+
+    monkeypatch.setattr(engine.BatchDecoder, "_iterate", die)
+    with pytest.raises(RuntimeError, match="decoding thread stopped"):
+        sched.submit([Request(ok[0], make_config("ar"), 4)]).result(timeout=60)
+    with pytest.raises(RuntimeError, match="decoding thread stopped"):
+        sched.submit([Request(ok[0], make_config("ar"), 4)])
