@@ -6,6 +6,9 @@ so the driver that defines and starts actors stays light.  Started with ``max_co
 decoding thread serves all of them in shared batches."""
 from __future__ import annotations
 
+import os
+import sys
+
 import ray
 
 
@@ -25,4 +28,12 @@ class PairActor:
         return self.worker.stats()
 
     def run_shard(self, shard: str, rows: list[dict]) -> list[dict]:
-        return self.worker.run_shard(shard, rows)
+        try:
+            return self.worker.run_shard(shard, rows)
+        except BaseException:
+            broken = self.worker.scheduler.broken
+            if broken is not None:  # this actor can decode nothing more: end its process, which
+                print(f"dynatree actor: decoding thread died ({broken!r}); exiting so the job "
+                      "replaces this actor", file=sys.stderr, flush=True)
+                os._exit(1)  # the driver sees a dead actor and starts another in its bundle
+            raise

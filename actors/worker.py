@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -130,14 +129,7 @@ class ShardWorker:
         _maybe_die(shard, self.spec.output)
         results = [result_row(r["id"], self.spec.method) for r in rows]
         reqs, slots = self._requests(rows, results)
-        try:
-            outcomes = self.scheduler.submit(reqs).result()
-        except BaseException:
-            if self.scheduler.broken is not None:  # this worker can decode nothing more: end the
-                print(f"dynatree worker: decoding thread died ({self.scheduler.broken!r}); exiting so "
-                      "the job replaces this actor", file=sys.stderr, flush=True)
-                os._exit(1)  # process, which the driver sees as a dead actor and replaces
-            raise
+        outcomes = self.scheduler.submit(reqs).result()
         refs = {}
         for (kind, i), (req, got) in zip(slots, zip(reqs, outcomes)):
             if isinstance(got, Exception):
