@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -189,7 +190,7 @@ class Scheduler:
                 self._queue.clear()
                 for r in self._dec.joining + self._dec.active:
                     r.key[0].fail(err)
-            raise
+            traceback.print_exc()  # the callers have the reason; the log gets the stack
 
     def _loop(self) -> None:
         if self.threads:

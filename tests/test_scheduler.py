@@ -79,7 +79,6 @@ def test_tuner_climbs_to_the_best_size_and_rechecks():
     assert t.rates == {}
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises, as it should
 def test_nothing_waits_forever_when_the_decoding_thread_dies(close_pair, monkeypatch):
     from dynatree import engine
 
