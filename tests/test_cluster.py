@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,22 +35,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def ray_head(env: dict, *flags: str):
+    """A loopback Ray head with 2 CPUs started by hand for one test, stopped (only it) after.
+    Its own short temp dir (Ray's Unix sockets live under it) keeps it from registering as the
+    machine's "current cluster" for later ray.init() calls."""
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--temp-dir={temp_dir}", "--num-cpus=2", "--disable-usage-stats", *flags],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
-    # a temp dir of its own (short: Ray's Unix sockets live under it), so this head never
-    # registers itself as the machine's "current cluster" for later ray.init() calls
-    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    head = subprocess.Popen(
-        [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--temp-dir={temp_dir}",
-         "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
-         "--include-dashboard=true", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with ray_head(env, "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
+                  "--include-dashboard=true"):
         wd = tmp_path / "wd"
         wd.mkdir()
         pq.write_table(pa.table({"text": ["The quick brown fox", "It was the best", "Call me"]}),
@@ -81,13 +95,6 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         assert summary["rows"] == 3 and summary["equivalence"]["mismatches"] == 0
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
@@ -97,12 +104,7 @@ def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     env.pop("RAY_ADDRESS", None)
     gcs = free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rp", dir="/tmp")
-    head = subprocess.Popen(
-        [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
-         f"--port={gcs}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with ray_head(env, f"--port={gcs}", "--include-dashboard=false"):
         deadline = time.time() + 90
         while subprocess.run([str(bindir / "ray"), "status", "--address", f"127.0.0.1:{gcs}"], env=env,
                              capture_output=True).returncode != 0:  # wait for the head
@@ -122,13 +124,6 @@ def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
             assert res.returncode != 0 and time.time() - t0 < 60, res.stderr[-2000:]
             assert "cannot place" in res.stderr and expect in res.stderr, res.stderr[-2000:]
             assert "Traceback" not in res.stderr
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
