@@ -39,43 +39,14 @@ def _files(source: str) -> list[str]:
     return files
 
 
-def _read_one(path: str) -> pa.Table:
-    suffix = Path(path).suffix
-    try:
-        if suffix == ".parquet":
-            return pq.read_table(path)
-        if suffix in (".arrow", ".feather", ".ipc"):
-            with pa.memory_map(path) as src:
-                try:
-                    return ipc.open_file(src).read_all()
-                except pa.ArrowInvalid:
-                    src.seek(0)
-                    return ipc.open_stream(src).read_all()
-        if suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as f:
-                rows = [_json_row(line, path, n) for n, line in enumerate(f, 1) if line.strip()]
-            return pa.Table.from_pylist(rows)
-        if suffix == ".txt":
-            return pa.table({"text": [Path(path).read_text(encoding="utf-8")]})
-    except (pa.ArrowInvalid, OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path}: {e}") from e
-    raise InputError(f"unsupported input file type {suffix!r}: {path}")
-
-
 def read_table(source: str) -> pa.Table:
     """All rows of a file, directory, glob, or (if no such path exists) a `datasets` dataset.
 
     A `datasets` source may be a directory written by ``save_to_disk`` or a hub name with an
     optional config and split: ``NAME[:CONFIG]:SPLIT`` (``wikitext:wikitext-2-raw-v1:test``).
     """
-    target = _datasets_target(source)
-    if target is not None:
-        return _read_datasets(*target)
-    tables = [_read_one(f) for f in _files(source)]
-    try:
-        return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
-    except pa.ArrowInvalid as e:
-        raise InputError(f"input files under {source!r} have incompatible schemas: {e}") from e
+    src = InputSource.open(source)  # one reader for every format: the job's, read whole
+    return src.read(0, src.num_rows, src.column_names)[0]
 
 
 def _datasets_target(source: str) -> tuple[str, str | None, str | None] | None:
@@ -109,11 +80,6 @@ def _load_dataset(name: str, split: str | None, config: str | None = None):
         key = split or ("test" if "test" in ds else next(iter(ds)))
         ds = ds[key]
     return ds
-
-
-def _read_datasets(name: str, split: str | None, config: str | None = None) -> pa.Table:
-    ds = _load_dataset(name, split, config)
-    return ds.data.table if hasattr(ds.data, "table") else ds.with_format("arrow")[:]
 
 
 def read_texts(source: str, column: str = "text") -> list:
