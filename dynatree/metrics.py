@@ -26,6 +26,7 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 """
 from __future__ import annotations
 
+import functools
 import resource
 from dataclasses import asdict, dataclass, fields
 
@@ -82,6 +83,7 @@ def _arrow_type(annotation: str) -> pa.DataType:
     return _ARROW[annotation.split("|")[0].strip()]
 
 
+@functools.cache  # built once: result_row asks for its names on every row
 def output_schema() -> pa.Schema:
     cols = list(_HEAD) + [(f.name, _arrow_type(f.type)) for cls in (Metrics, Check) for f in fields(cls)]
     return pa.schema(cols)
