@@ -33,6 +33,7 @@ from .metrics import Metrics
 from .models import ModelPair
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
+WINDOW_KEYS = ("kv_window", "kv_sinks", "kv_evict")  # config.MethodConfig's cache window
 HUB_DATASETS = {
     "wikitext": ("wikitext", "wikitext-2-raw-v1", "test", "text"),
     "pg19": ("deepmind/pg19", None, "test", "text"),
@@ -91,7 +92,29 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             cfg = make_config(meth, given)
             opts = {k: getattr(cfg, k) for k in given}
         out.append(MethodSpec(label, meth, opts))
+    for w in dict.fromkeys(window_of(m) for m in out):
+        if w and not any(m.method == "ar" and window_of(m) == w for m in out):  # the windowed rows' reference
+            out.append(MethodSpec(f"ar_window{w[0]}", "ar", dict(zip(WINDOW_KEYS, w))))
     return out
+
+
+def window_of(ms: MethodSpec) -> tuple:
+    """An engine method's cache window (kv_window, kv_sinks, kv_evict); () when off or a peer."""
+    if ms.method in HF_METHODS:
+        return ()
+    cfg = make_config(ms.method, ms.options)
+    return tuple(getattr(cfg, k) for k in WINDOW_KEYS) if cfg.kv_window else ()
+
+
+def reference(ms: MethodSpec, methods) -> MethodSpec | None:
+    """The ``ar`` a method's greedy tokens must equal: the one with the same cache window."""
+    return next((m for m in methods if m.method == "ar" and window_of(m) == window_of(ms)), None)
+
+
+def with_references(chosen, methods) -> list[MethodSpec]:
+    """``chosen`` plus the ``ar`` rows they are compared with (plain, and each window's), first."""
+    refs = [m for m in methods if m.method == "ar" and m.label == "ar"] + [reference(m, methods) for m in chosen]
+    return list(dict.fromkeys([r for r in refs if r is not None] + list(chosen)))
 
 
 def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_chars: int = 200) -> tuple[str, list[str]]:
@@ -201,11 +224,15 @@ def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int,
 def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods: list[MethodSpec], *,
                warmup: int, max_new_tokens: int, max_prompt_tokens: int, setting: dict | None = None,
                log=print) -> list[dict]:
-    """Run every method on every prompt (prompt-major, so drift hits all methods alike)."""
+    """Run every method on every prompt (prompt-major, so drift hits all methods alike).  Greedy
+    rows are compared with their reference ``ar`` (the same cache window); ``speedup`` is against
+    plain ``ar``, ``speedup_ref`` against the reference."""
     rows = []
     setting = dict(setting or {})
+    methods = with_references(methods, methods)  # each reference runs before the rows it checks
+    refs = {ms.label: reference(ms, methods) for ms in methods}
     for pi, prompt in enumerate(prompts):
-        ref = None
+        got = {}
         for ms in methods:
             with PeakRSS(pair.device) as mem:
                 if ms.method in HF_METHODS:
@@ -214,10 +241,10 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                     toks, _, met = decode(pair, prompt, make_config(ms.method, ms.options),
                                           max_new_tokens=max_new_tokens, ignore_eos=True)
                     m = met.as_dict()
-            if ms.method == "ar" and ref is None:
-                ref = toks
+            got[ms.label] = toks
+            ref = refs[ms.label]
             sampled = ms.options.get("temperature", 0) > 0  # a sample has no greedy reference
-            diff = first_difference(ref, toks) if ref is not None and not sampled else None
+            diff = first_difference(got[ref.label], toks) if ref is not None and not sampled else None
             rows.append({
                 "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
                 "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
@@ -225,15 +252,17 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 "max_prompt_tokens": max_prompt_tokens,
                 **{f.name: m.get(f.name) for f in dataclasses.fields(Metrics)},  # one source: the dataclass
                 "prompt_tokens": len(prompt), "peak_memory_mb": mem.peak_mb,
-                "matches_ar": None if sampled else diff is None, "first_divergence": diff,
+                "ref_method": ref.label if ref is not None else None,
+                "matches_ar": None if sampled or ref is None else diff is None, "first_divergence": diff,
             })
         log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
             + ("  (warm-up)" if pi < warmup else ""))
     # per-row speedup against the AR of the same prompt, dataset and setting
-    ar_tps = {r["prompt_id"]: r["tokens_per_s"] for r in rows if r["base_method"] == "ar" and r["method"] == "ar"}
+    tps = {(r["prompt_id"], r["method"]): r["tokens_per_s"] for r in rows}
     for r in rows:
-        base = ar_tps.get(r["prompt_id"])
-        r["speedup"] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
+        for col, base in (("speedup", tps.get((r["prompt_id"], "ar"))),
+                          ("speedup_ref", tps.get((r["prompt_id"], r["ref_method"])))):
+            r[col] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
     return rows
 
 
@@ -261,7 +290,15 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     time, prefill included.  Each row's tokens are checked against batch-1 ``ar``."""
     from .engine import decode_batch
 
-    refs = [decode(pair, p, make_config("ar"), max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
+    refs: dict[tuple, list] = {}  # batch-1 ar's tokens per cache window
+
+    def ref_tokens(ms: MethodSpec) -> list:
+        w = window_of(ms)
+        if w not in refs:
+            cfg = make_config("ar", dict(zip(WINDOW_KEYS, w)))
+            refs[w] = [decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
+        return refs[w]
+
     rows = []
     for b in batch_sizes:
         for ms in methods:
@@ -280,7 +317,7 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 got += run(prompts[at:at + b], max_new_tokens)
             wall = time.perf_counter() - t0
             mets = [m for _, m in got if m is not None]
-            same = sum(t == r for (t, _), r in zip(got, refs))
+            same = sum(t == r for (t, _), r in zip(got, ref_tokens(ms)))
             rows.append({
                 "dataset": dataset, "prompt_id": -1, "warmup": False, "method": ms.label, "base_method": ms.method,
                 "options": json.dumps(ms.options, sort_keys=True),
@@ -348,7 +385,8 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
             rows += bench_rows(pair, name, base, list(spec.methods), warmup=spec.warmup,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens,
                                setting={"sweep": "main"}, log=log)
-        sweep_ms = [m for m in spec.methods if m.label in spec.sweep_methods]
+        sweep_ms = with_references([m for m in spec.methods if m.label in spec.sweep_methods
+                                    or spec.sweep_methods == ("all",)], spec.methods)
         for t in spec.sweep_tokens:
             rows += bench_rows(pair, name, base, sweep_ms, warmup=spec.warmup, max_new_tokens=t,
                                max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "tokens", "T": t}, log=log)

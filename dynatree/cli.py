@@ -199,7 +199,8 @@ def _int_list(s: str | None) -> tuple:
               help="LABEL.KEY=VALUE sets one method's option; KEY=VALUE every method's (e.g. temperature=0.6)")
 @click.option("--sweep-tokens", help="comma-separated T values for the generation-length sweep")
 @click.option("--sweep-prompt-len", help="comma-separated L_max values for the prompt-length sweep")
-@click.option("--sweep-methods", default="ar,dynatree", show_default=True, help="labels run in the T/L sweeps")
+@click.option("--sweep-methods", default="ar,dynatree", show_default=True, help="labels run in the T/L sweeps ('all': every method); "
+                                                                         "the ar each one is checked against runs too")
 @click.option("--batch-sizes", help="comma-separated B values: tokens/s per actor decoding B prompts per forward "
                                     "(instead of the one-at-a-time main table; hf_ar runs transformers' batched generate)")
 @click.option("--grid-depth", help="fixed-tree grid depths, e.g. 3,4,5,6,7,8")

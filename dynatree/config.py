@@ -32,12 +32,34 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
-class ARConfig(SamplingConfig):
+class MethodConfig(SamplingConfig):
+    """Options every method has: sampling (above) and the KV cache policy (StreamingLLM's window)."""
+
+    kv_window: int = opt(0, "StreamingLLM cache: keep at most this many tokens in each model's KV cache — "
+                            "kv_sinks first tokens plus the most recent ones, positions counted in the "
+                            "cache, so memory and attention stay bounded however long the generation "
+                            "(0 = off: the whole text is cached)")
+    kv_sinks: int = opt(4, "with kv_window: the first tokens kept for good (StreamingLLM's attention sinks)")
+    kv_evict: int = opt(64, "with kv_window: tokens dropped at once when the cache is full (the cache holds "
+                            "kv_window - kv_evict .. kv_window tokens; trees fit in what is left)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_window < 0:
+            raise ValueError("kv_window must be >= 0 (0 = off)")
+        if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1
+                               or self.kv_window <= self.kv_sinks + self.kv_evict):
+            raise ValueError(f"kv_window={self.kv_window} must exceed kv_sinks + kv_evict "
+                             f"({self.kv_sinks} + {self.kv_evict}), with kv_sinks >= 0 and kv_evict >= 1")
+
+
+@dataclass(frozen=True)
+class ARConfig(MethodConfig):
     """Autoregressive decoding with the target only (one token per target forward)."""
 
 
 @dataclass(frozen=True)
-class SpecConfig(SamplingConfig):
+class SpecConfig(MethodConfig):
     """Options shared by every speculative method."""
 
     kv_update: str = opt("gather", "target cache after acceptance: 'gather' keeps the accepted nodes' "
@@ -194,7 +216,7 @@ def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
 def options_help() -> str:
     lines = []
     for name, cls in METHODS.items():
-        # the method's own options first, the shared ones (kv_update, sampling) last
+        # the method's own options first, the shared ones (kv_update, sampling, cache) last
         fs = sorted(dataclasses.fields(cls), key=lambda f: f.name in {g.name for g in dataclasses.fields(SpecConfig)})
         lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
         for f in fs:

@@ -57,9 +57,10 @@ class Drafter:
     :class:`DraftCall` and receives its runtime.Output, so several sequences' levels can share one
     packed draft forward (:func:`drive`); :func:`run` drives one sequence alone."""
 
-    def __init__(self, model, vocab: int, capacity: int, sampler=None):
+    def __init__(self, model, vocab: int, capacity: int, sampler=None, window=None):
         self.model, self.device = model, model.device
         self.sampler = sampler
+        self.window = window  # kvcache.Window (StreamingLLM) or None
         self.vocab = vocab
         self.cache = new_cache(model, capacity)
         self.pending: list[int] = []
@@ -100,6 +101,8 @@ class Drafter:
         """Feed pending committed tokens (ending with the root); top-k of the root's next token.
         A generator (see the class); returns (probabilities, ids)."""
         self._reset_tree()
+        if self.window is not None:
+            self._make_room()
         ids = long_tensor(self.pending, self.device)  # (p,)
         out = yield DraftCall(Seq(ids, self.cache, keep=1), min(k, self.vocab))
         vals, idx = self._proposals(out, [0], min(k, self.vocab))
@@ -110,6 +113,16 @@ class Drafter:
         self.root_pos = self.base - 1
         self.started = True
         return vals[0], idx[0]
+
+    def _make_room(self) -> None:
+        """Evict under the window so that the pending tokens fit.  The draft checks at the same
+        token counts as the target, so its root sits at the target's position; only a draft that
+        fell a whole window behind (a prompt longer than the window) skips the oldest pending
+        tokens — which changes its proposals, never the output."""
+        self.window.make_room(self.cache, len(self.pending))
+        spare = self.window.size - self.cache.length
+        if len(self.pending) > spare:
+            self.pending = self.pending[-spare:]
 
     def expand(self, tree: Tree, nodes: list[int], k: int):
         """One draft forward over ``nodes`` (any depths); top-k of each node's next token.

@@ -131,10 +131,12 @@ class _Row:
         self.max_context = pair.max_context
         self.sampler = Sampler.from_config(cfg)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
+        self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
         self.lookup_stats = pair.state.setdefault("lookup", LookupStats()) if self.lookup else None
         budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
-        self.capacity = len(prompt) + max_new_tokens + budget + 8
+        held = len(prompt) + max_new_tokens if self.window is None else self.window.size
+        self.capacity = held + budget + 8
         self.cache = new_cache(pair.runner("target"), self.capacity)
         self.drafter: Drafter | None = None
         self.index: NgramIndex | None = None
@@ -154,9 +156,23 @@ class _Row:
             self.reason = "eos"
         elif len(self.out) >= self.max_new_tokens:
             self.reason = "length"
-        elif len(self.prompt) + len(self.out) >= self.max_context:
+        elif self.window is None and len(self.prompt) + len(self.out) >= self.max_context:
             self.reason = "context"
         return self.reason
+
+    def evict(self) -> None:
+        """With a window, make room for the next root (kvcache.Window: evictions depend on the
+        token count alone, the same for every method)."""
+        if self.window is not None:
+            self.window.make_room(self.cache, 1)
+
+    def max_depth(self, prefix_len: int) -> int:
+        """The deepest useful drafted token: path + bonus fit in max_new_tokens and the context,
+        and with a window every node's position stays inside it (so no tree spans an eviction)."""
+        room = self.max_new_tokens - len(self.out)
+        if self.window is None:
+            return min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
+        return min(room - 1, self.window.size - 1 - prefix_len)
 
     def next_token(self, out) -> int:
         """The token after an Output's last row: its argmax head, or a draw.  Host sync."""
@@ -170,7 +186,8 @@ class _Row:
                       wall=time.perf_counter() - self.t_start if self.max_new_tokens > 0 else 0.0, ttft=self.ttft,
                       prefill=self.ttft, draft_time=d.seconds if d else 0.0, verify_time=self.verify_time,
                       target_forwards=self.target_forwards, draft_forwards=d.forwards if d else 0, device=dev,
-                      forward_time=self.forward_time + (d.forward_seconds if d else 0.0))
+                      forward_time=self.forward_time + (d.forward_seconds if d else 0.0),
+                      cache_bytes=self.cache.nbytes + (d.cache.nbytes if d else 0))
 
 
 class _Step:
@@ -210,7 +227,11 @@ class BatchDecoder:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
-        if len(prompt_ids) >= self.pair.max_context:
+        window = getattr(cfg, "kv_window", 0)
+        if window and window + cfg.kv_evict > self.pair.max_context:
+            raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
+                               f"{self.pair.max_context}-token context (positions stay below their sum)")
+        if not window and len(prompt_ids) >= self.pair.max_context:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                f"{self.pair.max_context}-token context")
         self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos))
@@ -231,7 +252,9 @@ class BatchDecoder:
         return [(r.key, r.out, r.reason, r.metrics(self.dev)) for r in done]
 
     def _prefill(self, rows: list[_Row]) -> None:
-        """Every joining prompt in one packed forward; its last logits give the first token (TTFT)."""
+        """Every joining prompt in one packed forward; its last logits give the first token (TTFT).
+        With a window, a prompt longer than the window is fed in pieces that fill it, evicting
+        between them."""
         for r in rows:
             if r.max_new_tokens <= 0:
                 r.reason = "length"
@@ -239,17 +262,27 @@ class BatchDecoder:
         if not rows:
             return
         t0 = time.perf_counter()
-        seqs = [Seq(torch.tensor(r.prompt, device=self.dev), r.cache, keep=1) for r in rows]
-        outs = self.target.forward(seqs, argmax=True)
+        fed, outs = [0] * len(rows), [None] * len(rows)
+        while todo := [i for i, r in enumerate(rows) if fed[i] < len(r.prompt)]:
+            seqs = []
+            for i in todo:
+                r = rows[i]
+                end = len(r.prompt) if r.window is None else min(len(r.prompt), fed[i] + r.window.size - r.cache.length)
+                seqs.append(Seq(torch.tensor(r.prompt[fed[i]:end], device=self.dev), r.cache, keep=1))
+                fed[i] = end
+            for i, o in zip(todo, self.target.forward(seqs, argmax=True)):
+                outs[i] = o
+                rows[i].target_forwards += 1
+                rows[i].evict()
         dt = time.perf_counter() - t0
         for r, o in zip(rows, outs):
-            r.target_forwards += 1
             r.forward_time += dt
             r.stop_after(r.next_token(o))
             self.tokens += 1
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft:
-                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler)
+                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler,
+                                    self.pair.window(r.cfg, "draft"))
                 r.drafter.extend(r.prompt)
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
 
@@ -286,9 +319,8 @@ class BatchDecoder:
             # what the budget prices its nodes against
             r.policy.batch = (total - r.last_n, len(rows), self.governor.scale)
             s = _Step()
-            s.row, s.prefix_len = r, len(r.prompt) + len(r.out) - 1  # tokens in the target cache; the root's position
-            room = min(r.max_new_tokens - len(r.out), r.max_context - len(r.prompt) - len(r.out))
-            max_depth = room - 1  # deepest useful drafted token: path + bonus must fit
+            s.row, s.prefix_len = r, r.cache.length  # tokens in the target cache; the root's position
+            max_depth = r.max_depth(s.prefix_len)
             s.chain, s.match, hint = [], 0, ()
             skip = probe and r.budgeted
             if r.index is not None and max_depth > 0 and not skip:
@@ -322,6 +354,7 @@ class BatchDecoder:
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
             r.target_forwards += commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
                                                s.prefix_len, r.kv_update)
+        r.evict()
         if self.dev.type == "cuda":
             _sync(self.dev)
         dt = t_forward + time.perf_counter() - t1

@@ -9,9 +9,14 @@ two operations the tree engine needs:
   prefix and drop everything after it: the accepted nodes' keys/values are kept as computed by
   the verification pass, with no second forward.
 
+* ``evict``  — StreamingLLM's window (:class:`Window`): drop a run of old tokens after the
+  attention sinks and move the rest down, re-rotating their keys to their new positions.
+
 Buffers are (batch, heads, capacity, head_dim); they grow by doubling if a forward overruns.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -85,6 +90,24 @@ class BufferLayer(DynamicLayer):
         self.values[:, :, start:start + k] = self.values[:, :, src]
         self.length = start + k
 
+    def evict(self, start: int, count: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Drop slots ``start .. start+count-1``; the later slots move down by ``count`` and their
+        keys turn back by ``count`` positions: k' = k cos - rotate_half(k) sin on the first r dims.
+
+        cos, sin: (r,) of ``count`` times the rotary frequencies.  A fresh tensor is computed before
+        the write, so the overlapping move never reads a slot it already overwrote."""
+        end = self.length
+        if not self.is_initialized or end <= start + count:
+            self.length = min(self.length, start)
+            return
+        r, half = cos.shape[-1], cos.shape[-1] // 2
+        k = self.keys[:, :, start + count:end]  # (b, h, m, d)
+        kr = k[..., :r]
+        turned = kr * cos - torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin
+        self.keys[:, :, start:end - count] = torch.cat((turned, k[..., r:]), dim=-1)
+        self.values[:, :, start:end - count] = self.values[:, :, start + count:end].clone()
+        self.length = end - count
+
     def reset(self) -> None:
         self.length = 0
 
@@ -109,6 +132,11 @@ class BufferCache(Cache):
     def length(self) -> int:
         return self.layers[0].length
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (allocated capacity, not the cached length)."""
+        return sum(l.keys.nbytes + l.values.nbytes for l in self.layers if l.is_initialized)
+
     def crop(self, tokens_to_remove: int) -> None:
         for layer in self.layers:
             layer.crop(tokens_to_remove)
@@ -116,6 +144,10 @@ class BufferCache(Cache):
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.length = min(layer.length, length)
+
+    def evict(self, start: int, count: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.evict(start, count, cos, sin)
 
     def keep(self, start: int, slots: list[int]) -> None:
         """Keep cache slots ``slots`` (ascending host ints) at ``start ..`` and drop the rest.
@@ -137,3 +169,55 @@ class BufferCache(Cache):
 
 def new_cache(model, capacity: int) -> BufferCache:
     return BufferCache(model.config.num_hidden_layers, capacity)
+
+
+# Models whose attention rotates the first r dims of each head by halves (rotate_half), which is
+# what BufferLayer.evict turns back.  GPT-J-style interleaved rotary and absolute positions are not.
+ROTATE_HALF = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "stablelm", "phi3", "olmo", "olmo2", "granite")
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    """StreamingLLM's cache policy for one model (Xiao et al., "Efficient streaming language
+    models with attention sinks"): the cache keeps the first ``sinks`` tokens and the most recent
+    ones, at most ``size`` slots, and a token's position is its slot — so positions, memory and
+    attention stay bounded however long the text.
+
+    When a cache is full, the ``chunk`` oldest tokens after the sinks leave at once and the rest
+    move down with their keys re-rotated (keys are cached after rotary).  Eviction happens only
+    when a cache reaches ``size`` tokens, so the schedule depends on the token count alone, never
+    on how many tokens an iteration commits: with trees kept inside the window (the engine clips
+    their depth), every method computes each token against the same cache — greedy methods stay
+    identical to ``ar`` with the same window.  Dropping a chunk rather than one token per step
+    leaves speculation room to work between evictions."""
+
+    size: int
+    sinks: int
+    chunk: int
+    cos: torch.Tensor  # (r,) cos(chunk * inv_freq), duplicated over the two halves as rotary does
+    sin: torch.Tensor  # (r,)
+
+    def make_room(self, cache: BufferCache, incoming: int) -> int:
+        """Evict chunks until ``incoming`` more tokens fit (or only the sinks are left); returns
+        the tokens evicted."""
+        evicted = 0
+        while cache.length + incoming > self.size and cache.length >= self.sinks + self.chunk:
+            cache.evict(self.sinks, self.chunk, self.cos, self.sin)
+            evicted += self.chunk
+        return evicted
+
+
+def make_window(model, size: int, sinks: int, chunk: int) -> Window:
+    """A :class:`Window` for ``model`` (a transformers model with rotary position embeddings)."""
+    cfg = model.config
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if cfg.model_type not in ROTATE_HALF or rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ValueError(f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); "
+                         f"{cfg.model_type!r} is not supported")
+    if getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        raise ValueError("kv_window does not support scaled rotary embeddings (rope_type "
+                         f"{getattr(rotary, 'rope_type', '?')!r})")
+    dtype = next(model.parameters()).dtype
+    angle = chunk * rotary.inv_freq.to(torch.float64)  # (r/2,)
+    angle = torch.cat((angle, angle))  # (r,)
+    return Window(size, sinks, chunk, angle.cos().to(dtype), angle.sin().to(dtype))

@@ -23,6 +23,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
   asynchronous, so there it counts launch time unless something synchronises.
 * ``peak_memory_mb``: CUDA max allocated during the call on GPU; on CPU the process's peak RSS
   (a process-lifetime high-water mark, so it only grows across calls).
+* ``kv_cache_mb``: the KV cache buffers the generation held at their largest, target and draft
+  (preallocated for prompt + new tokens + tree, or for the window with ``kv_window``).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class Metrics:
     forward_time_s: float = 0.0
     overhead_fraction: float = 0.0
     peak_memory_mb: float = 0.0
+    kv_cache_mb: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -132,7 +135,7 @@ def peak_memory_mb(device) -> float:
 
 def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, ttft: float,
            prefill: float, draft_time: float, verify_time: float, target_forwards: int,
-           draft_forwards: int, device, forward_time: float = 0.0) -> Metrics:
+           draft_forwards: int, device, forward_time: float = 0.0, cache_bytes: int = 0) -> Metrics:
     it = tally.iterations
     return Metrics(
         prompt_tokens=prompt_tokens,
@@ -156,4 +159,5 @@ def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, tt
         forward_time_s=forward_time,
         overhead_fraction=1.0 - forward_time / wall if wall > 0 else 0.0,
         peak_memory_mb=peak_memory_mb(device),
+        kv_cache_mb=cache_bytes / 2**20,
     )

@@ -96,6 +96,18 @@ class ModelPair:
             self.state[key] = run if isinstance(run, LeanNeoX) else HFRunner(run)
         return self.state[key]
 
+    def window(self, cfg, which: str = "target"):
+        """The kvcache.Window of a method config's ``kv_window`` for ``"target"`` or ``"draft"``
+        (None when the window is off); built once per model and setting."""
+        if not getattr(cfg, "kv_window", 0):
+            return None
+        key = ("window", which, cfg.kv_window, cfg.kv_sinks, cfg.kv_evict)
+        if key not in self.state:
+            from .kvcache import make_window
+
+            self.state[key] = make_window(getattr(self, which), cfg.kv_window, cfg.kv_sinks, cfg.kv_evict)
+        return self.state[key]
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise PairError("this pair has no tokenizer; pass token ids")

@@ -166,25 +166,49 @@ def _batch_table(rows: list[dict]) -> list[str]:
     return ["\n".join(lines)]
 
 
+def _per_iteration_ms(rs) -> str:
+    """Mean draft / verify / other ms per iteration (other: wall minus prefill, draft, verify)."""
+    its = [r for r in rs if r.get("iterations")]
+    if not its or not any(r.get("draft_forwards") for r in its):
+        return "-"
+    parts = [_mean([1e3 * f(r) / r["iterations"] for r in its]) for f in (
+        lambda r: r["draft_time_s"], lambda r: r["verify_time_s"],
+        lambda r: r["wall_time_s"] - r["prefill_time_s"] - r["draft_time_s"] - r["verify_time_s"])]
+    return " / ".join(f"{v:.2f}" for v in parts)
+
+
+def _sweep_table(srows: list[dict], key: str, title: str) -> str:
+    """One row per (dataset, sweep value, method): the seeds' length table (baseline and method
+    tokens/s, speedup, tokens per iteration) plus memory, the iteration's time split and exactness."""
+    lines = [f"## {title} (tokens/s; × ar = speedup vs plain ar at the same {key}; × ref = vs the ar with the "
+             "same cache window, which greedy tokens must equal)", "",
+             f"| dataset | {key} | method | tokens/s | × ar | × ref | L̄ | KV cache MB | peak RSS MB "
+             "| draft / verify / other ms per iteration | identical to ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in dict.fromkeys(r["dataset"] for r in srows):
+        for v in sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d}):
+            sub = [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v]
+            by = {m: [r for r in sub if r["method"] == m] for m in dict.fromkeys(r["method"] for r in sub)}
+            for m, rs in by.items():
+                ref = rs[0].get("ref_method") or "ar"
+                sp, spr = _speedup(rs, by.get("ar", [])), _speedup(rs, by.get(ref, []))
+                exact = [r["matches_ar"] for r in rs if r["matches_ar"] is not None]
+                lines.append(f"| {d} | {v} | {m} | {_ms([r['tokens_per_s'] for r in rs])} | "
+                             f"{f'{sp:.2f}×' if sp else '-'} | {f'{spr:.2f}×' if spr else '-'} | "
+                             f"{_ms([r.get('tokens_per_iteration') for r in rs], '{:.2f}')} | "
+                             f"{_ms([r.get('kv_cache_mb') for r in rs])} | {_ms([r.get('peak_memory_mb') for r in rs])} | "
+                             f"{_per_iteration_ms(rs)} | {f'{sum(exact)}/{len(exact)}' if exact else '-'} |")
+    return "\n".join(lines)
+
+
 def tables(rows: list[dict]) -> str:
     g = _groups(rows)
     parts = _main_tables(g) if g else []
     parts += _batch_table(rows)
     for sweep, key, title in (("tokens", "T", "Generation length sweep"), ("prompt_len", "L", "Prompt length sweep")):
         srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
-        if not srows:
-            continue
-        lines = [f"## {title} (tokens/s, speedup vs ar at the same {key})", "", f"| dataset | {key} | method | tokens/s | speedup |",
-                 "|---|---|---|---|---|"]
-        for d in dict.fromkeys(r["dataset"] for r in srows):
-            for v in sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d}):
-                sub = [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v]
-                ar_rs = [r for r in sub if r["method"] == "ar"]
-                for m in dict.fromkeys(r["method"] for r in sub):
-                    rs = [r for r in sub if r["method"] == m]
-                    sp = _speedup(rs, ar_rs)
-                    lines.append(f"| {d} | {v} | {m} | {_ms([r['tokens_per_s'] for r in rs])} | {f'{sp:.2f}×' if sp else '-'} |")
-        parts.append("\n".join(lines))
+        if srows:
+            parts.append(_sweep_table(srows, key, title))
 
     grid = _groups(rows, "grid")
     if grid:
@@ -236,21 +260,22 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
         if not srows:
             continue
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
         for d in dict.fromkeys(r["dataset"] for r in srows):
+            vs = sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d})
+            at = {v: [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v] for v in vs}
             for m in dict.fromkeys(r["method"] for r in srows):
-                if m == "ar":
-                    continue
-                vs = sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d})
-                ys = []
-                for v in vs:
-                    sub = [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v]
-                    ys.append(_speedup([r for r in sub if r["method"] == m], [r for r in sub if r["method"] == "ar"]) or 0)
-                ax.plot(vs, ys, marker="o", label=f"{d} {m}")
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("speedup vs ar")
-        ax.legend(fontsize=8)
+                mine = {v: [r for r in at[v] if r["method"] == m] for v in vs}
+                axes[0].plot(vs, [_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], marker="o", label=f"{d} {m}")
+                axes[1].plot(vs, [_speedup(mine[v], [r for r in at[v] if r["method"] == "ar"]) or 0 for v in vs],
+                             marker="o", label=f"{d} {m}")
+                axes[2].plot(vs, [_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], marker="o",
+                             label=f"{d} {m}")
+        for ax, ylabel in zip(axes, ("tokens/s", "speedup vs ar", "KV cache MB (target + draft)")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+        axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
         fig.tight_layout()
         path = out / f"sweep_{sweep}.png"
         fig.savefig(path, dpi=110)

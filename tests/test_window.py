@@ -1,0 +1,144 @@
+"""StreamingLLM's cache window (kv_window / kv_sinks / kv_evict): eviction re-rotates keys to their
+new positions, caches stay bounded, and every greedy method equals `ar` with the same window."""
+import shutil
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dynatree import decode, make_config
+from dynatree.engine import BatchDecoder, ContextError, decode_batch
+from dynatree.kvcache import BufferLayer, make_window
+from dynatree.models import pair_from_models
+
+from conftest import EOS, noisy_copy, random_prompts, tiny_neox
+from test_batched import METHODS, f32_pair
+
+W = {"kv_window": 40, "kv_sinks": 4, "kv_evict": 8}
+
+
+def with_window(opts, window=W):
+    return {**opts, **window}
+
+
+def rotate(x, pos, inv_freq):
+    """x: (1, 1, n, r) rotated to positions pos (n,) the way GPT-NeoX does (rotate_half)."""
+    ang = pos[:, None].double() * inv_freq[None].double()
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def test_evict_turns_keys_to_their_new_positions(target):
+    """After dropping `chunk` tokens behind the sinks, a kept key equals its pre-rotary key rotated
+    at its new position (the StreamingLLM rule); the unrotated dims, values and sinks just move."""
+    win = make_window(target, 12, 2, 3)
+    r = win.cos.shape[-1]
+    inv_freq = target.gpt_neox.rotary_emb.inv_freq
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(1, 1, 10, r + 4, generator=g, dtype=torch.float64)  # (b, h, n, d)
+    pos = torch.arange(10)
+    keys = torch.cat((rotate(raw[..., :r], pos, inv_freq), raw[..., r:]), -1)
+    values = torch.randn(1, 1, 10, r + 4, generator=g, dtype=torch.float64)
+    layer = BufferLayer(16)
+    layer.update(keys, values)
+    layer.evict(2, 3, win.cos, win.sin)
+    assert layer.length == 7
+    kept = [0, 1] + list(range(5, 10))
+    expect = torch.cat((rotate(raw[..., kept, :r], torch.arange(7), inv_freq), raw[..., kept, r:]), -1)
+    torch.testing.assert_close(layer.keys[:, :, :7], expect, rtol=0, atol=1e-12)
+    assert torch.equal(layer.values[:, :, :7], values[:, :, kept])
+
+
+def test_windowed_methods_equal_windowed_ar_float64(close_pair):
+    """Torch path, float64: with the same window every method gives windowed ar's tokens, past the
+    models' 128-token context, with a prompt longer than the window (prefilled in pieces) and rows
+    of different methods in one batch."""
+    prompts = random_prompts(3, seed=41, lo=5, hi=30) + random_prompts(1, seed=42, lo=70, hi=70)
+    refs = [decode(close_pair, p, make_config("ar", W), max_new_tokens=150, ignore_eos=True)[0] for p in prompts]
+    assert all(len(r) == 150 for r in refs)
+    plain = decode(close_pair, prompts[0], make_config("ar"), max_new_tokens=100, ignore_eos=True)[0]
+    assert plain != refs[0][:100]  # the window changes what is generated: the test compares like with like
+    for method, opts in METHODS[1:]:
+        got = [decode(close_pair, p, make_config(method, with_window(opts)), max_new_tokens=150, ignore_eos=True)[0]
+               for p in prompts[:2]]
+        assert got == refs[:2], (method, opts)
+    cfgs = [make_config(m, with_window(o)) for m, o in METHODS[:len(prompts)]]
+    assert [t for t, _, _ in decode_batch(close_pair, prompts, cfgs, max_new_tokens=150, ignore_eos=True)] == refs
+
+
+def test_windowed_speculation_still_speculates(same_pair):
+    """Trees are clipped at the window's end only: an identical draft still commits several tokens
+    per iteration through the evictions."""
+    p = random_prompts(1, seed=43, lo=10, hi=10)[0]
+    toks, _, m = decode(same_pair, p, make_config("linear", with_window({"k": 4})), max_new_tokens=120, ignore_eos=True)
+    assert toks == decode(same_pair, p, make_config("ar", W), max_new_tokens=120, ignore_eos=True)[0]
+    assert m.tokens_per_iteration > 3
+
+
+def test_a_window_that_never_fills_changes_nothing(close_pair):
+    p = random_prompts(1, seed=44, lo=10, hi=10)[0]
+    big = {"kv_window": 100, "kv_sinks": 4, "kv_evict": 8}
+    for method in ("ar", "dynatree"):
+        assert (decode(close_pair, p, make_config(method, big), max_new_tokens=60)[0]
+                == decode(close_pair, p, make_config(method), max_new_tokens=60)[0])
+
+
+def test_caches_stay_inside_the_window(close_pair):
+    """Between iterations the target cache holds less than the window (room for the root) and the
+    draft's at most the window plus the accepted drafted nodes it keeps until its next feed; buffers
+    are allocated for the window and the tree, not the generation."""
+    dec = BatchDecoder(close_pair)
+    dec.add(random_prompts(1, seed=45, lo=50, hi=50)[0], make_config("dynatree", with_window({"hw_budget": "off"})),
+            max_new_tokens=200, ignore_eos=True)
+    longest = 0
+    while dec:
+        dec.step()
+        for r in dec.active:
+            assert r.cache.length <= W["kv_window"] - 1 and r.drafter.cache.length <= W["kv_window"] + 8  # d_max
+            longest = max(longest, r.cache.layers[0].capacity, r.drafter.cache.layers[0].capacity)
+    assert longest <= W["kv_window"] + 256 + 8  # the window, the node budget and a margin; never grown
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_windowed_native_greedy_is_windowed_ar(batch):
+    """Native kernel, float32, no tolerance: windowed methods equal windowed ar bitwise-exactly
+    at any batch size."""
+    pair = f32_pair()
+    assert pair.runner("target").native
+    prompts = random_prompts(3, seed=46, lo=5, hi=50)
+    refs = [decode(pair, p, make_config("ar", W), max_new_tokens=90, ignore_eos=True)[0] for p in prompts]
+    for method, opts in METHODS[1:5]:
+        for at in range(0, len(prompts), batch):
+            got = decode_batch(pair, prompts[at:at + batch], make_config(method, with_window(opts)),
+                               max_new_tokens=90, ignore_eos=True)
+            assert [t for t, _, _ in got] == refs[at:at + batch], (method, opts, batch)
+
+
+def test_windowed_transformers_kernel(target):
+    """transformers' own forward (`--kernel hf`) takes the same window."""
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS, kernel="hf")
+    p = random_prompts(1, seed=47, lo=8, hi=8)[0]
+    ref = decode(pair, p, make_config("ar", W), max_new_tokens=70, ignore_eos=True)[0]
+    assert decode(pair, p, make_config("dynatree", with_window({"hw_budget": "off"})), max_new_tokens=70,
+                  ignore_eos=True)[0] == ref
+
+
+def test_windowed_sampling_is_reproducible(close_pair):
+    p = random_prompts(1, seed=48, lo=8, hi=8)[0]
+    cfg = make_config("dynatree", with_window({"temperature": 0.9, "seed": 5}))
+    a = decode(close_pair, p, cfg, max_new_tokens=80, ignore_eos=True)[0]
+    assert len(a) == 80 and a == decode(close_pair, p, cfg, max_new_tokens=80, ignore_eos=True)[0]
+
+
+def test_window_errors(close_pair):
+    with pytest.raises(ValueError, match="must exceed kv_sinks"):
+        make_config("ar", {"kv_window": 10, "kv_sinks": 4, "kv_evict": 6})
+    with pytest.raises(ValueError, match="kv_window must be >= 0"):
+        make_config("ar", {"kv_window": -1})
+    with pytest.raises(ContextError, match="exceed the models' 128-token context"):
+        decode(close_pair, [5, 6], make_config("ar", {"kv_window": 100, "kv_evict": 40}), max_new_tokens=4)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    with pytest.raises(ValueError, match="rotary positions"):
+        decode(pair_from_models(gpt2, None, None), [5, 6], make_config("ar", W), max_new_tokens=4)
