@@ -114,7 +114,7 @@ def reference(ms: MethodSpec, methods) -> MethodSpec | None:
 def with_references(chosen, methods) -> list[MethodSpec]:
     """``chosen`` plus the ``ar`` rows they are compared with (plain, and each window's), first."""
     refs = [m for m in methods if m.method == "ar" and m.label == "ar"] + [reference(m, methods) for m in chosen]
-    return list(dict.fromkeys([r for r in refs if r is not None] + list(chosen)))
+    return list({m.label: m for m in [r for r in refs if r is not None] + list(chosen)}.values())
 
 
 def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_chars: int = 200) -> tuple[str, list[str]]:
@@ -142,11 +142,25 @@ def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_char
     return name, usable[:n]
 
 
+def _release_freed_memory() -> None:
+    """Hand memory freed by earlier rows back to the OS (glibc's malloc_trim), so that a row's
+    allocations show in the resident size instead of reusing pages the allocator kept."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the peak may then undercount reused memory
+
+
 class PeakRSS:
     """Samples this process's resident memory in a thread; ``peak_mb`` above the start level.
 
     The kernel's own high-water mark only grows over a process's life, so it cannot tell two
-    methods run in one process apart; sampling every few ms can.  On CUDA use the allocator.
+    methods run in one process apart; sampling every few ms can, once freed memory has gone back
+    to the OS (:func:`_release_freed_memory`).  On CUDA use the allocator.
     """
 
     def __init__(self, device: torch.device, every_s: float = 0.002):
@@ -162,6 +176,7 @@ class PeakRSS:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             return self
+        _release_freed_memory()
         self.base = self.peak = self._rss()
         self._stop = threading.Event()
 

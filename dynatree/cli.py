@@ -246,8 +246,10 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
 @click.option("--prefix", default=256, show_default=True, help="cached tokens before the timed forwards")
 @click.option("--prefill", default=300, show_default=True, help="prompt tokens of the timed prefill (0: skip)")
 @click.option("--repeats", default=9, show_default=True, help="timings per size (the median is shown)")
+@click.option("--cache-lengths", help="comma-separated cached-token counts: target forwards of 1 and 16 tokens "
+                                      "at each, to show where attention over a long cache takes over")
 @click.option("--threads", type=int, help="torch threads")
-def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, threads):
+def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cache_lengths, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
     a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the
     native kernel's variant (see README)."""
@@ -289,6 +291,26 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, thre
         click.echo(f"target prefill of {prefill} tokens: {native_prefill:.1f} ms")
     if getattr(runner, "native", False):
         _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats)
+    if cache_lengths:
+        _cache_sweep(runner, _int_list(cache_lengths), min(pair.max_context, 1 << 30), repeats)
+
+
+def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int) -> None:
+    """Target forwards of 1 and 16 tokens against the cached length: what grows with the cache is
+    attention (and the cache reads), what stays is the weight stream and the GEMMs."""
+    from .budget import _profile_model
+
+    base = None
+    for n in lengths:
+        if n + 17 > context:
+            click.echo(f"cached {n}: skipped (past the {context}-token context)")
+            continue
+        ms = _profile_model(runner, n, (1, 16), repeats)
+        base = base or (n, ms)
+        grow = "" if base[0] == n else (f"  (+{ms[1] - base[1][1]:.2f} / +{ms[16] - base[1][16]:.2f} ms over "
+                                       f"{base[0]} cached: the longer cache's share "
+                                       f"{(ms[1] - base[1][1]) / ms[1]:.0%} / {(ms[16] - base[1][16]) / ms[16]:.0%})")
+        click.echo(f"cached {n:>5}: target 1 token {ms[1]:6.2f} ms, 16 tokens {ms[16]:6.2f} ms{grow}")
 
 
 def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: int, repeats: int) -> None:
