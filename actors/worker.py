@@ -27,7 +27,7 @@ import torch
 
 from dynatree import budget
 from dynatree.check import divergence
-from dynatree.config import ARConfig
+from dynatree.config import ar_reference
 from dynatree.metrics import fill_row, result_row
 from dynatree.models import load_pair
 from dynatree.jobs.spec import FAULTS_ENV
@@ -50,8 +50,9 @@ def row_seed(seed: int, row_id) -> int:
     return zlib.crc32(f"{seed}:{row_id}".encode())
 
 
-def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None) -> list[int]:
-    """The prompt's token ids under the prompt policy; ValueError names what is wrong."""
+def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, windowed: bool = False) -> list[int]:
+    """The prompt's token ids under the prompt policy; ValueError names what is wrong.  With a
+    cache window (kv_window) neither the prompt nor the generation is bound by the context."""
     if text is None:
         raise ValueError("prompt is null")
     if not isinstance(text, str):
@@ -61,6 +62,8 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None) -
     ids = pair.encode(text)
     if not ids:
         raise ValueError("prompt has no tokens")
+    if windowed:
+        return ids[-max_prompt_tokens:] if max_prompt_tokens else ids
     room = pair.max_context - max_new_tokens
     if room < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the {pair.max_context}-token context")
@@ -109,7 +112,8 @@ class ShardWorker:
         spec, reqs, slots = self.spec, [], []
         for i, (r, out) in enumerate(zip(rows, results)):
             try:
-                ids = prompt_ids(self.pair, r["text"], spec.max_new_tokens, spec.max_prompt_tokens)
+                ids = prompt_ids(self.pair, r["text"], spec.max_new_tokens, spec.max_prompt_tokens,
+                                 bool(self.cfg.kv_window))
             except ValueError as e:
                 out.update(error=str(e), finish_reason="error")
                 continue
@@ -120,7 +124,7 @@ class ShardWorker:
             slots.append(("gen", i))
             # the ar reference decodes in the same batches; a sample is not comparable with it
             if self.cfg.temperature == 0 and verify_selected(out["id"], spec.verify_fraction):
-                reqs.append(Request(ids, ARConfig(), spec.max_new_tokens, spec.ignore_eos))
+                reqs.append(Request(ids, ar_reference(self.cfg), spec.max_new_tokens, spec.ignore_eos))
                 slots.append(("ref", i))
         return reqs, slots
 
@@ -142,7 +146,7 @@ class ShardWorker:
         for i, (ids, (ref, _, mref)) in refs.items():
             out = results[i]
             if out["error"] is None:
-                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"])
+                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"], self.cfg.kv_window)
                 out.update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,
                            ar_tokens_per_s=mref.tokens_per_s)
         self.shards_done += 1

@@ -27,13 +27,15 @@ from pathlib import Path
 import torch
 
 from .check import first_difference, truncate_prompt
-from .config import make_config
+from .config import WINDOW_FIELDS, make_config
 from .engine import decode
 from .metrics import Metrics
 from .models import ModelPair
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
-WINDOW_KEYS = ("kv_window", "kv_sinks", "kv_evict")  # config.MethodConfig's cache window
+# The seed's named baselines: (method, options).  streaming_spec is StreamingLLM + speculative
+# decoding as the DynaTree paper ran it (a K = 6 chain with a 1024-token cache).
+PRESETS = {"streaming_spec": ("linear", {"k": 6, "kv_window": 1024})}
 HUB_DATASETS = {
     "wikitext": ("wikitext", "wikitext-2-raw-v1", "test", "text"),
     "pg19": ("deepmind/pg19", None, "test", "text"),
@@ -52,6 +54,7 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
 
     ``LABEL.KEY=VALUE`` sets one method's option; a bare ``KEY=VALUE`` sets it for every method
     that has it (sampling options reach the transformers peers too), so one flag samples them all.
+    A :data:`PRESETS` name is its method with the preset's options (which options given override).
     """
     import dataclasses
 
@@ -61,7 +64,8 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
     for item in (m.strip() for m in methods.split(",")):
         if item:
             label, _, meth = item.partition("=")
-            specs[label] = [meth or label, {}]
+            meth, preset = PRESETS.get(meth or label, (meth or label, {}))
+            specs[label] = [meth, dict(preset)]
     if not any(meth == "ar" for meth, _ in specs.values()):
         specs = {"ar": ["ar", {}], **specs}  # speedups need the AR of the same run
     sampling_keys = {f.name for f in dataclasses.fields(SamplingConfig)}
@@ -79,7 +83,7 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
                    if m in METHODS):
             raise ValueError(f"--option {key}: no method in --methods has this option")
     out = []
-    for label, (meth, _) in specs.items():
+    for label, (meth, preset) in specs.items():
         if meth in HF_METHODS:
             if own.get(label):
                 raise ValueError(f"{label}: transformers peers take no options of their own")
@@ -88,13 +92,13 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             opts = {k: getattr(cfg, k) for k in given}
         else:
             names = {f.name for f in dataclasses.fields(METHODS.get(meth, SamplingConfig))}
-            given = {**{k: v for k, v in shared.items() if k in names}, **own.get(label, {})}
+            given = {**preset, **{k: v for k, v in shared.items() if k in names}, **own.get(label, {})}
             cfg = make_config(meth, given)
             opts = {k: getattr(cfg, k) for k in given}
         out.append(MethodSpec(label, meth, opts))
     for w in dict.fromkeys(window_of(m) for m in out):
         if w and not any(m.method == "ar" and window_of(m) == w for m in out):  # the windowed rows' reference
-            out.append(MethodSpec(f"ar_window{w[0]}", "ar", dict(zip(WINDOW_KEYS, w))))
+            out.append(MethodSpec(f"ar_window{w[0]}", "ar", dict(zip(WINDOW_FIELDS, w))))
     return out
 
 
@@ -103,7 +107,7 @@ def window_of(ms: MethodSpec) -> tuple:
     if ms.method in HF_METHODS:
         return ()
     cfg = make_config(ms.method, ms.options)
-    return tuple(getattr(cfg, k) for k in WINDOW_KEYS) if cfg.kv_window else ()
+    return tuple(getattr(cfg, k) for k in WINDOW_FIELDS) if cfg.kv_window else ()
 
 
 def reference(ms: MethodSpec, methods) -> MethodSpec | None:
@@ -310,7 +314,7 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     def ref_tokens(ms: MethodSpec) -> list:
         w = window_of(ms)
         if w not in refs:
-            cfg = make_config("ar", dict(zip(WINDOW_KEYS, w)))
+            cfg = make_config("ar", dict(zip(WINDOW_FIELDS, w)))
             refs[w] = [decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
         return refs[w]
 
@@ -402,12 +406,14 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
                                setting={"sweep": "main"}, log=log)
         sweep_ms = with_references([m for m in spec.methods if m.label in spec.sweep_methods
                                     or spec.sweep_methods == ("all",)], spec.methods)
+        # the main setting has warmed every method up: the sweeps measure every prompt they run
+        skip, warm = (spec.warmup, 0) if not spec.batch_sizes else (0, spec.warmup)
         for t in spec.sweep_tokens:
-            rows += bench_rows(pair, name, base, sweep_ms, warmup=spec.warmup, max_new_tokens=t,
+            rows += bench_rows(pair, name, base[skip:], sweep_ms, warmup=warm, max_new_tokens=t,
                                max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "tokens", "T": t}, log=log)
         for lmax in spec.sweep_prompt_len:
-            ps = [truncate_prompt(e, lmax) for e in enc]
-            rows += bench_rows(pair, name, ps, sweep_ms, warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
+            ps = [truncate_prompt(e, lmax) for e in enc[skip:]]
+            rows += bench_rows(pair, name, ps, sweep_ms, warmup=warm, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=lmax, setting={"sweep": "prompt_len", "L": lmax}, log=log)
         if spec.batch_sizes:
             rows += batch_rows(pair, name, base, list(spec.methods), spec.batch_sizes,

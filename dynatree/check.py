@@ -21,11 +21,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @torch.inference_mode()
 def divergence(pair: ModelPair, prompt_ids: list[int], reference: list[int],
-               candidate: list[int]) -> tuple[int | None, float | None]:
-    """(first differing index, target top-2 logit margin there) or (None, None) if identical."""
+               candidate: list[int], window: int = 0) -> tuple[int | None, float | None]:
+    """(first differing index, target top-2 logit margin there) or (None, None) if identical.
+
+    With a cache window (``window`` = kv_window) the margin is known only while nothing was
+    evicted (a plain forward is then what the windowed decode computed); past that it is None."""
     i = first_difference(reference, candidate)
     if i is None:
         return None, None
+    if window and len(prompt_ids) + i > window:
+        return i, None
     ids = torch.tensor([prompt_ids + reference[:i]], device=pair.device)
     logits = pair.target(input_ids=ids).logits[0, -1].float()
     top2 = logits.topk(2).values
@@ -45,17 +50,27 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
     methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.
     """
-    from .config import ARConfig
+    from .config import ARConfig, ar_reference
     from .engine import decode
 
     rows = []
     for pi, prompt in enumerate(prompts):
-        ref, _, mref = decode(pair, prompt, ARConfig(), max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-        rows.append({"prompt": pi, "method": "ar", "matches_ar": True, "first_divergence": None,
-                     "divergence_margin": None, **mref.as_dict()})
+        refs = {}  # greedy ar per cache window (plain ar first)
+
+        def ar(cfg: ARConfig) -> list[int]:
+            if cfg not in refs:
+                ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+                refs[cfg] = ref
+                rows.append({"prompt": pi, "method": "ar" if not cfg.kv_window else f"ar_window{cfg.kv_window}",
+                             "matches_ar": True, "first_divergence": None, "divergence_margin": None,
+                             **mref.as_dict()})
+            return refs[cfg]
+
+        ar(ARConfig())
         for label, cfg in methods.items():
+            ref = ar(ar_reference(cfg))
             toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-            idx, margin = divergence(pair, prompt, ref, toks)
+            idx, margin = divergence(pair, prompt, ref, toks, cfg.kv_window)
             rows.append({"prompt": pi, "method": label, "matches_ar": idx is None,
                          "first_divergence": idx, "divergence_margin": margin, **m.as_dict()})
         if progress:

@@ -155,6 +155,15 @@ class DySpecConfig(SpecConfig):
     max_branch: int = opt(8, "most children considered per node")
 
 
+WINDOW_FIELDS = ("kv_window", "kv_sinks", "kv_evict")  # MethodConfig's cache window
+
+
+def ar_reference(cfg) -> ARConfig:
+    """The greedy ``ar`` whose tokens a greedy method's must equal: plain ``ar`` with the method's
+    cache window (the window changes the text; the method must not)."""
+    return ARConfig(**{k: getattr(cfg, k) for k in WINDOW_FIELDS}) if getattr(cfg, "kv_window", 0) else ARConfig()
+
+
 KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)
 METHODS: dict[str, type] = {
     "ar": ARConfig,

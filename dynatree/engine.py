@@ -135,8 +135,8 @@ class _Row:
         self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
         self.lookup_stats = pair.state.setdefault("lookup", LookupStats()) if self.lookup else None
         budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
-        held = len(prompt) + max_new_tokens if self.window is None else self.window.size
-        self.capacity = held + budget + 8
+        held = len(prompt) + max_new_tokens  # at most the window's size with a window
+        self.capacity = (held if self.window is None else min(held, self.window.size)) + budget + 8
         self.cache = new_cache(pair.runner("target"), self.capacity)
         self.drafter: Drafter | None = None
         self.index: NgramIndex | None = None
@@ -230,7 +230,7 @@ class BatchDecoder:
         window = getattr(cfg, "kv_window", 0)
         if window and window + cfg.kv_evict > self.pair.max_context:
             raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
-                               f"{self.pair.max_context}-token context (positions stay below their sum)")
+                               f"{self.pair.max_context}-token context (a draft's tree positions can reach their sum)")
         if not window and len(prompt_ids) >= self.pair.max_context:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                f"{self.pair.max_context}-token context")

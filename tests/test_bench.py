@@ -102,3 +102,24 @@ def test_bench_batch_sizes(pair_dirs, tmp_path):
         assert r["rows"] == 2 and r["rows_matching_ar"] == 2 and r["matches_ar"], r  # 3 prompts, 1 warm-up
         assert r["new_tokens"] == 12 and r["tokens_per_s"] > 0
     assert "Batched decoding" in (out / "summary.md").read_text() and (out / "batch.png").exists()
+
+
+def test_bench_windowed_rows_use_the_windowed_ar(pair_dirs, tmp_path):
+    """StreamingLLM rows (kv_window) are checked against `ar` with the same window, added when not
+    listed; the length-sweep table reports their cache memory, which stays at the window's size."""
+    out = tmp_path / "window"
+    win = {"kv_window": 20, "kv_sinks": 2, "kv_evict": 4}
+    opts = [f"{label}.{k}={v}" for label in ("sspec", "dyn_w") for k, v in win.items()]
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 2, 8) + [
+        "--methods", "ar,dynatree,sspec=linear,dyn_w=dynatree", *sum((["--option", o] for o in opts), []),
+        "--sweep-tokens", "10,40", "--sweep-methods", "sspec,dyn_w", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    sweep = [r for r in rows if json.loads(r["setting"])["sweep"] == "tokens"]
+    assert {r["method"] for r in sweep} == {"ar", "ar_window20", "sspec", "dyn_w"}
+    for r in rows:
+        assert r["ref_method"] == ("ar_window20" if r["method"] in ("sspec", "dyn_w", "ar_window20") else "ar")
+        assert r["matches_ar"], r["method"]
+    cache = {(r["method"], json.loads(r["setting"])["T"]): r["kv_cache_mb"] for r in sweep}
+    assert cache[("ar_window20", 10)] == cache[("ar_window20", 40)] < cache[("ar", 40)]
+    assert "× ref" in (out / "summary.md").read_text()

@@ -142,3 +142,34 @@ def test_window_errors(close_pair):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(ValueError, match="rotary positions"):
         decode(pair_from_models(gpt2, None, None), [5, 6], make_config("ar", W), max_new_tokens=4)
+
+
+def test_check_compares_windowed_rows_with_windowed_ar(close_pair):
+    """`dynatree check` (and the job's ar reference, ar_reference) compare a windowed method with
+    ar under the same window, not with plain ar, whose text the window changes."""
+    from dynatree.check import check_methods
+    from dynatree.config import ARConfig, ar_reference
+
+    assert ar_reference(make_config("dynatree", W)) == make_config("ar", W)
+    assert ar_reference(make_config("dynatree", {"d0": 3})) == ARConfig()
+    prompts = random_prompts(2, seed=49, lo=20, hi=30)
+    rows = check_methods(close_pair, prompts, {"dyn_w": make_config("dynatree", W), "dyn": make_config("dynatree")},
+                         max_new_tokens=60)
+    assert [r["method"] for r in rows] == ["ar", "ar_window40", "dyn_w", "dyn"] * 2
+    assert all(r["matches_ar"] for r in rows)
+
+
+def test_job_prompts_under_a_window_are_not_cut_to_the_context():
+    from dynatree.actors.worker import prompt_ids
+
+    class Pair:
+        max_context = 64
+
+        def encode(self, text):
+            return list(range(len(text.split())))
+
+    text = "word " * 100
+    assert len(prompt_ids(Pair(), text, 500, None, windowed=True)) == 100
+    assert len(prompt_ids(Pair(), text, 500, 30, windowed=True)) == 30
+    with pytest.raises(ValueError, match="does not fit"):
+        prompt_ids(Pair(), text, 500, None)
