@@ -7,7 +7,9 @@ one that maximises expected committed tokens *per second*, not per iteration.
 Ingredients, all measured on the actual device:
 
 * :class:`LatencyModel` — target verification time for n tree tokens and draft time per tree
-  level, profiled once per pair (a fraction of a second) with a realistic cache length.
+  level, profiled once per pair (a fraction of a second) at two cache lengths: attention over the
+  cache makes every node dearer as a generation grows (at 1500 cached tokens the keys and values
+  stream as many bytes as the weights), so verification is priced at the row's own length.
 * :class:`Calibration` — the probability that the target agrees with a drafted token, as a
   function of the draft's conditional probability q of that token and its rank among its
   siblings (an under-confident draft's top-1 at q = 0.07 can still be right 60% of the time,
@@ -53,9 +55,12 @@ from .kvcache import new_cache
 
 @dataclass
 class LatencyModel:
-    verify_ms: dict[int, float]  # tree tokens -> ms per target forward
+    verify_ms: dict[int, float]  # tree tokens -> ms per target forward, at short_at cached tokens
     draft_ms: dict[int, float]  # frontier width -> ms per draft forward
     overhead_ms: float = 1.0  # per-iteration bookkeeping outside the model forwards
+    long_ms: dict[int, float] | None = None  # verify_ms at long_at cached tokens (None: length-blind)
+    short_at: int = 256
+    long_at: int = 0
     # Online corrections (EMA of observed minus profiled ms): the profile times bare forwards,
     # while an iteration also pays tree growth, masks, top-k transfers, accept and commit.
     verify_extra_ms: float = 0.0
@@ -65,12 +70,13 @@ class LatencyModel:
     def __post_init__(self):
         # dense lookups for the sizes trees use: the budget asks for hundreds of values per iteration
         self._vt = [self._interp(self.verify_ms, n) for n in range(129)]
+        self._vl = [self._interp(self.long_ms, n) for n in range(129)] if self.long_ms else None
         self._dt = [self._interp(self.draft_ms, w) for w in range(65)]
 
     # A residual is clipped to [-1/2, +1] x the profiled time: one stall on a shared host must not
     # make drafting look so dear that it stops, since a level that never runs is never re-measured.
-    def observe_verify(self, n: int, ms: float) -> None:
-        prof = self._profiled(self._vt, self.verify_ms, n)
+    def observe_verify(self, n: int, ms: float, cached: int | None = None) -> None:
+        prof = self._verify_at(n, cached)
         extra = min(max(ms - prof, -prof / 2), prof)
         self.verify_extra_ms += self.ema * (extra - self.verify_extra_ms)
 
@@ -98,8 +104,17 @@ class LatencyModel:
     def _profiled(cls, dense: list[float], table: dict[int, float], x: int) -> float:
         return dense[x] if x < len(dense) else cls._interp(table, x)
 
-    def verify(self, n: int) -> float:
-        return self._profiled(self._vt, self.verify_ms, n) + self.verify_extra_ms
+    def _verify_at(self, n: int, cached: int | None) -> float:
+        """Profiled ms for n tokens over ``cached`` keys: linear in the cache length between (and
+        beyond) the two profiled lengths, as attention is."""
+        short = self._profiled(self._vt, self.verify_ms, n)
+        if cached is None or self._vl is None:
+            return short
+        long = self._profiled(self._vl, self.long_ms, n)
+        return short + (long - short) * (cached - self.short_at) / (self.long_at - self.short_at)
+
+    def verify(self, n: int, cached: int | None = None) -> float:
+        return self._verify_at(n, cached) + self.verify_extra_ms
 
     def draft(self, width: int) -> float:
         return self._profiled(self._dt, self.draft_ms, width) + self.draft_extra_ms
@@ -108,10 +123,13 @@ class LatencyModel:
         """The part of ``ms`` of drafting wall time that is this sequence's (all of it alone)."""
         return ms
 
-    def view(self, others: int, share: int, scale: float = 1.0) -> "LatencyModel | BatchView":
+    def view(self, others: int, share: int, scale: float = 1.0, cached: int | None = None) -> "LatencyModel | BatchView":
         """This model as one row of a batch sees it (``share`` rows; ``others`` tokens from the
-        other rows in each target forward; ``scale``: see :class:`Governor`)."""
-        return self if share <= 1 else BatchView(self, others, share, scale)
+        other rows in each target forward; ``scale``: see :class:`Governor`; ``cached``: the
+        row's cache length)."""
+        if share <= 1:
+            return self if cached is None else BatchView(self, 0, 1, 1.0, cached)
+        return BatchView(self, others, share, scale, cached)
 
 
 @dataclass
@@ -130,14 +148,16 @@ class BatchView:
     others: int
     share: int
     scale: float = 1.0  # on every marginal cost (Governor)
+    cached: int | None = None  # the row's cache length (LatencyModel.verify)
 
     @property
     def overhead_ms(self) -> float:
         return self.lat.overhead_ms / self.share
 
     def verify(self, n: int) -> float:
-        marginal = self.lat.verify(self.others + n) - self.lat.verify(self.others + 1)
-        return self.lat.verify(self.share) / self.share + self.scale * marginal
+        v, at = self.lat.verify, self.cached
+        marginal = v(self.others + n, at) - v(self.others + 1, at)
+        return v(self.share, at) / self.share + self.scale * marginal
 
     def draft(self, width: int) -> float:
         return self.scale * self.lat.draft(width * self.share) / self.share
@@ -272,18 +292,23 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if key in pair.state:
         return pair.state[key]
     prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
-    path = _disk_path(pair, (prefix_len, sizes, widths, repeats))
+    long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
+    long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
+    path = _disk_path(pair, (prefix_len, long_at, sizes, widths, repeats))
     try:
         saved = json.loads(path.read_text()) if path else None
-        lm = LatencyModel({int(k): v for k, v in saved["verify_ms"].items()},
-                          {int(k): v for k, v in saved["draft_ms"].items()}) if saved else None
-    except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: measure again
-        lm = None
-    if lm is None:
-        lm = LatencyModel(_profile_model(pair.runner("target"), prefix_len, sizes, repeats),
-                          _profile_model(pair.runner("draft"), prefix_len, widths, repeats))
+        tables = {k: {int(n): v for n, v in saved[k].items()} if saved[k] else None
+                  for k in ("verify_ms", "draft_ms", "long_ms")} if saved else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent or damaged: measure again
+        tables = None
+    if tables is None:
+        target = pair.runner("target")
+        tables = {"verify_ms": _profile_model(target, prefix_len, sizes, repeats),
+                  "draft_ms": _profile_model(pair.runner("draft"), prefix_len, widths, repeats),
+                  "long_ms": _profile_model(target, long_at, sizes, repeats) if long_at else None}
         if path:
-            _save(path, {"verify_ms": lm.verify_ms, "draft_ms": lm.draft_ms})
+            _save(path, tables)
+    lm = LatencyModel(**tables, short_at=prefix_len, long_at=long_at)
     pair.state[key] = lm
     return lm
 

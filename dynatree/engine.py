@@ -316,10 +316,10 @@ class BatchDecoder:
         steps, jobs = [], []
         total = sum(r.last_n for r in rows)  # the previous iteration's packed target forward
         for r in rows:
-            # what the budget prices its nodes against
-            r.policy.batch = (total - r.last_n, len(rows), self.governor.scale)
             s = _Step()
             s.row, s.prefix_len = r, r.cache.length  # tokens in the target cache; the root's position
+            # what the budget prices its nodes against: the batch's other tokens, and this cache
+            r.policy.batch = (total - r.last_n, len(rows), self.governor.scale, s.prefix_len)
             max_depth = r.max_depth(s.prefix_len)
             s.chain, s.match, hint = [], 0, ()
             skip = probe and r.budgeted
@@ -359,7 +359,7 @@ class BatchDecoder:
             _sync(self.dev)
         dt = t_forward + time.perf_counter() - t1
         r.verify_time += dt
-        r.policy.observe_verify(n_total, dt)
+        r.policy.observe_verify(n_total, dt, s.prefix_len)
         if r.drafter is not None:
             r.drafter.commit([s.order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
         accepted = len(path_nodes) - 1

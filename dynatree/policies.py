@@ -143,8 +143,7 @@ class NoDraft:
     """``ar``: the tree is just the root, so each iteration is one plain target step."""
 
     needs_draft = False
-    # (tokens other rows put in the target forward, rows sharing it, cost scale): engine.BatchDecoder
-    batch: tuple[int, int, float] = (0, 1, 1.0)
+    batch: tuple = (0, 1, 1.0, None)  # (other rows' tokens, rows, Governor scale, cache length): set by the engine
 
     def attach(self, pair) -> None:
         """Called once per generation with the pair (policies that measure the device use it)."""
@@ -162,8 +161,9 @@ class NoDraft:
     def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
         pass
 
-    def observe_verify(self, n_tokens: int, seconds: float) -> None:
-        """Wall time of one verification (forward, accept, commit) over ``n_tokens`` tree tokens."""
+    def observe_verify(self, n_tokens: int, seconds: float, cached: int | None = None) -> None:
+        """Wall time of one verification (forward, accept, commit) over ``n_tokens`` tree tokens
+        on a cache of ``cached`` tokens."""
 
 
 class Linear(NoDraft):
@@ -198,9 +198,9 @@ class DynaTree(NoDraft):
             self.latency = budget.profile(pair)
             self.calib = pair.state.setdefault("calibration", budget.Calibration())
 
-    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+    def observe_verify(self, n_tokens: int, seconds: float, cached: int | None = None) -> None:
         if self.latency is not None:
-            self.latency.observe_verify(n_tokens, seconds * 1e3)
+            self.latency.observe_verify(n_tokens, seconds * 1e3, cached)
 
     def _branching(self, u: int, conf: float) -> int:
         c = self.cfg

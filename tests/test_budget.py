@@ -9,6 +9,21 @@ def test_latency_interpolates_and_extrapolates():
     assert lat.verify(12) == 24.0 and lat.draft(16) > lat.draft(4)
 
 
+def test_latency_follows_the_cache_length():
+    """Profiled at 256 and 1024 cached tokens: a row's verification is priced at its own cache
+    length (linear in it, as attention is), and a longer cache makes the same tree dearer, so
+    node selection stops earlier."""
+    lat = LatencyModel({1: 2.0, 8: 4.0}, {1: 0.1, 4: 0.2}, overhead_ms=0.0, long_ms={1: 3.0, 8: 7.0}, short_at=256, long_at=1024)
+    assert lat.verify(8) == 4.0 and lat.verify(8, 256) == 4.0 and lat.verify(8, 1024) == 7.0
+    assert lat.verify(8, 640) == 5.5 and lat.verify(8, 1792) == 10.0
+    row = lat.view(0, 1, cached=1792)
+    assert row.verify(8) == 10.0 and lat.view(0, 1) is lat
+    lat.observe_verify(8, 10.0, cached=1792)  # exactly as profiled at that length: no correction
+    assert lat.verify_extra_ms == 0.0
+    values = [0.9, 0.6, 0.4, 0.3, 0.25, 0.2, 0.15]
+    assert select(values, lat.view(0, 1, cached=1792), 0.0)[0] < select(values, lat.view(0, 1, cached=256), 0.0)[0]
+
+
 def test_select_stops_where_tokens_per_ms_peak():
     # verification costs 10 ms + 1 ms per extra token; no overhead, nothing spent drafting
     lat = LatencyModel({1: 10.0, 2: 11.0, 64: 73.0}, {1: 2.0, 2: 2.0}, overhead_ms=0.0)
