@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from dynatree import decode, make_config
+from dynatree import decode, make_config, native
 from dynatree.engine import BatchDecoder, ContextError, decode_batch
 from dynatree.kvcache import BufferLayer, make_window
 from dynatree.models import pair_from_models
@@ -101,10 +101,11 @@ def test_caches_stay_inside_the_window(close_pair):
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
-@pytest.mark.parametrize("batch", [1, 3])
-def test_windowed_native_greedy_is_windowed_ar(batch):
-    """Native kernel, float32, no tolerance: windowed methods equal windowed ar bitwise-exactly
-    at any batch size."""
+@pytest.mark.parametrize("isa,batch", [(v, 1) for v in native.variants_here()] + [("native", 3)])
+def test_windowed_native_greedy_is_windowed_ar(isa, batch, monkeypatch):
+    """Native kernel, float32, no tolerance: windowed methods equal windowed ar exactly on every
+    kernel variant this CPU runs (native, avx2, generic) and at any batch size."""
+    monkeypatch.setenv("DYNATREE_ISA", isa)
     pair = f32_pair()
     assert pair.runner("target").native
     prompts = random_prompts(3, seed=46, lo=5, hi=50)
