@@ -179,6 +179,18 @@ def test_context_overflow_truncates_or_errors(ray_cluster, pair_dirs, tmp_path):
     assert all("does not fit" in r["error"] for r in rows)
 
 
+def test_windowed_job_generates_past_the_context(ray_cluster, pair_dirs, tmp_path):
+    """kv_window (StreamingLLM): a prompt longer than the context and 200 new tokens past the
+    128-token context; every row checked against ar with the same window."""
+    long_text = " ".join(PROMPTS * 12)
+    write_input(tmp_path, [long_text, "short one"])
+    run_job(spec(pair_dirs, tmp_path, max_new_tokens=200, max_prompt_tokens=None, num_actors=1, ignore_eos=True,
+                 options={"kv_window": 48, "kv_evict": 8}), progress=False, log=quiet)
+    rows = read_rows(tmp_path / "out")
+    assert all(r["error"] is None and r["num_generated_tokens"] == 200 and r["matches_ar"] is True for r in rows)
+    assert rows[0]["prompt_tokens"] > 128
+
+
 def test_example_job_files_are_valid_specs():
     from pathlib import Path
     for f in sorted((Path(__file__).resolve().parents[1] / "jobs" / "examples").glob("*.yaml")):
