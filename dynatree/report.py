@@ -261,16 +261,16 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         if not srows:
             continue
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        for d in dict.fromkeys(r["dataset"] for r in srows):
+        methods = list(dict.fromkeys(r["method"] for r in srows))
+        for d, style in zip(dict.fromkeys(r["dataset"] for r in srows), ("-", "--", ":", "-.")):
             vs = sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d})
             at = {v: [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v] for v in vs}
-            for m in dict.fromkeys(r["method"] for r in srows):
+            for i, m in enumerate(methods):  # a colour per method, a line style per dataset
                 mine = {v: [r for r in at[v] if r["method"] == m] for v in vs}
-                axes[0].plot(vs, [_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], marker="o", label=f"{d} {m}")
-                axes[1].plot(vs, [_speedup(mine[v], [r for r in at[v] if r["method"] == "ar"]) or 0 for v in vs],
-                             marker="o", label=f"{d} {m}")
-                axes[2].plot(vs, [_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], marker="o",
-                             label=f"{d} {m}")
+                line = dict(marker="o", ls=style, color=f"C{i % 10}", label=f"{d} {m}")
+                axes[0].plot(vs, [_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], **line)
+                axes[1].plot(vs, [_speedup(mine[v], [r for r in at[v] if r["method"] == "ar"]) or 0 for v in vs], **line)
+                axes[2].plot(vs, [_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], **line)
         for ax, ylabel in zip(axes, ("tokens/s", "speedup vs ar", "KV cache MB (target + draft)")):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
