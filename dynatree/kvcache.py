@@ -94,16 +94,19 @@ class BufferLayer(DynamicLayer):
         """Drop slots ``start .. start+count-1``; the later slots move down by ``count`` and their
         keys turn back by ``count`` positions: k' = k cos - rotate_half(k) sin on the first r dims.
 
-        cos, sin: (r,) of ``count`` times the rotary frequencies.  A fresh tensor is computed before
-        the write, so the overlapping move never reads a slot it already overwrote."""
+        cos, sin: (r,) of ``count`` times the rotary frequencies.  The turn is computed in at
+        least float32 (a 16-bit cache is rounded once per eviction, not at every product) into a
+        fresh tensor before the write, so the overlapping move never reads a slot it already
+        overwrote."""
         end = self.length
         if not self.is_initialized or end <= start + count:
             self.length = min(self.length, start)
             return
         r, half = cos.shape[-1], cos.shape[-1] // 2
         k = self.keys[:, :, start + count:end]  # (b, h, m, d)
-        kr = k[..., :r]
-        turned = kr * cos - torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin
+        work = torch.promote_types(k.dtype, torch.float32)
+        kr, cos, sin = k[..., :r].to(work), cos.to(work), sin.to(work)
+        turned = (kr * cos - torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin).to(k.dtype)
         self.keys[:, :, start:end - count] = torch.cat((turned, k[..., r:]), dim=-1)
         self.values[:, :, start:end - count] = self.values[:, :, start + count:end].clone()
         self.length = end - count
@@ -194,8 +197,8 @@ class Window:
     size: int
     sinks: int
     chunk: int
-    cos: torch.Tensor  # (r,) cos(chunk * inv_freq), duplicated over the two halves as rotary does
-    sin: torch.Tensor  # (r,)
+    cos: torch.Tensor  # (r,) float64 cos(chunk * inv_freq), duplicated over the two halves as rotary does
+    sin: torch.Tensor  # (r,) float64
 
     def make_room(self, cache: BufferCache, incoming: int) -> int:
         """Evict chunks until ``incoming`` more tokens fit (or only the sinks are left); returns
@@ -217,7 +220,6 @@ def make_window(model, size: int, sinks: int, chunk: int) -> Window:
     if getattr(rotary, "attention_scaling", 1.0) != 1.0:
         raise ValueError("kv_window does not support scaled rotary embeddings (rope_type "
                          f"{getattr(rotary, 'rope_type', '?')!r})")
-    dtype = next(model.parameters()).dtype
     angle = chunk * rotary.inv_freq.to(torch.float64)  # (r/2,)
     angle = torch.cat((angle, angle))  # (r,)
-    return Window(size, sinks, chunk, angle.cos().to(dtype), angle.sin().to(dtype))
+    return Window(size, sinks, chunk, angle.cos(), angle.sin())
