@@ -48,7 +48,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
              check_ar, as_json):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
-    from .config import make_config, parse_options
+    from .config import ar_reference, make_config, parse_options
     from .models import PairError, load_pair
 
     prompts = list(prompts) or [sys.stdin.read()]
@@ -62,8 +62,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         gens = engine.generate_batch(pair, prompts, method, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         results = [g.as_dict() for g in gens]
         if check_ar:
-            refs = engine.generate_batch(pair, prompts, "ar", None, max_new_tokens=max_new_tokens,
-                                         ignore_eos=ignore_eos)
+            refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), max_new_tokens=max_new_tokens,
+                                         ignore_eos=ignore_eos)  # plain ar, with the method's cache window
             for res, ref, gen in zip(results, refs, gens):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
     except (PairError, ValueError) as e:
@@ -126,7 +126,8 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             tps = sum(r["tokens_per_s"] for r in rs) / len(rs)
             summary.append((path, label, len(rs), len(rs) - len(bad), tps,
                             sum(r["tokens_per_iteration"] for r in rs) / len(rs),
-                            [(r["prompt"], r["first_divergence"], round(r["divergence_margin"], 5)) for r in bad]))
+                            [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
+                             for r in bad]))
     w = max(11, *(len(s[1]) for s in summary))
     click.echo(f"{'prompts file':<45} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
     for path, label, n, ok, tps, tpi, bad in summary:

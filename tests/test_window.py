@@ -174,3 +174,29 @@ def test_job_prompts_under_a_window_are_not_cut_to_the_context():
     assert len(prompt_ids(Pair(), text, 500, 30, windowed=True)) == 30
     with pytest.raises(ValueError, match="does not fit"):
         prompt_ids(Pair(), text, 500, None)
+
+
+def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
+    """`dynatree generate --check-ar` and `dynatree check` judge a windowed method against ar with
+    the same window (the float32 tiny pair runs the native kernel where it builds)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    pair = ["--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu"]
+    win = ["--option", "kv_window=24", "--option", "kv_evict=4"]
+    res = CliRunner().invoke(main, ["generate", *pair, *win, "--max-new-tokens", "150", "--prompt", "It was the best",
+                                    "--ignore-eos", "--check-ar", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 150 and out["matches_ar"] is True  # past the 128-token context
+    pq.write_table(pa.table({"text": ["It was the best of times", "Call me Ishmael"]}), tmp_path / "p.parquet")
+    res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods",
+                                    "dw=dynatree", "--option", "dw.kv_window=24", "--option", "dw.kv_evict=4",
+                                    "--max-new-tokens", "60"])
+    assert res.exit_code == 0, res.output
+    assert "dw" in res.output
