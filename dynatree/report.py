@@ -256,31 +256,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         made.append(path)
 
-    for sweep, key, xlabel in (("tokens", "T", "new tokens T"), ("prompt_len", "L", "prompt length L_max")):
-        srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
-        if not srows:
-            continue
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        methods = list(dict.fromkeys(r["method"] for r in srows))
-        for d, style in zip(dict.fromkeys(r["dataset"] for r in srows), ("-", "--", ":", "-.")):
-            vs = sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d})
-            at = {v: [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v] for v in vs}
-            for i, m in enumerate(methods):  # a colour per method, a line style per dataset
-                mine = {v: [r for r in at[v] if r["method"] == m] for v in vs}
-                line = dict(marker="o", ls=style, color=f"C{i % 10}", label=f"{d} {m}")
-                axes[0].plot(vs, [_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], **line)
-                axes[1].plot(vs, [_speedup(mine[v], [r for r in at[v] if r["method"] == "ar"]) or 0 for v in vs], **line)
-                axes[2].plot(vs, [_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], **line)
-        for ax, ylabel in zip(axes, ("tokens/s", "speedup vs ar", "KV cache MB (target + draft)")):
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
-        axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-        fig.tight_layout()
-        path = out / f"sweep_{sweep}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+    made += _sweep_plots(rows, out, plt)
+
 
     brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
     if brows:
@@ -332,6 +309,37 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="speedup vs ar")
         path = out / f"grid_{re.sub(r'[^A-Za-z0-9_-]', '_', d)}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def _sweep_plots(rows: list[dict], out: Path, plt) -> list[Path]:
+    """One PNG per sweep (T, L): tokens/s, speedup vs ar and KV cache MB against the swept value."""
+    made = []
+    for sweep, key, xlabel in (("tokens", "T", "new tokens T"), ("prompt_len", "L", "prompt length L_max")):
+        srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
+        if not srows:
+            continue
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        methods = list(dict.fromkeys(r["method"] for r in srows))
+        for d, style in zip(dict.fromkeys(r["dataset"] for r in srows), ("-", "--", ":", "-.")):
+            vs = sorted({json.loads(r["setting"])[key] for r in srows if r["dataset"] == d})
+            at = {v: [r for r in srows if r["dataset"] == d and json.loads(r["setting"])[key] == v] for v in vs}
+            for i, m in enumerate(methods):  # a colour per method, a line style per dataset
+                mine = {v: [r for r in at[v] if r["method"] == m] for v in vs}
+                line = dict(marker="o", ls=style, color=f"C{i % 10}", label=f"{d} {m}")
+                axes[0].plot(vs, [_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], **line)
+                axes[1].plot(vs, [_speedup(mine[v], [r for r in at[v] if r["method"] == "ar"]) or 0 for v in vs], **line)
+                axes[2].plot(vs, [_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], **line)
+        for ax, ylabel in zip(axes, ("tokens/s", "speedup vs ar", "KV cache MB (target + draft)")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+        axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        fig.tight_layout()
+        path = out / f"sweep_{sweep}.png"
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         made.append(path)
     return made
