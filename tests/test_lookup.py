@@ -88,10 +88,10 @@ def test_lookup_commits_grafted_tokens_exactly(close_pair):
 
 
 def test_default_lookup_follows_the_budget():
-    assert make_config("dynatree").lookup_length == 12
+    assert make_config("dynatree").lookup_length == 8
     assert make_config("dynatree", {"hw_budget": "off"}).lookup_length == 0
     assert make_config("dynatree", {"temperature": 0.7}).lookup_length == 0  # budget off when sampling
-    assert make_config("dynatree", {"temperature": 0.7, "hw_budget": "auto"}).lookup_length == 12
+    assert make_config("dynatree", {"temperature": 0.7, "hw_budget": "auto"}).lookup_length == 8
     assert make_config("dynatree", {"hw_budget": "off", "lookup": 5}).lookup_length == 5
 
 
