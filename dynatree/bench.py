@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import first_difference, truncate_prompt
-from .config import WINDOW_FIELDS, make_config
+from .config import WINDOW_FIELDS, ARConfig, ar_reference, make_config
 from .engine import decode
 from .metrics import Metrics
 from .models import ModelPair
@@ -96,23 +96,21 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             cfg = make_config(meth, given)
             opts = {k: getattr(cfg, k) for k in given}
         out.append(MethodSpec(label, meth, opts))
-    for w in dict.fromkeys(window_of(m) for m in out):
-        if w and not any(m.method == "ar" and window_of(m) == w for m in out):  # the windowed rows' reference
-            out.append(MethodSpec(f"ar_window{w[0]}", "ar", dict(zip(WINDOW_FIELDS, w))))
+    for ref in dict.fromkeys(reference_config(m) for m in out):
+        if ref.kv_window and not any(m.method == "ar" and reference_config(m) == ref for m in out):
+            out.append(MethodSpec(f"ar_window{ref.kv_window}", "ar", {k: getattr(ref, k) for k in WINDOW_FIELDS}))
     return out
 
 
-def window_of(ms: MethodSpec) -> tuple:
-    """An engine method's cache window (kv_window, kv_sinks, kv_evict); () when off or a peer."""
-    if ms.method in HF_METHODS:
-        return ()
-    cfg = make_config(ms.method, ms.options)
-    return tuple(getattr(cfg, k) for k in WINDOW_FIELDS) if cfg.kv_window else ()
+def reference_config(ms: MethodSpec) -> ARConfig:
+    """The greedy ``ar`` a method's tokens must equal (config.ar_reference: plain ``ar`` with the
+    method's cache window); transformers' peers are plain greedy ``ar``."""
+    return ARConfig() if ms.method in HF_METHODS else ar_reference(make_config(ms.method, ms.options))
 
 
 def reference(ms: MethodSpec, methods) -> MethodSpec | None:
-    """The ``ar`` a method's greedy tokens must equal: the one with the same cache window."""
-    return next((m for m in methods if m.method == "ar" and window_of(m) == window_of(ms)), None)
+    """The ``ar`` row a method's greedy tokens are compared with: the one of its reference config."""
+    return next((m for m in methods if m.method == "ar" and reference_config(m) == reference_config(ms)), None)
 
 
 def with_references(chosen, methods) -> list[MethodSpec]:
@@ -309,14 +307,13 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     time, prefill included.  Each row's tokens are checked against batch-1 ``ar``."""
     from .engine import decode_batch
 
-    refs: dict[tuple, list] = {}  # batch-1 ar's tokens per cache window
+    refs: dict[ARConfig, list] = {}  # batch-1 ar's tokens per reference config (cache window)
 
     def ref_tokens(ms: MethodSpec) -> list:
-        w = window_of(ms)
-        if w not in refs:
-            cfg = make_config("ar", dict(zip(WINDOW_FIELDS, w)))
-            refs[w] = [decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
-        return refs[w]
+        cfg = reference_config(ms)
+        if cfg not in refs:
+            refs[cfg] = [decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
+        return refs[cfg]
 
     rows = []
     for b in batch_sizes:

@@ -293,7 +293,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     if getattr(runner, "native", False):
         _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats)
     if cache_lengths:
-        _cache_sweep(runner, _int_list(cache_lengths), min(pair.max_context, 1 << 30), repeats)
+        _cache_sweep(runner, _int_list(cache_lengths), pair.max_context, repeats)
 
 
 def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int) -> None:
