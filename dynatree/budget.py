@@ -52,6 +52,10 @@ import torch
 
 from .kvcache import new_cache
 
+# Bumped when what a saved profile measures changes (2: the profile's masks reach the native
+# kernel with their all-visible prefix, as the engine's do), so stale profiles are measured again.
+PROFILE_VERSION = 2
+
 
 @dataclass
 class LatencyModel:
@@ -329,7 +333,8 @@ def _disk_path(pair, params) -> Path | None:
     cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "") \
         if Path("/proc/cpuinfo").exists() else platform.processor()
     blob = json.dumps([files, cpu, os.cpu_count(), torch.get_num_threads(), pair.kernel, str(pair.device),
-                       str(pair.dtype), native.variant() if pair.kernel == "lean" else None, params, torch.__version__])
+                       str(pair.dtype), (native.variant(), native.source_hash()) if pair.kernel == "lean" else None, params,
+                       torch.__version__, PROFILE_VERSION])
     cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
     return cache / "profiles" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
 

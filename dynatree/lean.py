@@ -166,8 +166,7 @@ class LeanNeoX:
         cache = past_key_values
         if self._takes(n, attention_mask, cache):
             if attention_mask is not None and not isinstance(attention_mask, KeyMask):
-                # additive (1, 1, n, P + n): 0 where a key is visible
-                attention_mask = KeyMask(0, (attention_mask.reshape(n, -1) == 0))
+                attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
             seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
                       attention_mask, logits_to_keep)
             return self._native([seq], topk, argmax, cols)[0]

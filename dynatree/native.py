@@ -82,6 +82,11 @@ class DtSeq(ctypes.Structure):
                 ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
 
 
+def source_hash() -> str:
+    """A digest of the kernel's C sources: part of every cache key that depends on what they compute."""
+    return hashlib.sha256("\0".join(src.read_text() for src in SOURCES + HEADERS).encode()).hexdigest()[:16]
+
+
 def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("DYNATREE_GEMM", "1") == "0":
         return None, "disabled by DYNATREE_GEMM=0"
@@ -98,7 +103,7 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    parts = [*(src.read_text() for src in SOURCES + HEADERS), version, " ".join(flags), platform.machine(), _cpu_flags()]
+    parts = [source_hash(), version, " ".join(flags), platform.machine(), _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
     lib_path = cache / f"libdtgemm-{key}.so"

@@ -35,6 +35,15 @@ class KeyMask:
     visible: int
     allowed: torch.Tensor  # (n, m) bool, m = keys after the visible prefix
 
+    @staticmethod
+    def from_additive(mask: torch.Tensor) -> "KeyMask":
+        """The compact form of an additive (1, 1, n, k) mask (0 where a key is allowed): the
+        leading keys every row may see become ``visible`` -- the native kernel walks those without
+        reading a mask, so a forward costs what the engine's own masks cost."""
+        ok = mask.reshape(mask.shape[-2], -1) == 0  # (n, k)
+        visible = int(ok.all(0).to(torch.int8).cumprod(0).sum())  # kept host sync: the mask's shape
+        return KeyMask(visible, ok[:, visible:])
+
     def additive(self, dtype: torch.dtype) -> torch.Tensor:
         """(1, 1, n, visible + m) in ``dtype``: 0 where attention is allowed, the dtype's minimum elsewhere."""
         n, m = self.allowed.shape

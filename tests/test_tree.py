@@ -39,6 +39,12 @@ def test_key_mask_compact_form():
     mask = KeyMask(3, allowed).additive(torch.float64)
     assert mask.shape == (1, 1, 2, 7)
     assert (mask[0, 0] == 0).int().tolist() == [[1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 0, 1]]
+    # and back: the leading keys every row sees become `visible` again (the first tree slot is
+    # seen by row 0 only, so the visible prefix stops there)
+    back = KeyMask.from_additive(mask)
+    assert back.visible == 3 and torch.equal(back.allowed, allowed)
+    causal = KeyMask.from_additive(KeyMask(0, torch.ones(2, 4, dtype=torch.bool).tril(2)).additive(torch.float32))
+    assert causal.visible == 3 and causal.allowed.tolist() == [[False], [True]]
 
 
 def test_positions_are_prefix_plus_depth():

@@ -109,31 +109,46 @@ typedef struct {
     long *last, *par, *idx; /* (rows,) last key a row may see; its ordinal parity; (KB,) key list */
 } attn_scratch;
 
-#define ATTN_SEQ(C16)                                                                                    \
-    static void scores_##C16(const float *q, const float *K, long j0, long j1, float scaling, float *s) { \
+/* Scores of R rows (q + r * qs) against keys j0..j1-1 into s + r * ss, KJ keys at a time: R * KJ
+ * independent chains hide the FMA latency, and each key chunk loaded serves R rows.  Per (row,
+ * key) the chain is always the same (lanes over 16-dim chunks in order, then hsum16). */
+#define SCORES(C16, R, KJ)                                                                               \
+    static void scores##R##_##C16(const float *q, long qs, const float *K, long j0, long j1, float scaling, \
+                                  float *s, long ss) {                                                   \
         enum { HD = 16 * C16 };                                                                          \
         long j = j0;                                                                                     \
-        for (; j + 2 <= j1; j += 2) { /* two keys at a time */                                          \
-            vf a0[DT_L16], a1[DT_L16];                                                                   \
-            _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) { a0[l] = bc(0.f); a1[l] = bc(0.f); } \
-            _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
-                _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) {                               \
-                    vf qc = ld(q + 16 * c + l * DT_W);                                                   \
-                    a0[l] = fmadd(qc, ld(K + j * HD + 16 * c + l * DT_W), a0[l]);                        \
-                    a1[l] = fmadd(qc, ld(K + (j + 1) * HD + 16 * c + l * DT_W), a1[l]);                  \
-                }                                                                                        \
-            s[j] = hsum16(a0) * scaling;                                                                 \
-            s[j + 1] = hsum16(a1) * scaling;                                                             \
-        }                                                                                                \
-        if (j < j1) {                                                                                    \
-            vf a0[DT_L16];                                                                               \
-            _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a0[l] = bc(0.f);                    \
+        for (; j + KJ <= j1; j += KJ) {                                                                  \
+            vf a[R][KJ][DT_L16];                                                                         \
+            _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                                          \
+                _Pragma("GCC unroll 4") for (int k = 0; k < KJ; k++)                                     \
+                    _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a[r][k][l] = bc(0.f);       \
             _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
                 _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                                 \
-                    a0[l] = fmadd(ld(q + 16 * c + l * DT_W), ld(K + j * HD + 16 * c + l * DT_W), a0[l]); \
-            s[j] = hsum16(a0) * scaling;                                                                 \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < KJ; k++) {                               \
+                        vf kc = ld(K + (j + k) * HD + 16 * c + l * DT_W);                                \
+                        _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                              \
+                            a[r][k][l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), kc, a[r][k][l]);      \
+                    }                                                                                    \
+            _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                                          \
+                _Pragma("GCC unroll 4") for (int k = 0; k < KJ; k++) s[r * ss + j + k] = hsum16(a[r][k]) * scaling; \
         }                                                                                                \
-    }                                                                                                    \
+        for (; j < j1; j++)                                                                              \
+            _Pragma("GCC unroll 2") for (int r = 0; r < R; r++) {                                        \
+                vf a0[DT_L16];                                                                           \
+                _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a0[l] = bc(0.f);                \
+                _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                   \
+                    _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                             \
+                        a0[l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), ld(K + j * HD + 16 * c + l * DT_W), a0[l]); \
+                s[r * ss + j] = hsum16(a0) * scaling;                                                    \
+            }                                                                                            \
+    }
+/* accumulators for the scores: half the registers (AVX-512 2 x 4 keys, AVX2 2 x 2, 128-bit 2 x 1) */
+#define ACC_REGS (DT_NREG / 2)
+#define KJ_FOR(R) (ACC_REGS / ((R) * DT_L16) >= 4 ? 4 : ACC_REGS / ((R) * DT_L16) >= 2 ? 2 : 1)
+
+#define ATTN_SEQ(C16)                                                                                    \
+    SCORES(C16, 1, KJ_FOR(1))                                                                            \
+    SCORES(C16, 2, KJ_FOR(2))                                                                            \
     /* acc (2, HD) += the values of idx[0..cnt) weighted by e, continuing chains of parity par */       \
     static void values_##C16(const float *V, const float *e, const long *idx, long cnt, long par, float *acc) { \
         enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                  \
@@ -170,9 +185,14 @@ typedef struct {
         enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };   \
         long ss = L + 16, okstride = L - visible;                                                        \
         for (long j0 = 0; j0 < L; j0 += KB)                                                              \
-            for (long r = 0; r < nr; r++) {                                                              \
+            for (long r = 0; r < nr;) {                                                                  \
                 long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1;                           \
-                if (j1 > j0) scores_##C16(q + r * qstride, K, j0, j1, scaling, w->s + r * ss);           \
+                long pair = r + 1 < nr && (j0 + KB < w->last[r + 1] + 1 ? j0 + KB : w->last[r + 1] + 1) == j1; \
+                if (j1 > j0 && pair)                                                                     \
+                    scores2_##C16(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
+                else if (j1 > j0)                                                                        \
+                    scores1_##C16(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
+                r += 1 + pair;                                                                           \
             }                                                                                            \
         for (long r = 0; r < nr; r++) softmax_row(w->s + r * ss, w->last[r], visible,                   \
                                                   allowed ? allowed + r * okstride : NULL, w->inv + r);  \
@@ -182,8 +202,11 @@ typedef struct {
             for (long r = 0; r < nr; r++) {                                                              \
                 const unsigned char *ok = allowed ? allowed + r * okstride : NULL;                       \
                 long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1, cnt = 0;                  \
-                for (long j = j0; j < j1; j++)                                                           \
-                    if (!ok || j < visible || ok[j - visible]) w->idx[cnt++] = j;                        \
+                if (!ok || j1 <= visible) /* every key of the block allowed */                          \
+                    for (long j = j0; j < j1; j++) w->idx[cnt++] = j;                                    \
+                else                                                                                     \
+                    for (long j = j0; j < j1; j++)                                                       \
+                        if (j < visible || ok[j - visible]) w->idx[cnt++] = j;                           \
                 values_##C16(V, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);             \
                 w->par[r] ^= cnt & 1;                                                                    \
             }                                                                                            \
@@ -194,19 +217,33 @@ typedef struct {
         }                                                                                                \
     }
 
+static inline float vmax_row(const float *x, long V) {
+    vf mv = bc(-INFINITY);
+    long j = 0;
+    for (; j + DT_W <= V; j += DT_W) { vf v = ld(x + j); mv = vsel(v > mv, v, mv); }
+    float t[DT_W], m = -INFINITY;
+    memcpy(t, &mv, sizeof t);
+    for (int i = 0; i < DT_W; i++) if (t[i] > m) m = t[i];
+    for (; j < V; j++) if (x[j] > m) m = x[j];
+    return m;
+}
+
 /* Row r's softmax over its scores s[0..last]: numerators exp(s - max) in place (over every key
  * up to last; the masked ones are never read) and 1 / (sum over allowed keys, even and odd
  * ordinals summed apart as the value sums are). */
 static void softmax_row(float *s, long last, long visible, const unsigned char *ok, float *inv) {
-    float m = -INFINITY;
-    for (long j = 0; j <= last; j++)
-        if ((!ok || j < visible || ok[j - visible]) && s[j] > m) m = s[j];
+    long full = ok && visible < last + 1 ? visible : last + 1; /* keys [0, full) are all allowed */
+    float m = vmax_row(s, full); /* a max is exact in any order */
+    for (long j = full; j <= last; j++)
+        if (ok[j - visible] && s[j] > m) m = s[j];
     for (long j = 0; j <= last; j += DT_W) st(s + j, vexp(ld(s + j) - bc(m))); /* s has 16 spare */
     float s0 = 0.f, s1 = 0.f;
-    long cnt = 0;
-    for (long j = 0; j <= last; j++)
-        if (!ok || j < visible || ok[j - visible]) {
-            if (cnt++ & 1) s1 += s[j]; else s0 += s[j];
+    long j = 0;
+    for (; j + 2 <= full; j += 2) { s0 += s[j]; s1 += s[j + 1]; } /* ordinal == slot here */
+    if (j < full) s0 += s[j++];
+    for (long cnt = j, k = full; k <= last; k++)
+        if (ok[k - visible]) {
+            if (cnt++ & 1) s1 += s[k]; else s0 += s[k];
         }
     *inv = 1.f / (s0 + s1);
 }
@@ -414,17 +451,6 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     free(rm.local);
     free(rm.of);
     return 0;
-}
-
-static inline float vmax_row(const float *x, long V) {
-    vf mv = bc(-INFINITY);
-    long j = 0;
-    for (; j + DT_W <= V; j += DT_W) { vf v = ld(x + j); mv = vsel(v > mv, v, mv); }
-    float t[DT_W], m = -INFINITY;
-    memcpy(t, &mv, sizeof t);
-    for (int i = 0; i < DT_W; i++) if (t[i] > m) m = t[i];
-    for (; j < V; j++) if (x[j] > m) m = x[j];
-    return m;
 }
 
 /* Index of each row's largest logit (the first on ties), n rows of V with row stride `stride`. */
