@@ -120,17 +120,19 @@ typedef struct {
         for (; j + KJ <= j1; j += KJ) {                                                                  \
             vf a[R][KJ][DT_L16];                                                                         \
             _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                                          \
-                _Pragma("GCC unroll 4") for (int k = 0; k < KJ; k++)                                     \
+                _Pragma("GCC unroll 8") for (int k = 0; k < KJ; k++)                                     \
                     _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a[r][k][l] = bc(0.f);       \
             _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
                 _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                                 \
-                    _Pragma("GCC unroll 4") for (int k = 0; k < KJ; k++) {                               \
+                    _Pragma("GCC unroll 8") for (int k = 0; k < KJ; k++) {                               \
                         vf kc = ld(K + (j + k) * HD + 16 * c + l * DT_W);                                \
                         _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                              \
                             a[r][k][l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), kc, a[r][k][l]);      \
                     }                                                                                    \
+            float t[R * KJ];                                                                             \
+            hsum16_n(&a[0][0][0], R * KJ, scaling, t);                                                   \
             _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                                          \
-                _Pragma("GCC unroll 4") for (int k = 0; k < KJ; k++) s[r * ss + j + k] = hsum16(a[r][k]) * scaling; \
+                _Pragma("GCC unroll 8") for (int k = 0; k < KJ; k++) s[r * ss + j + k] = t[r * KJ + k];  \
         }                                                                                                \
         for (; j < j1; j++)                                                                              \
             _Pragma("GCC unroll 2") for (int r = 0; r < R; r++) {                                        \
@@ -142,9 +144,9 @@ typedef struct {
                 s[r * ss + j] = hsum16(a0) * scaling;                                                    \
             }                                                                                            \
     }
-/* accumulators for the scores: half the registers (AVX-512 2 x 4 keys, AVX2 2 x 2, 128-bit 2 x 1) */
+/* accumulators for the scores: half the registers (AVX-512 2 x 8 keys, AVX2 2 x 2, 128-bit 2 x 1) */
 #define ACC_REGS (DT_NREG / 2)
-#define KJ_FOR(R) (ACC_REGS / ((R) * DT_L16) >= 4 ? 4 : ACC_REGS / ((R) * DT_L16) >= 2 ? 2 : 1)
+#define KJ_FOR(R) (ACC_REGS / ((R) * DT_L16) >= 8 ? 8 : ACC_REGS / ((R) * DT_L16) >= 4 ? 4 : ACC_REGS / ((R) * DT_L16) >= 2 ? 2 : 1)
 
 #define ATTN_SEQ(C16)                                                                                    \
     SCORES(C16, 1, KJ_FOR(1))                                                                            \

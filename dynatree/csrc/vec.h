@@ -103,5 +103,31 @@ static inline float hsum16(const vf *a) {
 #endif
 }
 
+/* out[i] = hsum16(a + i * DT_L16) * scale for n logical vectors; with AVX-512 and n == 16 the
+ * sums run transposed -- each shuffle + add serves several vectors -- pairing exactly the lanes
+ * hsum16 pairs (i += 8, 4, 2, 1; float addition commutes), so the bits are hsum16's. */
+static inline void hsum16_n(const vf *a, int n, float scale, float *out) {
+#if DT_W == 16 && !defined(DT_GENERIC)
+    if (n == 16) {
+        __m512 u[8], w[4], z[2];
+        for (int i = 0; i < 8; i++) /* (v_2i, v_2i+1) -> their 8-lane halves added */
+            u[i] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[2 * i], (__m512)a[2 * i + 1], 0x44),
+                                 _mm512_shuffle_f32x4((__m512)a[2 * i], (__m512)a[2 * i + 1], 0xEE));
+        for (int i = 0; i < 4; i++) /* quarter k of w_i: v_4i+k's 4 lanes */
+            w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+        for (int i = 0; i < 2; i++)
+            z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+        __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+        /* lane 4k + m holds v_k+4m's sum */
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(order, r), _mm512_set1_ps(scale)));
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) out[i] = hsum16(a + i * DT_L16) * scale;
+}
+
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 #endif
