@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import first_difference, truncate_prompt
-from .config import WINDOW_FIELDS, ARConfig, ar_reference, make_config
+from .config import ARConfig, ar_reference, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics
 from .models import ModelPair
@@ -97,14 +97,15 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             opts = {k: getattr(cfg, k) for k in given}
         out.append(MethodSpec(label, meth, opts))
     for ref in dict.fromkeys(reference_config(m) for m in out):
-        if ref.kv_window and not any(m.method == "ar" and reference_config(m) == ref for m in out):
-            out.append(MethodSpec(f"ar_window{ref.kv_window}", "ar", {k: getattr(ref, k) for k in WINDOW_FIELDS}))
+        if ref != ARConfig() and not any(m.method == "ar" and reference_config(m) == ref for m in out):
+            opts = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref) if getattr(ref, f.name) != f.default}
+            out.append(MethodSpec(reference_label(ref), "ar", opts))
     return out
 
 
 def reference_config(ms: MethodSpec) -> ARConfig:
     """The greedy ``ar`` a method's tokens must equal (config.ar_reference: plain ``ar`` with the
-    method's cache window); transformers' peers are plain greedy ``ar``."""
+    method's cache window and dtype); transformers' peers are plain greedy ``ar``."""
     return ARConfig() if ms.method in HF_METHODS else ar_reference(make_config(ms.method, ms.options))
 
 

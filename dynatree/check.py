@@ -50,7 +50,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
     methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.
     """
-    from .config import ARConfig, ar_reference
+    from .config import ARConfig, ar_reference, reference_label
     from .engine import decode
 
     rows = []
@@ -61,7 +61,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
             if cfg not in refs:
                 ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
                 refs[cfg] = ref
-                rows.append({"prompt": pi, "method": "ar" if not cfg.kv_window else f"ar_window{cfg.kv_window}",
+                rows.append({"prompt": pi, "method": reference_label(cfg),
                              "matches_ar": True, "first_divergence": None, "divergence_margin": None,
                              **mref.as_dict()})
             return refs[cfg]

@@ -9,6 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+KV_DTYPES = ("model", "bfloat16")  # MethodConfig.kv_dtype: the model's dtype, or a torch dtype's name
+
+
 def opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
@@ -42,11 +45,16 @@ class MethodConfig(SamplingConfig):
     kv_sinks: int = opt(4, "with kv_window: the first tokens kept for good (StreamingLLM's attention sinks)")
     kv_evict: int = opt(64, "with kv_window: tokens dropped at once when the cache is full (the cache holds "
                             "kv_window - kv_evict .. kv_window tokens; trees fit in what is left)")
+    kv_dtype: str = opt("model", "KV cache storage: 'model' (the model's dtype) or 'bfloat16' (half the bytes "
+                                 "a forward streams from the caches; keys and values rounded once as they are "
+                                 "cached, so every greedy method equals ar with the same kv_dtype)")
 
     def __post_init__(self):
         super().__post_init__()
         if self.kv_window < 0:
             raise ValueError("kv_window must be >= 0 (0 = off)")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1
                                or self.kv_window <= self.kv_sinks + self.kv_evict):
             raise ValueError(f"kv_window={self.kv_window} must exceed kv_sinks + kv_evict "
@@ -162,8 +170,17 @@ WINDOW_FIELDS = ("kv_window", "kv_sinks", "kv_evict")  # MethodConfig's cache wi
 
 def ar_reference(cfg) -> ARConfig:
     """The greedy ``ar`` whose tokens a greedy method's must equal: plain ``ar`` with the method's
-    cache window (the window changes the text; the method must not)."""
-    return ARConfig(**{k: getattr(cfg, k) for k in WINDOW_FIELDS}) if getattr(cfg, "kv_window", 0) else ARConfig()
+    cache policy -- its window and its cache dtype (they change the text; the method must not)."""
+    fields = {k: getattr(cfg, k) for k in WINDOW_FIELDS} if getattr(cfg, "kv_window", 0) else {}
+    if getattr(cfg, "kv_dtype", "model") != "model":
+        fields["kv_dtype"] = cfg.kv_dtype
+    return ARConfig(**fields)
+
+
+def reference_label(ref: ARConfig) -> str:
+    """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024``, ``ar_kvbfloat16``, ..."""
+    return "ar" + (f"_window{ref.kv_window}" if ref.kv_window else "") + \
+        (f"_kv{ref.kv_dtype}" if ref.kv_dtype != "model" else "")
 
 
 KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)

@@ -57,12 +57,12 @@ class Drafter:
     :class:`DraftCall` and receives its runtime.Output, so several sequences' levels can share one
     packed draft forward (:func:`drive`); :func:`run` drives one sequence alone."""
 
-    def __init__(self, model, vocab: int, capacity: int, sampler=None, window=None):
+    def __init__(self, model, vocab: int, capacity: int, sampler=None, window=None, kv_dtype: str = "model"):
         self.model, self.device = model, model.device
         self.sampler = sampler
         self.window = window  # kvcache.Window (StreamingLLM) or None
         self.vocab = vocab
-        self.cache = new_cache(model, capacity)
+        self.cache = new_cache(model, capacity, kv_dtype)
         self.pending: list[int] = []
         self.forwards = 0
         self.fed_tokens = 0  # tokens run through the draft; a re-prefilling drafter would blow this up

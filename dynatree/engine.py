@@ -137,7 +137,7 @@ class _Row:
         budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
         held = len(prompt) + max_new_tokens  # at most the window's size with a window
         self.capacity = (held if self.window is None else min(held, self.window.size)) + budget + 8
-        self.cache = new_cache(pair.runner("target"), self.capacity)
+        self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
         self.index: NgramIndex | None = None
         self.out: list[int] = []
@@ -282,7 +282,7 @@ class BatchDecoder:
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft:
                 r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler,
-                                    self.pair.window(r.cfg, "draft"))
+                                    self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype)
                 r.drafter.extend(r.prompt)
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
 

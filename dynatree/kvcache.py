@@ -25,16 +25,20 @@ from . import native
 
 
 class BufferLayer(DynamicLayer):
-    def __init__(self, capacity: int):
+    """One layer's keys and values; ``store`` (e.g. torch.bfloat16) keeps them in another dtype than
+    the model computes in: written rounded, read back widened (``kv_dtype``)."""
+
+    def __init__(self, capacity: int, store: torch.dtype | None = None):
         super().__init__()
         self.capacity = max(int(capacity), 1)
         self.length = 0
+        self.store = store
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros((b, h, self.capacity, d))
-        self.values = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+        self.keys = key_states.new_zeros((b, h, self.capacity, d), dtype=self.store or key_states.dtype)
+        self.values = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]), dtype=self.keys.dtype)
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
@@ -53,10 +57,13 @@ class BufferLayer(DynamicLayer):
         end = self.length + q
         if end > self.capacity:
             self._grow(end)
-        self.keys[:, :, self.length:end] = key_states
+        self.keys[:, :, self.length:end] = key_states  # rounded to the store dtype, if any
         self.values[:, :, self.length:end] = value_states
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        k, v = self.keys[:, :, :end], self.values[:, :, :end]
+        if k.dtype != key_states.dtype:  # attention reads what the cache holds, widened
+            k, v = k.to(key_states.dtype), v.to(value_states.dtype)
+        return k, v
 
     def reserve(self, end: int, heads: int, head_dim: int, dtype, device) -> None:
         """Make slots up to ``end`` writable in place (lean.py's native forward writes them)."""
@@ -118,8 +125,8 @@ class BufferLayer(DynamicLayer):
 class BufferCache(Cache):
     """A transformers ``Cache`` made of :class:`BufferLayer`, one per decoder layer."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[BufferLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, store: torch.dtype | None = None):
+        super().__init__(layers=[BufferLayer(capacity, store) for _ in range(num_layers)])
         self._ptrs = None  # (first key buffer's address, key addresses, value addresses)
 
     def pointers(self):
@@ -170,8 +177,10 @@ class BufferCache(Cache):
             layer.keep(start, src)
 
 
-def new_cache(model, capacity: int) -> BufferCache:
-    return BufferCache(model.config.num_hidden_layers, capacity)
+def new_cache(model, capacity: int, kv_dtype: str = "model") -> BufferCache:
+    """A cache for ``model``; ``kv_dtype`` (config.KV_DTYPES) other than "model" names the torch
+    dtype its keys and values are stored in."""
+    return BufferCache(model.config.num_hidden_layers, capacity, None if kv_dtype == "model" else getattr(torch, kv_dtype))
 
 
 # Models whose attention rotates the first r dims of each head by halves (rotate_half), which is

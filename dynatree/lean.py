@@ -248,6 +248,7 @@ class LeanNeoX:
             d.kc, d.vc = ctypes.addressof(kc), ctypes.addressof(vc)
             alive.append((kc, vc))
             d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
+            d.kvfmt = native.KV_FORMATS[layers[0].keys.dtype]
             kept += keep
         ids = ids[0] if len(ids) == 1 else torch.cat(ids)  # (n,)
         if ids.dtype != torch.long or not ids.is_contiguous():

@@ -79,7 +79,10 @@ class DtSeq(ctypes.Structure):
     """csrc/neox.c's dt_seq: one sequence's part of a packed forward."""
 
     _fields_ = [("rows", ctypes.c_long), ("past", ctypes.c_long), ("visible", ctypes.c_long), ("cap", ctypes.c_long),
-                ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+                ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("kvfmt", ctypes.c_long)]
+
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # cache element types the kernel reads (dt_seq.kvfmt)
 
 
 def source_hash() -> str:
@@ -127,7 +130,7 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_argmax.argtypes = [P, L, L, L, P]
     lib.dt_argmax.restype = None
     lib.dt_attn_supported.argtypes = [L]
-    lib.dt_cache_keep.argtypes = [P, P, L, L, L, L, L, P, L]
+    lib.dt_cache_keep.argtypes = [P, P, L, L, L, L, L, P, L, L]
     lib.dt_cache_keep.restype = None
     lib.dt_neox_forward.restype = ctypes.c_int
     lib.dt_isa.restype = ctypes.c_char_p
@@ -265,15 +268,16 @@ def kv_pointers(layers):
 
 
 def cache_keep(cache, start: int, slots: list[int]) -> bool:
-    """kvcache.BufferCache.keep in one C call for float32 CPU buffers; False if it does not apply."""
+    """kvcache.BufferCache.keep in one C call for float32 or bfloat16 CPU buffers; False if it
+    does not apply."""
     layers = cache.layers
     k0 = layers[0].keys
-    if k0.device.type != "cpu" or k0.dtype != torch.float32 or library() is None:
+    if k0.device.type != "cpu" or k0.dtype not in KV_FORMATS or library() is None:
         return False
     b, h, cap, hd = k0.shape
     kc, vc = cache.pointers()
     src = (ctypes.c_long * len(slots))(*slots)
-    library().dt_cache_keep(kc, vc, len(layers), b * h, cap, hd, start, src, len(slots))
+    library().dt_cache_keep(kc, vc, len(layers), b * h, cap, hd, start, src, len(slots), k0.element_size())
     for layer in layers:
         layer.length = start + len(slots)
     return True

@@ -112,9 +112,9 @@ typedef struct {
 /* Scores of R rows (q + r * qs) against keys j0..j1-1 into s + r * ss, KJ keys at a time: R * KJ
  * independent chains hide the FMA latency, and each key chunk loaded serves R rows.  Per (row,
  * key) the chain is always the same (lanes over 16-dim chunks in order, then hsum16). */
-#define SCORES(C16, R, KJ)                                                                               \
-    static void scores##R##_##C16(const float *q, long qs, const float *K, long j0, long j1, float scaling, \
-                                  float *s, long ss) {                                                   \
+#define SCORES(C16, R, KJ, T, LDK, SUF)                                                                   \
+    static void scores##R##_##C16##SUF(const float *q, long qs, const T *K, long j0, long j1, float scaling, \
+                                       float *s, long ss) {                                              \
         enum { HD = 16 * C16 };                                                                          \
         long j = j0;                                                                                     \
         for (; j + KJ <= j1; j += KJ) {                                                                  \
@@ -125,7 +125,7 @@ typedef struct {
             _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
                 _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                                 \
                     _Pragma("GCC unroll 8") for (int k = 0; k < KJ; k++) {                               \
-                        vf kc = ld(K + (j + k) * HD + 16 * c + l * DT_W);                                \
+                        vf kc = LDK(K + (j + k) * HD + 16 * c + l * DT_W);                               \
                         _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                              \
                             a[r][k][l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), kc, a[r][k][l]);      \
                     }                                                                                    \
@@ -140,7 +140,7 @@ typedef struct {
                 _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a0[l] = bc(0.f);                \
                 _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                   \
                     _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                             \
-                        a0[l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), ld(K + j * HD + 16 * c + l * DT_W), a0[l]); \
+                        a0[l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), LDK(K + j * HD + 16 * c + l * DT_W), a0[l]); \
                 s[r * ss + j] = hsum16(a0) * scaling;                                                    \
             }                                                                                            \
     }
@@ -148,11 +148,13 @@ typedef struct {
 #define ACC_REGS (DT_NREG / 2)
 #define KJ_FOR(R) (ACC_REGS / ((R) * DT_L16) >= 8 ? 8 : ACC_REGS / ((R) * DT_L16) >= 4 ? 4 : ACC_REGS / ((R) * DT_L16) >= 2 ? 2 : 1)
 
-#define ATTN_SEQ(C16)                                                                                    \
-    SCORES(C16, 1, KJ_FOR(1))                                                                            \
-    SCORES(C16, 2, KJ_FOR(2))                                                                            \
+/* One head size's attention over a cache of element type T read with LDK (ld: float32, ld_bf16:
+ * a bfloat16 cache widened in registers); SUF names the pair. */
+#define ATTN_SEQ(C16, T, LDK, SUF)                                                                       \
+    SCORES(C16, 1, KJ_FOR(1), T, LDK, SUF)                                                               \
+    SCORES(C16, 2, KJ_FOR(2), T, LDK, SUF)                                                               \
     /* acc (2, HD) += the values of idx[0..cnt) weighted by e, continuing chains of parity par */       \
-    static void values_##C16(const float *V, const float *e, const long *idx, long cnt, long par, float *acc) { \
+    static void values_##C16##SUF(const T *V, const float *e, const long *idx, long cnt, long par, float *acc) { \
         enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                  \
         for (long b = 0; b < NVEC; b += NB) {                                                            \
             vf x0[NB], x1[NB];                                                                           \
@@ -161,39 +163,40 @@ typedef struct {
             long c2 = 0;                                                                                 \
             if (par && cnt) { /* an odd ordinal first: it continues the odd chain */                    \
                 vf b1 = bc(e[idx[0]]);                                                                   \
-                const float *v1 = V + idx[0] * HD + b * DT_W;                                            \
-                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x1[c] = fmadd(b1, ld(v1 + c * DT_W), x1[c]); \
+                const T *v1 = V + idx[0] * HD + b * DT_W;                                            \
+                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x1[c] = fmadd(b1, LDK(v1 + c * DT_W), x1[c]); \
                 c2 = 1;                                                                                  \
             }                                                                                            \
             for (; c2 + 2 <= cnt; c2 += 2) {                                                             \
                 vf b0 = bc(e[idx[c2]]), b1 = bc(e[idx[c2 + 1]]);                                         \
-                const float *v0 = V + idx[c2] * HD + b * DT_W, *v1 = V + idx[c2 + 1] * HD + b * DT_W;    \
+                const T *v0 = V + idx[c2] * HD + b * DT_W, *v1 = V + idx[c2 + 1] * HD + b * DT_W;    \
                 _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) {                                  \
-                    x0[c] = fmadd(b0, ld(v0 + c * DT_W), x0[c]);                                         \
-                    x1[c] = fmadd(b1, ld(v1 + c * DT_W), x1[c]);                                         \
+                    x0[c] = fmadd(b0, LDK(v0 + c * DT_W), x0[c]);                                         \
+                    x1[c] = fmadd(b1, LDK(v1 + c * DT_W), x1[c]);                                         \
                 }                                                                                        \
             }                                                                                            \
             if (c2 < cnt) {                                                                              \
                 vf b0 = bc(e[idx[c2]]);                                                                  \
-                const float *v0 = V + idx[c2] * HD + b * DT_W;                                           \
-                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x0[c] = fmadd(b0, ld(v0 + c * DT_W), x0[c]); \
+                const T *v0 = V + idx[c2] * HD + b * DT_W;                                           \
+                _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x0[c] = fmadd(b0, LDK(v0 + c * DT_W), x0[c]); \
             }                                                                                            \
             _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { st(a0 + c * DT_W, x0[c]); st(a1 + c * DT_W, x1[c]); } \
         }                                                                                                \
     }                                                                                                    \
-    static void attn_seq_##C16(const float *q, long qstride, long nr, long L, long visible,             \
-                               const unsigned char *allowed, const float *K, const float *V, float scaling, \
+    static void attn_seq_##C16##SUF(const float *q, long qstride, long nr, long L, long visible,        \
+                               const unsigned char *allowed, const void *K_, const void *V_, float scaling, \
                                attn_scratch *w, float *out, long ostride) {                             \
         enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };   \
+        const T *K = (const T *)K_, *V = (const T *)V_;                                                  \
         long ss = L + 16, okstride = L - visible;                                                        \
         for (long j0 = 0; j0 < L; j0 += KB)                                                              \
             for (long r = 0; r < nr;) {                                                                  \
                 long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1;                           \
                 long pair = r + 1 < nr && (j0 + KB < w->last[r + 1] + 1 ? j0 + KB : w->last[r + 1] + 1) == j1; \
                 if (j1 > j0 && pair)                                                                     \
-                    scores2_##C16(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
+                    scores2_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
                 else if (j1 > j0)                                                                        \
-                    scores1_##C16(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
+                    scores1_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
                 r += 1 + pair;                                                                           \
             }                                                                                            \
         for (long r = 0; r < nr; r++) softmax_row(w->s + r * ss, w->last[r], visible,                   \
@@ -209,7 +212,7 @@ typedef struct {
                 else                                                                                     \
                     for (long j = j0; j < j1; j++)                                                       \
                         if (j < visible || ok[j - visible]) w->idx[cnt++] = j;                           \
-                values_##C16(V, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);             \
+                values_##C16##SUF(V, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);             \
                 w->par[r] ^= cnt & 1;                                                                    \
             }                                                                                            \
         for (long r = 0; r < nr; r++) {                                                                  \
@@ -250,30 +253,24 @@ static void softmax_row(float *s, long last, long visible, const unsigned char *
     *inv = 1.f / (s0 + s1);
 }
 
-ATTN_SEQ(1) ATTN_SEQ(2) ATTN_SEQ(3) ATTN_SEQ(4) ATTN_SEQ(5) ATTN_SEQ(6) ATTN_SEQ(7) ATTN_SEQ(8)
-ATTN_SEQ(10) ATTN_SEQ(12) ATTN_SEQ(16)
+#define ATTN_BOTH(C16) ATTN_SEQ(C16, float, ld, _f32) ATTN_SEQ(C16, unsigned short, ld_bf16, _bf16)
+ATTN_BOTH(1) ATTN_BOTH(2) ATTN_BOTH(3) ATTN_BOTH(4) ATTN_BOTH(5) ATTN_BOTH(6) ATTN_BOTH(7) ATTN_BOTH(8)
+ATTN_BOTH(10) ATTN_BOTH(12) ATTN_BOTH(16)
 
-typedef void (*attn_t)(const float *, long, long, long, long, const unsigned char *, const float *, const float *,
+typedef void (*attn_t)(const float *, long, long, long, long, const unsigned char *, const void *, const void *,
                        float, attn_scratch *, float *, long);
 
-static attn_t attn_for(long nv) {
+/* The attention of head_dim 16 * nv over a float32 (kvfmt 0) or bfloat16 (1) cache. */
+static attn_t attn_for(long nv, long kvfmt) {
+#define CASE(n) case n: return kvfmt ? attn_seq_##n##_bf16 : attn_seq_##n##_f32;
     switch (nv) {
-    case 1: return attn_seq_1;
-    case 2: return attn_seq_2;
-    case 3: return attn_seq_3;
-    case 4: return attn_seq_4;
-    case 5: return attn_seq_5;
-    case 6: return attn_seq_6;
-    case 7: return attn_seq_7;
-    case 8: return attn_seq_8;
-    case 10: return attn_seq_10;
-    case 12: return attn_seq_12;
-    case 16: return attn_seq_16;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(10) CASE(12) CASE(16)
     default: return 0;
     }
+#undef CASE
 }
 
-int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && attn_for(head_dim / 16) != 0; }
+int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && attn_for(head_dim / 16, 0) != 0; }
 
 /* One sequence's part of a packed forward: `rows` consecutive rows of the batch, after `past`
  * cached tokens.  Its rows see keys j < visible and, for j >= visible, those marked in allowed
@@ -283,8 +280,9 @@ int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && attn_for(hea
 typedef struct {
     long rows, past, visible, cap, keep;
     const unsigned char *allowed;
-    float *const *kc;
-    float *const *vc;
+    void *const *kc;
+    void *const *vc;
+    long kvfmt; /* cache element: 0 float32, 1 bfloat16 (rounded to nearest even as it is written) */
 } dt_seq;
 
 /* Where each packed row belongs: its sequence and its index among that sequence's rows; where
@@ -300,7 +298,6 @@ typedef struct {
 static void attend(const long *dims, float scaling, const rowmap *rm, long l, const float *qkv, float *out,
                    attn_scratch *w) {
     long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], ns = rm->nseq;
-    attn_t task = attn_for(hd / 16);
     /* head-major: a thread's consecutive tasks share one head's weights of attention work */
 #pragma omp for schedule(static)
     for (long t = 0; t < ns * H; t++) {
@@ -308,8 +305,26 @@ static void attend(const long *dims, float scaling, const rowmap *rm, long l, co
         const dt_seq *sq = rm->seq + q;
         long L = sq->past + sq->rows;
         for (long r = 0; r < sq->rows; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r;
-        task(qkv + r0 * 3 * d + h * 3 * hd, 3 * d, sq->rows, L, sq->visible, sq->allowed,
-             sq->kc[l] + h * sq->cap * hd, sq->vc[l] + h * sq->cap * hd, scaling, w, out + r0 * d + h * hd, d);
+        size_t at = (size_t)(h * sq->cap * hd) * (sq->kvfmt ? 2 : 4); /* bytes to head h's keys */
+        attn_for(hd / 16, sq->kvfmt)(qkv + r0 * 3 * d + h * 3 * hd, 3 * d, sq->rows, L, sq->visible, sq->allowed,
+                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, scaling, w,
+                                     out + r0 * d + h * hd, d);
+    }
+}
+
+/* Write n floats at element `at` of a cache buffer: as they are (float32) or rounded to the nearest
+ * bfloat16, ties to even -- torch's float -> bfloat16 conversion, so the torch path's caches hold
+ * the same values (no NaN ever reaches a cache of finite activations). */
+static void put_kv(void *buf, long kvfmt, long at, const float *x, long n) {
+    if (!kvfmt) {
+        memcpy((float *)buf + at, x, sizeof(float) * (size_t)n);
+        return;
+    }
+    unsigned short *o = (unsigned short *)buf + at;
+    for (long i = 0; i < n; i++) {
+        unsigned int b;
+        memcpy(&b, x + i, 4);
+        o[i] = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
     }
 }
 
@@ -333,8 +348,8 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
             float *q = qkv + i * 3 * d + hh * 3 * hd, *k = q + hd, *v = q + 2 * hd;
             rotate(q, rot, c, sn);
             rotate(k, rot, c, sn);
-            memcpy(sq->kc[l] + (hh * sq->cap + slot) * hd, k, sizeof(float) * hd);
-            memcpy(sq->vc[l] + (hh * sq->cap + slot) * hd, v, sizeof(float) * hd);
+            put_kv(sq->kc[l], sq->kvfmt, (hh * sq->cap + slot) * hd, k, hd);
+            put_kv(sq->vc[l], sq->kvfmt, (hh * sq->cap + slot) * hd, v, hd);
         }
     }
     attend(dims, scaling, rm, l, qkv, att, w);
@@ -514,16 +529,17 @@ void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, f
 }
 
 /* Move cache slots src[0..k) to start..start+k-1 in nl layers' key and value buffers, each
- * (rows, cap, hd) with rows = batch * heads.  src ascends with src[i] >= start + i (a BFS tree
- * path), so copying in order never overwrites a slot still to be read. */
-void dt_cache_keep(float *const *kc, float *const *vc, long nl, long rows, long cap, long hd, long start,
-                   const long *src, long k) {
+ * (rows, cap, hd) elements of `elem` bytes with rows = batch * heads.  src ascends with
+ * src[i] >= start + i (a BFS tree path), so copying in order never overwrites a slot still to be read. */
+void dt_cache_keep(char *const *kc, char *const *vc, long nl, long rows, long cap, long hd, long start,
+                   const long *src, long k, long elem) {
+    size_t row = (size_t)hd * (size_t)elem;
     for (long l = 0; l < nl; l++)
         for (long r = 0; r < rows; r++)
             for (long i = 0; i < k; i++) {
                 if (src[i] == start + i) continue;
-                size_t to = (size_t)(r * cap + start + i) * hd, from = (size_t)(r * cap + src[i]) * hd;
-                memmove(kc[l] + to, kc[l] + from, sizeof(float) * hd);
-                memmove(vc[l] + to, vc[l] + from, sizeof(float) * hd);
+                size_t to = (size_t)(r * cap + start + i) * row, from = (size_t)(r * cap + src[i]) * row;
+                memmove(kc[l] + to, kc[l] + from, row);
+                memmove(vc[l] + to, vc[l] + from, row);
             }
 }

@@ -1,0 +1,89 @@
+"""kv_dtype=bfloat16: keys and values stored rounded to bfloat16 (half the bytes a forward streams
+from the caches), read back widened.  Rounding happens once, as a token is cached, the same for
+every method, so every greedy method equals `ar` with the same kv_dtype."""
+import shutil
+
+import pytest
+import torch
+
+from dynatree import decode, make_config, native
+from dynatree.config import ARConfig, ar_reference, reference_label
+from dynatree.engine import decode_batch
+from dynatree.kvcache import new_cache
+
+from conftest import random_prompts
+from test_batched import METHODS, f32_pair
+
+BF16 = {"kv_dtype": "bfloat16"}
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+def test_reference_is_ar_with_the_same_cache_dtype():
+    ref = ar_reference(make_config("dynatree", BF16))
+    assert ref == ARConfig(kv_dtype="bfloat16") and reference_label(ref) == "ar_kvbfloat16"
+    windowed = ar_reference(make_config("linear", {**BF16, "kv_window": 100}))
+    assert reference_label(windowed) == "ar_window100_kvbfloat16"
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        make_config("ar", {"kv_dtype": "int8"})
+
+
+def test_cache_stores_bfloat16_and_reads_back_widened():
+    layer = new_cache(type("M", (), {"config": type("C", (), {"num_hidden_layers": 1})})(), 8, "bfloat16").layers[0]
+    k = torch.randn(1, 2, 3, 4)
+    got_k, got_v = layer.update(k, -k)
+    assert layer.keys.dtype == torch.bfloat16 and got_k.dtype == torch.float32
+    assert torch.equal(got_k, k.to(torch.bfloat16).float()) and torch.equal(got_v, (-k).to(torch.bfloat16).float())
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", native.variants_here())
+def test_native_kernel_rounds_like_torch(isa, monkeypatch):
+    """The kernel writes bfloat16 keys/values rounded to nearest even, as torch converts: layer 0's
+    cached keys of a bf16 cache equal the float32 cache's, converted by torch."""
+    monkeypatch.setenv("DYNATREE_ISA", isa)
+    pair = f32_pair()
+    target = pair.runner("target")
+    assert target.native
+    ids = torch.tensor([random_prompts(1, seed=60, lo=40, hi=40)[0]])
+    caches = {}
+    with torch.inference_mode():
+        for kv in ("model", "bfloat16"):
+            caches[kv] = new_cache(target, 64, kv)
+            target(input_ids=ids, past_key_values=caches[kv])
+    full, half = caches["model"].layers[0], caches["bfloat16"].layers[0]
+    assert half.keys.dtype == torch.bfloat16 and half.length == 40
+    assert torch.equal(full.keys[:, :, :40].to(torch.bfloat16), half.keys[:, :, :40])
+    assert torch.equal(full.values[:, :, :40].to(torch.bfloat16), half.values[:, :, :40])
+
+
+@needs_cc
+@pytest.mark.parametrize("isa,batch", [(v, 1) for v in native.variants_here()] + [("native", 3)])
+def test_native_greedy_with_bf16_cache_is_bf16_ar(isa, batch, monkeypatch):
+    """Native kernel, no tolerance: with a bfloat16 cache every method equals ar with a bfloat16
+    cache on every variant this CPU runs and at any batch size (the tokens differ from float32 ar's
+    only where the rounding flips a choice; the comparison is like with like)."""
+    monkeypatch.setenv("DYNATREE_ISA", isa)
+    pair = f32_pair()
+    prompts = random_prompts(3, seed=61, lo=5, hi=50)
+    refs = [decode(pair, p, make_config("ar", BF16), max_new_tokens=60, ignore_eos=True)[0] for p in prompts]
+    for method, opts in METHODS[1:5]:
+        for at in range(0, len(prompts), batch):
+            got = decode_batch(pair, prompts[at:at + batch], make_config(method, {**opts, **BF16}),
+                               max_new_tokens=60, ignore_eos=True)
+            assert [t for t, _, _ in got] == refs[at:at + batch], (method, opts, batch)
+
+
+def test_bf16_cache_on_the_torch_path_float64(close_pair):
+    """Torch path in float64: keys/values rounded to bfloat16 and widened back; every method equals
+    ar with the same cache dtype, windowed too; the cache buffers take a quarter of float64's bytes."""
+    prompts = random_prompts(2, seed=62, lo=5, hi=30)
+    for extra in ({}, {"kv_window": 40, "kv_evict": 8}):
+        refs = [decode(close_pair, p, make_config("ar", {**BF16, **extra}), max_new_tokens=80, ignore_eos=True)[0]
+                for p in prompts]
+        for method, opts in METHODS[1:]:
+            got = [decode(close_pair, p, make_config(method, {**opts, **BF16, **extra}), max_new_tokens=80,
+                          ignore_eos=True)[0] for p in prompts]
+            assert got == refs, (method, opts, extra)
+    m16 = decode(close_pair, prompts[0], make_config("ar", BF16), max_new_tokens=20)[2]
+    m64 = decode(close_pair, prompts[0], make_config("ar"), max_new_tokens=20)[2]
+    assert m16.kv_cache_mb == pytest.approx(m64.kv_cache_mb / 4)
