@@ -308,7 +308,7 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     time, prefill included.  Each row's tokens are checked against batch-1 ``ar``."""
     from .engine import decode_batch
 
-    refs: dict[ARConfig, list] = {}  # batch-1 ar's tokens per reference config (cache window)
+    refs: dict[ARConfig, list] = {}  # batch-1 ar's tokens per reference config (cache window, dtype)
 
     def ref_tokens(ms: MethodSpec) -> list:
         cfg = reference_config(ms)
