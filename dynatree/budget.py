@@ -289,18 +289,19 @@ def time_prefill(model, n: int, repeats: int) -> float:
 
 
 def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), widths=(1, 4, 16),
-            repeats: int = 5) -> LatencyModel:
+            repeats: int = 5, fresh: bool = False) -> LatencyModel:
     """Measure verification and draft-level latency on this device (cached on the pair, and on
-    disk per machine, models, kernel and thread count: see :func:`_disk_key`)."""
+    disk per machine, models, kernel and thread count: see :func:`_disk_path`); ``fresh``
+    measures again whatever is cached (`dynatree profile`) and keeps the new tables."""
     key = ("latency", prefix_len)
-    if key in pair.state:
+    if key in pair.state and not fresh:
         return pair.state[key]
     prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
     path = _disk_path(pair, (prefix_len, long_at, sizes, widths, repeats))
     try:
-        saved = json.loads(path.read_text()) if path else None
+        saved = json.loads(path.read_text()) if path and not fresh else None
         tables = {k: {int(n): v for n, v in saved[k].items()} if saved[k] else None
                   for k in ("verify_ms", "draft_ms", "long_ms")} if saved else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent or damaged: measure again

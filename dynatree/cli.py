@@ -266,7 +266,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
         _fail(str(e))
-    lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats)
+    lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats, fresh=True)
     click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, {prefix} cached tokens; ms per forward (median of {repeats})")
     runner = pair.runner("target")

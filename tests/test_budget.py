@@ -122,3 +122,24 @@ def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
         skips.append(g.skip_drafting())
         g.observe(2 if skips[-1] else 4, 1.0, skips[-1])
     assert sum(skips) == 2  # only the ar probes
+
+
+def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tmp_path, monkeypatch):
+    """The budget's profile is saved on disk and reused by the next pair of the same models; a
+    fresh profile (`dynatree profile`) measures again whatever was saved."""
+    from dynatree import budget, load_pair
+
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(budget, "_profile_model", lambda model, n, sizes, reps: calls.append(n) or
+                        {s: float(s) for s in sizes})
+
+    def pair():
+        return load_pair(str(pair_dirs / "target"), str(pair_dirs / "draft"), device="cpu", dtype="float32")
+
+    first = budget.profile(pair(), prefix_len=16)
+    measured = len(calls)
+    assert measured >= 2 and list((tmp_path / "profiles").glob("*.json"))
+    assert budget.profile(pair(), prefix_len=16).verify_ms == first.verify_ms and len(calls) == measured
+    budget.profile(pair(), prefix_len=16, fresh=True)
+    assert len(calls) == 2 * measured
