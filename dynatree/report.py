@@ -152,7 +152,7 @@ def _batch_table(rows: list[dict]) -> list[str]:
     if not brows:
         return []
     lines = ["## Batched decoding (tokens/s per actor: all tokens ÷ all wall time, prefill included; "
-             "× batched ar at the same B; rows identical to batch-1 ar)", "",
+             "× batched ar at the same B; rows identical to batch-1 ar with the same cache options)", "",
              "| dataset | B | method | tokens/s | × ar at B | L̄ | tree nodes | identical to ar |", "|---|---|---|---|---|---|---|---|"]
     for d in dict.fromkeys(r["dataset"] for r in brows):
         for b in sorted({json.loads(r["setting"])["B"] for r in brows if r["dataset"] == d}):
