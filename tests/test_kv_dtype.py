@@ -9,7 +9,7 @@ import torch
 from dynatree import decode, make_config, native
 from dynatree.config import ARConfig, ar_reference, reference_label
 from dynatree.engine import decode_batch
-from dynatree.kvcache import new_cache
+from dynatree.kvcache import BufferCache, new_cache
 
 from conftest import random_prompts
 from test_batched import METHODS, f32_pair
@@ -28,7 +28,7 @@ def test_reference_is_ar_with_the_same_cache_dtype():
 
 
 def test_cache_stores_bfloat16_and_reads_back_widened():
-    layer = new_cache(type("M", (), {"config": type("C", (), {"num_hidden_layers": 1})})(), 8, "bfloat16").layers[0]
+    layer = BufferCache(1, 8, torch.bfloat16).layers[0]
     k = torch.randn(1, 2, 3, 4)
     got_k, got_v = layer.update(k, -k)
     assert layer.keys.dtype == torch.bfloat16 and got_k.dtype == torch.float32
