@@ -22,13 +22,14 @@ from .driver import run_job
 from .spec import build_spec
 
 
-def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpus: float, base: dict) -> dict:
+def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpus: float, options: dict,
+         base: dict) -> dict:
     rows = pq.read_table(inp).slice(0, n)
     path = work / f"in-{n}.parquet"
     if not path.exists():
         pq.write_table(rows, path)
-    spec = build_spec(None, input=str(path), output=str(work / f"out-{method}-{batch}-{actors}x{cpus:g}-{n}"),
-                      method=method, batch_size=batch, num_actors=actors, cpus_per_actor=cpus,
+    spec = build_spec(None, input=str(path), output=str(work / f"out-{method}-{batch}-{actors}x{cpus:g}-{n}{''.join(f'-{k}{v}' for k, v in options.items())}"),
+                      method=method, batch_size=batch, num_actors=actors, cpus_per_actor=cpus, options=options,
                       overwrite=True, **base)
     s = run_job(spec, progress=False, log=lambda m: None)
     run = s["this_run"]
@@ -44,7 +45,7 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
 @click.option("--target", required=True)
 @click.option("--draft", required=True)
 @click.option("--configs", default="dynatree:1,dynatree:16,ar:16,dynatree:auto", show_default=True,
-              help="METHOD:BATCH[:ACTORSxCPUS], comma-separated")
+              help="METHOD:BATCH[:ACTORSxCPUS][+KEY=VALUE...], comma-separated (e.g. ar:16+kv_dtype=bfloat16)")
 @click.option("--sizes", default="16,64", show_default=True, help="small,large job sizes (prompts)")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--verify-fraction", default=0.0, show_default=True)
@@ -60,10 +61,12 @@ def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, sh
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="dt-jobs-") as tmp:
         for c in configs.split(","):
-            method, batch, *shape = c.split(":")
+            head, *opts = c.split("+")
+            method, batch, *shape = head.split(":")
             actors, cpus = (int(shape[0].split("x")[0]), float(shape[0].split("x")[1])) if shape else (1, 2.0)
-            a = _job(inp, small, Path(tmp), method, batch, actors, cpus, base)
-            b = _job(inp, large, Path(tmp), method, batch, actors, cpus, base)
+            options = dict(o.split("=", 1) for o in opts)
+            a = _job(inp, small, Path(tmp), method, batch, actors, cpus, options, base)
+            b = _job(inp, large, Path(tmp), method, batch, actors, cpus, options, base)
             rate = (b["tokens"] - a["tokens"]) / (b["wall_s"] - a["wall_s"])
             steady = (b["tokens"] - a["tokens"]) / (b["wall_s"] - b["startup_s"] - a["wall_s"] + a["startup_s"])
             results.append({"config": c, "small": a, "large": b, "marginal_tokens_per_s": rate,
