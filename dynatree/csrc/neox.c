@@ -101,6 +101,9 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
 #endif
 #define KEY_BLOCK_BYTES 16384 /* a block of keys (and one of values) that stays in L1 */
 
+/* The end of the key block starting at j0 for a row that may see keys up to `last`. */
+static inline long block_end(long j0, long kb, long last) { return j0 + kb < last + 1 ? j0 + kb : last + 1; }
+
 /* Scratch of one thread's attention tasks, sized for the longest sequence and most rows. */
 typedef struct {
     float *s;   /* (rows, L + 16) scores, then softmax numerators */
@@ -112,7 +115,7 @@ typedef struct {
 /* Scores of R rows (q + r * qs) against keys j0..j1-1 into s + r * ss, KJ keys at a time: R * KJ
  * independent chains hide the FMA latency, and each key chunk loaded serves R rows.  Per (row,
  * key) the chain is always the same (lanes over 16-dim chunks in order, then hsum16). */
-#define SCORES(C16, R, KJ, T, LDK, SUF)                                                                   \
+#define SCORES(C16, R, KJ, T, LDK, SUF)                                                                  \
     static void scores##R##_##C16##SUF(const float *q, long qs, const T *K, long j0, long j1, float scaling, \
                                        float *s, long ss) {                                              \
         enum { HD = 16 * C16 };                                                                          \
@@ -153,66 +156,66 @@ typedef struct {
 #define ATTN_SEQ(C16, T, LDK, SUF)                                                                       \
     SCORES(C16, 1, KJ_FOR(1), T, LDK, SUF)                                                               \
     SCORES(C16, 2, KJ_FOR(2), T, LDK, SUF)                                                               \
-    /* acc (2, HD) += the values of idx[0..cnt) weighted by e, continuing chains of parity par */       \
+    /* acc (2, HD) += the values of idx[0..cnt) weighted by e, continuing chains of parity par */        \
     static void values_##C16##SUF(const T *V, const float *e, const long *idx, long cnt, long par, float *acc) { \
-        enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                  \
+        enum { HD = 16 * C16, NVEC = HD / DT_W, NB = PV_BLOCK(NVEC) };                                   \
         for (long b = 0; b < NVEC; b += NB) {                                                            \
             vf x0[NB], x1[NB];                                                                           \
             float *a0 = acc + b * DT_W, *a1 = acc + HD + b * DT_W;                                       \
             _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { x0[c] = ld(a0 + c * DT_W); x1[c] = ld(a1 + c * DT_W); } \
             long c2 = 0;                                                                                 \
-            if (par && cnt) { /* an odd ordinal first: it continues the odd chain */                    \
+            if (par && cnt) { /* an odd ordinal first: it continues the odd chain */                     \
                 vf b1 = bc(e[idx[0]]);                                                                   \
-                const T *v1 = V + idx[0] * HD + b * DT_W;                                            \
+                const T *v1 = V + idx[0] * HD + b * DT_W;                                                \
                 _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x1[c] = fmadd(b1, LDK(v1 + c * DT_W), x1[c]); \
                 c2 = 1;                                                                                  \
             }                                                                                            \
             for (; c2 + 2 <= cnt; c2 += 2) {                                                             \
                 vf b0 = bc(e[idx[c2]]), b1 = bc(e[idx[c2 + 1]]);                                         \
-                const T *v0 = V + idx[c2] * HD + b * DT_W, *v1 = V + idx[c2 + 1] * HD + b * DT_W;    \
+                const T *v0 = V + idx[c2] * HD + b * DT_W, *v1 = V + idx[c2 + 1] * HD + b * DT_W;        \
                 _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) {                                  \
-                    x0[c] = fmadd(b0, LDK(v0 + c * DT_W), x0[c]);                                         \
-                    x1[c] = fmadd(b1, LDK(v1 + c * DT_W), x1[c]);                                         \
+                    x0[c] = fmadd(b0, LDK(v0 + c * DT_W), x0[c]);                                        \
+                    x1[c] = fmadd(b1, LDK(v1 + c * DT_W), x1[c]);                                        \
                 }                                                                                        \
             }                                                                                            \
             if (c2 < cnt) {                                                                              \
                 vf b0 = bc(e[idx[c2]]);                                                                  \
-                const T *v0 = V + idx[c2] * HD + b * DT_W;                                           \
+                const T *v0 = V + idx[c2] * HD + b * DT_W;                                               \
                 _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) x0[c] = fmadd(b0, LDK(v0 + c * DT_W), x0[c]); \
             }                                                                                            \
             _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { st(a0 + c * DT_W, x0[c]); st(a1 + c * DT_W, x1[c]); } \
         }                                                                                                \
     }                                                                                                    \
-    static void attn_seq_##C16##SUF(const float *q, long qstride, long nr, long L, long visible,        \
+    static void attn_seq_##C16##SUF(const float *q, long qstride, long nr, long L, long visible,         \
                                const unsigned char *allowed, const void *K_, const void *V_, float scaling, \
-                               attn_scratch *w, float *out, long ostride) {                             \
-        enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };   \
+                               attn_scratch *w, float *out, long ostride) {                              \
+        enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };    \
         const T *K = (const T *)K_, *V = (const T *)V_;                                                  \
         long ss = L + 16, okstride = L - visible;                                                        \
         for (long j0 = 0; j0 < L; j0 += KB)                                                              \
             for (long r = 0; r < nr;) {                                                                  \
-                long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1;                           \
-                long pair = r + 1 < nr && (j0 + KB < w->last[r + 1] + 1 ? j0 + KB : w->last[r + 1] + 1) == j1; \
+                long j1 = block_end(j0, KB, w->last[r]);                                                 \
+                long pair = r + 1 < nr && block_end(j0, KB, w->last[r + 1]) == j1; /* same keys */       \
                 if (j1 > j0 && pair)                                                                     \
-                    scores2_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
+                    scores2_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss); \
                 else if (j1 > j0)                                                                        \
-                    scores1_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss);      \
+                    scores1_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss); \
                 r += 1 + pair;                                                                           \
             }                                                                                            \
-        for (long r = 0; r < nr; r++) softmax_row(w->s + r * ss, w->last[r], visible,                   \
+        for (long r = 0; r < nr; r++) softmax_row(w->s + r * ss, w->last[r], visible,                    \
                                                   allowed ? allowed + r * okstride : NULL, w->inv + r);  \
         memset(w->acc, 0, sizeof(float) * (size_t)(nr * 2 * HD));                                        \
         memset(w->par, 0, sizeof(long) * (size_t)nr);                                                    \
         for (long j0 = 0; j0 < L; j0 += KB)                                                              \
             for (long r = 0; r < nr; r++) {                                                              \
                 const unsigned char *ok = allowed ? allowed + r * okstride : NULL;                       \
-                long j1 = j0 + KB < w->last[r] + 1 ? j0 + KB : w->last[r] + 1, cnt = 0;                  \
-                if (!ok || j1 <= visible) /* every key of the block allowed */                          \
+                long j1 = block_end(j0, KB, w->last[r]), cnt = 0;                                        \
+                if (!ok || j1 <= visible) /* every key of the block allowed */                           \
                     for (long j = j0; j < j1; j++) w->idx[cnt++] = j;                                    \
                 else                                                                                     \
                     for (long j = j0; j < j1; j++)                                                       \
                         if (j < visible || ok[j - visible]) w->idx[cnt++] = j;                           \
-                values_##C16##SUF(V, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);             \
+                values_##C16##SUF(V, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);        \
                 w->par[r] ^= cnt & 1;                                                                    \
             }                                                                                            \
         for (long r = 0; r < nr; r++) {                                                                  \
