@@ -87,3 +87,17 @@ def test_bf16_cache_on_the_torch_path_float64(close_pair):
     m16 = decode(close_pair, prompts[0], make_config("ar", BF16), max_new_tokens=20)[2]
     m64 = decode(close_pair, prompts[0], make_config("ar"), max_new_tokens=20)[2]
     assert m16.kv_cache_mb == pytest.approx(m64.kv_cache_mb / 4)
+
+
+def test_bf16_cache_on_the_transformers_kernel(target):
+    """transformers' own forward (`--kernel hf`) reads the widened cache through the same
+    BufferLayer.update, so it takes the option too."""
+    from conftest import EOS, noisy_copy
+    from dynatree.models import pair_from_models
+
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS, kernel="hf")
+    p = random_prompts(1, seed=63, lo=10, hi=10)[0]
+    ref, _, m_ref = decode(pair, p, make_config("ar", BF16), max_new_tokens=60, ignore_eos=True)
+    got = decode(pair, p, make_config("dynatree", {**BF16, "hw_budget": "off"}), max_new_tokens=60, ignore_eos=True)
+    assert got[0] == ref
+    assert m_ref.kv_cache_mb == pytest.approx(decode(pair, p, make_config("ar"), max_new_tokens=60)[2].kv_cache_mb / 4)
