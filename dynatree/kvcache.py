@@ -37,15 +37,17 @@ class BufferLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros((b, h, self.capacity, d), dtype=self.store or key_states.dtype)
-        self.values = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]), dtype=self.keys.dtype)
+        # uninitialised: no slot is read before it is written (forwards read slots < length), and
+        # zero-filling a batch's caches cost ~10% of its prefill -- most tree slots are never touched
+        self.keys = key_states.new_empty((b, h, self.capacity, d), dtype=self.store or key_states.dtype)
+        self.values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]), dtype=self.keys.dtype)
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
         new_cap = max(needed, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[:2] + (new_cap,) + old.shape[3:])
+            new = old.new_empty(old.shape[:2] + (new_cap,) + old.shape[3:])
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = new_cap

@@ -101,3 +101,35 @@ def test_bf16_cache_on_the_transformers_kernel(target):
     got = decode(pair, p, make_config("dynatree", {**BF16, "hw_budget": "off"}), max_new_tokens=60, ignore_eos=True)
     assert got[0] == ref
     assert m_ref.kv_cache_mb == pytest.approx(decode(pair, p, make_config("ar"), max_new_tokens=60)[2].kv_cache_mb / 4)
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_no_cache_slot_is_read_before_it_is_written(kernel, close_pair, monkeypatch):
+    """Cache buffers are allocated uninitialised; poisoning every fresh buffer with NaN changes no
+    token of any method (a read of an unwritten slot would reach the logits)."""
+    from dynatree.kvcache import BufferLayer
+
+    pair = f32_pair() if kernel == "native" else close_pair
+    prompts = random_prompts(2, seed=64, lo=5, hi=40)
+    cfgs = [make_config(m, o) for m, o in METHODS] + [make_config("dynatree", {**BF16, "kv_window": 40, "kv_evict": 8})]
+    clean = [[t for t, _, _ in decode_batch(pair, prompts, c, max_new_tokens=50, ignore_eos=True)] for c in cfgs]
+    init, grow = BufferLayer.lazy_initialization, BufferLayer._grow
+
+    poisoned_layers = []
+
+    def poisoned_init(self, k, v):
+        init(self, k, v)
+        poisoned_layers.append(self)
+        self.keys.fill_(float("nan"))
+        self.values.fill_(float("nan"))
+
+    def poisoned_grow(self, needed):
+        grow(self, needed)
+        self.keys[:, :, self.length:] = float("nan")
+        self.values[:, :, self.length:] = float("nan")
+
+    monkeypatch.setattr(BufferLayer, "lazy_initialization", poisoned_init)
+    monkeypatch.setattr(BufferLayer, "_grow", poisoned_grow)
+    poisoned = [[t for t, _, _ in decode_batch(pair, prompts, c, max_new_tokens=50, ignore_eos=True)] for c in cfgs]
+    assert poisoned_layers and any(l.keys.float().isnan().any() for l in poisoned_layers)  # unused slots stay poisoned
+    assert poisoned == clean
