@@ -90,6 +90,20 @@ def source_hash() -> str:
     return hashlib.sha256("\0".join(src.read_text() for src in SOURCES + HEADERS).encode()).hexdigest()[:16]
 
 
+def _compile(cc: str, flags: list[str], out: str) -> str | None:
+    """Compile the sources side by side (one compiler per source: the first job on a machine
+    waits for the build) and link them into ``out``; the compiler's errors, or None."""
+    with tempfile.TemporaryDirectory() as work:
+        objs = [str(Path(work) / f"{src.stem}.o") for src in SOURCES]
+        procs = [subprocess.Popen([cc, *flags, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True)
+                 for src, obj in zip(SOURCES, objs)]
+        errors = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs):
+            return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
+        link = subprocess.run([cc, *flags, *objs, "-o", out, "-lm"], capture_output=True, text=True)
+        return (link.stderr.strip() or f"link: exit status {link.returncode}") if link.returncode else None
+
+
 def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("DYNATREE_GEMM", "1") == "0":
         return None, "disabled by DYNATREE_GEMM=0"
@@ -115,10 +129,10 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
         # build beside the target and rename: several Ray actors may build at once
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
+        error = _compile(cc, flags, tmp)
+        if error:
             os.unlink(tmp)
-            return None, f"{cc} failed: {proc.stderr.strip()[:500]}"
+            return None, f"{cc} failed: {error[:500]}"
         os.replace(tmp, lib_path)
     lib = ctypes.CDLL(str(lib_path))
     P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int

@@ -125,7 +125,7 @@ typedef struct {
             _Pragma("GCC unroll 2") for (int r = 0; r < R; r++)                                          \
                 _Pragma("GCC unroll 8") for (int k = 0; k < KJ; k++)                                     \
                     _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a[r][k][l] = bc(0.f);       \
-            _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                       \
+            _Pragma("GCC unroll 4") for (int c = 0; c < C16; c++)                                       \
                 _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                                 \
                     _Pragma("GCC unroll 8") for (int k = 0; k < KJ; k++) {                               \
                         vf kc = LDK(K + (j + k) * HD + 16 * c + l * DT_W);                               \
@@ -141,7 +141,7 @@ typedef struct {
             _Pragma("GCC unroll 2") for (int r = 0; r < R; r++) {                                        \
                 vf a0[DT_L16];                                                                           \
                 _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++) a0[l] = bc(0.f);                \
-                _Pragma("GCC unroll 16") for (int c = 0; c < C16; c++)                                   \
+                _Pragma("GCC unroll 4") for (int c = 0; c < C16; c++)                                   \
                     _Pragma("GCC unroll 4") for (int l = 0; l < DT_L16; l++)                             \
                         a0[l] = fmadd(ld(q + r * qs + 16 * c + l * DT_W), LDK(K + j * HD + 16 * c + l * DT_W), a0[l]); \
                 s[r * ss + j] = hsum16(a0) * scaling;                                                    \
