@@ -40,8 +40,13 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("gemm.c", "neox.c")]
-HEADERS = [Path(__file__).with_name("csrc") / "vec.h"]
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / name for name in ("gemm.c", "attn.c", "neox.c")]
+HEADERS = [_CSRC / "vec.h", _CSRC / "attn.h"]
+# the objects of a build, compiled side by side: (source, extra flags); attn.c twice, for float32
+# and bfloat16 caches
+OBJECTS = [(_CSRC / "gemm.c", []), (_CSRC / "attn.c", []), (_CSRC / "attn.c", ["-DDT_KV_BF16"]),
+           (_CSRC / "neox.c", [])]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 VARIANTS = {  # DYNATREE_ISA -> the flags that select it (csrc/vec.h picks the blocking from them)
@@ -91,12 +96,12 @@ def source_hash() -> str:
 
 
 def _compile(cc: str, flags: list[str], out: str) -> str | None:
-    """Compile the sources side by side (one compiler per source: the first job on a machine
-    waits for the build) and link them into ``out``; the compiler's errors, or None."""
+    """Compile the objects side by side (one compiler each: the first job on a machine waits for
+    the build) and link them into ``out``; the compiler's errors, or None."""
     with tempfile.TemporaryDirectory() as work:
-        objs = [str(Path(work) / f"{src.stem}.o") for src in SOURCES]
-        procs = [subprocess.Popen([cc, *flags, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True)
-                 for src, obj in zip(SOURCES, objs)]
+        objs = [str(Path(work) / f"{i}-{src.stem}.o") for i, (src, _) in enumerate(OBJECTS)]
+        procs = [subprocess.Popen([cc, *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True)
+                 for (src, extra), obj in zip(OBJECTS, objs)]
         errors = [p.communicate()[1] for p in procs]
         if any(p.returncode for p in procs):
             return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"

@@ -12,6 +12,7 @@
  */
 #ifndef DT_VEC_H
 #define DT_VEC_H
+#include <math.h>
 #include <string.h>
 
 #if defined(DT_GENERIC)
@@ -130,4 +131,33 @@ static inline void hsum16_n(const vf *a, int n, float scale, float *out) {
 }
 
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+/* exp(x) lane-wise, Cephes' expf polynomial (~1 ulp); x below -87 gives ~0. */
+static inline vf vexp(vf x) {
+    x = vsel(x < bc(-87.f), bc(-87.f), x);
+    x = vsel(x > bc(88.f), bc(88.f), x);
+    vf fx = x * bc(1.44269504088896341f) + bc(0.5f);
+    vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+    t = vsel(t > fx, t - bc(1.f), t);  /* floor */
+    x = x - t * bc(0.693359375f) - t * bc(-2.12194440e-4f);
+    vf y = bc(1.9875691500e-4f);
+    y = y * x + bc(1.3981999507e-3f);
+    y = y * x + bc(8.3334519073e-3f);
+    y = y * x + bc(4.1665795894e-2f);
+    y = y * x + bc(1.6666665459e-1f);
+    y = y * x + bc(5.0000001201e-1f);
+    y = y * x * x + x + bc(1.f);
+    vi e = (__builtin_convertvector(t, vi) + 127) << 23;
+    return y * (vf)e;
+}
+
+static inline float vmax_row(const float *x, long V) {
+    vf mv = bc(-INFINITY);
+    long j = 0;
+    for (; j + DT_W <= V; j += DT_W) { vf v = ld(x + j); mv = vsel(v > mv, v, mv); }
+    float t[DT_W], m = -INFINITY;
+    memcpy(t, &mv, sizeof t);
+    for (int i = 0; i < DT_W; i++) if (t[i] > m) m = t[i];
+    for (; j < V; j++) if (x[j] > m) m = x[j];
+    return m;
+}
 #endif
