@@ -33,7 +33,6 @@
 /* The end of the key block starting at j0 for a row that may see keys up to `last`. */
 static inline long block_end(long j0, long kb, long last) { return j0 + kb < last + 1 ? j0 + kb : last + 1; }
 
-
 /* Scores of R rows (q + r * qs) against keys j0..j1-1 into s + r * ss, KJ keys at a time: R * KJ
  * independent chains hide the FMA latency, and each key chunk loaded serves R rows.  Per (row,
  * key) the chain is always the same (lanes over 16-dim chunks in order, then hsum16). */

@@ -16,7 +16,8 @@ typedef struct {
 
 /* out[r] = softmax(q_r . K[keys]) V[keys] for a sequence's nr rows and one head (see attn.c):
  * q (row stride qstride), L keys of which each row sees those < visible and the ones marked in
- * allowed (rows, L - visible) -- NULL: causal -- K, V (L, head_dim) in the cache's element type. */
+ * allowed (rows, L - visible) -- NULL: causal -- up to w->last[r], which the caller sets; K, V
+ * (L, head_dim) in the cache's element type. */
 typedef void (*attn_t)(const float *q, long qstride, long nr, long L, long visible, const unsigned char *allowed,
                        const void *K, const void *V, float scaling, attn_scratch *w, float *out, long ostride);
 
