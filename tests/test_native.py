@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from dynatree import native, pair_from_models
+from dynatree import kbuild, native, pair_from_models
 from dynatree.config import make_config
 from dynatree.engine import decode
 from dynatree.kvcache import new_cache
@@ -71,8 +71,8 @@ def test_variants_that_cannot_run_here_say_so(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
     lib, why = native._build("avx9")
     assert lib is None and "unknown DYNATREE_ISA='avx9'" in why
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags: fpu sse sse2")  # an x86 CPU without AVX2
-    if native._X86:
+    monkeypatch.setattr(kbuild, "_cpu_flags", lambda: "flags: fpu sse sse2")  # an x86 CPU without AVX2
+    if kbuild._X86:
         lib, why = native._build("avx2")
         assert lib is None and "cannot run on this CPU" in why
 
@@ -409,3 +409,25 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa):
     assert f"native kernel: {isa} variant" in out and "FMA peak of this variant, measured:" in out
     assert "% of the FMA peak" in out and "target prefill of 20 tokens" in out
     assert "target, native ÷ lean-mkl time: 1 token " in out and "20-token prefill" in out
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_concurrent_builders_wait_for_one_build(isa, monkeypatch, tmp_path):
+    """Two builders of the same object (two actors starting on one machine) compile it once: the
+    second waits on the first's lock, then loads its result."""
+    import threading
+
+    log = tmp_path / "compiles"
+    wrapper = tmp_path / "cc-counting"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo x >> {log};; esac\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(kbuild.build(isa))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r[1] for r in results] == ["", ""] and results[0][0] == results[1][0] and results[0][0].exists()
+    assert len(log.read_text().split()) == len(kbuild.OBJECTS)

@@ -1,0 +1,109 @@
+"""Building csrc/ into the shared object native.py loads (no torch needed here).
+
+The object is cached under ``$DYNATREE_CACHE`` (default ``~/.cache/dynatree``), keyed by the
+sources, the compiler, the variant's flags and the CPU's feature flags; a lock file makes
+concurrent builders of the same object (several actors on one machine) wait for one build instead
+of each compiling it on the same cores.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / name for name in ("gemm.c", "attn.c", "neox.c")]
+HEADERS = [_CSRC / "vec.h", _CSRC / "attn.h"]
+# the objects of a build, compiled side by side: (source, extra flags); attn.c twice, for float32
+# and bfloat16 caches
+OBJECTS = [(_CSRC / "gemm.c", []), (_CSRC / "attn.c", []), (_CSRC / "attn.c", ["-DDT_KV_BF16"]),
+           (_CSRC / "neox.c", [])]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+VARIANTS = {  # DYNATREE_ISA -> the flags that select it (csrc/vec.h picks the blocking from them)
+    "native": ["-march=native"] + (["-mprefer-vector-width=512"] if _X86 else []),
+    "avx2": ["-march=x86-64-v3"],
+    "generic": ["-march=native", "-DDT_GENERIC"],
+}
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def variant() -> str:
+    """The kernel variant this process asks for: ``$DYNATREE_ISA`` (default ``native``)."""
+    return os.environ.get("DYNATREE_ISA", "native")
+
+
+def variants_here() -> list[str]:
+    """The variants this CPU can run (``avx2`` needs an x86 CPU with AVX2 and FMA)."""
+    flags = _cpu_flags().split()
+    return ["native"] + (["avx2"] if _X86 and {"avx2", "fma"} <= set(flags) else []) + ["generic"]
+
+
+def source_hash() -> str:
+    """A digest of the kernel's C sources: part of every cache key that depends on what they compute."""
+    return hashlib.sha256("\0".join(src.read_text() for src in SOURCES + HEADERS).encode()).hexdigest()[:16]
+
+
+def _compile(cc: str, flags: list[str], out: str) -> str | None:
+    """Compile the objects side by side (one compiler each: the first job on a machine waits for
+    the build) and link them into ``out``; the compiler's errors, or None."""
+    with tempfile.TemporaryDirectory() as work:
+        objs = [str(Path(work) / f"{i}-{src.stem}.o") for i, (src, _) in enumerate(OBJECTS)]
+        procs = [subprocess.Popen([cc, *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True)
+                 for (src, extra), obj in zip(OBJECTS, objs)]
+        errors = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs):
+            return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
+        link = subprocess.run([cc, *flags, *objs, "-o", out, "-lm"], capture_output=True, text=True)
+        return (link.stderr.strip() or f"link: exit status {link.returncode}") if link.returncode else None
+
+
+def build(isa: str | None = None) -> tuple[Path | None, str]:
+    """The built object of variant ``isa`` (default: variant()): (path, "") or (None, why not)."""
+    if os.environ.get("DYNATREE_GEMM", "1") == "0":
+        return None, "disabled by DYNATREE_GEMM=0"
+    isa = isa or variant()
+    if isa not in VARIANTS:
+        return None, f"unknown DYNATREE_ISA={isa!r} (one of {', '.join(VARIANTS)})"
+    if isa not in variants_here():
+        return None, f"DYNATREE_ISA={isa} cannot run on this CPU ({platform.machine()})"
+    flags = FLAGS + VARIANTS[isa]
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None, f"no C compiler ({cc!r} not on PATH)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    parts = [source_hash(), version, " ".join(flags), platform.machine(), _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
+    lib_path = cache / f"libdtgemm-{key}.so"
+    if lib_path.exists():
+        return lib_path, ""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"libdtgemm-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this object: wait for its result
+        if not lib_path.exists():
+            # build beside the target and rename: a reader never sees a half-written object
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            error = _compile(cc, flags, tmp)
+            if error:
+                os.unlink(tmp)
+                return None, f"{cc} failed: {error[:500]}"
+            os.replace(tmp, lib_path)
+    return lib_path, ""
+
