@@ -181,8 +181,10 @@ class LeanNeoX:
         return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
 
     def _takes(self, n: int, mask, cache) -> bool:
-        """Whether the native kernel runs this forward (masked, or causal up to NATIVE_ROWS rows)."""
-        return self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
+        """Whether the native kernel runs this forward (masked, or causal up to NATIVE_ROWS rows,
+        into a cache whose element type it reads)."""
+        return (self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
+                and (getattr(cache.layers[0], "store", None) or torch.float32) in native.KV_FORMATS)
 
     def _torch(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols):
         """The forward as torch ops (MKL/oneDNN on a CPU; any dtype and device)."""
