@@ -258,7 +258,6 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
     made += _sweep_plots(rows, out, plt)
 
-
     brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
     if brows:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))

@@ -28,9 +28,9 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
     path = work / f"in-{n}.parquet"
     if not path.exists():
         pq.write_table(rows, path)
-    spec = build_spec(None, input=str(path), output=str(work / f"out-{method}-{batch}-{actors}x{cpus:g}-{n}{''.join(f'-{k}{v}' for k, v in options.items())}"),
-                      method=method, batch_size=batch, num_actors=actors, cpus_per_actor=cpus, options=options,
-                      overwrite=True, **base)
+    tag = f"{method}-{batch}-{actors}x{cpus:g}-{n}" + "".join(f"-{k}{v}" for k, v in options.items())
+    spec = build_spec(None, input=str(path), output=str(work / f"out-{tag}"), method=method, batch_size=batch,
+                      num_actors=actors, cpus_per_actor=cpus, options=options, overwrite=True, **base)
     s = run_job(spec, progress=False, log=lambda m: None)
     run = s["this_run"]
     st = s["startup"]
