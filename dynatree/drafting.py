@@ -81,6 +81,19 @@ class Drafter:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
         self.pending.extend(tokens)
 
+    def prefill(self):
+        """Feed the queued tokens before the root (a joining row's prompt) in a draft forward of
+        their own, so the row's first tree costs its levels alone, as every later one does (the
+        batched budget compares iterations' costs).  A generator (see the class)."""
+        root, self.pending = self.pending[-1:], self.pending[:-1]
+        if self.window is not None:
+            self._make_room()
+        if self.pending:
+            yield DraftCall(Seq(long_tensor(self.pending, self.device), self.cache, keep=1), 1)
+            self.forwards += 1
+            self.fed_tokens += len(self.pending)
+        self.pending = root
+
     def _proposals(self, out, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
         """A draft forward's Output for ``nodes`` -> per row k proposals: probabilities and token
         ids (host lists).  Greedy proposals are the forward's own top-k head (fused into the

@@ -280,11 +280,12 @@ class BatchDecoder:
             r.stop_after(r.next_token(o))
             self.tokens += 1
             r.ttft = time.perf_counter() - r.t_start
-            if r.policy.needs_draft:
+            if r.policy.needs_draft and r.reason is None:
                 r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler,
                                     self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype)
-                r.drafter.extend(r.prompt)
+                r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
+        drive([(r.drafter, r.drafter.prefill()) for r in rows if r.drafter is not None])
 
     def _iterate(self, rows: list[_Row]) -> None:
         t_iter = time.perf_counter()

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from dynatree import decode, make_config
+from dynatree.engine import decode_batch
 from dynatree.models import pair_from_models
 
 from conftest import EOS, random_prompts, tiny_neox
@@ -101,6 +102,20 @@ def test_draft_is_never_reprefilled(close_pair):
     # per iteration: pending (<= k+1 tokens) + k-1 chain expansions
     assert seen[-1] <= len(prompt) + m.iterations * (4 + 1 + 3)
     assert seen[-1] < len(prompt) * m.iterations or len(prompt) < 8
+
+
+def test_a_perfect_draft_has_every_token_accepted_from_the_first_tree(same_pair):
+    """The draft's cache holds every committed token, the first generated one included: with the
+    target itself as the draft, every drafted token is accepted, at B = 1 and batched.  (Until
+    2026-11-24 the drafter was fed the prompt without the first token, so the first tree proposed
+    for the wrong position and the draft's context lacked that token for the whole generation.)"""
+    prompts = PROMPTS[:3]
+    for k in (1, 4):  # a chain, so every drafted token is on the path when the draft is right
+        for batch in (prompts[:1], prompts):
+            for toks, _, m in decode_batch(same_pair, batch, make_config("linear", {"k": k}), max_new_tokens=24,
+                                           ignore_eos=True):
+                assert m.acceptance_rate == 1.0, (k, len(batch), m.acceptance_rate)
+                assert m.tokens_per_iteration > 1.9, k
 
 
 def eos_pair(base_pair, eos):
