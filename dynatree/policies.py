@@ -82,14 +82,15 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
 
 def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes: int, kmax: int,
                   n_children, gate, tau: float, lat: budget.LatencyModel,
-                  calib: budget.Calibration, hint=()) -> Tree:
+                  calib: budget.Calibration, hint=(), held: list | None = None) -> Tree:
     """:func:`grow_levels` under the hardware-aware budget (rules in budget.py).
 
     DynaTree's rules run on *calibrated* probabilities: confidence is the calibrated chance the
     top-1 child is accepted, and the depth gates gate(depth, value) and pruning (value < tau)
     use the calibrated path value, so thresholds carry over between pairs whose drafts are
     calibrated differently.  Sets ``tree.keep`` to the nodes worth verifying; drafting stops
-    when another level cannot pay for its draft time.
+    when another level cannot pay for its draft time.  Each drafted node is held in the
+    calibration (Calibration.hold) until the caller releases ``held``, after verification.
     """
     t0 = drafter.seconds
     tree = Tree.root_only(root_token)
@@ -114,12 +115,14 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
             for r in range(min(n_children(u, calib(p[0])), len(p))):
                 value = vals[u] * calib(p[r], r)
                 if value >= tau:
-                    cands.append((value, tree.logp[u] + _log(p[r]), u, t[r]))
+                    cands.append((value, tree.logp[u] + _log(p[r]), u, t[r], p[r], r))
         cands = _best(cands, max_nodes - (len(tree) - 1))
         new = []
-        for v, lp, u, tok in cands:
+        for v, lp, u, tok, q, r in cands:
             new.append(tree.add(u, tok, lp))
             vals.append(v)
+            if held is not None:
+                held.append(calib.hold(q, r))
         ranked = sorted(range(1, len(tree)), key=lambda i: (-vals[i], tree.depths[i], i))
         # the lookup nodes to come compete for the same verification time, so they set the rate too
         priced = sorted([vals[i] for i in ranked] + list(hint), reverse=True) if hint else [vals[i] for i in ranked]
@@ -191,6 +194,7 @@ class DynaTree(NoDraft):
         self.window: deque[float] = deque(maxlen=cfg.window)
         self.adjustments = 0
         self.calib = self.latency = None
+        self.held: list[tuple[int, int]] = []  # calibration cells of the last tree's nodes (Calibration.hold)
 
     def attach(self, pair) -> None:
         """Hardware budget: profile the device once per pair and share the calibration."""
@@ -226,14 +230,21 @@ class DynaTree(NoDraft):
         c = self.cfg
         depth_cap = c.d_max if c.dynamic_depth else self.d0
         if self.latency is not None:
+            self._release()
             return grow_budgeted(drafter, root_token, max_depth=min(depth_cap, max_depth),
                                  max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                                  n_children=self._branching, gate=self._gate, tau=c.tau,
-                                 lat=self.latency.view(*self.batch), calib=self.calib, hint=hint)
+                                 lat=self.latency.view(*self.batch), calib=self.calib, hint=hint,
+                                 held=self.held)
         return grow_levels(drafter, root_token, max_depth=min(depth_cap, max_depth),
                            max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                            n_children=self._branching, expandable=self._expandable,
                            min_logp=_log(c.tau))
+
+    def _release(self) -> None:
+        if self.held:
+            self.calib.release(self.held)
+            self.held = []
 
     def observe(self, accepted: int, tree: Tree, path: list[int]) -> None:
         """History adaptation (and, with the hardware budget, calibration).
@@ -248,6 +259,8 @@ class DynaTree(NoDraft):
         """
         c = self.cfg
         grafted = tree.grafted  # lookup nodes: the draft proposed none of them, so they teach nothing here
+        if self.calib is not None:
+            self._release()
         if self.calib is not None and len(tree) > 1:
             on_path, rank = set(path), {}
             for u in range(1, len(tree)):  # siblings appear in draft rank order

@@ -99,6 +99,31 @@ def test_lookup_hint_raises_the_bar_for_drafted_nodes():
     assert len(hinted.keep) < len(plain.keep) and hinted.bar > plain.bar
 
 
+def test_held_nodes_share_the_prior_and_leave_a_measured_cell_alone():
+    cal = Calibration()
+    cells = [cal.hold(0.3, 0) for _ in range(6)]  # six rows drafted into one untested cell
+    assert cal(0.3) == 2 / 8  # the prior's two pseudo-acceptances spread over the eight
+    for _ in range(300):
+        cal.update(0.8, True, rank=0)
+        cal.update(0.8, False, rank=0)
+    measured = cal(0.8)
+    cells += [cal.hold(0.8, 0) for _ in range(64)]
+    assert abs(cal(0.8) - measured) < 1e-3  # held at the observed mean: no pessimism once measured
+    cal.release(cells)
+    assert cal(0.3) == 1.0 and cal(0.8) == measured
+
+
+def test_a_batch_releases_every_held_node(close_pair):
+    from dynatree import make_config
+    from dynatree.engine import decode_batch
+
+    from conftest import random_prompts
+    prompts = random_prompts(5, seed=3)
+    decode_batch(close_pair, prompts, make_config("dynatree"), max_new_tokens=20, ignore_eos=True)
+    cal = close_pair.state["calibration"]
+    assert sum(map(sum, cal.tested)) > 0 and not any(map(any, cal.held))
+
+
 def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
     from dynatree.budget import Governor
 
@@ -122,6 +147,18 @@ def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
         skips.append(g.skip_drafting())
         g.observe(2 if skips[-1] else 4, 1.0, skips[-1])
     assert sum(skips) == 2  # only the ar probes
+
+
+def test_governor_is_not_turned_off_by_one_slow_first_tree():
+    from dynatree.budget import Governor
+
+    g = Governor()
+    kinds = []
+    for i in range(40):  # the first drafted iteration is slow (a fresh batch), the rest win 1.3x
+        skip = g.skip_drafting()
+        kinds.append(skip)
+        g.observe(2 if skip else (0.5 if kinds.count(False) == 1 else 2.6), 1.0, skip)
+    assert sum(kinds) <= 6 and g.gap == g.every  # only the ar probes
 
 
 def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tmp_path, monkeypatch):
