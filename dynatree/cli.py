@@ -336,6 +336,32 @@ def matmul_params(runner) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_in" not in n)
 
 
+@main.command()
+@click.option("--isa", "isas", multiple=True,
+              help="variant to build (native, avx2, generic; repeatable; default: the one jobs use here, "
+                   "as DYNATREE_ISA selects); 'all' builds every variant this CPU runs")
+def build(isas):
+    """Compile the native CPU kernel for this machine now, so that the first job does not wait for
+    it (run it where you install: an image build, a cluster's setup_commands).  Builds are kept in
+    DYNATREE_CACHE (~/.cache/dynatree), keyed by sources, compiler, flags and CPU."""
+    import time
+
+    from . import kbuild
+
+    isas = kbuild.variants_here() if "all" in isas else list(isas) or [kbuild.variant()]
+    failed = False
+    for isa in isas:
+        t0 = time.perf_counter()
+        path, why = kbuild.build(isa)
+        if path is None:
+            failed = True
+            click.echo(f"{isa}: not built: {why}", err=True)
+        else:
+            click.echo(f"{isa}: {path} ({time.perf_counter() - t0:.1f} s)")
+    if failed:
+        _fail("some kernels were not built; jobs fall back to torch's kernels where the native one is missing")
+
+
 @main.command("report")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 def report_cmd(out_dir):

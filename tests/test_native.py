@@ -4,6 +4,7 @@ Batch invariance is the property the greedy guarantee leans on with this kernel:
 logits must be *bitwise* those of an AR step over the same path, so the tests compare with
 torch.equal, not a tolerance."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,3 +432,27 @@ def test_concurrent_builders_wait_for_one_build(isa, monkeypatch, tmp_path):
         t.join()
     assert [r[1] for r in results] == ["", ""] and results[0][0] == results[1][0] and results[0][0].exists()
     assert len(log.read_text().split()) == len(kbuild.OBJECTS)
+
+
+def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
+    """`dynatree build` compiles each requested variant into the cache (a fake compiler here: the
+    real build is tested above) and says which could not be built."""
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    fake = tmp_path / "cc-fake"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = "-o" ] && echo obj > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
+    res = CliRunner().invoke(main, ["build", "--isa", "all"])
+    assert res.exit_code == 0, res.output
+    built = [line.split(": ")[1].split(" (")[0] for line in res.output.splitlines()]
+    assert len(built) == len(kbuild.variants_here()) and all(Path(p).exists() for p in built)
+    default = built[kbuild.variants_here().index(kbuild.variant())]  # DYNATREE_ISA's, or native
+    assert CliRunner().invoke(main, ["build"]).output.split(" (")[0].endswith(default)
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache2"))
+    res = CliRunner().invoke(main, ["build", "--isa", "generic"])
+    assert res.exit_code != 0 and "generic: not built: false failed" in res.output
