@@ -317,36 +317,48 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
         return refs[cfg]
 
     rows = []
+    methods = [ms for ms in methods if ms.method not in HF_METHODS or ms.method == "hf_ar"]  # assisted: B = 1 only
     for b in batch_sizes:
+        def run(ms, chunk, n):
+            if ms.method == "hf_ar":
+                return [(t, None) for t in run_hf_batch(pair, chunk, n)]
+            return [(t, m) for t, _, m in decode_batch(pair, chunk, make_config(ms.method, ms.options),
+                                                        max_new_tokens=n, ignore_eos=True)]
+
         for ms in methods:
-            if ms.method in HF_METHODS and ms.method != "hf_ar":
-                continue  # transformers' assisted generation takes batch size 1
-
-            def run(chunk, n):
-                if ms.method == "hf_ar":
-                    return [(t, None) for t in run_hf_batch(pair, chunk, n)]
-                return [(t, m) for t, _, m in decode_batch(pair, chunk, make_config(ms.method, ms.options),
-                                                            max_new_tokens=n, ignore_eos=True)]
-
-            run(prompts[:b], 4)  # warm-up (first-use costs, budget profile)
-            got, t0 = [], time.perf_counter()
-            for at in range(0, len(prompts), b):
-                got += run(prompts[at:at + b], max_new_tokens)
-            wall = time.perf_counter() - t0
-            mets = [m for _, m in got if m is not None]
-            same = sum(t == r for (t, _), r in zip(got, ref_tokens(ms)))
-            rows.append({
-                "dataset": dataset, "prompt_id": -1, "warmup": False, "method": ms.label, "base_method": ms.method,
-                "options": json.dumps(ms.options, sort_keys=True),
-                "setting": json.dumps({"sweep": "batch", "B": b}, sort_keys=True), "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),
-                "new_tokens": sum(len(t) for t, _ in got), "tokens_per_s": sum(len(t) for t, _ in got) / wall,
-                "wall_time_s": wall, "tokens_per_iteration": _avg([m.tokens_per_iteration for m in mets]),
-                "mean_tree_size": _avg([m.mean_tree_size for m in mets]), "matches_ar": same == len(prompts),
-                "rows_matching_ar": same, "rows": len(prompts),
-            })
-            log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, {same}/{len(prompts)} rows == ar")
+            run(ms, prompts[:b], 4)  # warm-up (first-use costs, budget profile)
+        # Methods take turns on each batch of prompts, in a rotating order, so the host's drift
+        # (±20% over minutes here) falls on every method alike instead of on whichever ran last.
+        got, wall, k = [[] for _ in methods], [0.0] * len(methods), len(methods)
+        for i, at in enumerate(range(0, len(prompts), b)):
+            for j in [(i + j) % k for j in range(k)]:
+                t0 = time.perf_counter()
+                got[j] += run(methods[j], prompts[at:at + b], max_new_tokens)
+                wall[j] += time.perf_counter() - t0
+        for j, ms in enumerate(methods):
+            rows.append(_batch_row(dataset, ms, b, prompts, got[j], wall[j], ref_tokens(ms),
+                                   max_new_tokens, max_prompt_tokens))
+            log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, "
+                f"{rows[-1]['rows_matching_ar']}/{len(prompts)} rows == ar")
     return rows
+
+
+def _batch_row(dataset: str, ms: MethodSpec, b: int, prompts: list, got: list, wall: float, ref: list,
+               max_new_tokens: int, max_prompt_tokens: int) -> dict:
+    """One (dataset, method, B) row of the batch sweep; got: (tokens, metrics or None) per prompt."""
+    mets = [m for _, m in got if m is not None]
+    same = sum(t == r for (t, _), r in zip(got, ref))
+    new_tokens = sum(len(t) for t, _ in got)
+    return {
+        "dataset": dataset, "prompt_id": -1, "warmup": False, "method": ms.label, "base_method": ms.method,
+        "options": json.dumps(ms.options, sort_keys=True),
+        "setting": json.dumps({"sweep": "batch", "B": b}, sort_keys=True), "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),
+        "new_tokens": new_tokens, "tokens_per_s": new_tokens / wall, "wall_time_s": wall,
+        "tokens_per_iteration": _avg([m.tokens_per_iteration for m in mets]),
+        "mean_tree_size": _avg([m.mean_tree_size for m in mets]), "matches_ar": same == len(prompts),
+        "rows_matching_ar": same, "rows": len(prompts),
+    }
 
 
 def _avg(xs: list) -> float | None:
