@@ -261,12 +261,15 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
     if brows:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for d in dict.fromkeys(r["dataset"] for r in brows):
-            for m in dict.fromkeys(r["method"] for r in brows):
+        methods = list(dict.fromkeys(r["method"] for r in brows))
+        styles = ["-", "--", ":", "-."]  # one colour per method, one line style per dataset
+        for i, d in enumerate(dict.fromkeys(r["dataset"] for r in brows)):
+            for j, m in enumerate(methods):
                 pts = sorted((json.loads(r["setting"])["B"], r["tokens_per_s"]) for r in brows
                              if r["dataset"] == d and r["method"] == m)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{d} {m}")
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}",
+                            linestyle=styles[i % len(styles)], label=f"{d} {m}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B (sequences per forward)")
         ax.set_ylabel("tokens/s per actor")
