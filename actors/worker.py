@@ -146,7 +146,7 @@ class ShardWorker:
         for i, (ids, (ref, _, mref)) in refs.items():
             out = results[i]
             if out["error"] is None:
-                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"], self.cfg.kv_window)
+                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"], self.cfg)
                 out.update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,
                            ar_tokens_per_s=mref.tokens_per_s)
         self.shards_done += 1

@@ -2,7 +2,7 @@
 
 In float32 two exact implementations may still pick different tokens where the target's top-2
 logits are within rounding of each other.  ``divergence`` reports the first differing index and
-the target's top-1 minus top-2 logit gap there (from a plain, cache-free forward), so a tiny
+the target's top-1 minus top-2 logit gap there (as the reference ``ar`` computed it), so a tiny
 margin (a numerical near-tie) can be told apart from a bug (a large one).
 """
 from __future__ import annotations
@@ -20,20 +20,35 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
+def reference_logits(pair: ModelPair, prompt_ids: list[int], tokens: list[int], cfg=None) -> torch.Tensor:
+    """(V,) the target's logits after ``prompt_ids + tokens`` as greedy ``ar`` computed them: the
+    prompt's prefill, then one cached step per token, into a cache of the method's ``kv_dtype``
+    (so a bfloat16-cache divergence is judged by the numbers its reference ran on)."""
+    from .kvcache import new_cache
+    from .runtime import Seq
+
+    runner, dev = pair.runner("target"), pair.device
+    cache = new_cache(runner, len(prompt_ids) + len(tokens) + 1, getattr(cfg, "kv_dtype", "model"))
+    out = runner.forward([Seq(torch.tensor(prompt_ids, device=dev), cache, keep=1)])[0]
+    for tok in tokens:  # one step each, as ar ran them (a single forward may round differently off the native kernel)
+        out = runner.forward([Seq(torch.tensor([tok], device=dev), cache, keep=1)])[0]
+    return out.logits[0, -1].float()
+
+
 def divergence(pair: ModelPair, prompt_ids: list[int], reference: list[int],
-               candidate: list[int], window: int = 0) -> tuple[int | None, float | None]:
+               candidate: list[int], cfg=None) -> tuple[int | None, float | None]:
     """(first differing index, target top-2 logit margin there) or (None, None) if identical.
 
-    With a cache window (``window`` = kv_window) the margin is known only while nothing was
-    evicted (a plain forward is then what the windowed decode computed); past that it is None."""
+    ``cfg``: the method's config; the margin is read from :func:`reference_logits` with its cache
+    dtype.  With a cache window (``kv_window``) the margin is known only while nothing was evicted;
+    past that it is None."""
     i = first_difference(reference, candidate)
     if i is None:
         return None, None
+    window = getattr(cfg, "kv_window", 0)
     if window and len(prompt_ids) + i > window:
         return i, None
-    ids = torch.tensor([prompt_ids + reference[:i]], device=pair.device)
-    logits = pair.target(input_ids=ids).logits[0, -1].float()
-    top2 = logits.topk(2).values
+    top2 = reference_logits(pair, prompt_ids, reference[:i], cfg).topk(2).values
     return i, float(top2[0] - top2[1])
 
 
@@ -70,7 +85,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
         for label, cfg in methods.items():
             ref = ar(ar_reference(cfg))
             toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-            idx, margin = divergence(pair, prompt, ref, toks, cfg.kv_window)
+            idx, margin = divergence(pair, prompt, ref, toks, cfg)
             rows.append({"prompt": pi, "method": label, "matches_ar": idx is None,
                          "first_divergence": idx, "divergence_margin": margin, **m.as_dict()})
         if progress:

@@ -133,3 +133,28 @@ def test_no_cache_slot_is_read_before_it_is_written(kernel, close_pair, monkeypa
     poisoned = [[t for t, _, _ in decode_batch(pair, prompts, c, max_new_tokens=50, ignore_eos=True)] for c in cfgs]
     assert poisoned_layers and any(l.keys.float().isnan().any() for l in poisoned_layers)  # unused slots stay poisoned
     assert poisoned == clean
+
+
+@needs_cc
+def test_a_divergence_is_judged_by_its_references_numbers():
+    """Where float32-cache ar and bfloat16-cache ar part, the logits check.divergence reads are the
+    bf16 reference's own (its argmax is the bf16 token there; a float32 forward's would not be),
+    and replaying a reference reproduces every one of its tokens."""
+    from dynatree.check import divergence, first_difference, reference_logits
+
+    pair, cfg = f32_pair(), make_config("linear", BF16)
+    parted = 0
+    for p in random_prompts(6, seed=63, lo=5, hi=40):
+        f32 = decode(pair, p, make_config("ar"), max_new_tokens=48, ignore_eos=True)[0]
+        b16 = decode(pair, p, make_config("ar", BF16), max_new_tokens=48, ignore_eos=True)[0]
+        i = first_difference(b16, f32)
+        if i is None:
+            continue
+        parted += 1
+        assert int(reference_logits(pair, p, b16[:i], cfg).argmax()) == b16[i]
+        assert int(reference_logits(pair, p, f32[:i]).argmax()) == f32[i]
+        at, margin = divergence(pair, p, b16, f32, cfg)
+        assert at == i and margin >= 0
+    assert parted >= 1  # the rounding flips some choice on these prompts, or this test shows nothing
+    logits = [int(reference_logits(pair, p, b16[:j], cfg).argmax()) for j in range(len(b16))]
+    assert logits == b16
