@@ -45,7 +45,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -153,15 +153,21 @@ class BatchView:
     share: int
     scale: float = 1.0  # on every marginal cost (Governor)
     cached: int | None = None  # the row's cache length (LatencyModel.verify)
+    # verify(n) per n: a view lives for one tree's growth, during which verification times do not
+    # change (observe_verify runs after the forward), and the budget asks for the same n many times
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def overhead_ms(self) -> float:
         return self.lat.overhead_ms / self.share
 
     def verify(self, n: int) -> float:
-        v, at = self.lat.verify, self.cached
-        marginal = v(self.others + n, at) - v(self.others + 1, at)
-        return v(self.share, at) / self.share + self.scale * marginal
+        got = self._memo.get(n)
+        if got is None:
+            v, at = self.lat.verify, self.cached
+            marginal = v(self.others + n, at) - v(self.others + 1, at)
+            got = self._memo[n] = v(self.share, at) / self.share + self.scale * marginal
+        return got
 
     def draft(self, width: int) -> float:
         return self.scale * self.lat.draft(width * self.share) / self.share
