@@ -7,7 +7,7 @@ between the two jobs).  All configurations run one after another in one process 
 cluster (the host drifts, so compare configurations from the same run only).
 
     python -m dynatree.jobs.throughput --input P.parquet --target T --draft D \\
-        --configs dynatree:1,dynatree:16,ar:16,dynatree:auto --sizes 16,64 --out bench-jobs
+        --configs dynatree:1,dynatree:16,ar:16,dynatree:auto --sizes 16,64 --out out/bench-jobs
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
 @click.option("--verify-fraction", default=0.0, show_default=True)
 @click.option("--shard-size", default=4, show_default=True,
               help="small enough that the small job reaches every actor (else its marginal rate flatters many actors)")
-@click.option("--out", default="bench-jobs", show_default=True, help="directory for results.json")
+@click.option("--out", default="out/bench-jobs", show_default=True, help="directory for results.json")
 def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, shard_size, out):
     small, large = (int(x) for x in sizes.split(","))
     base = dict(target=target, draft=draft, max_new_tokens=max_new_tokens, ignore_eos=True, device="cpu",
