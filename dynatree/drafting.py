@@ -82,17 +82,20 @@ class Drafter:
         self.pending.extend(tokens)
 
     def prefill(self):
-        """Feed the queued tokens before the root (a joining row's prompt) in a draft forward of
+        """Feed the queued tokens before the root (a joining row's prompt) in draft forwards of
         their own, so the row's first tree costs its levels alone, as every later one does (the
-        batched budget compares iterations' costs).  A generator (see the class)."""
-        root, self.pending = self.pending[-1:], self.pending[:-1]
-        if self.window is not None:
-            self._make_room()
-        if self.pending:
-            yield DraftCall(Seq(long_tensor(self.pending, self.device), self.cache, keep=1), 1)
+        batched budget compares iterations' costs).  With a window, a prompt longer than it goes
+        in the pieces the target's prefill uses, evicting between them, so the draft keeps the
+        same sinks and recent tokens as the target.  A generator (see the class)."""
+        todo, self.pending = self.pending[:-1], self.pending[-1:]
+        while todo:
+            room = len(todo) if self.window is None else self.window.size - self.cache.length
+            piece, todo = todo[:room], todo[room:]
+            yield DraftCall(Seq(long_tensor(piece, self.device), self.cache, keep=1), 1)
             self.forwards += 1
-            self.fed_tokens += len(self.pending)
-        self.pending = root
+            self.fed_tokens += len(piece)
+            if self.window is not None:
+                self.window.make_room(self.cache, 1)
 
     def _proposals(self, out, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
         """A draft forward's Output for ``nodes`` -> per row k proposals: probabilities and token
@@ -115,6 +118,14 @@ class Drafter:
         A generator (see the class); returns (probabilities, ids)."""
         self._reset_tree()
         if self.window is not None:
+            if len(self.pending) > 1 and self.cache.length + len(self.pending) > self.window.size:
+                # The target cached these tokens before it evicted, so their upper layers saw the
+                # chunk that leaves; fed after the eviction they would not, and a perfect draft
+                # would disagree with its target.  So cache them first (once per evicted chunk).
+                yield DraftCall(Seq(long_tensor(self.pending[:-1], self.device), self.cache, keep=1), 1)
+                self.forwards += 1
+                self.fed_tokens += len(self.pending) - 1
+                self.pending = self.pending[-1:]
             self._make_room()
         ids = long_tensor(self.pending, self.device)  # (p,)
         out = yield DraftCall(Seq(ids, self.cache, keep=1), min(k, self.vocab))

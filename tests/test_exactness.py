@@ -118,6 +118,19 @@ def test_a_perfect_draft_has_every_token_accepted_from_the_first_tree(same_pair)
                 assert m.tokens_per_iteration > 1.9, k
 
 
+def test_a_perfect_windowed_draft_keeps_its_targets_cache(same_pair):
+    """With a cache window the draft holds what the target holds: a prompt longer than the window
+    goes in the target's pieces (sinks kept), and tokens the target cached before an eviction are
+    cached before it by the draft too (their upper layers saw the chunk that leaves).  So a
+    perfect draft is still always right (it was right 24-48% of the time with long prompts)."""
+    window = {"kv_window": 32, "kv_sinks": 4, "kv_evict": 4}
+    for lo, hi in ((5, 20), (40, 60)):
+        prompts = random_prompts(3, seed=5, lo=lo, hi=hi)
+        cfg = make_config("linear", {"k": 4, **window})
+        for toks, _, m in decode_batch(same_pair, prompts, cfg, max_new_tokens=60, ignore_eos=True):
+            assert m.acceptance_rate == 1.0, (lo, m.acceptance_rate)
+
+
 def eos_pair(base_pair, eos):
     return pair_from_models(base_pair.target, base_pair.draft, None, eos_token_id=eos)
 
