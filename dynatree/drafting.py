@@ -139,10 +139,10 @@ class Drafter:
         return vals[0], idx[0]
 
     def _make_room(self) -> None:
-        """Evict under the window so that the pending tokens fit.  The draft checks at the same
-        token counts as the target, so its root sits at the target's position; only a draft that
-        fell a whole window behind (a prompt longer than the window) skips the oldest pending
-        tokens — which changes its proposals, never the output."""
+        """Evict under the window so that the pending tokens fit.  The draft evicts at the same
+        token counts as the target, with the same tokens cached (prefill and root see to it), so
+        its root sits at the target's position; the cut below is a safety net (it would change
+        proposals, never the output)."""
         self.window.make_room(self.cache, len(self.pending))
         spare = self.window.size - self.cache.length
         if len(self.pending) > spare:
