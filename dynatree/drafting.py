@@ -81,19 +81,26 @@ class Drafter:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
         self.pending.extend(tokens)
 
+    def _feed(self, tokens: list[int], k: int = 1):
+        """One draft forward over committed ``tokens`` into the cache (the Output's top-k of the
+        last one, ``k``).  A generator (see the class); returns the Output."""
+        out = yield DraftCall(Seq(long_tensor(tokens, self.device), self.cache, keep=1), k)
+        self.forwards += 1
+        self.fed_tokens += len(tokens)
+        return out
+
     def prefill(self):
-        """Feed the queued tokens before the root (a joining row's prompt) in draft forwards of
-        their own, so the row's first tree costs its levels alone, as every later one does (the
-        batched budget compares iterations' costs).  With a window, a prompt longer than it goes
-        in the pieces the target's prefill uses, evicting between them, so the draft keeps the
-        same sinks and recent tokens as the target.  A generator (see the class)."""
+        """Feed the queued tokens before the root the way the target cached them, leaving the root
+        queued.  At join (a prompt) this runs in draft forwards of its own, so the row's first tree
+        costs its levels alone, as every later one does (the batched budget compares iterations'
+        costs).  With a window, the tokens go in the pieces the target's prefill uses, evicting
+        between them, so the draft keeps the same sinks and recent tokens as the target.  A
+        generator (see the class)."""
         todo, self.pending = self.pending[:-1], self.pending[-1:]
         while todo:
             room = len(todo) if self.window is None else self.window.size - self.cache.length
             piece, todo = todo[:room], todo[room:]
-            yield DraftCall(Seq(long_tensor(piece, self.device), self.cache, keep=1), 1)
-            self.forwards += 1
-            self.fed_tokens += len(piece)
+            yield from self._feed(piece)
             if self.window is not None:
                 self.window.make_room(self.cache, 1)
 
@@ -122,16 +129,10 @@ class Drafter:
                 # The target cached these tokens before it evicted, so their upper layers saw the
                 # chunk that leaves; fed after the eviction they would not, and a perfect draft
                 # would disagree with its target.  So cache them first (once per evicted chunk).
-                yield DraftCall(Seq(long_tensor(self.pending[:-1], self.device), self.cache, keep=1), 1)
-                self.forwards += 1
-                self.fed_tokens += len(self.pending) - 1
-                self.pending = self.pending[-1:]
+                yield from self.prefill()
             self._make_room()
-        ids = long_tensor(self.pending, self.device)  # (p,)
-        out = yield DraftCall(Seq(ids, self.cache, keep=1), min(k, self.vocab))
+        out = yield from self._feed(self.pending, min(k, self.vocab))
         vals, idx = self._proposals(out, [0], min(k, self.vocab))
-        self.forwards += 1
-        self.fed_tokens += len(self.pending)
         self.pending = []
         self.base = self.cache.length
         self.root_pos = self.base - 1
