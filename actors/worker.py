@@ -122,9 +122,9 @@ class ShardWorker:
                 cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, out["id"]))
             reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos))
             slots.append(("gen", i))
-            # the ar reference decodes in the same batches; a sample is not comparable with it
-            if self.cfg.temperature == 0 and verify_selected(out["id"], spec.verify_fraction):
-                reqs.append(Request(ids, ar_reference(self.cfg), spec.max_new_tokens, spec.ignore_eos))
+            # the ar reference (a sample: with the row's seed) decodes in the same batches
+            if verify_selected(out["id"], spec.verify_fraction):
+                reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos))
                 slots.append(("ref", i))
         return reqs, slots
 
@@ -142,11 +142,11 @@ class ShardWorker:
             elif kind == "gen":
                 fill_row(results[i], self.pair.decode(got[0]), got[0], got[1], got[2])
             else:
-                refs[i] = (req.ids, got)
-        for i, (ids, (ref, _, mref)) in refs.items():
+                refs[i] = (req.cfg, req.ids, got)
+        for i, (cfg, ids, (ref, _, mref)) in refs.items():
             out = results[i]
             if out["error"] is None:
-                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"], self.cfg)
+                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"], cfg)
                 out.update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,
                            ar_tokens_per_s=mref.tokens_per_s)
         self.shards_done += 1

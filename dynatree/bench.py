@@ -104,13 +104,13 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
 
 
 def reference_config(ms: MethodSpec) -> ARConfig:
-    """The greedy ``ar`` a method's tokens must equal (config.ar_reference: plain ``ar`` with the
-    method's cache window and dtype); transformers' peers are plain greedy ``ar``."""
+    """The ``ar`` a method's tokens must equal (config.ar_reference: ``ar`` with the method's
+    sampling, cache window and dtype); transformers' peers are plain greedy ``ar``."""
     return ARConfig() if ms.method in HF_METHODS else ar_reference(make_config(ms.method, ms.options))
 
 
 def reference(ms: MethodSpec, methods) -> MethodSpec | None:
-    """The ``ar`` row a method's greedy tokens are compared with: the one of its reference config."""
+    """The ``ar`` row a method's tokens are compared with: the one of its reference config."""
     return next((m for m in methods if m.method == "ar" and reference_config(m) == reference_config(ms)), None)
 
 
@@ -242,9 +242,9 @@ def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int,
 def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods: list[MethodSpec], *,
                warmup: int, max_new_tokens: int, max_prompt_tokens: int, setting: dict | None = None,
                log=print) -> list[dict]:
-    """Run every method on every prompt (prompt-major, so drift hits all methods alike).  Greedy
-    rows are compared with their reference ``ar`` (the same cache window); ``speedup`` is against
-    plain ``ar``, ``speedup_ref`` against the reference."""
+    """Run every method on every prompt (prompt-major, so drift hits all methods alike).  Rows
+    are compared with their reference ``ar`` (the same sampling and cache window; not transformers'
+    sampled peers); ``speedup`` is against plain ``ar``, ``speedup_ref`` against the reference."""
     rows = []
     setting = dict(setting or {})
     methods = with_references(methods, methods)  # each reference runs before the rows it checks
@@ -261,7 +261,8 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                     m = met.as_dict()
             got[ms.label] = toks
             ref = refs[ms.label]
-            sampled = ms.options.get("temperature", 0) > 0  # a sample has no greedy reference
+            # transformers' peers sample with torch's RNG: no ar reference draws their samples
+            sampled = ms.method in HF_METHODS and ms.options.get("temperature", 0) > 0
             diff = first_difference(got[ref.label], toks) if ref is not None and not sampled else None
             rows.append({
                 "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,

@@ -1,15 +1,17 @@
-"""Equivalence with greedy AR: where two token streams part, and whether that is a near-tie.
+"""Equivalence with AR: where two token streams part, and whether that is a near-tie.
 
 In float32 two exact implementations may still pick different tokens where the target's top-2
 logits are within rounding of each other.  ``divergence`` reports the first differing index and
-the target's top-1 minus top-2 logit gap there (as the reference ``ar`` computed it), so a tiny
-margin (a numerical near-tie) can be told apart from a bug (a large one).
+the target's top-1 minus top-2 logit gap there (as the reference ``ar`` computed it; when
+sampling, the gap of the perturbed scores the draw took, sampling.py), so a tiny margin (a
+numerical near-tie) can be told apart from a bug (a large one).
 """
 from __future__ import annotations
 
 import torch
 
 from .models import ModelPair
+from .sampling import Sampler
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -48,7 +50,12 @@ def divergence(pair: ModelPair, prompt_ids: list[int], reference: list[int],
     window = getattr(cfg, "kv_window", 0)
     if window and len(prompt_ids) + i > window:
         return i, None
-    top2 = reference_logits(pair, prompt_ids, reference[:i], cfg).topk(2).values
+    logits = reference_logits(pair, prompt_ids, reference[:i], cfg)
+    sampler = Sampler.from_config(cfg) if cfg is not None else None
+    if sampler is not None:  # the draw at index i is the argmax of the perturbed scores
+        sampler.at(i)
+        logits = sampler.scores(logits[None], [0])[0]
+    top2 = logits.topk(2).values
     return i, float(top2[0] - top2[1])
 
 
@@ -70,7 +77,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
     rows = []
     for pi, prompt in enumerate(prompts):
-        refs = {}  # greedy ar per cache window (plain ar first)
+        refs = {}  # ar per reference config (plain greedy ar first)
 
         def ar(cfg: ARConfig) -> list[int]:
             if cfg not in refs:

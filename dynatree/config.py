@@ -20,10 +20,18 @@ def opt(default, help: str):
 class SamplingConfig:
     """Options shared by every method: temperature 0 is greedy, anything above samples."""
 
-    temperature: float = opt(0.0, "sampling temperature; 0 = greedy (outputs identical to ar)")
+    temperature: float = opt(0.0, "sampling temperature; 0 = greedy.  Every method's tokens are ar's: greedy, "
+                                  "or sampled with the same seed")
     top_k: int = opt(0, "sample only among the k most likely tokens (0 = all)")
     top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens with this much probability")
-    seed: int = opt(0, "random seed; the same seed reproduces a sampled generation")
+    seed: int = opt(0, "random seed; the same seed reproduces a sampled generation, whatever the method, "
+                       "budget or batch")
+
+    @property
+    def sampling_key(self) -> tuple:
+        """What a draft's acceptance statistics depend on besides the pair (budget.Calibration,
+        lookup.LookupStats are kept per key): greedy, or the sampling settings."""
+        return ("greedy",) if self.temperature == 0 else ("sampled", self.temperature, self.top_k, self.top_p)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -75,7 +83,7 @@ class SpecConfig(MethodConfig):
                                    "re-runs the accepted tokens (the seed's second forward)")
     lookup: int = opt(0, "context lookup: graft up to this many tokens copied from the text so far (what "
                          "followed the latest earlier occurrence of the longest repeated suffix, up to 8 tokens) onto each tree; "
-                         "when sampling, each copied token is tried first at its parent (0 = off)")
+                         "0 = off)")
 
 
 @dataclass(frozen=True)
@@ -119,16 +127,15 @@ class DynaTreeConfig(SpecConfig):
     lookup: int = opt(-1, "context lookup (see SpecConfig): up to this many copied tokens, grafted while "
                           "their learned acceptance pays for their verification under the hardware budget "
                           "(all of them with hw_budget=off); -1 (default) = 8 when the hardware budget is "
-                          "on, off when it is not (the paper's drafting, and sampling by default)")
-    hw_budget: str = opt("greedy", "'auto': hardware-aware budget — draft and verify only the nodes whose "
-                             "expected tokens pay for their measured time on this device (see budget.py); "
-                             "'off': the paper's node budget alone (the paper's ablation); 'greedy' "
-                             "(default): 'auto' at temperature 0, 'off' when sampling, so that a seed alone "
-                             "decides a sample (the budget's trees depend on measured timings)")
+                          "on, off when it is not (the paper's drafting)")
+    hw_budget: str = opt("auto", "'auto' (default): hardware-aware budget — draft and verify only the nodes "
+                             "whose expected tokens pay for their measured time on this device (see "
+                             "budget.py); 'off': the paper's node budget alone (the paper's ablation).  "
+                             "Either way the tokens are ar's, greedy or sampled with the same seed")
 
     @property
     def budget_on(self) -> bool:
-        return self.hw_budget == "auto" or (self.hw_budget == "greedy" and self.temperature == 0)
+        return self.hw_budget == "auto"
 
     @property
     def lookup_length(self) -> int:
@@ -148,8 +155,8 @@ class DynaTreeConfig(SpecConfig):
             raise ValueError("need 0 < tau_l < tau_h < 1")
         if not (0 < self.rho_stop < self.rho_deep < 1):
             raise ValueError("need 0 < rho_stop < rho_deep < 1")
-        if self.hw_budget not in ("greedy", "auto", "off"):
-            raise ValueError("hw_budget must be 'greedy', 'auto' or 'off'")
+        if self.hw_budget not in ("auto", "off"):
+            raise ValueError("hw_budget must be 'auto' or 'off'")
 
 
 @dataclass(frozen=True)
@@ -168,19 +175,30 @@ class DySpecConfig(SpecConfig):
 WINDOW_FIELDS = ("kv_window", "kv_sinks", "kv_evict")  # MethodConfig's cache window
 
 
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingConfig's
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingConfig)}
+
+
 def ar_reference(cfg) -> ARConfig:
-    """The greedy ``ar`` whose tokens a greedy method's must equal: plain ``ar`` with the method's
-    cache policy -- its window and its cache dtype (they change the text; the method must not)."""
+    """The ``ar`` whose tokens a method's must equal: plain ``ar`` with the method's sampling
+    settings and seed (sampling.py: a sample is a function of the seed) and its cache policy --
+    its window and its cache dtype (they change the text; the method must not)."""
     fields = {k: getattr(cfg, k) for k in WINDOW_FIELDS} if getattr(cfg, "kv_window", 0) else {}
     if getattr(cfg, "kv_dtype", "model") != "model":
         fields["kv_dtype"] = cfg.kv_dtype
+    if getattr(cfg, "temperature", 0) > 0:
+        fields.update({k: getattr(cfg, k) for k in SAMPLING_FIELDS})
     return ARConfig(**fields)
 
 
 def reference_label(ref: ARConfig) -> str:
-    """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024``, ``ar_kvbfloat16``, ..."""
+    """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024``, ``ar_kvbfloat16``,
+    ``ar_t0.6_p0.9_s3`` (sampling: temperature, then top_k, top_p, seed where set), ..."""
+    sampled = "".join(f"_{tag}{getattr(ref, name):g}" for tag, name in
+                      (("t", "temperature"), ("k", "top_k"), ("p", "top_p"), ("s", "seed"))
+                      if ref.temperature and getattr(ref, name) != _DEFAULTS[name])
     return "ar" + (f"_window{ref.kv_window}" if ref.kv_window else "") + \
-        (f"_kv{ref.kv_dtype}" if ref.kv_dtype != "model" else "")
+        (f"_kv{ref.kv_dtype}" if ref.kv_dtype != "model" else "") + sampled
 
 
 KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)

@@ -15,9 +15,8 @@ siblings never see each other's keys/values.  After acceptance, the accepted nod
 expanded are moved in place (``keep``) and the rest is dropped.
 
 Greedy drafting proposes each node's top-k tokens.  With a sampler (temperature > 0) it proposes
-k draws without replacement from the warped draft distribution instead, reported in draw order
-with their draft probabilities, and keeps each expanded node's distribution and draws in
-``cands`` for verification (sampling.walk).
+the top-k of the draft's perturbed scores instead, with the noise of the index each node
+predicts (sampling.Sampler.propose), so the target's seeded draw is likely among them.
 """
 from __future__ import annotations
 
@@ -74,7 +73,6 @@ class Drafter:
         self.base = 0
         self.root_pos = 0
         self.slot: dict[int, int] = {}  # tree node -> absolute cache slot
-        self.cands: dict[int, tuple[torch.Tensor, list[int]]] = {}  # node -> (q (V,), draws); sampling only
         self.started = False
 
     def extend(self, tokens: list[int]) -> None:
@@ -104,21 +102,14 @@ class Drafter:
             if self.window is not None:
                 self.window.make_room(self.cache, 1)
 
-    def _proposals(self, out, nodes: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
-        """A draft forward's Output for ``nodes`` -> per row k proposals: probabilities and token
-        ids (host lists).  Greedy proposals are the forward's own top-k head (fused into the
-        native kernel; a packed forward asks for the largest k, so rows are cut to theirs)."""
+    def _proposals(self, out, depths: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """A draft forward's Output for nodes at ``depths`` -> per row k proposals: confidences
+        and token ids (host lists).  Greedy proposals are the forward's own top-k head (fused into
+        the native kernel; a packed forward asks for the largest k, so rows are cut to theirs)."""
         if self.sampler is None:
             vals, ids = out.top
             return [v[:k] for v in vals], [t[:k] for t in ids]
-        q = self.sampler.probs(out.logits[0, :, : self.vocab])  # (n, V)
-        idx = self.sampler.candidates(q, k)  # (n, k) in draw order
-        vals, ids = q.gather(-1, idx).tolist(), idx.tolist()
-        for r, u in enumerate(nodes):  # draws of probability 0 only pad rows past the support
-            n_pos = sum(1 for v in vals[r] if v > 0)
-            vals[r], ids[r] = vals[r][:n_pos], ids[r][:n_pos]
-            self.cands[u] = (q[r], ids[r])
-        return vals, ids
+        return self.sampler.propose(out.logits[0, :, : self.vocab], depths, k)
 
     def root(self, tree: Tree, k: int):
         """Feed pending committed tokens (ending with the root); top-k of the root's next token.
@@ -175,7 +166,7 @@ class Drafter:
         out = yield DraftCall(Seq(ids, self.cache, pos, mask), min(k, self.vocab))
         self.forwards += 1
         self.fed_tokens += n
-        return self._proposals(out, nodes, min(k, self.vocab))
+        return self._proposals(out, [tree.depths[u] for u in nodes], min(k, self.vocab))
 
     @_inference
     def commit(self, path: list[int], committed: list[int]) -> None:

@@ -19,13 +19,13 @@ One iteration:
           dropped; the bonus becomes the next root, so its keys/values come from the next
           verification pass: exactly one target forward per iteration.
 
-With ``temperature > 0`` the same loop samples: the draft proposes draws instead of its top-k,
-and accept is multi-candidate rejection sampling (sampling.walk) instead of argmax matching, so
-the committed tokens follow the target's (warped) sampling distribution exactly.
+With ``temperature > 0`` the same loop samples: every argmax above becomes the argmax of the
+logits perturbed by the seeded Gumbel noise of the token index it predicts (sampling.py), for the
+draft's proposals and the target's choices alike, so a sampled generation is the one ``ar``
+draws with the same seed, token for token, and follows the target's (warped) distribution exactly.
 
 Host syncs per iteration (each named where it happens): draft top-k once per drafted level
-(tree shape decisions), and the accepted path + bonus once after verification (greedy), or one
-per tried candidate (sampling).
+(tree shape decisions), and the target's choices once after verification.
 """
 from __future__ import annotations
 
@@ -43,10 +43,9 @@ from .models import ModelPair
 from .native import argmax_rows
 from .budget import Governor
 from .policies import make_policy
-from .sampling import Sampler, walk
+from .sampling import Sampler
 from .runtime import KeyMask, Seq
-from .tree import (Tree, accept_path, ancestor_matrix, child_index, flatten_bfs, long_tensor,
-                   position_ids)
+from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
 
 
 class ContextError(ValueError):
@@ -101,20 +100,9 @@ def commit_target(model, cache, path: list[int], path_tokens: list[int], prefix_
 
 
 def accept_greedy(tree: Tree, choice: list[int]) -> tuple[list[int], int]:
-    """choice: the target's argmax at each node.  Returns (accepted path of nodes from the root,
-    bonus token)."""
+    """choice: the target's choice at each node (its argmax, or its perturbed argmax when
+    sampling).  Returns (accepted path of nodes from the root, bonus token)."""
     return accept_path(tree.tokens, tree.parents, choice)
-
-
-def accept_sampled(tree: Tree, new_index: dict[int, int], logits: torch.Tensor, drafter: Drafter,
-                   sampler: Sampler, chain: list[int] = ()) -> tuple[list[int], int]:
-    """logits: (n, V).  Multi-candidate rejection sampling; returns (path, last token).
-
-    new_index: pre-BFS node id -> flattened index; chain: the grafted lookup chain's nodes
-    (flattened indices), each tried first at its parent."""
-    cands = {new_index[old]: c for old, c in drafter.cands.items() if old in new_index}
-    copies = {tree.parents[v]: tree.tokens[v] for v in chain}
-    return walk(sampler.probs(logits), cands, child_index(tree.tokens, tree.parents), sampler, copies)
 
 
 class _Row:
@@ -133,7 +121,7 @@ class _Row:
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
-        self.lookup_stats = pair.state.setdefault("lookup", LookupStats()) if self.lookup else None
+        self.lookup_stats = pair.state.setdefault(("lookup", *cfg.sampling_key), LookupStats()) if self.lookup else None
         budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
         held = len(prompt) + max_new_tokens  # at most the window's size with a window
         self.capacity = (held if self.window is None else min(held, self.window.size)) + budget + 8
@@ -178,7 +166,14 @@ class _Row:
         """The token after an Output's last row: its argmax head, or a draw.  Host sync."""
         if self.sampler is None:
             return out.choice[-1]
-        return self.sampler.sample(self.sampler.probs(out.logits[0, -1:])[0])
+        self.sampler.at(len(self.out))
+        return self.sampler.choose(out.logits[0, -1:], [0])[0]
+
+    def choices(self, tree: Tree, out) -> list[int]:
+        """The target's choice at every node of a verified tree.  Host sync (sampling)."""
+        if self.sampler is None:
+            return out.choice
+        return self.sampler.choose(out.logits[0], tree.depths)
 
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter
@@ -193,7 +188,7 @@ class _Row:
 class _Step:
     """One row's tree for the current iteration, from drafting to commit."""
 
-    __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "new_index", "prefix_len")
+    __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "prefix_len")
 
 
 class BatchDecoder:
@@ -204,7 +199,7 @@ class BatchDecoder:
     then accept and commit per row.  Rows added with :meth:`add` are prefilled together at the
     next step and join; finished rows leave.  On the native kernel a row's logits do not depend
     on its neighbours (batch invariance), so each row's tokens are what it gets alone: greedy
-    rows equal greedy ``ar``; a sampled row with the budget off depends only on its seed.
+    rows equal greedy ``ar``, sampled rows ``ar`` with the same seed.
     One sequence alone is the B = 1 case (:func:`decode`).
     """
 
@@ -297,7 +292,7 @@ class BatchDecoder:
             _sync(self.dev)
         t0 = time.perf_counter()
         seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev) for s in steps]
-        outs = self.target.forward(seqs, argmax=any(r.sampler is None for r in rows))
+        outs = self.target.forward(seqs, argmax=True)
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)
         committed = 0
@@ -313,12 +308,14 @@ class BatchDecoder:
     def _draft(self, rows: list[_Row], probe: bool = False) -> list[_Step]:
         """draft: every row's policy grows its tree; drafting rows share packed draft forwards.
         In a probe (budget.Governor) the rows under the hardware budget draft nothing (bare
-        roots); rows without it never skip, so their samples stay a function of their seeds."""
+        roots)."""
         steps, jobs = [], []
         total = sum(r.last_n for r in rows)  # the previous iteration's packed target forward
         for r in rows:
             s = _Step()
             s.row, s.prefix_len = r, r.cache.length  # tokens in the target cache; the root's position
+            if r.sampler is not None:
+                r.sampler.at(len(r.out))  # the root's next token is this generated index
             # what the budget prices its nodes against: the batch's other tokens, and this cache
             r.policy.batch = (total - r.last_n, len(rows), self.governor.scale, s.prefix_len)
             max_depth = r.max_depth(s.prefix_len)
@@ -337,8 +334,9 @@ class BatchDecoder:
             proposal = s.chain
             s.chain, s.fresh = graft(tree, proposal, s.match, r.lookup_stats, tree.bar) if proposal else ([], [])
             s.tree, s.order = flatten_bfs(tree)
-            s.new_index = {old: new for new, old in enumerate(s.order)} if s.chain or r.sampler is not None else None
-            s.chain = [s.new_index[v] for v in s.chain]  # flattened indices from here on
+            if s.chain:
+                new_index = {old: new for new, old in enumerate(s.order)}
+                s.chain = [new_index[v] for v in s.chain]  # flattened indices from here on
         return steps
 
     def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> int:
@@ -348,10 +346,7 @@ class BatchDecoder:
         if len(tree) == 1:
             path_nodes, new_tokens = [0], [r.next_token(out)]
         else:
-            if r.sampler is None:
-                path_nodes, last = accept_greedy(tree, out.choice)
-            else:
-                path_nodes, last = accept_sampled(tree, s.new_index, out.logits[0], r.drafter, r.sampler, s.chain)
+            path_nodes, last = accept_greedy(tree, r.choices(tree, out))
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
             r.target_forwards += commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
                                                s.prefix_len, r.kv_update)

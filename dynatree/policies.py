@@ -200,7 +200,7 @@ class DynaTree(NoDraft):
         """Hardware budget: profile the device once per pair and share the calibration."""
         if self.cfg.budget_on:
             self.latency = budget.profile(pair)
-            self.calib = pair.state.setdefault("calibration", budget.Calibration())
+            self.calib = pair.state.setdefault(("calibration", *self.cfg.sampling_key), budget.Calibration())
 
     def observe_verify(self, n_tokens: int, seconds: float, cached: int | None = None) -> None:
         if self.latency is not None:

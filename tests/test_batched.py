@@ -100,15 +100,17 @@ def test_batched_native_greedy_is_batch1_ar(batch):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 def test_batched_sample_does_not_depend_on_neighbours():
-    """Sampling (budget off): a row's sample is a function of its prompt and seed alone."""
+    """Sampling: a row's sample is a function of its prompt and seed alone -- ar's, alone or in
+    a batch of any method, hardware budget included."""
     pair = f32_pair()
     prompts = random_prompts(4, seed=25, lo=3, hi=20)
-    for method in ("ar", "linear", "dynatree"):
-        cfgs = [make_config(method, {"temperature": 0.8, "seed": 100 + i}) for i in range(len(prompts))]
-        alone = [decode(pair, p, c, max_new_tokens=20, ignore_eos=True)[0] for p, c in zip(prompts, cfgs)]
+    cfgs = [make_config("ar", {"temperature": 0.8, "seed": 100 + i}) for i in range(len(prompts))]
+    alone = [decode(pair, p, c, max_new_tokens=20, ignore_eos=True)[0] for p, c in zip(prompts, cfgs)]
+    assert len(set(map(tuple, alone))) > 1
+    for method, opts in (("ar", {}), ("linear", {}), ("dynatree", {}), ("dynatree", {"hw_budget": "off"})):
+        cfgs = [make_config(method, {"temperature": 0.8, "seed": 100 + i, **opts}) for i in range(len(prompts))]
         together = [t for t, _, _ in decode_batch(pair, prompts, cfgs, max_new_tokens=20, ignore_eos=True)]
-        assert together == alone, method
-        assert len(set(map(tuple, alone))) > 1
+        assert together == alone, (method, opts)
 
 
 def test_generate_batch_is_generate_per_prompt(close_pair):

@@ -58,8 +58,9 @@ def test_bench_and_report(pair_dirs, tmp_path):
 
 
 def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
-    """A bare KEY=VALUE option reaches every method (the HF peers' sampling too); rows are not
-    compared with greedy ar, and the report says so."""
+    """A bare KEY=VALUE option reaches every method (the HF peers' sampling too); our methods'
+    samples are compared with ar's (the same seed and settings: dynatree's with an added
+    top_p=0.9 reference), the HF peers' are not, and the report says so."""
     out = tmp_path / "bench"
     args = bench_args(pair_dirs, tmp_path, 2, 8) + [
             "--methods", "linear,dynatree,hf_assisted", "--option", "temperature=0.6",
@@ -67,11 +68,13 @@ def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     rows = pq.read_table(out / "results.parquet").to_pylist()
-    assert {r["method"] for r in rows} == {"ar", "linear", "dynatree", "hf_assisted"}
+    assert {r["method"] for r in rows} == {"ar", "ar_t0.6_p0.9_s3", "linear", "dynatree", "hf_assisted"}
     for r in rows:
         opts = json.loads(r["options"])
         assert opts["temperature"] == 0.6 and opts["seed"] == 3, r["method"]
-        assert r["matches_ar"] is None and r["new_tokens"] == 8
+        assert r["matches_ar"] is (None if r["method"] == "hf_assisted" else True), r["method"]
+        assert r["new_tokens"] == 8
+    assert {r["ref_method"] for r in rows if r["method"] == "dynatree"} == {"ar_t0.6_p0.9_s3"}
     assert json.loads(next(r["options"] for r in rows if r["method"] == "dynatree"))["top_p"] == 0.9
     assert "| sampled |" in (out / "summary.md").read_text()
     bad = CliRunner().invoke(main, args[:-2] + ["--option", "nonsense=1", "--out", str(tmp_path / "b2")])

@@ -120,7 +120,7 @@ def test_a_batch_releases_every_held_node(close_pair):
     from conftest import random_prompts
     prompts = random_prompts(5, seed=3)
     decode_batch(close_pair, prompts, make_config("dynatree"), max_new_tokens=20, ignore_eos=True)
-    cal = close_pair.state["calibration"]
+    cal = close_pair.state[("calibration", "greedy")]
     assert sum(map(sum, cal.tested)) > 0 and not any(map(any, cal.held))
 
 

@@ -199,17 +199,18 @@ def test_example_job_files_are_valid_specs():
 
 
 def test_sampled_job_reproducible_per_row(ray_cluster, pair_dirs, tmp_path):
-    """temperature > 0: each row's sample depends on (seed, id) only, so a different sharding and
-    actor count reproduce it; sampled rows are not compared with greedy ar."""
+    """temperature > 0: each row's sample depends on (seed, id) only, so a different sharding,
+    actor count and method reproduce it; the AR check compares it with ar drawing with the row's seed."""
     write_input(tmp_path)
     opts = {"temperature": 0.9, "seed": 5}
     run_job(spec(pair_dirs, tmp_path, options=opts), progress=False, log=quiet)
     a = read_rows(tmp_path / "out")
     run_job(spec(pair_dirs, tmp_path, options=opts, output=str(tmp_path / "out2"), shard_size=5,
-                 num_actors=1, method="dynatree"), progress=False, log=quiet)
+                 num_actors=1, method="linear"), progress=False, log=quiet)
     b = read_rows(tmp_path / "out2")
     assert [r["generated_token_ids"] for r in a] == [r["generated_token_ids"] for r in b]
-    assert all(r["error"] is None and r["matches_ar"] is None for r in a)
+    assert all(r["error"] is None and r["matches_ar"] in (True, None) for r in a + b)
+    assert any(r["matches_ar"] for r in a + b)
     assert len({tuple(r["generated_token_ids"]) for r in a}) > 1
 
 

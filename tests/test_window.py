@@ -7,6 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dynatree import decode, make_config, native
+from dynatree.config import ar_reference
 from dynatree.engine import BatchDecoder, ContextError, decode_batch
 from dynatree.kvcache import BufferLayer, make_window
 from dynatree.models import pair_from_models
@@ -131,6 +132,7 @@ def test_windowed_sampling_is_reproducible(close_pair):
     cfg = make_config("dynatree", with_window({"temperature": 0.9, "seed": 5}))
     a = decode(close_pair, p, cfg, max_new_tokens=80, ignore_eos=True)[0]
     assert len(a) == 80 and a == decode(close_pair, p, cfg, max_new_tokens=80, ignore_eos=True)[0]
+    assert a == decode(close_pair, p, ar_reference(cfg), max_new_tokens=80, ignore_eos=True)[0]
 
 
 def test_window_errors(close_pair):
