@@ -61,6 +61,8 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_softmax_topk.argtypes = [P, L, L, L, L, P, P]
     lib.dt_softmax_topk.restype = None
     lib.dt_argmax.argtypes = [P, L, L, L, P]
+    lib.dt_gumbel.argtypes = [ctypes.c_uint, ctypes.c_uint, L, P]
+    lib.dt_gumbel.restype = None
     lib.dt_argmax.restype = None
     lib.dt_attn_supported.argtypes = [L]
     lib.dt_cache_keep.argtypes = [P, P, L, L, L, L, L, P, L, L]
@@ -191,6 +193,17 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
     ids = torch.empty(n, k, dtype=torch.long)
     lib.dt_softmax_topk(logits.data_ptr(), n, v, logits.stride(0), k, vals.data_ptr(), ids.data_ptr())
     return vals.tolist(), ids.tolist()
+
+
+def gumbel(k0: int, k1: int, n: int) -> torch.Tensor | None:
+    """csrc/neox.c's dt_gumbel: (n,) float32 Gumbel noise for the 32-bit keys (k0, k1), or None
+    where the library does not build (sampling.py then computes the same in torch)."""
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(n, dtype=torch.float32)
+    lib.dt_gumbel(k0, k1, n, out.data_ptr())
+    return out
 
 
 def kv_pointers(layers):

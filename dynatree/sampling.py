@@ -4,7 +4,7 @@ Terms (every distribution is after the same temperature / top-k / top-p warping)
 
 * ``j``       a generated token's index in its generation (0 = the token the prefill produces);
 * ``g_j``     Gumbel noise for index j, one value per vocabulary entry, a fixed function of
-              (seed, j): ``-log(-log(U))`` with U uniform from a generator seeded by both;
+              (seed, j): ``-log(-log(U))`` with U a hash of (seed, j, entry) (:func:`gumbel`);
 * ``s(x)``    the *perturbed scores* ``warp(logits) / T + g_j``: logits over the temperature,
               -inf outside the top-k / top-p set;
 * the token at index j is ``argmax s`` over the target's logits at that position.
@@ -35,11 +35,36 @@ _MASK64 = (1 << 64) - 1
 
 
 def _mix(seed: int, j: int) -> int:
-    """splitmix64 of (seed, j): a generator seed per generated index, stable across runs."""
+    """splitmix64 of (seed, j): the 64-bit key of generated index j's noise, stable across runs."""
     z = (seed * 0x9E3779B97F4A7C15 + (j + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+    return z ^ (z >> 31)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def gumbel(key: int, width: int) -> torch.Tensor:
+    """(width,) float32 Gumbel noise for a 64-bit key: csrc/neox.c's dt_gumbel (its comment has the
+    construction and its precision), or the same formulas in torch where the C library does not
+    build (equal up to the last bits of the logarithms)."""
+    k0, k1 = key & 0xFFFFFFFF, key >> 32
+    g = native.gumbel(k0, k1, width)
+    if g is not None:
+        return g
+    h = _fmix32(((_fmix32(torch.arange(width) ^ k0) + k1) & 0xFFFFFFFF))
+    v = ((h >> 1).float() + 0.25) * 2.0 ** -31
+    v = v.clamp_(max=1 - 2.0 ** -24)
+    u = 1 - v
+    e = torch.where(u == 1, v, u.log() * v / (u - 1))  # -log1p(-v), as the C code computes it
+    return e.log_().neg_()
 
 
 class Sampler:
@@ -51,7 +76,6 @@ class Sampler:
     def __init__(self, temperature: float, top_k: int, top_p: float, seed: int):
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.base = 0
-        self._gen = torch.Generator()
         self._noise: dict[int, torch.Tensor] = {}  # j -> (V,) Gumbel noise, while j may still be drafted
 
     @classmethod
@@ -66,13 +90,11 @@ class Sampler:
             del self._noise[j]
 
     def noise(self, j: int, width: int, like: torch.Tensor | None = None) -> torch.Tensor:
-        """g_j: (width,), the same on every device and run (drawn in float64 on the CPU, then kept
-        in ``like``'s dtype and device, where the scores are added up)."""
+        """g_j: (width,), the same on every device and run (computed on the CPU, then kept in
+        ``like``'s dtype and device, where the scores are added up)."""
         g = self._noise.get(j)
         if g is None or g.shape[0] < width:
-            self._gen.manual_seed(_mix(self.seed, j))
-            u = torch.rand(width, dtype=torch.float64, generator=self._gen).clamp_(min=1e-300)
-            g = u.log_().neg_().log_().neg_()  # (width,)
+            g = gumbel(_mix(self.seed, j), width)  # (width,)
             if like is not None:
                 g = g.to(device=like.device, dtype=like.dtype)
             self._noise[j] = g

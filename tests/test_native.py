@@ -68,6 +68,17 @@ def test_every_variant_computes_the_same_bits():
         assert torch.equal(ar, first[0]) and torch.equal(logits, first[1]), v
 
 
+def test_every_variant_draws_the_same_sampling_noise():
+    """So a sampled corpus is the same corpus on every node too (sampling.py)."""
+    noise = {}
+    for v in native.variants_here():
+        out = torch.empty(8203)
+        native.library(v).dt_gumbel(0x9E3779B9, 12345, 8203, out.data_ptr())
+        noise[v] = out
+    first = next(iter(noise.values()))
+    assert all(torch.equal(n, first) for n in noise.values()) and torch.isfinite(first).all()
+
+
 def test_variants_that_cannot_run_here_say_so(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
     lib, why = native._build("avx9")

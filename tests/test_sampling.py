@@ -161,6 +161,20 @@ def test_noise_is_gumbel_and_a_function_of_seed_and_index():
     assert torch.equal(wide[:100], g)  # a wider vocabulary extends the same noise (draft and target share it)
     big = torch.cat([a.noise(j, 5000) for j in range(20)])  # 100k draws: Gumbel mean 0.5772, variance pi^2/6
     assert abs(float(big.mean()) - 0.5772) < 0.02 and abs(float(big.var()) - 1.6449) < 0.04
+    assert float(big.max()) < 23 and torch.isfinite(big).all()  # the float32 construction's bound
+
+
+def test_torch_noise_is_the_c_noise(monkeypatch):
+    """Machines without the C library draw the same noise (up to the logarithms' last bits)."""
+    from dynatree import native
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    keys = [0, 1, sampling._mix(7, 3), 2**64 - 1]
+    c = [sampling.gumbel(k, 8203) for k in keys]
+    monkeypatch.setattr(native, "gumbel", lambda k0, k1, n: None)
+    for k, g in zip(keys, c):
+        t = sampling.gumbel(k, 8203)
+        assert torch.allclose(g, t, rtol=1e-5, atol=1e-6), k
 
 
 def test_warped_distribution_with_top_k_top_p(small_pair):

@@ -317,6 +317,37 @@ static void softmax_topk_rows(const float *logits, long n, long V, long stride, 
 
 void dt_argmax(const float *logits, long n, long V, long stride, long *out) { argmax_rows(logits, n, V, stride, out); }
 
+/* Gumbel noise for sampling (dynatree/sampling.py has the same in torch for machines without this
+ * library): out[i] = -log(-log1p(-v_i)), i < n, with v_i = (floor(h_i / 2) + 1/4) * 2^-31 and h_i
+ * the 32-bit hash fmix32(fmix32(i ^ k0) + k1) (murmur3's finalizer), v_i kept below 1 - 2^-24.
+ * In float32: v is fine-grained near 0, where the noise is large, so the largest noise is ~22.9
+ * (a token scoring over ~25 below the best can never be drawn: at most V * e^-25 of probability,
+ * ~1e-7 for 50k tokens).  log1p(-v) = log(u) * -v / (u - 1), u = 1 - v rounded (Goldberg). */
+typedef unsigned int vu __attribute__((vector_size(4 * DT_W)));
+static inline vu fmix32(vu x) {
+    x ^= x >> 16;
+    x *= 0x85ebca6bu;
+    x ^= x >> 13;
+    x *= 0xc2b2ae35u;
+    return x ^ (x >> 16);
+}
+void dt_gumbel(unsigned int k0, unsigned int k1, long n, float *out) {
+    vu lane;
+    for (int l = 0; l < DT_W; l++) lane[l] = (unsigned)l;
+    for (long i = 0; i < n; i += DT_W) {
+        vu h = fmix32(fmix32((lane + (unsigned)i) ^ k0) + k1);
+        vf v = (__builtin_convertvector((vi)(h >> 1), vf) + bc(0.25f)) * bc(0x1p-31f);
+        v = vsel(v > bc(0x1.fffffep-1f), bc(0x1.fffffep-1f), v);
+        vf u = bc(1.f) - v;
+        vf e = vsel(u == bc(1.f), v, vlog(u) * v / (u - bc(1.f))); /* -log1p(-v) */
+        vf g = -vlog(e);
+        if (i + DT_W <= n)
+            st(out + i, g);
+        else
+            memcpy(out + i, &g, (size_t)(n - i) * sizeof(float));
+    }
+}
+
 void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids) {
     softmax_topk_rows(logits, n, V, stride, k, vals, ids);
 }

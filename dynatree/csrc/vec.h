@@ -150,6 +150,28 @@ static inline vf vexp(vf x) {
     return y * (vf)e;
 }
 
+/* log(x) lane-wise for positive normal x, Cephes' logf polynomial (~1 ulp). */
+static inline vf vlog(vf x) {
+    vi bits = (vi)x;
+    vi e = ((bits >> 23) & 0xff) - 126;
+    vf m = (vf)((bits & 0x007fffff) | 0x3f000000); /* x = m * 2^e, m in [0.5, 1) */
+    vi low = m < bc(0.707106781186547524f);       /* then use 2m - 1 and e - 1 */
+    e = e + low;
+    m = vsel(low, m + m, m) - bc(1.f);
+    vf z = m * m, y = bc(7.0376836292e-2f);
+    y = y * m + bc(-1.1514610310e-1f);
+    y = y * m + bc(1.1676998740e-1f);
+    y = y * m + bc(-1.2420140846e-1f);
+    y = y * m + bc(1.4249322787e-1f);
+    y = y * m + bc(-1.6668057665e-1f);
+    y = y * m + bc(2.0000714765e-1f);
+    y = y * m + bc(-2.4999993993e-1f);
+    y = y * m + bc(3.3333331174e-1f);
+    vf fe = __builtin_convertvector(e, vf);
+    y = y * m * z + fe * bc(-2.12194440e-4f) - bc(0.5f) * z;
+    return m + y + fe * bc(0.693359375f);
+}
+
 static inline float vmax_row(const float *x, long V) {
     vf mv = bc(-INFINITY);
     long j = 0;
