@@ -5,8 +5,8 @@ Terms (every distribution is after the same temperature / top-k / top-p warping)
 * ``j``       a generated token's index in its generation (0 = the token the prefill produces);
 * ``g_j``     Gumbel noise for index j, one value per vocabulary entry, a fixed function of
               (seed, j): ``-log(-log(U))`` with U a hash of (seed, j, entry) (:func:`gumbel`);
-* ``s(x)``    the *perturbed scores* ``warp(logits) / T + g_j``: logits over the temperature,
-              -inf outside the top-k / top-p set;
+* ``s(x)``    the *perturbed scores* ``warp(logits) + g_j``: logits times 1 / T (rounded, then
+              the noise added), -inf outside the top-k / top-p set;
 * the token at index j is ``argmax s`` over the target's logits at that position.
 
 By the Gumbel-max trick that argmax is an exact draw from ``softmax(warp(logits) / T)``, and it
@@ -102,7 +102,7 @@ class Sampler:
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (n, V) -> (n, V) logits over the temperature, -inf outside top-k / top-p."""
-        x = (logits if logits.dtype == torch.float64 else logits.float()) / self.temperature  # a new tensor
+        x = (logits if logits.dtype == torch.float64 else logits.float()) * (1.0 / self.temperature)  # a new tensor
         if 0 < self.top_k < x.shape[-1]:
             kth = x.topk(self.top_k, dim=-1).values[:, -1:]  # (n, 1)
             x = x.masked_fill(x < kth, -torch.inf)
@@ -130,16 +130,32 @@ class Sampler:
             a = b
         return x
 
+    def _plain(self) -> bool:
+        """Temperature alone: the C heads take it (top-k / top-p masks are torch's)."""
+        return not self.top_k and self.top_p >= 1.0
+
     def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
         """logits: (n, V) -> each row's draw (its perturbed argmax).  Host sync."""
+        if self._plain():
+            width = logits.shape[-1]
+            got = native.sample_heads(logits, 1.0 / self.temperature,
+                                      [self.noise(self.base + d, width, logits) for d in depths])
+            if got is not None:
+                return got
         return native.argmax_rows(self.scores(logits, depths))
 
     def propose(self, logits: torch.Tensor, depths: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
         """A draft's k proposals per row: the top-k of its perturbed scores, with their softmax as
         confidences (host lists; proposals outside top-k / top-p are dropped).  Host sync."""
-        s = self.scores(logits, depths)
-        vals, ids = native.topk_probs(s, min(k, s.shape[-1]))
-        if self.top_k or self.top_p < 1.0:
+        k = min(k, logits.shape[-1])
+        if self._plain():
+            width = logits.shape[-1]
+            got = native.sample_heads(logits, 1.0 / self.temperature,
+                                      [self.noise(self.base + d, width, logits) for d in depths], k)
+            if got is not None:
+                return got
+        vals, ids = native.topk_probs(self.scores(logits, depths), k)
+        if not self._plain():
             for r in range(len(vals)):
                 n_in = sum(1 for v in vals[r] if v > 1e-30)  # masked tokens score -inf
                 vals[r], ids[r] = vals[r][:n_in], ids[r][:n_in]

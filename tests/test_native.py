@@ -175,6 +175,26 @@ def test_argmax_and_topk_match_torch():
     ref_v, ref_i = torch.softmax(x[:, :999], -1).topk(5, -1)
     assert ids[0] == ref_i[0].tolist() and ids[5] == ref_i[5].tolist()
     torch.testing.assert_close(torch.tensor(vals), ref_v, rtol=1e-5, atol=1e-7)
+    y = torch.full((3, 37), -torch.inf)
+    y[1, 30], y[1, 36], y[2, 5:9] = 2.0, 2.0, 1.0  # ties in the tail, in a vector, a row of -inf
+    assert native.argmax_rows(y) == [0, 30, 5]
+    assert native.topk_probs(y[2:], 3)[1] == [[5, 6, 7]]  # ties keep the lower id
+
+
+def test_sampling_heads_are_torchs():
+    """The C heads of sampling (scores = logits * (1/T) + noise, rounded as torch rounds them)
+    choose and propose what the torch path does."""
+    from dynatree.sampling import Sampler
+    g = torch.Generator().manual_seed(5)
+    s = Sampler(0.7, 0, 1.0, 11)
+    for j in range(20):
+        x = 4 * torch.randn(4, 1003, generator=g)
+        s.at(j)
+        depths = [0, 1, 1, 2]
+        assert s.choose(x, depths) == native.argmax_rows(s.scores(x, depths))
+        vals, ids = s.propose(x, depths, 3)
+        ref_v, ref_i = native.topk_probs(s.scores(x, depths), 3)
+        assert ids == ref_i and vals == ref_v
 
 
 def test_decoders_equal_ar_on_the_native_kernel():

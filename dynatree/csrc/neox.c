@@ -263,21 +263,61 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     return 0;
 }
 
-/* Index of each row's largest logit (the first on ties), n rows of V with row stride `stride`. */
+/* Whether any lane of a comparison mask is set (one instruction where the ISA has it). */
+static inline int vany(vi m) {
+#if DT_W == 16 && !defined(DT_GENERIC)
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif DT_W == 8 && !defined(DT_GENERIC)
+    return _mm256_movemask_ps((__m256)m) != 0;
+#else
+    int any = 0;
+    for (int l = 0; l < DT_W; l++) any |= m[l];
+    return any;
+#endif
+}
+
+/* Index of each row's largest logit (the first on ties), n rows of V with row stride `stride`:
+ * one pass keeping each lane's best value and its first index, then the lanes' best (the lowest
+ * index among equal values). */
 static void argmax_rows(const float *logits, long n, long V, long stride, long *out) {
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const float *x = logits + i * stride;
-        float m = vmax_row(x, V);
-        long best = 0;
-        for (long j = 0; j < V; j++)
-            if (x[j] == m) { best = j; break; }
-        out[i] = best;
+        vf best = bc(-INFINITY);
+        vi at, idx;
+        for (int l = 0; l < DT_W; l++) at[l] = idx[l] = l;
+        long j = 0;
+        for (; j + DT_W <= V; j += DT_W, idx += DT_W) {
+            vf v = ld(x + j);
+            vi gt = v > best;
+            best = vsel(gt, v, best);
+            at = (gt & idx) | (~gt & at);
+        }
+        float m = best[0];
+        long b = at[0];
+        for (int l = 1; l < DT_W; l++)
+            if (best[l] > m || (best[l] == m && at[l] < b)) m = best[l], b = at[l];
+        for (; j < V; j++)
+            if (x[j] > m) m = x[j], b = j;
+        out[i] = b;
     }
 }
 
 /* Softmax probabilities and ids of the k most likely tokens of each of n rows of logits (row
- * stride `stride`), most likely first; ties keep the lower id.  vals: (n, k); ids: (n, k). */
+ * stride `stride`), most likely first; ties keep the lower id.  vals: (n, k); ids: (n, k).
+ * After the max, one pass both sums the exponentials (16-float logical vectors, one fixed order)
+ * and scans for the top k, skipping at once every vector none of whose lanes beats the k-th. */
+static inline void topk_insert(const float *x, long j0, long j1, long k, long *have, float *thr, float *bv, long *bi) {
+    for (long j = j0; j < j1; j++) {
+        float v = x[j];
+        if (*have == k && v <= *thr) continue;
+        long r = *have < k ? (*have)++ : k - 1;
+        while (r > 0 && bv[r - 1] < v) { bv[r] = bv[r - 1]; bi[r] = bi[r - 1]; r--; }
+        bv[r] = v;
+        bi[r] = j;
+        if (*have == k) *thr = bv[k - 1];
+    }
+}
 static void softmax_topk_rows(const float *logits, long n, long V, long stride, long k, float *vals, long *ids) {
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
@@ -286,36 +326,50 @@ static void softmax_topk_rows(const float *logits, long n, long V, long stride, 
         long *bi = ids + i * k;
         long have = 0;
         float m = vmax_row(x, V), thr = -INFINITY;  /* thr: the k-th best so far once k are held */
-        for (long j0 = 0; j0 < V; j0 += DT_W) {
-            long j1 = j0 + DT_W < V ? j0 + DT_W : V;
-            if (have == k && j1 - j0 == DT_W) {  /* skip a vector at once when none beats the k-th */
-                vi gt = ld(x + j0) > bc(thr);
-                int any = 0;
-                for (int l = 0; l < DT_W; l++) any |= gt[l];
-                if (!any) continue;
-            }
-            for (long j = j0; j < j1; j++) {
-                float v = x[j];
-                if (have == k && v <= thr) continue;
-                long r = have < k ? have++ : k - 1;
-                while (r > 0 && bv[r - 1] < v) { bv[r] = bv[r - 1]; bi[r] = bi[r - 1]; r--; }
-                bv[r] = v;
-                bi[r] = j;
-                if (have == k) thr = bv[k - 1];
-            }
-        }
         vf acc[DT_L16];
         for (int l = 0; l < DT_L16; l++) acc[l] = bc(0.f);
         long j = 0;
         for (; j + 16 <= V; j += 16)
-            for (int l = 0; l < DT_L16; l++) acc[l] += vexp(ld(x + j + l * DT_W) - bc(m));
+            for (int l = 0; l < DT_L16; l++) {
+                vf v = ld(x + j + l * DT_W);
+                acc[l] += vexp(v - bc(m));
+                if (have < k || vany(v > bc(thr))) topk_insert(x, j + l * DT_W, j + (l + 1) * DT_W, k, &have, &thr, bv, bi);
+            }
         float sum = hsum16(acc);
+        topk_insert(x, j, V, k, &have, &thr, bv, bi);
         for (; j < V; j++) sum += expf(x[j] - m);
         for (long r = 0; r < have; r++) bv[r] = expf(bv[r] - m) / sum;
     }
 }
 
 void dt_argmax(const float *logits, long n, long V, long stride, long *out) { argmax_rows(logits, n, V, stride, out); }
+
+/* The heads of sampling (dynatree/sampling.py): row i's perturbed scores s = x_i * inv_temp + noise[i]
+ * (its Gumbel noise), then their argmax (k == 0) or softmax top-k, as above.  The product is rounded
+ * before the add (no fused multiply-add), as torch computes it where this library is missing.
+ * scratch: n * V floats. */
+__attribute__((optimize("fp-contract=off")))
+static void perturb_rows(const float *logits, long n, long V, long stride, float inv_temp, const float *const *noise,
+                         float *scratch) {
+    for (long i = 0; i < n; i++) {
+        const float *x = logits + i * stride, *g = noise[i];
+        float *s = scratch + i * V;
+        long j = 0;
+        for (; j + DT_W <= V; j += DT_W) {
+            vf p = ld(x + j) * bc(inv_temp);
+            st(s + j, p + ld(g + j));
+        }
+        for (; j < V; j++) s[j] = x[j] * inv_temp + g[j];
+    }
+}
+void dt_sample_heads(const float *logits, long n, long V, long stride, float inv_temp, const float *const *noise,
+                     long k, float *scratch, float *vals, long *ids) {
+    perturb_rows(logits, n, V, stride, inv_temp, noise, scratch);
+    if (k > 0)
+        softmax_topk_rows(scratch, n, V, V, k, vals, ids);
+    else
+        argmax_rows(scratch, n, V, V, ids);
+}
 
 /* Gumbel noise for sampling (dynatree/sampling.py has the same in torch for machines without this
  * library): out[i] = -log(-log1p(-v_i)), i < n, with v_i = (floor(h_i / 2) + 1/4) * 2^-31 and h_i
