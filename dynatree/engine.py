@@ -70,18 +70,18 @@ def _sync(device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
-def verify_seq(tree: Tree, prefix_len: int, cache, device: torch.device) -> Seq:
+def verify_seq(tree: Tree, prefix_len: int, cache, device: torch.device, perturb=None) -> Seq:
     """verify: a flattened tree whose root sits at position ``prefix_len``, as one sequence of the
     packed target forward: each node sees the prefix and its ancestors, at position prefix_len +
     depth.  A chain (a bare root included) is an ordinary cached step: causal mask, consecutive
-    positions, no tree buffers."""
+    positions, no tree buffers.  ``perturb``: sampling's heads (runtime.Perturb)."""
     tokens = long_tensor(tree.tokens, device)  # (n,) BFS order
     if tree.parents == list(range(-1, len(tree) - 1)):
-        return Seq(tokens, cache)
+        return Seq(tokens, cache, perturb=perturb)
     pos, anc = position_ids(tree.depths, prefix_len)[0], ancestor_matrix(tree.parents)  # (n,), (n, n)
     if device.type != "cpu":
         pos, anc = pos.to(device), anc.to(device)
-    return Seq(tokens, cache, pos, KeyMask(prefix_len, anc))
+    return Seq(tokens, cache, pos, KeyMask(prefix_len, anc), perturb=perturb)
 
 
 def commit_target(model, cache, path: list[int], path_tokens: list[int], prefix_len: int,
@@ -118,6 +118,7 @@ class _Row:
         self.eos = None if ignore_eos else pair.eos_token_id
         self.max_context = pair.max_context
         self.sampler = Sampler.from_config(cfg)
+        self.perturbs = self.sampler is not None and self.sampler.plain  # the forwards' heads draw
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
@@ -162,16 +163,21 @@ class _Row:
             return min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
         return min(room - 1, self.window.size - 1 - prefix_len)
 
+    def head(self, depths: list[int]):
+        """The runtime.Perturb a target forward's heads read for kept rows at these depths below
+        the root (sampling with temperature alone), or None (their argmax is the choice)."""
+        return self.sampler.head(depths) if self.perturbs else None
+
     def next_token(self, out) -> int:
-        """The token after an Output's last row: its argmax head, or a draw.  Host sync."""
-        if self.sampler is None:
+        """The token after an Output's last row: its argmax head (a draw when perturbed), or a
+        draw under top-k / top-p.  Host sync."""
+        if self.sampler is None or self.perturbs:
             return out.choice[-1]
-        self.sampler.at(len(self.out))
         return self.sampler.choose(out.logits[0, -1:], [0])[0]
 
     def choices(self, tree: Tree, out) -> list[int]:
-        """The target's choice at every node of a verified tree.  Host sync (sampling)."""
-        if self.sampler is None:
+        """The target's choice at every node of a verified tree.  Host sync (top-k / top-p)."""
+        if self.sampler is None or self.perturbs:
             return out.choice
         return self.sampler.choose(out.logits[0], tree.depths)
 
@@ -258,12 +264,16 @@ class BatchDecoder:
             return
         t0 = time.perf_counter()
         fed, outs = [0] * len(rows), [None] * len(rows)
+        for r in rows:
+            if r.sampler is not None:
+                r.sampler.at(0)  # the prefill draws generated index 0
         while todo := [i for i, r in enumerate(rows) if fed[i] < len(r.prompt)]:
             seqs = []
             for i in todo:
                 r = rows[i]
                 end = len(r.prompt) if r.window is None else min(len(r.prompt), fed[i] + r.window.size - r.cache.length)
-                seqs.append(Seq(torch.tensor(r.prompt[fed[i]:end], device=self.dev), r.cache, keep=1))
+                seqs.append(Seq(torch.tensor(r.prompt[fed[i]:end], device=self.dev), r.cache, keep=1,
+                                perturb=r.head([0])))
                 fed[i] = end
             for i, o in zip(todo, self.target.forward(seqs, argmax=True)):
                 outs[i] = o
@@ -291,7 +301,7 @@ class BatchDecoder:
         if cuda:
             _sync(self.dev)
         t0 = time.perf_counter()
-        seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev) for s in steps]
+        seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev, s.row.head(s.tree.depths)) for s in steps]
         outs = self.target.forward(seqs, argmax=True)
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)

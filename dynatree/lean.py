@@ -157,7 +157,8 @@ class LeanNeoX:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
-                 logits_to_keep: int = 0, topk: int = 0, argmax: bool = False, cols: int | None = None):
+                 logits_to_keep: int = 0, topk: int = 0, argmax: bool = False, cols: int | None = None,
+                 perturb=None):
         """input_ids: (1, n); attention_mask: a KeyMask, additive (1, 1, n, P + n) or None (causal);
         position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
         Returns a runtime.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
@@ -168,9 +169,10 @@ class LeanNeoX:
             if attention_mask is not None and not isinstance(attention_mask, KeyMask):
                 attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
             seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
-                      attention_mask, logits_to_keep)
+                      attention_mask, logits_to_keep, perturb)
             return self._native([seq], topk, argmax, cols)[0]
-        return self._torch(input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols)
+        return self._torch(input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols,
+                           perturb)
 
     def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
         """Several sequences' new tokens -> one Output each (runtime.py).  On the native kernel
@@ -186,7 +188,7 @@ class LeanNeoX:
         return (self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
                 and (getattr(cache.layers[0], "store", None) or torch.float32) in native.KV_FORMATS)
 
-    def _torch(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols):
+    def _torch(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols, perturb):
         """The forward as torch ops (MKL/oneDNN on a CPU; any dtype and device)."""
         n = input_ids.shape[1]
         past = cache.length if cache is not None else 0
@@ -221,7 +223,7 @@ class LeanNeoX:
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return with_heads(self.lm_head(h), topk, argmax, cols)
+        return with_heads(self.lm_head(h), topk, argmax, cols, perturb)
 
     def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The sequences' forward as one call into csrc/neox.c (batch invariant: see that file).
@@ -229,6 +231,7 @@ class LeanNeoX:
         Lean on purpose: a draft forward is ~0.1 ms of C, so every microsecond of Python here shows."""
         descs = (native.DtSeq * len(seqs))()
         ids, pos, alive, kept = [], [], [], 0
+        cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
         for d, s in zip(descs, seqs):
             n, cache = len(s.ids), s.cache
             past = cache.length
@@ -251,6 +254,11 @@ class LeanNeoX:
             alive.append((kc, vc))
             d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
             d.kvfmt = native.KV_FORMATS[layers[0].keys.dtype]
+            if s.perturb is not None:  # sampling's heads: one noise row per kept row
+                noise = [g if g.dtype == torch.float32 else g.float() for g in s.perturb.noise(cols)]
+                rows = (ctypes.c_void_p * keep)(*[g.data_ptr() for g in noise])
+                alive.append((noise, rows))
+                d.noise, d.inv_temp = ctypes.addressof(rows), s.perturb.inv_temp
             kept += keep
         ids = ids[0] if len(ids) == 1 else torch.cat(ids)  # (n,)
         if ids.dtype != torch.long or not ids.is_contiguous():
@@ -264,7 +272,6 @@ class LeanNeoX:
         if self.work.numel() < n * self.work_per_row:
             self.work = torch.empty(n * self.work_per_row)
         logits = torch.empty(kept, self.vocab_pad)  # (sum keep, V_pad)
-        cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
         vals = top = None
         mode = 0
         if topk:

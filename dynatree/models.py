@@ -53,11 +53,11 @@ class HFRunner:
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
 
     def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,
-                 **kwargs):
-        """transformers' arguments, plus the heads of native.Output (computed after the forward)."""
+                 perturb=None, **kwargs):
+        """transformers' arguments, plus the heads of runtime.Output (computed after the forward)."""
         if isinstance(attention_mask, KeyMask):
             attention_mask = attention_mask.additive(self.dtype)
-        return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols)
+        return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols, perturb)
 
     def forward(self, seqs, **heads):
         """runtime.Seq inputs -> one runtime.Output each (one forward per sequence)."""

@@ -44,7 +44,7 @@ class DtSeq(ctypes.Structure):
 
     _fields_ = [("rows", ctypes.c_long), ("past", ctypes.c_long), ("visible", ctypes.c_long), ("cap", ctypes.c_long),
                 ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
-                ("kvfmt", ctypes.c_long)]
+                ("kvfmt", ctypes.c_long), ("noise", ctypes.c_void_p), ("inv_temp", ctypes.c_float)]
 
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # cache element types the kernel reads (dt_seq.kvfmt)
 
@@ -62,8 +62,6 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_softmax_topk.restype = None
     lib.dt_argmax.argtypes = [P, L, L, L, P]
     lib.dt_gumbel.argtypes = [ctypes.c_uint, ctypes.c_uint, L, P]
-    lib.dt_sample_heads.argtypes = [P, L, L, L, F, P, L, P, P, P]
-    lib.dt_sample_heads.restype = None
     lib.dt_gumbel.restype = None
     lib.dt_argmax.restype = None
     lib.dt_attn_supported.argtypes = [L]
@@ -195,23 +193,6 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
     ids = torch.empty(n, k, dtype=torch.long)
     lib.dt_softmax_topk(logits.data_ptr(), n, v, logits.stride(0), k, vals.data_ptr(), ids.data_ptr())
     return vals.tolist(), ids.tolist()
-
-
-def sample_heads(logits: torch.Tensor, inv_temp: float, noise: list[torch.Tensor], k: int = 0):
-    """Sampling's heads in one C call: rows of ``logits`` (n, V) scaled by ``inv_temp`` plus each row's
-    ``noise`` (V,) -> their argmax ids (k = 0) or softmax top-k (probabilities, ids), host lists;
-    None where the library does not take these tensors (sampling.py then uses torch).  Host sync."""
-    lib = _cpu_lib(logits)
-    if lib is None or any(g.dtype != torch.float32 or g.device.type != "cpu" for g in noise):
-        return None
-    n, v = logits.shape
-    ptrs = (ctypes.c_void_p * n)(*[g.data_ptr() for g in noise])
-    scratch = torch.empty(n, v)
-    ids = torch.empty(n, max(k, 1), dtype=torch.long)
-    vals = torch.empty(n, k) if k else None
-    lib.dt_sample_heads(logits.data_ptr(), n, v, logits.stride(0), inv_temp, ptrs, k, scratch.data_ptr(),
-                        vals.data_ptr() if k else None, ids.data_ptr())
-    return (vals.tolist(), ids.tolist()) if k else ids[:, 0].tolist()
 
 
 def gumbel(k0: int, k1: int, n: int) -> torch.Tensor | None:

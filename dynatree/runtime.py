@@ -7,9 +7,9 @@ tokens of one or several sequences in one call::
 
 Each :class:`Seq` carries its own KV cache (a kvcache.BufferCache holding ``cache.length`` tokens),
 its new token ids, their positions and which keys they may see (:class:`KeyMask`, or causal), and
-how many of its last rows' logits to return.  The runner returns one :class:`Output` per
-sequence: those logits and the heads the engine reads (softmax top-k for drafting, argmax for
-greedy verification) as host lists.  The native kernel packs every sequence's rows into one
+how many of its last rows' logits to return, and for a sampled sequence the :class:`Perturb`
+its heads read.  The runner returns one :class:`Output` per sequence: those logits and the heads
+the engine reads (softmax top-k for drafting, argmax for verification) as host lists.  The native kernel packs every sequence's rows into one
 forward (one stream over the weights) and is batch invariant, so a sequence's results do not
 depend on its neighbours; the torch runners loop over the sequences.
 
@@ -18,6 +18,7 @@ Kernels and their types (ctypes, packed weights, C structs) stay behind this int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,6 +53,16 @@ class KeyMask:
         return mask[None, None]
 
 
+@dataclass(frozen=True)
+class Perturb:
+    """Sampling's heads (sampling.py): the heads of a sequence's kept rows read the perturbed
+    scores ``logits * inv_temp + noise`` (the product rounded, then the add) instead of its
+    logits, and those scores replace the logits they read in the Output."""
+
+    inv_temp: float
+    noise: Callable[[int], list]  # width -> one (width,) float32 CPU tensor per kept row
+
+
 @dataclass
 class Seq:
     """One sequence's new tokens in a (possibly packed) forward."""
@@ -61,6 +72,7 @@ class Seq:
     positions: torch.Tensor | None = None  # (n,) int64; None: cache.length .. cache.length + n - 1
     mask: KeyMask | None = None  # None: causal over the new tokens, all of the cache
     keep: int = 0  # logits of the last ``keep`` rows; 0: all n
+    perturb: Perturb | None = None  # sampled rows: what the heads read
 
 
 class Output:
@@ -74,14 +86,18 @@ class Output:
         self.logits, self.top, self.choice = logits, top, choice
 
 
-def with_heads(logits: torch.Tensor, topk: int = 0, argmax: bool = False, cols: int | None = None) -> Output:
+def with_heads(logits: torch.Tensor, topk: int = 0, argmax: bool = False, cols: int | None = None,
+               perturb: Perturb | None = None) -> Output:
     """logits: (1, n, V) -> an Output with the heads asked for, computed after the forward (the
     runners that cannot fuse them into it: transformers, lean.py's torch path).  Host sync."""
     from .native import argmax_rows, topk_probs
 
+    rows = logits[0, :, :cols] if cols is not None else logits[0]  # (n, cols)
+    if perturb is not None:  # in place: the kept rows' scores replace their logits, as in the C head
+        noise = torch.stack(perturb.noise(rows.shape[-1])).to(device=rows.device, dtype=rows.dtype)  # (n, cols)
+        rows.mul_(perturb.inv_temp).add_(noise)
     if not (topk or argmax):
         return Output(logits)
-    rows = logits[0, :, :cols] if cols is not None else logits[0]  # (n, cols)
     return Output(logits, topk_probs(rows, topk) if topk else None, argmax_rows(rows) if argmax else None)
 
 
@@ -91,5 +107,6 @@ def forward_each(runner, seqs: list[Seq], **heads) -> list[Output]:
     for s in seqs:
         outs.append(runner(input_ids=s.ids[None], attention_mask=s.mask,
                            position_ids=None if s.positions is None else s.positions[None],
-                           past_key_values=s.cache, use_cache=True, logits_to_keep=s.keep, **heads))
+                           past_key_values=s.cache, use_cache=True, logits_to_keep=s.keep, perturb=s.perturb,
+                           **heads))
     return outs

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import native
+from .runtime import Perturb
 
 _MASK64 = (1 << 64) - 1
 
@@ -130,33 +131,27 @@ class Sampler:
             a = b
         return x
 
-    def _plain(self) -> bool:
-        """Temperature alone: the C heads take it (top-k / top-p masks are torch's)."""
+    @property
+    def plain(self) -> bool:
+        """Temperature alone: the forward's own heads take the noise (:meth:`head`); top-k / top-p
+        masks need :meth:`choose` and :meth:`propose` on the logits."""
         return not self.top_k and self.top_p >= 1.0
+
+    def head(self, depths: list[int]) -> Perturb:
+        """What a forward's heads read for kept rows at these depths (runtime.Perturb): their
+        argmax is :meth:`choose`'s draw, their softmax top-k :meth:`propose`'s proposals."""
+        js = [self.base + d for d in depths]
+        return Perturb(1.0 / self.temperature, lambda width: [self.noise(j, width) for j in js])
 
     def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
         """logits: (n, V) -> each row's draw (its perturbed argmax).  Host sync."""
-        if self._plain():
-            width = logits.shape[-1]
-            got = native.sample_heads(logits, 1.0 / self.temperature,
-                                      [self.noise(self.base + d, width, logits) for d in depths])
-            if got is not None:
-                return got
         return native.argmax_rows(self.scores(logits, depths))
 
     def propose(self, logits: torch.Tensor, depths: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
         """A draft's k proposals per row: the top-k of its perturbed scores, with their softmax as
         confidences (host lists; proposals outside top-k / top-p are dropped).  Host sync."""
-        k = min(k, logits.shape[-1])
-        if self._plain():
-            width = logits.shape[-1]
-            got = native.sample_heads(logits, 1.0 / self.temperature,
-                                      [self.noise(self.base + d, width, logits) for d in depths], k)
-            if got is not None:
-                return got
-        vals, ids = native.topk_probs(self.scores(logits, depths), k)
-        if not self._plain():
-            for r in range(len(vals)):
-                n_in = sum(1 for v in vals[r] if v > 1e-30)  # masked tokens score -inf
-                vals[r], ids[r] = vals[r][:n_in], ids[r][:n_in]
+        vals, ids = native.topk_probs(self.scores(logits, depths), min(k, logits.shape[-1]))
+        for r in range(len(vals)):
+            n_in = sum(1 for v in vals[r] if v > 1e-30)  # masked tokens score -inf
+            vals[r], ids[r] = vals[r][:n_in], ids[r][:n_in]
         return vals, ids

@@ -182,19 +182,31 @@ def test_argmax_and_topk_match_torch():
 
 
 def test_sampling_heads_are_torchs():
-    """The C heads of sampling (scores = logits * (1/T) + noise, rounded as torch rounds them)
-    choose and propose what the torch path does."""
+    """Sampling's heads fused into the forward (the kernel perturbs each kept row's logits in
+    place, product rounded before the add) choose and propose exactly what the torch path computes
+    from the plain logits (sampling.Sampler.choose / propose), on the native and the torch forward."""
+    from dynatree.runtime import Seq
     from dynatree.sampling import Sampler
-    g = torch.Generator().manual_seed(5)
+    model = neox32(12, vocab=100)
     s = Sampler(0.7, 0, 1.0, 11)
-    for j in range(20):
-        x = 4 * torch.randn(4, 1003, generator=g)
-        s.at(j)
-        depths = [0, 1, 1, 2]
-        assert s.choose(x, depths) == native.argmax_rows(s.scores(x, depths))
-        vals, ids = s.propose(x, depths, 3)
-        ref_v, ref_i = native.topk_probs(s.scores(x, depths), 3)
-        assert ids == ref_i and vals == ref_v
+    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+    for gemm in (True, False):  # the C kernel, and lean.py's torch forward
+        lean = LeanNeoX(model, gemm=gemm)
+        for j in range(5):
+            s.at(j)
+            outs = []
+            for perturb in (None, s.head(tree.depths)):
+                cache = new_cache(model, 32)
+                with torch.inference_mode():
+                    lean.forward([Seq(torch.tensor([5, 9, 11, 40]), cache)])
+                    seq = Seq(torch.tensor(tree.tokens), cache, position_ids(tree.depths, 4)[0],
+                              KeyMask(4, ancestor_matrix(tree.parents)), perturb=perturb)
+                    outs.append(lean.forward([seq], topk=3, cols=90)[0])
+                    cache.truncate(4)
+                    outs.append(lean.forward([seq], argmax=True)[0])
+            plain = outs[1].logits[0]
+            assert outs[3].choice == s.choose(plain, tree.depths)
+            assert outs[2].top == s.propose(plain[:, :90], tree.depths, 3)
 
 
 def test_decoders_equal_ar_on_the_native_kernel():

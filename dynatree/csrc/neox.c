@@ -69,13 +69,17 @@ int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && dt_attn_f32(
  * cached tokens.  Its rows see keys j < visible and, for j >= visible, those marked in allowed
  * (rows, past + rows - visible) bool, row-major; allowed NULL = causal.  kc[l], vc[l]: the
  * sequence's own (H, cap, hd) key/value buffers of layer l -- rows never see another
- * sequence's keys.  The logits of its last `keep` rows are returned. */
+ * sequence's keys.  The logits of its last `keep` rows are returned.  noise (sampling, NULL for
+ * none): one row of Gumbel noise per kept row, and the heads read (and the logits return) the
+ * perturbed scores logits * inv_temp + noise (perturb_row). */
 typedef struct {
     long rows, past, visible, cap, keep;
     const unsigned char *allowed;
     void *const *kc;
     void *const *vc;
     long kvfmt; /* cache element: 0 float32, 1 bfloat16 (rounded to nearest even as it is written) */
+    const float *const *noise;
+    float inv_temp;
 } dt_seq;
 
 /* Where each packed row belongs: its sequence and its index among that sequence's rows; where
@@ -207,6 +211,7 @@ static void activate(int act, float *z, long n, long ff) {
  * Returns 0, or 1 (nothing computed) if a token id is outside the embedding. */
 static void argmax_rows(const float *logits, long n, long V, long stride, long *out);
 static void softmax_topk_rows(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
+static void perturb_row(float *x, long V, float inv_temp, const float *g);
 
 int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
                      const float *embed, const float *const *head, const long *ids, long n, const long *pos,
@@ -218,14 +223,20 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     rowmap rm = {seqs, nseq, malloc(sizeof(long) * (size_t)n), malloc(sizeof(long) * (size_t)n),
                  malloc(sizeof(long) * (size_t)nseq)};
     long *keep_rows = malloc(sizeof(long) * (size_t)n);
+    const float **noise = malloc(sizeof(float *) * (size_t)n); /* per kept row, NULL: plain logits */
+    float *inv_temp = malloc(sizeof(float) * (size_t)n);
     for (long q = 0, i = 0; q < nseq; q++) {
         rm.start[q] = i;
         if (seqs[q].rows > most) most = seqs[q].rows;
         if (seqs[q].rows * (seqs[q].past + seqs[q].rows + 16) > span) span = seqs[q].rows * (seqs[q].past + seqs[q].rows + 16);
-        for (long r = 0; r < seqs[q].rows; r++, i++) {
+        for (long r = 0, first = seqs[q].rows - seqs[q].keep; r < seqs[q].rows; r++, i++) {
             rm.of[i] = q;
             rm.local[i] = r;
-            if (r >= seqs[q].rows - seqs[q].keep) keep_rows[kept++] = i;
+            if (r >= first) {
+                noise[kept] = seqs[q].noise ? seqs[q].noise[r - first] : 0;
+                inv_temp[kept] = seqs[q].inv_temp;
+                keep_rows[kept++] = i;
+            }
         }
     }
 #pragma omp parallel num_threads(threads)
@@ -247,6 +258,9 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         for (long r = 0; r < kept; r++) memcpy(scratch + r * d, h + keep_rows[r] * d, sizeof(float) * d);
         layer_norm(scratch, kept, d, head[0], head[1], eps, h2);
         dt_gemm_for(h2, kept, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
+#pragma omp for schedule(static)
+        for (long r = 0; r < kept; r++)
+            if (noise[r]) perturb_row(logits + r * dims[VOCAB_PAD], cols, inv_temp[r], noise[r]);
         if (topk > 0) softmax_topk_rows(logits, kept, cols, dims[VOCAB_PAD], topk, top_vals, top_ids);
         if (topk < 0) argmax_rows(logits, kept, cols, dims[VOCAB_PAD], top_ids);
         free(w.idx);
@@ -257,6 +271,8 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         free(w.s);
     }
     free(keep_rows);
+    free(noise);
+    free(inv_temp);
     free(rm.start);
     free(rm.local);
     free(rm.of);
@@ -344,31 +360,17 @@ static void softmax_topk_rows(const float *logits, long n, long V, long stride, 
 
 void dt_argmax(const float *logits, long n, long V, long stride, long *out) { argmax_rows(logits, n, V, stride, out); }
 
-/* The heads of sampling (dynatree/sampling.py): row i's perturbed scores s = x_i * inv_temp + noise[i]
- * (its Gumbel noise), then their argmax (k == 0) or softmax top-k, as above.  The product is rounded
- * before the add (no fused multiply-add), as torch computes it where this library is missing.
- * scratch: n * V floats. */
+/* Sampling's perturbed scores in place (dynatree/sampling.py): x = x * inv_temp + g over V entries,
+ * the product rounded before the add (no fused multiply-add), as torch computes them on the
+ * runners without this kernel. */
 __attribute__((optimize("fp-contract=off")))
-static void perturb_rows(const float *logits, long n, long V, long stride, float inv_temp, const float *const *noise,
-                         float *scratch) {
-    for (long i = 0; i < n; i++) {
-        const float *x = logits + i * stride, *g = noise[i];
-        float *s = scratch + i * V;
-        long j = 0;
-        for (; j + DT_W <= V; j += DT_W) {
-            vf p = ld(x + j) * bc(inv_temp);
-            st(s + j, p + ld(g + j));
-        }
-        for (; j < V; j++) s[j] = x[j] * inv_temp + g[j];
+static void perturb_row(float *x, long V, float inv_temp, const float *g) {
+    long j = 0;
+    for (; j + DT_W <= V; j += DT_W) {
+        vf p = ld(x + j) * bc(inv_temp);
+        st(x + j, p + ld(g + j));
     }
-}
-void dt_sample_heads(const float *logits, long n, long V, long stride, float inv_temp, const float *const *noise,
-                     long k, float *scratch, float *vals, long *ids) {
-    perturb_rows(logits, n, V, stride, inv_temp, noise, scratch);
-    if (k > 0)
-        softmax_topk_rows(scratch, n, V, V, k, vals, ids);
-    else
-        argmax_rows(scratch, n, V, V, ids);
+    for (; j < V; j++) x[j] = x[j] * inv_temp + g[j];
 }
 
 /* Gumbel noise for sampling (dynatree/sampling.py has the same in torch for machines without this
