@@ -43,7 +43,8 @@ def test_calibration_learns_a_poorly_calibrated_draft():
         cal.update(0.3, False, rank=1)  # the same q as a second choice: rarely right
     assert 0.6 < cal(0.3) < 0.7 and 0.6 < cal.top1() < 0.7
     assert cal(0.3, rank=1) < 0.02
-    assert cal(0.9) == 1.0 and cal(0.3, rank=2) == 1.0  # untouched cells keep the prior
+    assert cal(0.3, rank=2) == 1.0  # an untouched rank keeps the optimistic start
+    assert cal(0.9) == cal.top1()  # an untouched cell of a measured rank starts at the rank's acceptance
 
 
 def test_flatten_keeps_only_selected_nodes():
@@ -110,7 +111,7 @@ def test_held_nodes_share_the_prior_and_leave_a_measured_cell_alone():
     cells += [cal.hold(0.8, 0) for _ in range(64)]
     assert abs(cal(0.8) - measured) < 1e-3  # held at the observed mean: no pessimism once measured
     cal.release(cells)
-    assert cal(0.3) == 1.0 and cal(0.8) == measured
+    assert cal(0.3) == cal.top1() and cal(0.8) == measured  # the untested cell: its rank's acceptance
 
 
 def test_a_batch_releases_every_held_node(close_pair):
