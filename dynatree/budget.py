@@ -422,8 +422,7 @@ class Calibration:
 
     def top1(self) -> float:
         """Calibrated acceptance of a node's first child over all q (for look-ahead)."""
-        t, a = sum(self.tested[0]), sum(self.accepted[0])
-        return (a + self.prior) / (t + self.prior)
+        return self._pooled(0)
 
     def update(self, q: float, ok: bool, rank: int) -> None:
         r, b = self._cell(q, rank)
