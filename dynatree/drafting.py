@@ -28,6 +28,7 @@ import torch
 
 from .kvcache import new_cache
 from .runtime import KeyMask, Seq
+from .sampling import head, in_head
 from .tree import Tree, long_tensor
 
 
@@ -79,11 +80,6 @@ class Drafter:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
         self.pending.extend(tokens)
 
-    def _head(self, depths: list[int]):
-        """The runtime.Perturb the draft forward's top-k head reads when sampling with temperature
-        alone (sampling.Sampler.head), else None."""
-        return self.sampler.head(depths) if self.sampler is not None and self.sampler.plain else None
-
     def _feed(self, tokens: list[int], k: int = 1, perturb=None):
         """One draft forward over committed ``tokens`` into the cache (the Output's top-k of the
         last one, ``k``).  A generator (see the class); returns the Output."""
@@ -111,7 +107,7 @@ class Drafter:
         """A draft forward's Output for nodes at ``depths`` -> per row k proposals: confidences
         and token ids (host lists).  Greedy proposals are the forward's own top-k head (fused into
         the native kernel; a packed forward asks for the largest k, so rows are cut to theirs)."""
-        if self.sampler is None or self.sampler.plain:  # the head read the perturbed scores (_head)
+        if in_head(self.sampler):  # the forward's top-k head (perturbed when sampling: sampling.head)
             vals, ids = out.top
             return [v[:k] for v in vals], [t[:k] for t in ids]
         return self.sampler.propose(out.logits[0, :, : self.vocab], depths, k)
@@ -127,7 +123,7 @@ class Drafter:
                 # would disagree with its target.  So cache them first (once per evicted chunk).
                 yield from self.prefill()
             self._make_room()
-        out = yield from self._feed(self.pending, min(k, self.vocab), self._head([0]))
+        out = yield from self._feed(self.pending, min(k, self.vocab), head(self.sampler, [0]))
         vals, idx = self._proposals(out, [0], min(k, self.vocab))
         self.pending = []
         self.base = self.cache.length
@@ -169,7 +165,7 @@ class Drafter:
         ids = long_tensor([tree.tokens[u] for u in nodes], dev)  # (n,)
         depths = [tree.depths[u] for u in nodes]
         pos = long_tensor([self.root_pos + d for d in depths], dev)  # (n,)
-        out = yield DraftCall(Seq(ids, self.cache, pos, mask, perturb=self._head(depths)), min(k, self.vocab))
+        out = yield DraftCall(Seq(ids, self.cache, pos, mask, perturb=head(self.sampler, depths)), min(k, self.vocab))
         self.forwards += 1
         self.fed_tokens += n
         return self._proposals(out, depths, min(k, self.vocab))
@@ -220,7 +216,7 @@ def drive(jobs: list[tuple[Drafter, object]]) -> list:
         idx = list(calls)
         batch = [calls.pop(i) for i in idx]
         lead = jobs[idx[0]][0]
-        heads = [c.k for i, c in zip(idx, batch) if c.seq.perturb is not None or jobs[i][0].sampler is None]
+        heads = [c.k for i, c in zip(idx, batch) if in_head(jobs[i][0].sampler)]
         tf = time.perf_counter()
         outs = lead.model.forward([c.seq for c in batch], topk=max(heads, default=0), cols=lead.vocab)
         tf = time.perf_counter() - tf

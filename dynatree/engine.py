@@ -43,7 +43,7 @@ from .models import ModelPair
 from .native import argmax_rows
 from .budget import Governor
 from .policies import make_policy
-from .sampling import Sampler
+from .sampling import Sampler, head, in_head
 from .runtime import KeyMask, Seq
 from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
 
@@ -118,7 +118,6 @@ class _Row:
         self.eos = None if ignore_eos else pair.eos_token_id
         self.max_context = pair.max_context
         self.sampler = Sampler.from_config(cfg)
-        self.perturbs = self.sampler is not None and self.sampler.plain  # the forwards' heads draw
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
@@ -163,21 +162,16 @@ class _Row:
             return min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
         return min(room - 1, self.window.size - 1 - prefix_len)
 
-    def head(self, depths: list[int]):
-        """The runtime.Perturb a target forward's heads read for kept rows at these depths below
-        the root (sampling with temperature alone), or None (their argmax is the choice)."""
-        return self.sampler.head(depths) if self.perturbs else None
-
     def next_token(self, out) -> int:
         """The token after an Output's last row: its argmax head (a draw when perturbed), or a
         draw under top-k / top-p.  Host sync."""
-        if self.sampler is None or self.perturbs:
+        if in_head(self.sampler):
             return out.choice[-1]
         return self.sampler.choose(out.logits[0, -1:], [0])[0]
 
     def choices(self, tree: Tree, out) -> list[int]:
         """The target's choice at every node of a verified tree.  Host sync (top-k / top-p)."""
-        if self.sampler is None or self.perturbs:
+        if in_head(self.sampler):
             return out.choice
         return self.sampler.choose(out.logits[0], tree.depths)
 
@@ -273,7 +267,7 @@ class BatchDecoder:
                 r = rows[i]
                 end = len(r.prompt) if r.window is None else min(len(r.prompt), fed[i] + r.window.size - r.cache.length)
                 seqs.append(Seq(torch.tensor(r.prompt[fed[i]:end], device=self.dev), r.cache, keep=1,
-                                perturb=r.head([0])))
+                                perturb=head(r.sampler, [0])))
                 fed[i] = end
             for i, o in zip(todo, self.target.forward(seqs, argmax=True)):
                 outs[i] = o
@@ -301,7 +295,8 @@ class BatchDecoder:
         if cuda:
             _sync(self.dev)
         t0 = time.perf_counter()
-        seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev, s.row.head(s.tree.depths)) for s in steps]
+        seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev, head(s.row.sampler, s.tree.depths))
+                for s in steps]
         outs = self.target.forward(seqs, argmax=True)
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)

@@ -68,6 +68,19 @@ def gumbel(key: int, width: int) -> torch.Tensor:
     return e.log_().neg_()
 
 
+def in_head(sampler: "Sampler | None") -> bool:
+    """Whether a forward's own argmax / top-k head gives the answer: greedy (no sampler), or
+    sampling with temperature alone, whose noise the head reads (:func:`head`).  Otherwise (top-k /
+    top-p masks) the caller takes :meth:`Sampler.choose` / :meth:`Sampler.propose` on the logits."""
+    return sampler is None or sampler.plain
+
+
+def head(sampler: "Sampler | None", depths: list[int]) -> Perturb | None:
+    """The runtime.Perturb a forward's heads read for kept rows at these depths below the root, or
+    None where they read the plain logits."""
+    return sampler.head(depths) if sampler is not None and sampler.plain else None
+
+
 class Sampler:
     """Warping and the seeded noise of one generation.  ``temperature == 0`` never builds one.
 
