@@ -198,8 +198,18 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
-               attn_implementation: str = "sdpa"):
-    """Load a causal LM by Hugging Face hub name or local directory."""
+               attn_implementation: str = "sdpa", lean: bool = False):
+    """Load a causal LM by Hugging Face hub name or local directory.
+
+    ``lean``: the model will only run on the lean kernels, so a local GPT-NeoX checkpoint skips
+    transformers' modeling code (checkpoint.py: ~2 s less start-up per process)."""
+    from . import checkpoint
+
+    if lean and checkpoint.readable(name_or_path):
+        try:
+            return checkpoint.load(name_or_path, dtype, device)
+        except (OSError, ValueError) as e:
+            raise PairError(f"cannot load model {name_or_path!r}: {e}") from e
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -223,12 +233,14 @@ def load_tokenizer(name_or_path: str):
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
               device: str = "auto", dtype: str = "float32", attn_implementation: str = "sdpa",
-              load_draft: bool = True, kernel: str = "lean") -> ModelPair:
+              load_draft: bool = True, kernel: str = "lean", transformers_models: bool = False) -> ModelPair:
     """Load a target/draft pair from hub names or local directories.
 
     With neither given, loads the demo pair bundled with the package.  ``load_draft=False``
     skips the draft (enough for ``ar``).  ``kernel="hf"`` runs transformers' own forward in the
-    engine instead of the lean one (lean.py; GPT-NeoX models).
+    engine instead of the lean one (lean.py; GPT-NeoX models).  On the lean kernels a local GPT-NeoX
+    checkpoint is read without transformers' model classes (checkpoint.py) unless
+    ``transformers_models`` (needed to call transformers' ``generate`` on ``pair.target``).
     """
     if target is None and draft is None:
         base = default_pair_dir()
@@ -239,13 +251,14 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         raise PairError("a draft was given without a target")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tok = load_tokenizer(str(target))
-    tmodel = load_model(str(target), dev, dt, attn_implementation)
+    lean = kernel != "hf" and not transformers_models
+    tmodel = load_model(str(target), dev, dt, attn_implementation, lean)
     dmodel = dtok = None
     if draft is not None and load_draft:
         try:
             dtok = load_tokenizer(str(draft))
         except PairError:
             dtok = None  # a draft directory without tokenizer files: trust the target's
-        dmodel = load_model(str(draft), dev, dt, attn_implementation)
+        dmodel = load_model(str(draft), dev, dt, attn_implementation, lean)
     return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok, kernel=kernel,
                             names={"target": str(target), "draft": None if draft is None else str(draft)})
