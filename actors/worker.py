@@ -94,7 +94,7 @@ class ShardWorker:
         self.startup["kernel_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if getattr(self.cfg, "budget_on", False):
-            budget.profile(self.pair)
+            budget.profile(self.pair, kv_dtype=self.cfg.kv_dtype)
         self.startup["profile_s"] = time.perf_counter() - t0
 
     def ready(self) -> dict:

@@ -271,10 +271,10 @@ def _time_ms(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def _profile_model(model, prefix_len: int, sizes, repeats: int) -> dict[int, float]:
+def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = "model") -> dict[int, float]:
     dev = model.device
     vocab = model.config.vocab_size
-    cache = new_cache(model, prefix_len + max(sizes) + 1)
+    cache = new_cache(model, prefix_len + max(sizes) + 1, kv_dtype)
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
     model(input_ids=prefix, past_key_values=cache, use_cache=True)
@@ -315,17 +315,19 @@ def time_prefill(model, n: int, repeats: int) -> float:
 
 
 def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), widths=(1, 4, 16),
-            repeats: int = 5, fresh: bool = False) -> LatencyModel:
-    """Measure verification and draft-level latency on this device (cached on the pair, and on
-    disk per machine, models, kernel and thread count: see :func:`_disk_path`); ``fresh``
+            repeats: int = 5, fresh: bool = False, kv_dtype: str = "model") -> LatencyModel:
+    """Measure verification and draft-level latency on this device, over caches that store keys
+    and values as ``kv_dtype`` (config.KV_DTYPES: a bfloat16 cache halves the bytes each forward
+    streams, so its forwards cost less at long lengths).  Cached on the pair, and on disk per
+    machine, models, kernel, thread count and kv_dtype (see :func:`_disk_path`); ``fresh``
     measures again whatever is cached (`dynatree profile`) and keeps the new tables."""
-    key = ("latency", prefix_len)
+    key = ("latency", prefix_len, kv_dtype)
     if key in pair.state and not fresh:
         return pair.state[key]
     prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
-    path = _disk_path(pair, (prefix_len, long_at, sizes, widths, repeats))
+    path = _disk_path(pair, (prefix_len, long_at, sizes, widths, repeats, kv_dtype))
     try:
         saved = json.loads(path.read_text()) if path and not fresh else None
         tables = {k: {int(n): v for n, v in saved[k].items()} if saved[k] else None
@@ -334,9 +336,9 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
         tables = None
     if tables is None:
         target = pair.runner("target")
-        tables = {"verify_ms": _profile_model(target, prefix_len, sizes, repeats),
-                  "draft_ms": _profile_model(pair.runner("draft"), prefix_len, widths, repeats),
-                  "long_ms": _profile_model(target, long_at, sizes, repeats) if long_at else None}
+        tables = {"verify_ms": _profile_model(target, prefix_len, sizes, repeats, kv_dtype),
+                  "draft_ms": _profile_model(pair.runner("draft"), prefix_len, widths, repeats, kv_dtype),
+                  "long_ms": _profile_model(target, long_at, sizes, repeats, kv_dtype) if long_at else None}
         if path:
             _save(path, tables)
     lm = LatencyModel(**tables, short_at=prefix_len, long_at=long_at)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .config import KERNELS, METHODS, options_help
+from .config import KERNELS, KV_DTYPES, METHODS, options_help
 
 
 def _fail(msg: str) -> None:
@@ -245,8 +245,10 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
 @click.option("--repeats", default=9, show_default=True, help="timings per size (the median is shown)")
 @click.option("--cache-lengths", help="comma-separated cached-token counts: target forwards of 1 and 16 tokens "
                                       "at each, to show where attention over a long cache takes over")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
+              help="the caches' key/value storage (as the method option kv_dtype)")
 @click.option("--threads", type=int, help="torch threads")
-def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cache_lengths, threads):
+def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cache_lengths, kv_dtype, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
     a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the
     native kernel's variant (see README)."""
@@ -262,9 +264,12 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
         _fail(str(e))
-    lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats, fresh=True)
+    lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats, fresh=True,
+                      kv_dtype=kv_dtype)
+    cache = "" if kv_dtype == "model" else f" (keys and values stored as {kv_dtype})"
     click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
-               f"{torch.get_num_threads()} threads, {prefix} cached tokens; ms per forward (median of {repeats})")
+               f"{torch.get_num_threads()} threads, {prefix} cached tokens{cache}; ms per forward "
+               f"(median of {repeats})")
     runner = pair.runner("target")
     if getattr(runner, "native", False):
         click.echo(f"native kernel: {native.status()}")
@@ -289,10 +294,10 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     if getattr(runner, "native", False):
         _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats)
     if cache_lengths:
-        _cache_sweep(runner, _int_list(cache_lengths), pair.max_context, repeats)
+        _cache_sweep(runner, _int_list(cache_lengths), pair.max_context, repeats, kv_dtype)
 
 
-def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int) -> None:
+def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int, kv_dtype: str) -> None:
     """Target forwards of 1 and 16 tokens against the cached length: what grows with the cache is
     attention (and the cache reads), what stays is the weight stream and the GEMMs."""
     from .budget import _profile_model
@@ -302,7 +307,7 @@ def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int) -
         if n + 17 > context:
             click.echo(f"cached {n}: skipped (past the {context}-token context)")
             continue
-        ms = _profile_model(runner, n, (1, 16), repeats)
+        ms = _profile_model(runner, n, (1, 16), repeats, kv_dtype)
         base = base or (n, ms)
         grow = "" if base[0] == n else (f"  (+{ms[1] - base[1][1]:.2f} / +{ms[16] - base[1][16]:.2f} ms over "
                                        f"{base[0]} cached: the longer cache's share "

@@ -199,7 +199,7 @@ class DynaTree(NoDraft):
     def attach(self, pair) -> None:
         """Hardware budget: profile the device once per pair and share the calibration."""
         if self.cfg.budget_on:
-            self.latency = budget.profile(pair)
+            self.latency = budget.profile(pair, kv_dtype=self.cfg.kv_dtype)
             self.calib = pair.state.setdefault(("calibration", *self.cfg.sampling_key), budget.Calibration())
 
     def observe_verify(self, n_tokens: int, seconds: float, cached: int | None = None) -> None:

@@ -169,7 +169,7 @@ def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tm
 
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(budget, "_profile_model", lambda model, n, sizes, reps: calls.append(n) or
+    monkeypatch.setattr(budget, "_profile_model", lambda model, n, sizes, reps, kv: calls.append((n, kv)) or
                         {s: float(s) for s in sizes})
 
     def pair():
@@ -180,4 +180,19 @@ def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tm
     assert measured >= 2 and list((tmp_path / "profiles").glob("*.json"))
     assert budget.profile(pair(), prefix_len=16).verify_ms == first.verify_ms and len(calls) == measured
     budget.profile(pair(), prefix_len=16, fresh=True)
-    assert len(calls) == 2 * measured
+    assert len(calls) == 2 * measured and {kv for _, kv in calls} == {"model"}
+    # a bfloat16 cache streams half the bytes: its forwards are profiled over such caches, kept apart
+    p = pair()
+    assert budget.profile(p, prefix_len=16, kv_dtype="bfloat16") is not budget.profile(p, prefix_len=16)
+    assert [kv for _, kv in calls[2 * measured:]] == ["bfloat16"] * measured
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
+
+
+def test_a_dynatree_with_a_bfloat16_cache_prices_its_nodes_with_a_bfloat16_profile(pair_dirs):
+    from dynatree import load_pair, make_config
+    from dynatree.policies import make_policy
+
+    pair = load_pair(str(pair_dirs / "target"), str(pair_dirs / "draft"), device="cpu", dtype="float32")
+    policy = make_policy(make_config("dynatree", {"kv_dtype": "bfloat16"}))
+    policy.attach(pair)
+    assert policy.latency is pair.state[("latency", 256, "bfloat16")]
