@@ -44,8 +44,11 @@ def _main_tables(g: dict) -> list[str]:
     """The tables of the main setting (every method on every prompt, one at a time)."""
     datasets = list(g)
     methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
-    parts = []
+    tables = (_results_table, _latency_table, _efficiency_table, _ablation_table, _kv_update_table, _memory_table)
+    return [t for t in (table(g, datasets, methods) for table in tables) if t]
 
+
+def _results_table(g: dict, datasets: list, methods: list) -> str:
     head = "| method | " + " | ".join(f"{d} tokens/s | {d} speedup" for d in datasets) + " | exact |"
     sep = "|---" * (1 + 2 * len(datasets) + 1) + "|"
     lines = ["## Main results (tokens/s mean ± std over measured prompts; speedup = mean tokens/s ÷ ar's)", "", head, sep]
@@ -58,8 +61,10 @@ def _main_tables(g: dict) -> list[str]:
         checked = [r["matches_ar"] for d in datasets for r in g[d].get(m, []) if r["matches_ar"] is not None]
         verdict = ("yes" if all(checked) else "NO") + f" ({len(checked)})" if checked else "sampled"
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {verdict} |")
-    parts.append("\n".join(lines))
+    return "\n".join(lines)
 
+
+def _latency_table(g: dict, datasets: list, methods: list) -> str:
     lines = ["## Latency (ms)", "", "| method | " + " | ".join(f"{d} TTFT | {d} TPOT" for d in datasets) + " |",
              "|---" * (1 + 2 * len(datasets)) + "|"]
     for m in methods:
@@ -69,8 +74,10 @@ def _main_tables(g: dict) -> list[str]:
             cells += [_ms([r["ttft_s"] * 1e3 if r["ttft_s"] is not None else None for r in rs]),
                       _ms([r["tpot_s"] * 1e3 if r["tpot_s"] is not None else None for r in rs])]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    parts.append("\n".join(lines))
+    return "\n".join(lines)
 
+
+def _efficiency_table(g: dict, datasets: list, methods: list) -> str:
     lines = ["## Verification efficiency", "",
              "| dataset | method | acceptance | L̄ tokens/iter | ℓ̄ accepted/iter | iterations | tree nodes | draft s | verify s | outside forwards |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -85,65 +92,69 @@ def _main_tables(g: dict) -> list[str]:
                          f"{_ms([r['iterations'] for r in rs])} | {_ms([r['mean_tree_size'] for r in rs])} | "
                          f"{_ms([r['draft_time_s'] for r in rs], '{:.2f}')} | {_ms([r['verify_time_s'] for r in rs], '{:.2f}')} | "
                          f"{_ms([100 * r['overhead_fraction'] if r.get('overhead_fraction') is not None else None for r in rs], '{:.1f}%')} |")
-    parts.append("\n".join(lines))
+    return "\n".join(lines)
 
-    # ablation and KV-update tables use whichever labelled variants the run contains
-    def opt_rows(pred):
-        return [m for m in methods if any(pred(json.loads(r["options"]), r["base_method"])
-                                          for d in datasets for r in g[d].get(m, [])[:1])]
 
-    abl = opt_rows(lambda o, b: b == "dynatree" and o.get("kv_update", "gather") == "gather")
-    if abl:
-        def rank(m):
-            o = json.loads(next(r["options"] for d in datasets for r in g[d].get(m, [])[:1]))
-            on = [o.get(k, True) for k in ("dynamic_breadth", "dynamic_depth", "history")]
-            return (sum(bool(x) for x in on), m)
-        lines = ["## Ablation (fixed tree → + dynamic breadth & depth → + history)", "",
-                 "| method | " + " | ".join(f"{d} tokens/s | {d} speedup | {d} L̄" for d in datasets) + " |",
-                 "|---" * (1 + 3 * len(datasets)) + "|"]
-        for m in sorted(abl, key=rank):
-            cells = []
-            for d in datasets:
-                rs = g[d].get(m, [])
-                sp = _speedup(rs, g[d].get("ar", []))
-                cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-",
-                          _ms([r["tokens_per_iteration"] for r in rs], "{:.2f}")]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines))
+def _options_of(g: dict, datasets: list, m: str) -> tuple[str, dict]:
+    """A labelled method's base method and options (the same on every row of it)."""
+    r = next(r for d in datasets for r in g[d].get(m, [])[:1])
+    return r["base_method"], json.loads(r["options"])
 
-    def opts_of(m):
-        r = next(r for d in datasets for r in g[d].get(m, [])[:1])
-        return r["base_method"], json.loads(r["options"])
 
-    pairs = []  # (recompute variant, its gather twin with otherwise equal options)
-    for m in methods:
-        base, o = opts_of(m)
-        if o.get("kv_update") == "recompute":
-            twin = {k: v for k, v in o.items() if k != "kv_update"}
-            for t in methods:
-                tb, to = opts_of(t)
-                if tb == base and {k: v for k, v in to.items() if k != "kv_update"} == twin \
-                        and to.get("kv_update", "gather") == "gather":
-                    pairs.append((t, m))
-                    break
-    if pairs:
-        lines = ["## KV update (gather accepted keys/values vs crop and recompute)", "",
-                 "| method | kv_update | " + " | ".join(f"{d} tokens/s | {d} target forwards" for d in datasets) + " |",
-                 "|---" * (2 + 2 * len(datasets)) + "|"]
-        for m in [x for p in pairs for x in p]:
-            cells = []
-            for d in datasets:
-                rs = g[d].get(m, [])
-                cells += [_ms([r["tokens_per_s"] for r in rs]), _ms([r["target_forwards"] for r in rs])]
-            lines.append(f"| {m} | {opts_of(m)[1].get('kv_update', 'gather')} | " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines))
+def _ablation_table(g: dict, datasets: list, methods: list) -> str | None:
+    """Whichever labelled dynatree variants the run contains, fewest mechanisms on first."""
+    abl = [m for m in methods if _options_of(g, datasets, m)[0] == "dynatree"
+           and _options_of(g, datasets, m)[1].get("kv_update", "gather") == "gather"]
+    if not abl:
+        return None
 
+    def rank(m):
+        o = _options_of(g, datasets, m)[1]
+        return sum(bool(o.get(k, True)) for k in ("dynamic_breadth", "dynamic_depth", "history")), m
+
+    lines = ["## Ablation (fixed tree → + dynamic breadth & depth → + history)", "",
+             "| method | " + " | ".join(f"{d} tokens/s | {d} speedup | {d} L̄" for d in datasets) + " |",
+             "|---" * (1 + 3 * len(datasets)) + "|"]
+    for m in sorted(abl, key=rank):
+        cells = []
+        for d in datasets:
+            rs = g[d].get(m, [])
+            sp = _speedup(rs, g[d].get("ar", []))
+            cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-",
+                      _ms([r["tokens_per_iteration"] for r in rs], "{:.2f}")]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _kv_update_table(g: dict, datasets: list, methods: list) -> str | None:
+    """Each recompute variant beside its gather twin (otherwise equal options)."""
+    def rest(m):
+        base, o = _options_of(g, datasets, m)
+        return base, {k: v for k, v in o.items() if k != "kv_update"}
+
+    kind = {m: _options_of(g, datasets, m)[1].get("kv_update", "gather") for m in methods}
+    pairs = [(t, m) for m in methods if kind[m] == "recompute"
+             for t in [next((t for t in methods if kind[t] == "gather" and rest(t) == rest(m)), None)] if t]
+    if not pairs:
+        return None
+    lines = ["## KV update (gather accepted keys/values vs crop and recompute)", "",
+             "| method | kv_update | " + " | ".join(f"{d} tokens/s | {d} target forwards" for d in datasets) + " |",
+             "|---" * (2 + 2 * len(datasets)) + "|"]
+    for m in [x for p in pairs for x in p]:
+        cells = []
+        for d in datasets:
+            rs = g[d].get(m, [])
+            cells += [_ms([r["tokens_per_s"] for r in rs]), _ms([r["target_forwards"] for r in rs])]
+        lines.append(f"| {m} | {kind[m]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _memory_table(g: dict, datasets: list, methods: list) -> str:
     lines = ["## Peak memory during generation (MB above the process level at start)", "",
              "| method | " + " | ".join(datasets) + " |", "|---" * (1 + len(datasets)) + "|"]
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(_ms([r["peak_memory_mb"] for r in g[d].get(m, [])]) for d in datasets) + " |")
-    parts.append("\n".join(lines))
-    return parts
+    return "\n".join(lines)
 
 
 def _batch_table(rows: list[dict]) -> list[str]:
@@ -229,91 +240,96 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
+    made = [p for p in (_throughput_plot(rows, out, plt),) if p]
+    made += _sweep_plots(rows, out, plt)
+    made += [p for p in (_batch_plot(rows, out, plt),) if p]
+    grid = _groups(rows, "grid")
+    return made + [_grid_plot(d, by, out, plt) for d, by in grid.items()]
+
+
+def _save_fig(fig, path: Path, plt, **kw) -> Path:
+    fig.savefig(path, dpi=110, **kw)
+    plt.close(fig)
+    return path
+
+
+def _throughput_plot(rows: list[dict], out: Path, plt) -> Path | None:
+    """The main setting: tokens/s and speedup per method, one bar per dataset."""
     g = _groups(rows)
     datasets = list(g)
-    if datasets:
-        methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
-        fig, axes = plt.subplots(2, 1, figsize=(min(14, max(7, 0.6 * len(methods) * len(datasets))), 7.5))
-        width = 0.8 / len(datasets)
-        for k, d in enumerate(datasets):
-            xs = [i + k * width for i in range(len(methods))]
-            tps = [_mean([r["tokens_per_s"] for r in g[d].get(m, [])]) or 0 for m in methods]
-            sds = [statistics.stdev([r["tokens_per_s"] for r in g[d].get(m, [])]) if len(g[d].get(m, [])) > 1 else 0
-                   for m in methods]
-            sps = [_speedup(g[d].get(m, []), g[d].get("ar", [])) or 0 for m in methods]
-            axes[0].bar(xs, tps, width, yerr=sds, label=d, capsize=2)
-            axes[1].bar(xs, sps, width, label=d)
-        for ax, title in zip(axes, ("tokens/s (mean ± std)", "speedup vs ar")):
-            ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(methods))])
-            ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
-            ax.set_title(title)
-            ax.legend(fontsize=8)
-        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
-        fig.tight_layout()
-        path = out / "throughput.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+    if not datasets:
+        return None
+    methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
+    fig, axes = plt.subplots(2, 1, figsize=(min(14, max(7, 0.6 * len(methods) * len(datasets))), 7.5))
+    width = 0.8 / len(datasets)
+    for k, d in enumerate(datasets):
+        xs = [i + k * width for i in range(len(methods))]
+        tps = [_mean([r["tokens_per_s"] for r in g[d].get(m, [])]) or 0 for m in methods]
+        sds = [statistics.stdev([r["tokens_per_s"] for r in g[d].get(m, [])]) if len(g[d].get(m, [])) > 1 else 0
+               for m in methods]
+        sps = [_speedup(g[d].get(m, []), g[d].get("ar", [])) or 0 for m in methods]
+        axes[0].bar(xs, tps, width, yerr=sds, label=d, capsize=2)
+        axes[1].bar(xs, sps, width, label=d)
+    for ax, title in zip(axes, ("tokens/s (mean ± std)", "speedup vs ar")):
+        ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(methods))])
+        ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    fig.tight_layout()
+    return _save_fig(fig, out / "throughput.png", plt)
 
-    made += _sweep_plots(rows, out, plt)
 
+def _batch_plot(rows: list[dict], out: Path, plt) -> Path | None:
+    """tokens/s per actor against B: one colour per method, one line style per dataset."""
     brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
-    if brows:
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        methods = list(dict.fromkeys(r["method"] for r in brows))
-        styles = ["-", "--", ":", "-."]  # one colour per method, one line style per dataset
-        for i, d in enumerate(dict.fromkeys(r["dataset"] for r in brows)):
-            for j, m in enumerate(methods):
-                pts = sorted((json.loads(r["setting"])["B"], r["tokens_per_s"]) for r in brows
-                             if r["dataset"] == d and r["method"] == m)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}",
-                            linestyle=styles[i % len(styles)], label=f"{d} {m}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size B (sequences per forward)")
-        ax.set_ylabel("tokens/s per actor")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "batch.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+    if not brows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    methods = list(dict.fromkeys(r["method"] for r in brows))
+    styles = ["-", "--", ":", "-."]
+    for i, d in enumerate(dict.fromkeys(r["dataset"] for r in brows)):
+        for j, m in enumerate(methods):
+            pts = sorted((json.loads(r["setting"])["B"], r["tokens_per_s"]) for r in brows
+                         if r["dataset"] == d and r["method"] == m)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}",
+                        linestyle=styles[i % len(styles)], label=f"{d} {m}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B (sequences per forward)")
+    ax.set_ylabel("tokens/s per actor")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save_fig(fig, out / "batch.png", plt)
 
-    grid = _groups(rows, "grid")
-    for d, by in grid.items():
-        import re
 
-        cells = {}
-        for m, rs in by.items():
-            if m == "ar":
-                continue
+def _grid_plot(d: str, by: dict, out: Path, plt) -> Path:
+    """The depth x branch x tau grid's speedups, one heat map per tau."""
+    import re
+
+    cells = {}
+    for m, rs in by.items():
+        if m != "ar":
             opts = json.loads(rs[0]["options"])
             cells[(opts.get("depth", 5), opts.get("branch", 2), opts.get("tau", 0.02))] = _speedup(rs, by.get("ar", []))
-        taus = sorted({k[2] for k in cells})
-        depths = sorted({k[0] for k in cells})
-        branches = sorted({k[1] for k in cells})
-        fig, axes = plt.subplots(1, len(taus), figsize=(3.2 * len(taus), 3.2), squeeze=False)
-        vmax = max(v for v in cells.values() if v) if cells else 1
-        vmin = min(v for v in cells.values() if v) if cells else 0
-        for ax, tau in zip(axes[0], taus):
-            mat = [[cells.get((dd, bb, tau)) or float("nan") for dd in depths] for bb in branches]
-            im = ax.imshow(mat, vmin=vmin, vmax=vmax, cmap="viridis", origin="lower", aspect="auto")
-            ax.set_xticks(range(len(depths)), depths)
-            ax.set_yticks(range(len(branches)), branches)
-            ax.set_xlabel("depth D")
-            ax.set_ylabel("branch B")
-            ax.set_title(f"τ={tau}", fontsize=9)
-            for i, row in enumerate(mat):
-                for j, v in enumerate(row):
-                    if v == v:
-                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="speedup vs ar")
-        path = out / f"grid_{re.sub(r'[^A-Za-z0-9_-]', '_', d)}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        made.append(path)
-    return made
+    taus, depths, branches = (sorted({k[i] for k in cells}) for i in (2, 0, 1))
+    fig, axes = plt.subplots(1, len(taus), figsize=(3.2 * len(taus), 3.2), squeeze=False)
+    vmax = max(v for v in cells.values() if v) if cells else 1
+    vmin = min(v for v in cells.values() if v) if cells else 0
+    for ax, tau in zip(axes[0], taus):
+        mat = [[cells.get((dd, bb, tau)) or float("nan") for dd in depths] for bb in branches]
+        im = ax.imshow(mat, vmin=vmin, vmax=vmax, cmap="viridis", origin="lower", aspect="auto")
+        ax.set_xticks(range(len(depths)), depths)
+        ax.set_yticks(range(len(branches)), branches)
+        ax.set_xlabel("depth D")
+        ax.set_ylabel("branch B")
+        ax.set_title(f"τ={tau}", fontsize=9)
+        for i, row in enumerate(mat):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="speedup vs ar")
+    return _save_fig(fig, out / f"grid_{re.sub(r'[^A-Za-z0-9_-]', '_', d)}.png", plt, bbox_inches="tight")
 
 
 def _sweep_plots(rows: list[dict], out: Path, plt) -> list[Path]:
