@@ -90,3 +90,28 @@ def test_a_checkpoint_missing_a_tensor_is_a_clear_error(tmp_path):
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(PairError, match="dense_4h_to_h"):
         load_model(path, torch.device("cpu"), torch.float32, lean=True)
+
+
+def test_a_pythia_style_checkpoint_reads_the_same(tmp_path):
+    """Pythia's hub files: an fp16 checkpoint, a config with rotary_pct/rotary_emb_base, and the
+    attention buffers older transformers saved (bias, masked_bias, rotary inv_freq)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _save(tmp_path, "pythia", dtype=torch.float16)
+    cfg = json.loads((tmp_path / "pythia" / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(rotary_pct=0.25, rotary_emb_base=10000, torch_dtype="float16")
+    (tmp_path / "pythia" / "config.json").write_text(json.dumps(cfg))
+    f = tmp_path / "pythia" / "model.safetensors"
+    state = load_file(str(f))
+    for i in range(2):
+        state[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+        state[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        state[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    save_file(state, str(f), metadata={"format": "pt"})
+    assert checkpoint.readable(path)
+    lite = load_model(path, torch.device("cpu"), torch.float32, lean=True)
+    hf = load_model(path, torch.device("cpu"), torch.float32)
+    a, b = dict(lite.named_parameters()), dict(hf.named_parameters())
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(lite.gpt_neox.rotary_emb.inv_freq, hf.gpt_neox.rotary_emb.inv_freq)
