@@ -13,6 +13,7 @@ checkpoints).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -92,6 +93,21 @@ class NeoXWeights(nn.Module):
                         "load the pair with kernel='hf' to run transformers' forward")
 
 
+@contextmanager
+def _no_init():
+    """Skip the modules' random initialisation (seconds for a billion parameters), as
+    transformers' own loading does: the init functions the modules call become no-ops."""
+    names = ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:
     """The checkpoint in ``path`` (readable() must hold) as float ``dtype`` weights on ``device``.
     Raises ValueError on a tensor name or shape the checkpoint should not have."""
@@ -99,7 +115,8 @@ def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:
     from transformers import GPTNeoXConfig  # configuration only: no modeling import
 
     cfg = GPTNeoXConfig.from_pretrained(path)
-    model = NeoXWeights(cfg)  # (built on the CPU: the meta device would import torch._dynamo, ~1 s)
+    with _no_init():  # every parameter is replaced below (the meta device would import torch._dynamo)
+        model = NeoXWeights(cfg)
     state = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         state.update(load_file(str(f)))

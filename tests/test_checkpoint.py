@@ -50,6 +50,17 @@ def test_same_weights_and_logits_as_transformers(tmp_path, cfg):
             assert torch.equal(oa, rb(input_ids=ids, past_key_values=new_cache(rb, 32)).logits)
 
 
+def test_loading_skips_random_init_and_restores_it(tmp_path, monkeypatch):
+    """Random initialisation of parameters about to be replaced costs seconds per billion."""
+    path, calls = _save(tmp_path, "m"), []
+    real = torch.nn.init.kaiming_uniform_
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
+    load_model(path, torch.device("cpu"), torch.float32, lean=True)
+    assert calls == []
+    torch.nn.Linear(4, 4)
+    assert calls == [(4, 4)]  # put back afterwards
+
+
 def test_lean_pairs_skip_transformers_models_and_hf_pairs_keep_them(pair_dirs):
     t, d = pair_dirs / "target", pair_dirs / "draft"
     lean = load_pair(t, d, device="cpu", dtype="float32")
