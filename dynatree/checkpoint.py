@@ -108,10 +108,13 @@ def _no_init():
             setattr(nn.init, n, f)
 
 
+SKIP = (".inv_freq", ".masked_bias", ".attention.bias")  # buffers older transformers saved; recomputed
+
+
 def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:
     """The checkpoint in ``path`` (readable() must hold) as float ``dtype`` weights on ``device``.
     Raises ValueError on a tensor name or shape the checkpoint should not have."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import GPTNeoXConfig  # configuration only: no modeling import
 
     cfg = GPTNeoXConfig.from_pretrained(path)
@@ -119,13 +122,17 @@ def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:
         model = NeoXWeights(cfg)
     state = {}
     for f in sorted(Path(path).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    if "embed_out.weight" in state:  # the checkpoint's name for transformers' lm_head
-        state["lm_head.weight"] = state.pop("embed_out.weight")
+        with safe_open(str(f), framework="pt") as st:  # one tensor at a time: peak memory ~ the model
+            for k in st.keys():
+                if not k.endswith(SKIP):
+                    # embed_out: the checkpoint's name for transformers' lm_head
+                    state["lm_head.weight" if k == "embed_out.weight" else k] = st.get_tensor(k).to(dtype)
     if cfg.tie_word_embeddings:  # one parameter, as transformers ties it
         state.pop("lm_head.weight", None)
-    state = {k: v.to(dtype) for k, v in state.items() if not k.endswith((".inv_freq", ".masked_bias", ".attention.bias"))}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise ValueError(f"not a GPT-NeoX checkpoint dynatree can read: {e}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.gpt_neox.embed_in.weight
         missing = [k for k in missing if k != "lm_head.weight"]

@@ -89,7 +89,7 @@ def test_what_it_cannot_read_goes_through_transformers(tmp_path):
     assert not checkpoint.readable(str(tmp_path / "other")) and not checkpoint.readable(str(tmp_path / "nope"))
 
 
-def test_a_checkpoint_missing_a_tensor_is_a_clear_error(tmp_path):
+def test_a_checkpoint_missing_a_tensor_or_of_the_wrong_shape_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from dynatree import PairError
@@ -100,6 +100,10 @@ def test_a_checkpoint_missing_a_tensor_is_a_clear_error(tmp_path):
     del state["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"]
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(PairError, match="dense_4h_to_h"):
+        load_model(path, torch.device("cpu"), torch.float32, lean=True)
+    state["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"] = torch.zeros(64, 100, dtype=torch.bfloat16)
+    save_file(state, str(f), metadata={"format": "pt"})
+    with pytest.raises(PairError, match="size mismatch"):
         load_model(path, torch.device("cpu"), torch.float32, lean=True)
 
 
