@@ -398,6 +398,9 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if any(m.method in HF_METHODS for m in spec.methods) and not hasattr(pair.target, "generate"):
+        raise ValueError("transformers' peers (hf_*) call transformers' generate: load the pair with "
+                         "load_pair(..., transformers_models=True) or kernel='hf'")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -298,11 +298,11 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = 
 
 
 @torch.inference_mode()
-def time_prefill(model, n: int, repeats: int) -> float:
+def time_prefill(model, n: int, repeats: int, kv_dtype: str = "model") -> float:
     """Median ms of a causal forward over an n-token prompt into an empty cache."""
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)
-    cache = new_cache(model, n + 1)
+    cache = new_cache(model, n + 1, kv_dtype)
 
     def step():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -327,7 +327,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     prefix_len = min(prefix_len, pair.max_context - max(sizes) - 1)
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
-    path = _disk_path(pair, (prefix_len, long_at, sizes, widths, repeats, kv_dtype))
+    # (kv_dtype joins the key only when set, so profiles saved before it existed stay valid)
+    path = _disk_path(pair, (prefix_len, long_at, sizes, widths, repeats) + ((kv_dtype,) if kv_dtype != "model" else ()))
     try:
         saved = json.loads(path.read_text()) if path and not fresh else None
         tables = {k: {int(n): v for n, v in saved[k].items()} if saved[k] else None

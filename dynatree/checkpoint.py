@@ -13,7 +13,6 @@ checkpoints).
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,17 +21,35 @@ from torch import nn
 ACTS = {"gelu": nn.GELU, "relu": nn.ReLU}  # transformers' ACT2FN["gelu"] is F.gelu (exact erf), as nn.GELU()
 
 
+def files(path: str) -> list[Path]:
+    """The safetensors files transformers would read: the index's shards, else model.safetensors."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError):
+            return []
+        return [p / f for f in shards]
+    return [p / "model.safetensors"] if (p / "model.safetensors").is_file() else []
+
+
 def readable(path: str) -> bool:
-    """A local GPT-NeoX checkpoint this loader can read (else: transformers' from_pretrained)."""
+    """A local GPT-NeoX checkpoint this loader can read (else: transformers' from_pretrained):
+    safetensors, gelu or relu, default rotary, head_dim = hidden_size / heads (what lean.py runs)."""
     p = Path(path)
     try:
         cfg = json.loads((p / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    return (cfg.get("model_type") == "gpt_neox" and cfg.get("hidden_act") in ACTS
-            and rope.get("rope_type", rope.get("type", "default")) == "default"
-            and any(p.glob("*.safetensors")))
+    if cfg.get("model_type") != "gpt_neox" or cfg.get("hidden_act") not in ACTS or not files(path):
+        return False
+    for key in ("rope_scaling", "rope_parameters"):  # the config class lets rope_scaling win
+        rope = cfg.get(key) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            return False
+    head_dim = cfg.get("head_dim")
+    return head_dim is None or head_dim * cfg.get("num_attention_heads", 0) == cfg.get("hidden_size")
 
 
 class _Rotary(nn.Module):
@@ -48,19 +65,35 @@ class _Rotary(nn.Module):
         self.attention_scaling = 1.0
 
 
+class _Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        """Left uninitialised: load() replaces every parameter (random init costs seconds per
+        billion parameters; transformers' loading skips it too)."""
+
+
+class _LayerNorm(nn.LayerNorm):
+    def reset_parameters(self) -> None:
+        """As _Linear."""
+
+
+class _Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        """As _Linear."""
+
+
 class _Layer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, bias = cfg.hidden_size, cfg.attention_bias
-        self.input_layernorm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.input_layernorm = _LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.post_attention_layernorm = _LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attention = nn.Module()
-        self.attention.query_key_value = nn.Linear(d, 3 * d, bias=bias)
-        self.attention.dense = nn.Linear(d, d, bias=bias)
+        self.attention.query_key_value = _Linear(d, 3 * d, bias=bias)
+        self.attention.dense = _Linear(d, d, bias=bias)
         self.attention.scaling = (d // cfg.num_attention_heads) ** -0.5
         self.mlp = nn.Module()
-        self.mlp.dense_h_to_4h = nn.Linear(d, cfg.intermediate_size)
-        self.mlp.dense_4h_to_h = nn.Linear(cfg.intermediate_size, d)
+        self.mlp.dense_h_to_4h = _Linear(d, cfg.intermediate_size)
+        self.mlp.dense_4h_to_h = _Linear(cfg.intermediate_size, d)
         self.mlp.act = ACTS[cfg.hidden_act]()
 
 
@@ -71,11 +104,11 @@ class NeoXWeights(nn.Module):
         super().__init__()
         self.config = cfg
         self.gpt_neox = nn.Module()
-        self.gpt_neox.embed_in = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.gpt_neox.embed_in = _Embedding(cfg.vocab_size, cfg.hidden_size)
         self.gpt_neox.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.gpt_neox.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.gpt_neox.final_layer_norm = _LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.gpt_neox.rotary_emb = _Rotary(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,23 +122,8 @@ class NeoXWeights(nn.Module):
         return self.lm_head
 
     def forward(self, *args, **kwargs):
-        raise TypeError("this model was loaded for dynatree's lean kernels (dynatree.checkpoint); "
-                        "load the pair with kernel='hf' to run transformers' forward")
-
-
-@contextmanager
-def _no_init():
-    """Skip the modules' random initialisation (seconds for a billion parameters), as
-    transformers' own loading does: the init functions the modules call become no-ops."""
-    names = ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_")
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+        raise TypeError("this model was loaded for dynatree's lean kernels (dynatree.checkpoint); load the "
+                        "pair with kernel='hf' or transformers_models=True to run transformers' forward")
 
 
 SKIP = (".inv_freq", ".masked_bias", ".attention.bias")  # buffers older transformers saved; recomputed
@@ -118,15 +136,16 @@ def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:
     from transformers import GPTNeoXConfig  # configuration only: no modeling import
 
     cfg = GPTNeoXConfig.from_pretrained(path)
-    with _no_init():  # every parameter is replaced below (the meta device would import torch._dynamo)
-        model = NeoXWeights(cfg)
+    model = NeoXWeights(cfg)  # (not on the meta device: that would import torch._dynamo)
     state = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
+    for f in files(path):
         with safe_open(str(f), framework="pt") as st:  # one tensor at a time: peak memory ~ the model
             for k in st.keys():
+                name = "lm_head.weight" if k == "embed_out.weight" else k  # the checkpoint's name for it
+                if name in state:
+                    raise ValueError(f"tensor {k!r} is stored twice ({f.name})")
                 if not k.endswith(SKIP):
-                    # embed_out: the checkpoint's name for transformers' lm_head
-                    state["lm_head.weight" if k == "embed_out.weight" else k] = st.get_tensor(k).to(dtype)
+                    state[name] = st.get_tensor(k).to(dtype)
     if cfg.tie_word_embeddings:  # one parameter, as transformers ties it
         state.pop("lm_head.weight", None)
     try:

@@ -288,11 +288,12 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         of_peak = f", {rate / peak:.0%} of the FMA peak" if peak else ""
         click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = {rate:.1f} GFLOP/s{of_peak} "
                    f"({flops / 1e6:.1f} MFLOP per token)")
-    native_prefill = time_prefill(runner, prefill, repeats) if prefill else None
+    native_prefill = time_prefill(runner, prefill, repeats, kv_dtype) if prefill else None
     if prefill:
         click.echo(f"target prefill of {prefill} tokens: {native_prefill:.1f} ms")
     if getattr(runner, "native", False):
-        _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats)
+        _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats,
+                     kv_dtype)
     if cache_lengths:
         _cache_sweep(runner, _int_list(cache_lengths), pair.max_context, repeats, kv_dtype)
 
@@ -315,17 +316,18 @@ def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int, k
         click.echo(f"cached {n:>5}: target 1 token {ms[1]:6.2f} ms, 16 tokens {ms[16]:6.2f} ms{grow}")
 
 
-def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: int, repeats: int) -> None:
+def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: int, repeats: int,
+                 kv_dtype: str) -> None:
     """The native kernel's target forwards against the same forward on torch's MKL/oneDNN GEMMs
     (--kernel lean-mkl), measured here, with the shapes where native is slower named."""
     from .budget import _profile_model, time_prefill
     from .lean import LeanNeoX
 
     mkl = LeanNeoX(pair.target, gemm=False)
-    ref = _profile_model(mkl, prefix, (1, 4, 16, 64), repeats)
+    ref = _profile_model(mkl, prefix, (1, 4, 16, 64), repeats, kv_dtype)
     ratios = {f"{n} token{'s' if n > 1 else ''}": native_ms[n] / ref[n] for n in ref}
     if prefill:
-        ratios[f"{prefill}-token prefill"] = native_prefill / time_prefill(mkl, prefill, repeats)
+        ratios[f"{prefill}-token prefill"] = native_prefill / time_prefill(mkl, prefill, repeats, kv_dtype)
     slower = [k for k, r in ratios.items() if r > 1.0]
     click.echo("target, native ÷ lean-mkl time: " + ", ".join(f"{k} {r:.2f}x" for k, r in ratios.items())
                + (f" -- native is SLOWER than MKL at {', '.join(slower)} on this CPU" if slower else ""))

@@ -188,11 +188,17 @@ def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tm
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
 
 
-def test_a_dynatree_with_a_bfloat16_cache_prices_its_nodes_with_a_bfloat16_profile(pair_dirs):
-    from dynatree import load_pair, make_config
+def test_a_dynatree_with_a_bfloat16_cache_prices_its_nodes_with_a_bfloat16_profile(pair_dirs, tmp_path,
+                                                                                   monkeypatch):
+    from dynatree import budget, load_pair, make_config
     from dynatree.policies import make_policy
 
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    stores = []
+    real = budget.new_cache
+    monkeypatch.setattr(budget, "new_cache", lambda *a: stores.append(a[2:]) or real(*a))
     pair = load_pair(str(pair_dirs / "target"), str(pair_dirs / "draft"), device="cpu", dtype="float32")
     policy = make_policy(make_config("dynatree", {"kv_dtype": "bfloat16"}))
     policy.attach(pair)
     assert policy.latency is pair.state[("latency", 256, "bfloat16")]
+    assert stores and all(s == ("bfloat16",) for s in stores)  # every timed forward ran over bf16 caches

@@ -50,7 +50,7 @@ def test_same_weights_and_logits_as_transformers(tmp_path, cfg):
             assert torch.equal(oa, rb(input_ids=ids, past_key_values=new_cache(rb, 32)).logits)
 
 
-def test_loading_skips_random_init_and_restores_it(tmp_path, monkeypatch):
+def test_loading_skips_random_init(tmp_path, monkeypatch):
     """Random initialisation of parameters about to be replaced costs seconds per billion."""
     path, calls = _save(tmp_path, "m"), []
     real = torch.nn.init.kaiming_uniform_
@@ -58,7 +58,33 @@ def test_loading_skips_random_init_and_restores_it(tmp_path, monkeypatch):
     load_model(path, torch.device("cpu"), torch.float32, lean=True)
     assert calls == []
     torch.nn.Linear(4, 4)
-    assert calls == [(4, 4)]  # put back afterwards
+    assert calls == [(4, 4)]  # other modules are untouched
+
+
+def test_sharded_checkpoints_read_the_index_and_nothing_else(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=128, max_position_embeddings=64, rotary_pct=0.25))
+    model.save_pretrained(tmp_path / "s", max_shard_size="100KB")
+    assert (tmp_path / "s" / "model.safetensors.index.json").is_file() and len(checkpoint.files(str(tmp_path / "s"))) > 2
+    # a stray file beside the shards (an old export) is not part of the checkpoint
+    save_file({"gpt_neox.embed_in.weight": torch.zeros(80, 64)}, str(tmp_path / "s" / "zz-old.safetensors"))
+    lite = load_model(str(tmp_path / "s"), torch.device("cpu"), torch.float32, lean=True)
+    hf = load_model(str(tmp_path / "s"), torch.device("cpu"), torch.float32)
+    a, b = dict(lite.named_parameters()), dict(hf.named_parameters())
+    assert isinstance(lite, checkpoint.NeoXWeights) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_configs_the_lean_forward_does_not_run_go_through_transformers(tmp_path):
+    path = _save(tmp_path, "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    for change in ({"head_dim": 8}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, **change}))
+        assert not checkpoint.readable(path), change
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "head_dim": 16}))  # = 64 / 4
+    assert checkpoint.readable(path)
 
 
 def test_lean_pairs_skip_transformers_models_and_hf_pairs_keep_them(pair_dirs):
@@ -104,6 +130,11 @@ def test_a_checkpoint_missing_a_tensor_or_of_the_wrong_shape_is_a_clear_error(tm
     state["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"] = torch.zeros(64, 100, dtype=torch.bfloat16)
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(PairError, match="size mismatch"):
+        load_model(path, torch.device("cpu"), torch.float32, lean=True)
+    state["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"] = torch.zeros(64, 128, dtype=torch.bfloat16)
+    state["lm_head.weight"] = state["embed_out.weight"].clone()  # the head under both of its names
+    save_file(state, str(f), metadata={"format": "pt"})
+    with pytest.raises(PairError, match="stored twice"):
         load_model(path, torch.device("cpu"), torch.float32, lean=True)
 
 

@@ -38,9 +38,10 @@ static inline vf ld_f32(const float *p) { return ld(p); }
  * (One row is bound by the weight stream, not by its two FMA chains' latency: pairing tiles to
  * give it four chains measured no faster.) */
 #define KERN(R, T, LD, NAME, SAVE)                                                                  \
-    static void NAME##_##R(const float *x, long ldx, const T *w, long K, float *y, long ldy,        \
+    static void NAME##_##R(const float *x, long ldx, const void *w_, long K, float *y, long ldy,    \
                            const float *b, float *ws) {                                             \
         enum { PF = PREFETCH_BYTES / (TW * sizeof(T)), ROWB = TW * sizeof(T) };                     \
+        const T *w = (const T *)w_;                                                                 \
         vf acc[R][NVT];                                                                             \
         (void)ws;                                                                                   \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                        \
@@ -69,17 +70,16 @@ typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, 
     KERN(4, T, LD, NAME, SAVE) KERN(5, T, LD, NAME, SAVE) KERN(6, T, LD, NAME, SAVE)                \
     KERN(7, T, LD, NAME, SAVE) KERN(8, T, LD, NAME, SAVE) KERN(9, T, LD, NAME, SAVE)                \
     KERN(10, T, LD, NAME, SAVE) KERN(11, T, LD, NAME, SAVE) KERN(12, T, LD, NAME, SAVE)             \
-    static const kern_fn NAME[13] = {                                                               \
-        0, (kern_fn)NAME##_1, (kern_fn)NAME##_2, (kern_fn)NAME##_3, (kern_fn)NAME##_4,              \
-        (kern_fn)NAME##_5, (kern_fn)NAME##_6, (kern_fn)NAME##_7, (kern_fn)NAME##_8,                 \
-        (kern_fn)NAME##_9, (kern_fn)NAME##_10, (kern_fn)NAME##_11, (kern_fn)NAME##_12};
+    static const kern_fn NAME[13] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
+                                     NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
 KERNS_OF(float, ld_f32, kern_f32, 0)
 KERNS_OF(unsigned short, ld_bf16, kern_bf16, 0)
 KERNS_OF(unsigned short, ld_bf16, kern_bf16_save, 1)
 KERNS_OF(_Float16, ld_f16, kern_f16, 0)
 KERNS_OF(_Float16, ld_f16, kern_f16_save, 1)
 
-/* A tile widened to float32, per thread (grown on demand, kept for the thread's life). */
+/* A tile widened to float32, per thread (grown on demand, kept for the thread's life: the callers
+ * are OpenMP's pool threads, which live as long as the process; at most K x TW floats each). */
 static float *tile_buffer(long n) {
     static _Thread_local float *buf;
     static _Thread_local long cap;
