@@ -381,6 +381,12 @@ class BenchSpec:
     sweep_methods: tuple[str, ...] = ("ar", "dynatree")  # methods run in the T / L sweeps
     batch_sizes: tuple[int, ...] = ()  # B values: throughput per actor with the batched engine
 
+    @property
+    def hf_peers(self) -> bool:
+        """Whether transformers' peers run: they call transformers' generate, so the pair needs
+        transformers' model classes (models.load_pair(transformers_models=True))."""
+        return any(m.method in HF_METHODS for m in self.methods)
+
 
 def grid_methods(grid: dict) -> list[MethodSpec]:
     import itertools
@@ -398,7 +404,7 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if any(m.method in HF_METHODS for m in spec.methods) and not hasattr(pair.target, "generate"):
+    if spec.hf_peers and not hasattr(pair.target, "generate"):
         raise ValueError("transformers' peers (hf_*) call transformers' generate: load the pair with "
                          "load_pair(..., transformers_models=True) or kernel='hf'")
     out = Path(out_dir)

@@ -65,20 +65,22 @@ class _Rotary(nn.Module):
         self.attention_scaling = 1.0
 
 
-class _Linear(nn.Linear):
+class _NoInit:
     def reset_parameters(self) -> None:
         """Left uninitialised: load() replaces every parameter (random init costs seconds per
         billion parameters; transformers' loading skips it too)."""
 
 
-class _LayerNorm(nn.LayerNorm):
-    def reset_parameters(self) -> None:
-        """As _Linear."""
+class _Linear(_NoInit, nn.Linear):
+    pass
 
 
-class _Embedding(nn.Embedding):
-    def reset_parameters(self) -> None:
-        """As _Linear."""
+class _LayerNorm(_NoInit, nn.LayerNorm):
+    pass
+
+
+class _Embedding(_NoInit, nn.Embedding):
+    pass
 
 
 class _Layer(nn.Module):

@@ -210,7 +210,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
     import torch
 
-    from .bench import HF_METHODS, BenchSpec, parse_methods, run_bench
+    from .bench import BenchSpec, parse_methods, run_bench
     from .data import InputError
     from .models import PairError, load_pair
     from .report import report
@@ -228,8 +228,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                          sweep_tokens=_int_list(sweep_tokens), sweep_prompt_len=_int_list(sweep_prompt_len),
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
                          batch_sizes=_int_list(batch_sizes))
-        pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel,
-                         transformers_models=any(m.method in HF_METHODS for m in spec.methods))
+        pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel, transformers_models=spec.hf_peers)
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:
         _fail(str(e))

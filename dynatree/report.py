@@ -103,13 +103,13 @@ def _options_of(g: dict, datasets: list, m: str) -> tuple[str, dict]:
 
 def _ablation_table(g: dict, datasets: list, methods: list) -> str | None:
     """Whichever labelled dynatree variants the run contains, fewest mechanisms on first."""
-    abl = [m for m in methods if _options_of(g, datasets, m)[0] == "dynatree"
-           and _options_of(g, datasets, m)[1].get("kv_update", "gather") == "gather"]
+    opts = {m: _options_of(g, datasets, m) for m in methods}
+    abl = [m for m in methods if opts[m][0] == "dynatree" and opts[m][1].get("kv_update", "gather") == "gather"]
     if not abl:
         return None
 
     def rank(m):
-        o = _options_of(g, datasets, m)[1]
+        o = opts[m][1]
         return sum(bool(o.get(k, True)) for k in ("dynamic_breadth", "dynamic_depth", "history")), m
 
     lines = ["## Ablation (fixed tree → + dynamic breadth & depth → + history)", "",
