@@ -6,6 +6,7 @@ so the driver that defines and starts actors stays light.  Started with ``max_co
 decoding thread serves all of them in shared batches."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -19,6 +20,10 @@ class PairActor:
     def __init__(self, spec, threads: int | None = None):
         from .worker import ShardWorker
 
+        if spec.device == "auto" and not ray.get_gpu_ids():
+            # no GPU reserved for this actor: the CPU, even where CUDA devices are visible (Ray
+            # need not hide them from an actor that asked for none)
+            spec = dataclasses.replace(spec, device="cpu")
         self.worker = ShardWorker(spec, threads)
 
     def ready(self) -> dict:

@@ -362,7 +362,10 @@ def _disk_path(pair, params) -> Path | None:
     from . import native
     cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "") \
         if Path("/proc/cpuinfo").exists() else platform.processor()
-    blob = json.dumps([files, cpu, os.cpu_count(), torch.get_num_threads(), pair.kernel, str(pair.device),
+    device = str(pair.device)
+    if pair.device.type == "cuda":  # a GPU's times are its model's, whatever CPU sits beside it
+        device += " " + torch.cuda.get_device_name(pair.device)
+    blob = json.dumps([files, cpu, os.cpu_count(), torch.get_num_threads(), pair.kernel, device,
                        str(pair.dtype), (native.variant(), native.source_hash()) if pair.kernel == "lean" else None, params,
                        torch.__version__, PROFILE_VERSION])
     cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))

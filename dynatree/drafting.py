@@ -78,7 +78,15 @@ class Drafter:
 
     def extend(self, tokens: list[int]) -> None:
         """Queue committed tokens (the prompt, then each iteration's commit)."""
+        self._in_vocab(tokens)
         self.pending.extend(tokens)
+
+    def _in_vocab(self, tokens: list[int]) -> None:
+        """A target wider than its draft may choose an id the draft cannot embed: say so here (on
+        a GPU the embedding lookup would be a device-side assert that ends the process)."""
+        if tokens and max(tokens) >= self.vocab:
+            raise ValueError(f"token id {max(tokens)} is outside the draft's vocabulary ({self.vocab} tokens): "
+                             "the target chose an id the draft cannot read")
 
     def _feed(self, tokens: list[int], k: int = 1, perturb=None):
         """One draft forward over committed ``tokens`` into the cache (the Output's top-k of the
@@ -177,6 +185,7 @@ class Drafter:
         ``committed`` are this iteration's new tokens: the path's drafted tokens, then the bonus.
         """
         t0 = time.perf_counter()
+        self._in_vocab(committed[-1:])  # the bonus: the drafted ones came from the draft
         if not self.started:
             self.pending.extend(committed)
             return
@@ -219,6 +228,8 @@ def drive(jobs: list[tuple[Drafter, object]]) -> list:
         heads = [c.k for i, c in zip(idx, batch) if in_head(jobs[i][0].sampler)]
         tf = time.perf_counter()
         outs = lead.model.forward([c.seq for c in batch], topk=max(heads, default=0), cols=lead.vocab)
+        if not heads and lead.device.type == "cuda":
+            torch.cuda.synchronize(lead.device)  # nothing was read back: wait, so tf is the forward's time
         tf = time.perf_counter() - tf
         for i in idx:
             jobs[i][0].forward_seconds += tf

@@ -188,7 +188,7 @@ class _Row:
 class _Step:
     """One row's tree for the current iteration, from drafting to commit."""
 
-    __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "prefix_len")
+    __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "prefix_len", "commit_time")
 
 
 class BatchDecoder:
@@ -300,12 +300,17 @@ class BatchDecoder:
         outs = self.target.forward(seqs, argmax=True)
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)
-        committed = 0
-        for s, out in zip(steps, outs):
-            t1 = time.perf_counter()
+        committed = sum(self._accept_commit(s, out) for s, out in zip(steps, outs))
+        t1 = time.perf_counter()
+        if cuda:
+            _sync(self.dev)  # one wait for every row's cache gathers, shared out below
+        wait = (time.perf_counter() - t1) / len(steps)
+        for s in steps:
+            dt = t_forward + s.commit_time + wait  # what verifying this row cost: the forward and its commit
             s.row.target_forwards += 1
             s.row.forward_time += t_forward
-            committed += self._accept_commit(s, out, n_total, t_forward, t1)
+            s.row.verify_time += dt
+            s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
         if len(rows) > 1 and budgeted:
             self.governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
@@ -344,8 +349,9 @@ class BatchDecoder:
                 s.chain = [new_index[v] for v in s.chain]  # flattened indices from here on
         return steps
 
-    def _accept_commit(self, s: _Step, out, n_total: int, t_forward: float, t1: float) -> int:
+    def _accept_commit(self, s: _Step, out) -> int:
         """accept, then commit; the row's bookkeeping and stop checks.  Returns tokens committed."""
+        t0 = time.perf_counter()
         r, tree = s.row, s.tree
         r.last_n = len(tree)
         if len(tree) == 1:
@@ -356,11 +362,7 @@ class BatchDecoder:
             r.target_forwards += commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
                                                s.prefix_len, r.kv_update)
         r.evict()
-        if self.dev.type == "cuda":
-            _sync(self.dev)
-        dt = t_forward + time.perf_counter() - t1
-        r.verify_time += dt
-        r.policy.observe_verify(n_total, dt, s.prefix_len)
+        s.commit_time = time.perf_counter() - t0  # (on CUDA the gathers may still run: _iterate waits)
         if r.drafter is not None:
             r.drafter.commit([s.order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
         accepted = len(path_nodes) - 1

@@ -21,8 +21,9 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
   ``overhead_fraction`` = 1 - forward_time_s / wall_time_s is everything else — tree growth,
   masks, top-k transfers, accept, cache commit, Python.  Exact on CPU; on CUDA the forwards are
   asynchronous, so there it counts launch time unless something synchronises.
-* ``peak_memory_mb``: CUDA max allocated during the call on GPU; on CPU the process's peak RSS
-  (a process-lifetime high-water mark, so it only grows across calls).
+* ``peak_memory_mb``: on GPU, CUDA's max allocated; on CPU the process's peak RSS -- both
+  high-water marks of the process so far (it only grows across calls; ``dynatree bench``
+  measures each row's own peak instead).
 * ``kv_cache_mb``: the KV cache buffers the generation held at their largest, target and draft
   (preallocated for prompt + new tokens + tree, or for the window with ``kv_window``).
 """

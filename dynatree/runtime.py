@@ -94,8 +94,14 @@ def with_heads(logits: torch.Tensor, topk: int = 0, argmax: bool = False, cols: 
 
     rows = logits[0, :, :cols] if cols is not None else logits[0]  # (n, cols)
     if perturb is not None:  # in place: the kept rows' scores replace their logits, as in the C head
-        noise = torch.stack(perturb.noise(rows.shape[-1])).to(device=rows.device, dtype=rows.dtype)  # (n, cols)
-        rows.mul_(perturb.inv_temp).add_(noise)
+        noise = torch.stack(perturb.noise(rows.shape[-1])).to(rows.device)  # (n, cols) float32
+        if rows.dtype in (torch.float32, torch.float64):
+            rows.mul_(perturb.inv_temp).add_(noise.to(rows.dtype))
+        else:  # scored in float32: noise rounded to 16 bits ties the top scores (bf16: ~5% of draws
+            # at 50k tokens), and argmax would then take the lowest id -- a biased sample
+            scores = rows.float().mul_(perturb.inv_temp).add_(noise)
+            rows.copy_(scores)
+            rows = scores
     if not (topk or argmax):
         return Output(logits)
     return Output(logits, topk_probs(rows, topk) if topk else None, argmax_rows(rows) if argmax else None)

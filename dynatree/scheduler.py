@@ -9,7 +9,8 @@ at the following step.  The number of rows in flight, B, is fixed or chosen onli
 A request that cannot be decoded (its prompt does not fit the context) resolves to the
 ValueError instead of a result.  An unexpected error inside a step fails the groups that had
 rows in the decoder (their callers see the exception; the job retries their shards) and the
-scheduler goes on with a fresh decoder.
+scheduler goes on with a fresh decoder -- unless the device itself is lost (a CUDA error), when
+the thread stops and ``broken`` says why.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from .engine import BatchDecoder
 from .models import ModelPair
 
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A CUDA error (a device-side assert, an illegal address) poisons the process's context: every
+# later call fails too, so a fresh decoder cannot help -- the thread ends (``broken``) and the job
+# replaces the actor.  An out-of-memory error is not one of these: its shard fails, the rest go on.
+_DEVICE_LOST = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c is not None)
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,8 @@ class Scheduler:
             try:
                 finished = dec.step()
             except Exception as e:  # noqa: BLE001 - the rows' callers get it; the thread lives on
+                if isinstance(e, _DEVICE_LOST):
+                    raise  # the device cannot run anything more in this process: end the thread
                 for r in dec.joining + dec.active:
                     r.key[0].fail(e)
                 dec = self._dec = BatchDecoder(self.pair)

@@ -11,6 +11,8 @@ a run and its resume: outputs do not depend on them (the batched engine is batch
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import hashlib
 import json
@@ -100,6 +102,14 @@ class JobSpec:
             problems.append("cpus_per_actor must be > 0")
         if self.max_inflight_per_actor is not None and self.max_inflight_per_actor < 1:
             problems.append("max_inflight_per_actor must be >= 1")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        elif self.device.startswith("cuda:") and self.device != "cuda:0":
+            problems.append(f"device {self.device}: a Ray actor sees only the GPUs it was given, numbered "
+                            "from 0; use device cuda (each actor gets its own GPU)")
+        if self.gpus_per_actor is not None and not 0 <= self.gpus_per_actor <= 1:
+            problems.append("gpus_per_actor must be within [0, 1]: an actor runs its pair on one GPU "
+                            "(start more actors to use more GPUs)")
         if self.kernel not in KERNELS:
             problems.append(f"kernel must be one of {', '.join(KERNELS)}")
         if (self.target is None) != (self.draft is None) and self.method != "ar":

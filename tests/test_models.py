@@ -73,3 +73,20 @@ def test_cli_help_lists_method_options():
     assert res.exit_code == 0
     for key in ("rho_stop", "kv_update", "max_branch", "branch"):
         assert key in res.output
+
+
+def test_a_target_token_the_draft_cannot_read_is_a_clear_error():
+    """A target wider than its draft (no tokenizer to bound them) may choose an id the draft has
+    no embedding for: a ValueError naming it, not an index error deep in a forward (on a GPU, a
+    device-side assert that ends the process)."""
+    from dynatree import decode, make_config, pair_from_models
+    target, draft = tiny_neox(1, vocab=48), tiny_neox(2, vocab=40)
+    with torch.no_grad():  # every position's final hidden state is all ones, and only id 45 scores it
+        target.gpt_neox.final_layer_norm.weight.zero_()
+        target.gpt_neox.final_layer_norm.bias.fill_(1.0)
+        target.lm_head.weight.zero_()
+        target.lm_head.weight[45] = 1.0
+    pair = pair_from_models(target, draft, None, eos_token_id=None)
+    assert decode(pair, [1, 2, 3], make_config("ar"), max_new_tokens=3)[0] == [45, 45, 45]  # ar needs no draft
+    with pytest.raises(ValueError, match="token id 45 is outside the draft's vocabulary"):
+        decode(pair, [1, 2, 3], make_config("dynatree"), max_new_tokens=3)

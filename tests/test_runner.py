@@ -154,6 +154,13 @@ def test_spec_validation_messages(tmp_path):
     with pytest.raises(SpecError, match="batch_size must be a number or auto"):
         build_spec(None, input="x", output="y", batch_size="many")
     assert build_spec(None, input="x", output="y", batch_size="8").batch_size == 8
+    with pytest.raises(SpecError, match="use device cuda"):
+        build_spec(None, input="x", output="y", device="cuda:1")
+    with pytest.raises(SpecError, match="device must be auto, cpu, cuda or cuda:N"):
+        build_spec(None, input="x", output="y", device="gpu")
+    with pytest.raises(SpecError, match="gpus_per_actor must be within"):
+        build_spec(None, input="x", output="y", gpus_per_actor=2)
+    assert build_spec(None, input="x", output="y", device="cuda:0", gpus_per_actor=0.5).gpus_per_actor == 0.5
     with pytest.raises(SpecError, match="no option 'depth'"):
         build_spec(None, input="x", output="y", options={"depth": "3"})
     job = tmp_path / "job.yaml"

@@ -229,3 +229,18 @@ def test_matches_target_distribution_on_the_native_kernel(method, opts):
     opts = {"temperature": 1.0, **opts}
     p = chi_square_p(sample_counts(pair, method, opts), exact_distribution(pair, opts), N)
     assert p >= P_MIN, f"{method} {opts}: chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_are_scored_in_float32(dtype):
+    """A sampled draw is the argmax of logits / T + Gumbel noise.  Rounded to 16 bits, the noise
+    ties the top scores of a 50k-token row often (bf16 ~5% of rows) and argmax then takes the
+    lowest id: the draw must be the float32 scores' argmax whatever the logits' dtype."""
+    from dynatree.runtime import Perturb, with_heads
+    n, width = 96, 50_000
+    s = Sampler(0.8, 0, 1.0, 3)
+    # near-flat rows at a magnitude where 16-bit spacing is coarse (fp16: 0.0625, bf16: 0.5)
+    logits = (100 + torch.randn(1, n, width, generator=torch.Generator().manual_seed(0)) * 0.01).to(dtype)
+    want = (logits[0].float() / 0.8 + torch.stack([s.noise(j, width) for j in range(n)])).argmax(-1).tolist()
+    out = with_heads(logits.clone(), argmax=True, perturb=Perturb(1 / 0.8, lambda w: [s.noise(j, w) for j in range(n)]))
+    assert out.choice == want

@@ -3,6 +3,7 @@ bad rows and failing steps stay contained; the batch-size tuner climbs to the me
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from dynatree import decode, make_config
 from dynatree.scheduler import BatchTuner, Request, Scheduler
@@ -107,3 +108,19 @@ def test_nothing_waits_forever_when_the_decoding_thread_dies(close_pair, monkeyp
         sched.submit([Request(ok[0], make_config("ar"), 4)]).result(timeout=60)
     with pytest.raises(RuntimeError, match="decoding thread stopped"):
         sched.submit([Request(ok[0], make_config("ar"), 4)])
+
+
+@pytest.mark.skipif(not hasattr(torch, "AcceleratorError"), reason="this torch has no AcceleratorError")
+def test_a_device_error_stops_the_thread(close_pair, monkeypatch):
+    """A CUDA error poisons the process: no fresh decoder, the thread stops and says why (the
+    actor then exits and the job replaces it)."""
+    from dynatree import engine
+
+    def lost(self, rows):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    sched = Scheduler(close_pair, 2, threads=1)
+    monkeypatch.setattr(engine.BatchDecoder, "_iterate", lost)
+    with pytest.raises(RuntimeError, match="decoding thread stopped"):
+        sched.submit([Request(random_prompts(1, seed=5)[0], make_config("ar"), 4)]).result(timeout=60)
+    assert isinstance(sched.broken, torch.AcceleratorError)
