@@ -55,7 +55,9 @@ class MethodConfig(SamplingConfig):
                             "kv_window - kv_evict .. kv_window tokens; trees fit in what is left)")
     kv_dtype: str = opt("model", "KV cache storage: 'model' (the model's dtype) or 'bfloat16' (half the bytes "
                                  "a forward streams from the caches; keys and values rounded once as they are "
-                                 "cached, so every greedy method equals ar with the same kv_dtype)")
+                                 "cached, so every greedy method equals ar with the same kv_dtype; the native "
+                                 "CPU kernel reads it as is, torch paths widen the whole cache every forward, "
+                                 "which costs more than it saves)")
 
     def __post_init__(self):
         super().__post_init__()
