@@ -36,7 +36,7 @@ def _pair_options(f):
 @click.option("--method", default="dynatree", show_default=True, type=click.Choice(list(METHODS)))
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="method option, repeatable (listed below)")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt", "prompts", multiple=True,
               help="prompt text (default: read stdin); repeat it to decode several prompts together, "
                    "many sequences per forward")
@@ -89,7 +89,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                    "(e.g. dyspec_heap=dyspec with --option dyspec_heap.mode=heap)")
 @click.option("--option", "options", multiple=True, metavar="LABEL.KEY=VALUE",
               help="method option, repeatable, e.g. dynatree.tau=0.01")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=int)
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
           max_new_tokens, max_prompt_tokens):
@@ -112,6 +112,13 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             texts = read_texts(path, prompt_column)[:limit]
         except InputError as e:
             _fail(str(e))
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+        if bad:
+            click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty or not text "
+                       f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
+            texts = [t for i, t in enumerate(texts) if i not in set(bad)]
+        if not texts:
+            _fail(f"{path}: no prompts to check")
         prompts = [truncate_prompt(pair.encode(t), max_prompt_tokens) for t in texts]
         rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                              progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
@@ -188,7 +195,7 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--prompts", "n_prompts", default=10, show_default=True, help="N prompts per dataset")
 @click.option("--warmup", default=2, show_default=True, help="first W prompts discarded")
 @click.option("--max-prompt-tokens", default=200, show_default=True, help="L_max")
-@click.option("--max-new-tokens", default=128, show_default=True, help="T (EOS ignored)")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="T (EOS ignored)")
 @click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic,hf_prompt_lookup",
               show_default=True, help="LABEL=METHOD runs a method under another name")
 @click.option("--option", "options", multiple=True, metavar="[LABEL.]KEY=VALUE",

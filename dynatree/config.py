@@ -247,7 +247,16 @@ def make_config(method: str, options: dict | None = None):
         raise ValueError("kv_update must be 'gather' or 'recompute'")
     if isinstance(cfg, DySpecConfig) and cfg.mode not in ("heap", "threshold"):
         raise ValueError("dyspec mode must be 'heap' or 'threshold'")
+    for name in _AT_LEAST_ONE:
+        if getattr(cfg, name, 1) < 1:
+            raise ValueError(f"{method} option {name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("tau", "threshold"):
+        if not 0 <= getattr(cfg, name, 0) <= 1:
+            raise ValueError(f"{method} option {name} must be within [0, 1], got {getattr(cfg, name)}")
     return cfg
+
+
+_AT_LEAST_ONE = ("k", "depth", "branch", "max_nodes", "window", "budget", "max_depth", "max_branch")  # counts and sizes
 
 
 def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -270,3 +279,9 @@ def options_help() -> str:
         for f in fs:
             lines.append(f"    {f.name}={f.default}  {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model or dataset name is meant as a path: a hub id is ``name`` or ``org/name``."""
+    import os
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name

@@ -421,6 +421,8 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str 
     (BatchDecoder); one Generation per prompt, in order."""
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = [pair.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     return [Generation(toks, pair.decode(toks), reason, method, metrics, asdict(cfg))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import KERNELS
+from .config import KERNELS, looks_local
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -249,6 +249,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         target, draft = str(base / "target"), str(base / "draft")
     if target is None:
         raise PairError("a draft was given without a target")
+    for role, name in (("target", target), ("draft", draft if load_draft else None)):
+        if name is not None and looks_local(str(name)) and not Path(name).expanduser().exists():
+            raise PairError(f"{role} {name}: no such file or directory")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tok = load_tokenizer(str(target))
     lean = kernel != "hf" and not transformers_models

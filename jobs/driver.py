@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from dynatree.config import looks_local
 from dynatree.metrics import output_schema
 
 from . import placement
@@ -39,7 +40,8 @@ __all__ = ["JobError", "run_job"]
 def _progress(total: int):
     try:
         from tqdm import tqdm
-        return tqdm(total=total, unit="row", file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+        return tqdm(total=total, unit="row", file=sys.stderr, dynamic_ncols=True, smoothing=0.1,
+                    disable=None)  # None: no bar when stderr is not a terminal (a log file, CI)
     except ImportError:
         return None
 
@@ -56,11 +58,13 @@ def _init_ray(spec: JobSpec):
 
     if not ray.is_initialized():
         if spec.address or os.environ.get("RAY_ADDRESS"):  # RAY_ADDRESS: inside `ray job submit`
+            _probe(spec.address or os.environ["RAY_ADDRESS"])
             try:
                 ray.init(address=spec.address, log_to_driver=True)
             except ConnectionError as e:
                 raise JobError(f"cannot reach the Ray cluster at {spec.address or os.environ['RAY_ADDRESS']}: "
-                               f"{e}") from e
+                               f"{e} (if the head uses token authentication, this client needs the same "
+                               "RAY_AUTH_MODE and token)") from e
         else:
             # a private local cluster on loopback ("local": never attach to a cluster some earlier
             # `ray start` left registered); the dashboard is not needed for `dynatree run`
@@ -69,16 +73,26 @@ def _init_ray(spec: JobSpec):
     return ray
 
 
-def _looks_local(name: str) -> bool:
-    """A hub id is ``name`` or ``org/name``; anything else is meant as a path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast when nothing listens at a HOST:PORT address: ray.init would retry for minutes,
+    printing only its own connection warnings."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", ray:// client addresses and the like: Ray resolves them
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
+                       "is its head running (`ray start --head`), and is this its GCS address?") from e
 
 
 def preflight(spec: JobSpec) -> None:
     """Model problems found before any actor starts: missing paths, mismatched tokenizers."""
     names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
     for flag, name in names.items():
-        if name and not Path(name).expanduser().exists() and _looks_local(name):
+        if name and not Path(name).expanduser().exists() and looks_local(name):
             raise JobError(f"{flag} {name}: no such file or directory")
     t, d = (Path(n).expanduser() if n else None for n in names.values())
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
@@ -256,7 +270,8 @@ class _Dispatch:
                     self.stats["shards_this_run"] += 1
                     if bar is not None:
                         bar.update(len(results))
-                        bar.set_postfix_str(f"{self.stats['tokens_this_run'] / (time.time() - t0):.1f} tok/s")
+                        bar.set_postfix_str(f"{self.stats['tokens_this_run'] / (time.time() - t0):.1f} tok/s "
+                                            "since the actors were ready")
         finally:
             if bar is not None:
                 bar.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def make_plan(spec: JobSpec, log=print) -> Plan:
         cols = source.column_names
         if source.num_rows and spec.prompt_column not in cols:
             raise JobError(f"input {spec.input}: no prompt column {spec.prompt_column!r} (columns: {', '.join(cols)})")
-        if spec.id_column:
+        if spec.id_column and source.num_rows:  # an empty input (no rows, maybe no columns) is just empty
             if spec.id_column not in cols:
                 raise JobError(f"input {spec.input}: no id column {spec.id_column!r} (columns: {', '.join(cols)})")
             source.check_ids(spec.id_column)
@@ -91,6 +90,31 @@ def _manifest(spec: JobSpec, plan: Plan) -> dict:
 
 def _has_shards(out: Path) -> bool:
     return any(p.name.startswith("part-") for p in (out / "shards").iterdir())
+
+
+def _ours(name: str) -> bool:
+    """Whether a file in shards/ is one dynatree writes (a shard, or a shard being written)."""
+    return (name.startswith("part-") and name.endswith(".parquet")
+            or name.startswith(".part-") and name.endswith(".parquet.tmp"))
+
+
+def _refuse_foreign(out: Path) -> None:
+    """shards/ is the dataset users read (pyarrow.dataset(out/"shards")): a file dynatree did not
+    write there would be read as output, and --overwrite must never delete it."""
+    foreign = sorted(p.name for p in (out / "shards").iterdir() if not _ours(p.name))
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise JobError(f"{out / 'shards'} holds files dynatree did not write ({', '.join(foreign[:3])}{more}); "
+                       "move them or choose another --output")
+
+
+def _clear(out: Path) -> None:
+    """--overwrite: remove what dynatree wrote, and only that."""
+    for p in (out / "shards").iterdir():
+        if _ours(p.name):
+            p.unlink()
+    for p in [out / "summary.json", *out.glob(".fault-*")]:
+        p.unlink(missing_ok=True)
 
 
 def _refuse_change(out: Path, old: dict, new: dict) -> None:
@@ -115,11 +139,9 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
     except OSError as e:
         raise JobError(f"output directory {out} is not writable: {e}") from e
     path, manifest = out / "manifest.json", _manifest(spec, plan)
+    _refuse_foreign(out)
     if spec.overwrite:
-        shutil.rmtree(out / "shards")
-        (out / "shards").mkdir()
-        for f in out.glob(".fault-*"):
-            f.unlink()
+        _clear(out)
     elif path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
         _refuse_change(out, json.loads(path.read_text()), manifest)
         if not spec.resume:

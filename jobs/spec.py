@@ -88,6 +88,8 @@ class JobSpec:
             problems.append("max_new_tokens must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             problems.append("max_prompt_tokens must be >= 1")
+        if self.max_retries < 0:
+            problems.append("max_retries must be >= 0")
         if self.shard_size < 1:
             problems.append("shard_size must be >= 1")
         if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):

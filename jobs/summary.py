@@ -130,7 +130,7 @@ def format_table(s: dict) -> str:
         f"generated tokens         {s['generated_tokens']}",
         "job tokens/s (this run)  " + (f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
         + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
-          f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries)",
+          f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries; start-up included)",
         f"start-up                 {startup_line(s.get('startup') or {})}",
         "batch size per actor     " + (", ".join(str(a["batch_size"]) for a in run.get("actors", [])) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",

@@ -36,8 +36,11 @@ def test_draft_scoring_fewer_tokens_than_the_tokenizer_is_an_error(pair_dirs, tm
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(PairError, match="cannot load"):
+    with pytest.raises(PairError, match=f"target {tmp_path / 'nope'}: no such file or directory"):
         load_pair(tmp_path / "nope", tmp_path / "nope2", device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PairError, match="cannot load"):
+        load_pair(tmp_path / "empty", tmp_path / "empty", device="cpu")
 
 
 def test_bad_options_are_clear_errors():
@@ -49,6 +52,10 @@ def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="d0 < d_max"):
         make_config("dynatree", {"d0": "9"})
     assert make_config("dynatree", {"history": "off"}).history is False
+    with pytest.raises(ValueError, match="linear option k must be >= 1, got 0"):
+        make_config("linear", {"k": "0"})
+    with pytest.raises(ValueError, match="tau must be within"):
+        make_config("fixed_tree", {"tau": "2"})
 
 
 def test_cli_generate_json(pair_dirs):
@@ -90,3 +97,10 @@ def test_a_target_token_the_draft_cannot_read_is_a_clear_error():
     assert decode(pair, [1, 2, 3], make_config("ar"), max_new_tokens=3)[0] == [45, 45, 45]  # ar needs no draft
     with pytest.raises(ValueError, match="token id 45 is outside the draft's vocabulary"):
         decode(pair, [1, 2, 3], make_config("dynatree"), max_new_tokens=3)
+
+
+def test_generate_needs_at_least_one_new_token():
+    from dynatree import pair_from_models
+    pair = pair_from_models(tiny_neox(1, vocab=48), None, None, eos_token_id=None)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        generate(pair, [1, 2, 3], "ar", max_new_tokens=0)

@@ -1,6 +1,7 @@
 """The batch runner end to end on a real local Ray cluster, real Parquet files and tiny models."""
 import json
 import os
+import time
 
 import pyarrow as pa
 import pyarrow.feather as feather
@@ -77,10 +78,12 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     # a different config on the same directory is refused, unless overwrite
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # overwrite removes what dynatree wrote, only that
     s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5, overwrite=True),
                 progress=False, log=quiet)
     assert s["this_run"]["shards_this_run"] == 3
     assert all(r["num_generated_tokens"] <= 5 for r in read_rows(tmp_path / "out"))
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
 def faults(monkeypatch, **kw):
@@ -129,6 +132,13 @@ def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
 
 def test_bad_inputs_fail_before_any_work(pair_dirs, tmp_path):
     write_input(tmp_path)
+    (tmp_path / "out" / "shards").mkdir(parents=True)
+    (tmp_path / "out" / "shards" / "mine.parquet").write_text("a user's file")
+    for overwrite in (False, True):  # read as output by pyarrow.dataset(out/shards); never deleted
+        with pytest.raises(JobError, match="holds files dynatree did not write \\(mine.parquet\\)"):
+            run_job(spec(pair_dirs, tmp_path, overwrite=overwrite), progress=False, log=quiet)
+    assert (tmp_path / "out" / "shards" / "mine.parquet").exists()
+    os.remove(tmp_path / "out" / "shards" / "mine.parquet")
     with pytest.raises(JobError, match="no prompt column 'body'"):
         run_job(spec(pair_dirs, tmp_path, prompt_column="body"), progress=False, log=quiet)
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
@@ -144,6 +154,25 @@ def test_bad_inputs_fail_before_any_work(pair_dirs, tmp_path):
     with pytest.raises(JobError, match="no input files"):
         run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "missing*.parquet")), progress=False, log=quiet)
     assert not (tmp_path / "out" / "shards").exists() or not os.listdir(tmp_path / "out" / "shards")
+
+
+def test_an_address_where_nothing_listens_fails_fast():
+    """ray.init would retry such an address for minutes (the driver probes it before ray.init;
+    called directly here: in this test process Ray may already be up)."""
+    import socket
+    from dynatree.jobs.driver import _probe
+    with socket.socket() as s:  # a free port, closed again: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.time()
+    with pytest.raises(JobError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}: nothing answers"):
+        _probe(f"127.0.0.1:{port}")
+    assert time.time() - t0 < 30
+    with socket.socket() as s:  # something listening: no error
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        _probe(f"127.0.0.1:{s.getsockname()[1]}")
+    _probe("auto")
 
 
 def test_spec_validation_messages(tmp_path):
@@ -268,6 +297,10 @@ def test_awkward_inputs(ray_cluster, pair_dirs, tmp_path):
                 progress=False, log=quiet)
     t = pq.read_table(tmp_path / "o2" / "shards")
     assert s["rows"] == 0 and t.num_rows == 0 and {"generated_text", "key", "text"} <= set(t.column_names)
+    (tmp_path / "empty.jsonl").write_text("")  # no rows, no columns: still just empty, with --id-column
+    s = run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "empty.jsonl"), output=str(tmp_path / "o3")),
+                progress=False, log=quiet)
+    assert s["rows"] == 0 and "generated_text" in pq.read_table(tmp_path / "o3" / "shards").column_names
 
 
 def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
