@@ -279,9 +279,3 @@ def options_help() -> str:
         for f in fs:
             lines.append(f"    {f.name}={f.default}  {f.metadata.get('help', '')}")
     return "\n".join(lines)
-
-
-def looks_local(name: str) -> bool:
-    """Whether a model or dataset name is meant as a path: a hub id is ``name`` or ``org/name``."""
-    import os
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name

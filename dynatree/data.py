@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from .names import hub_problem
+
 
 class InputError(ValueError):
     """The input cannot be read, or lacks the requested column."""
@@ -61,6 +63,9 @@ def _datasets_target(source: str) -> tuple[str, str | None, str | None] | None:
     parts = source.split(":")
     if len(parts) > 3:
         raise InputError(f"{source!r}: expected NAME[:CONFIG]:SPLIT")
+    problem = hub_problem(parts[0], "dataset")
+    if problem:
+        raise InputError(f"no input files found at {source!r}, and as a `datasets` hub name it is {problem}")
     return parts[0], parts[-1] if len(parts) > 1 else None, parts[1] if len(parts) == 3 else None
 
 

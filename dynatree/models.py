@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .config import KERNELS, looks_local
+from .config import KERNELS
+from .names import hub_problem, looks_local
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -252,6 +253,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
     for role, name in (("target", target), ("draft", draft if load_draft else None)):
         if name is not None and looks_local(str(name)) and not Path(name).expanduser().exists():
             raise PairError(f"{role} {name}: no such file or directory")
+        problem = hub_problem(str(name)) if name is not None else None
+        if problem:
+            raise PairError(f"{role} {name}: no such file or directory, and as a hub id {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tok = load_tokenizer(str(target))
     lean = kernel != "hf" and not transformers_models

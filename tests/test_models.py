@@ -104,3 +104,32 @@ def test_generate_needs_at_least_one_new_token():
     pair = pair_from_models(tiny_neox(1, vocab=48), None, None, eos_token_id=None)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         generate(pair, [1, 2, 3], "ar", max_new_tokens=0)
+
+
+def test_an_unreachable_hub_name_fails_in_seconds(monkeypatch, tmp_path):
+    """A hub id that is not cached, with the hub out of reach, is named at once (transformers and
+    datasets would retry for 20-60 s); a cached one, a proxy or a reachable hub leave it to them."""
+    import socket
+    from dynatree import names
+    from dynatree.data import InputError, read_table
+
+    def refuse(*a, **k):
+        raise OSError("unreachable")
+
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+              "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    monkeypatch.setattr(names, "_cached", lambda name, kind: name == "org/cached")
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    with pytest.raises(PairError, match="target org/model: no such file or directory, and as a hub id not in the "
+                                        "Hugging Face cache, and the hub .* is unreachable"):
+        load_pair("org/model", "org/model", device="cpu")
+    with pytest.raises(InputError, match="no input files found at 'promts'.*unreachable"):
+        read_table("promts")
+    assert names.hub_problem("org/cached") is None and names.hub_problem("/a/path") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert names.hub_problem("org/model") is None
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "offline mode" in names.hub_problem("org/model")
