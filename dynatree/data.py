@@ -428,7 +428,8 @@ def _plan_files(source: str) -> list[str]:
     for f in files:
         fmt = _FORMATS.get(Path(f).suffix)
         if fmt is None:
-            raise InputError(f"unsupported input file type {Path(f).suffix!r}: {f}")
+            raise InputError(f"unsupported input file type {Path(f).suffix!r}: {f} (readable: "
+                             f"{', '.join(_FORMATS)}; convert CSV with pyarrow.csv)")
         by_format.setdefault(fmt, []).append(f)
     if len(by_format) > 1:
         main = max(by_format, key=lambda k: len(by_format[k]))

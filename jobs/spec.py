@@ -11,15 +11,16 @@ a run and its resume: outputs do not depend on them (the batched engine is batch
 """
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynatree.config import KERNELS, METHODS, make_config
+from dynatree.names import looks_local
 
 
 FAULTS_ENV = "DYNATREE_FAULT_INJECTION"  # tests only: {"die_once_on_shard": name} as JSON, read by actors
@@ -197,6 +198,8 @@ def _coerce(data: dict) -> dict:
     """Flag strings and YAML values to the field types: "8" and 8 are the same batch size."""
     data = dict(data)
     b = data.get("batch_size")
+    if isinstance(b, str) and b.strip().lower() == "auto":
+        b = data["batch_size"] = "auto"
     if isinstance(b, str) and b != "auto":
         try:
             data["batch_size"] = int(b)
@@ -208,4 +211,9 @@ def _coerce(data: dict) -> dict:
             tuple(c.strip() for c in keep.split(",") if c.strip())
     elif isinstance(keep, list):
         data["keep_columns"] = tuple(keep)
+    for k in ("input", "target", "draft"):  # one spelling per path, so a resume typed differently is the same job
+        v = data.get(k)
+        if isinstance(v, str) and (looks_local(v) or os.path.exists(os.path.expanduser(v))
+                                   or k == "input" and any(c in v for c in "*?[")):
+            data[k] = os.path.abspath(os.path.expanduser(v))
     return data

@@ -183,6 +183,15 @@ def test_spec_validation_messages(tmp_path):
     with pytest.raises(SpecError, match="batch_size must be a number or auto"):
         build_spec(None, input="x", output="y", batch_size="many")
     assert build_spec(None, input="x", output="y", batch_size="8").batch_size == 8
+    assert build_spec(None, input="x", output="y", batch_size="AUTO").batch_size == "auto"
+    (tmp_path / "in.parquet").write_text("")  # the same file typed two ways is the same job (resume)
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        a = build_spec(None, input="./in.parquet", output="y")
+    finally:
+        os.chdir(here)
+    assert a.identity_hash() == build_spec(None, input=str(tmp_path / "in.parquet"), output="y").identity_hash()
     with pytest.raises(SpecError, match="use device cuda"):
         build_spec(None, input="x", output="y", device="cuda:1")
     with pytest.raises(SpecError, match="device must be auto, cpu, cuda or cuda:N"):
