@@ -252,17 +252,23 @@ class _ArrowPart(_Part):
 
 
 class _TextPart(_Part):
+    """A plain-text file is one row: ``text`` (its contents) and ``file`` (its path, so output rows
+    can be traced back to their files)."""
+
     def __init__(self, path: str):
-        super().__init__(_stat(path, "txt", 1), pa.schema([("text", pa.string())]))
+        super().__init__(_stat(path, "txt", 1), pa.schema([("text", pa.string()), ("file", pa.string())]))
 
     def read(self, lo, hi, need, raw):
-        if "text" not in need or lo >= hi:
+        cols = [c for c in need if c in self.schema.names]
+        if not cols or lo >= hi:
             return pa.table({}), {}
-        try:
-            text = Path(self.info.path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"cannot read {self.info.path}: {e}") from e
-        return pa.table({"text": [text]}), {"text": [text]} if "text" in raw else {}
+        values = {"file": [self.info.path]}
+        if "text" in cols:
+            try:
+                values["text"] = [Path(self.info.path).read_text(encoding="utf-8")]
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"cannot read {self.info.path}: {e}") from e
+        return pa.table({c: values[c] for c in cols}), {c: values[c] for c in raw if c in cols}
 
 
 class _DatasetPart(_Part):

@@ -196,8 +196,10 @@ def test_mixed_format_directory_and_txt_directory(tmp_path):
     (t / "b.txt").write_text("second\nprompt")
     (t / "a.txt").write_text("first")
     src = InputSource.open(str(t))
-    assert src.column_names == ["text"] and [f.format for f in src.files] == ["txt", "txt"]
+    assert src.column_names == ["text", "file"] and [f.format for f in src.files] == ["txt", "txt"]
     assert src.read(0, 2, ["text"], raw=["text"])[1] == {"text": ["first", "second\nprompt"]}
+    table = src.read(0, 2, ["file", "text"], raw=[])[0]  # rows trace back to their files
+    assert table.column("file").to_pylist() == [str(t / "a.txt"), str(t / "b.txt")]
 
 
 def test_empty_inputs(tmp_path):
