@@ -131,9 +131,10 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
                             [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
                              for r in bad]))
     w = max(11, *(len(s[1]) for s in summary))
-    click.echo(f"{'prompts file':<45} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
+    pw = max(12, *(len(s[0]) for s in summary))  # whole paths: a cut one can name the wrong file
+    click.echo(f"{'prompts file':<{pw}} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
     for path, label, n, ok, tps, tpi, bad in summary:
-        click.echo(f"{path[-45:]:<45} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
+        click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
                    + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
     if any(s[6] for s in summary):
         sys.exit(1)
