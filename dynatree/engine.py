@@ -228,7 +228,8 @@ class BatchDecoder:
                                f"{self.pair.max_context}-token context (a draft's tree positions can reach their sum)")
         if not window and len(prompt_ids) >= self.pair.max_context:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                               f"{self.pair.max_context}-token context")
+                               f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
+                               f"window: option kv_window, e.g. {self.pair.max_context // 2})")
         self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos))
 
     @torch.inference_mode()
