@@ -165,22 +165,25 @@ class LeanNeoX:
         (``topk``) or argmax (``argmax``) of each kept row's first ``cols`` logits, host lists."""
         n = input_ids.shape[1]
         cache = past_key_values
+        if self._takes(n, attention_mask, cache) and attention_mask is not None \
+                and not isinstance(attention_mask, KeyMask):
+            attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
+        seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
+                  attention_mask, logits_to_keep, perturb)
         if self._takes(n, attention_mask, cache):
-            if attention_mask is not None and not isinstance(attention_mask, KeyMask):
-                attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
-            seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
-                      attention_mask, logits_to_keep, perturb)
             return self._native([seq], topk, argmax, cols)[0]
-        return self._torch(input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols,
-                           perturb)
+        return self._torch([seq], topk, argmax, cols)[0]
 
     def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
-        """Several sequences' new tokens -> one Output each (runtime.py).  On the native kernel
-        one packed forward: every row in one stream over the weights, each attending to its own
-        cache, and bitwise what it would get alone."""
+        """Several sequences' new tokens -> one Output each (runtime.py), in one packed forward:
+        every row in one pass over the weights, each attending to its own cache.  The native
+        kernel's is bitwise what each row would get alone; the torch one's GEMMs span all rows
+        (exact in float64; in lower precision a row's rounding may depend on its neighbours)."""
         if all(self._takes(len(s.ids), s.mask, s.cache) for s in seqs):
             return self._native(seqs, topk, argmax, cols)
-        return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
+        if self.native:  # a long prefill beside native rows: each takes its own path
+            return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
+        return self._torch(seqs, topk, argmax, cols)
 
     def _takes(self, n: int, mask, cache) -> bool:
         """Whether the native kernel runs this forward (masked, or causal up to NATIVE_ROWS rows,
@@ -188,31 +191,44 @@ class LeanNeoX:
         return (self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
                 and (getattr(cache.layers[0], "store", None) or torch.float32) in native.KV_FORMATS)
 
-    def _torch(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, topk, argmax, cols, perturb):
-        """The forward as torch ops (MKL/oneDNN on a CPU; any dtype and device)."""
-        n = input_ids.shape[1]
-        past = cache.length if cache is not None else 0
-        if isinstance(attention_mask, KeyMask):
-            attention_mask = attention_mask.additive(self.dtype)
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=self.device)[None]
-        cos = self.cos[position_ids][:, None]  # (1, 1, n, r)
-        sin = self.sin[position_ids][:, None]
-        mask = attention_mask
-        if mask is None and n > 1:  # causal over the new tokens, all of the cached prefix
-            allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
-            mask = allowed[None, None]
-        h = F.embedding(input_ids, self.embed)  # (1, n, d)
-        H, hd = self.heads, self.head_dim
+    def _masks(self, seqs: list[Seq]) -> list:
+        """Per sequence: positions (1, n), and its SDPA mask over its cache and new tokens
+        ((1, 1, n, P + n): additive from a KeyMask or given; boolean causal; None for one token)."""
+        out = []
+        for s in seqs:
+            n, past = len(s.ids), s.cache.length if s.cache is not None else 0
+            pos = s.positions if s.positions is not None else torch.arange(past, past + n, device=self.device)
+            mask = s.mask.additive(self.dtype) if isinstance(s.mask, KeyMask) else s.mask
+            if mask is None and n > 1:  # causal over the new tokens, all of the cached prefix
+                mask = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)[None, None]
+            out.append((pos.reshape(1, n), mask))
+        return out
+
+    def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
+        """The packed forward as torch ops (MKL/oneDNN on a CPU; any dtype and device): the GEMMs
+        over every sequence's rows at once, attention per sequence over its own cache."""
+        spans, r = [], 0  # each sequence's rows in the packed (1, N, .) activations
+        for s in seqs:
+            spans.append((r, r + len(s.ids)))
+            r += len(s.ids)
+        masks = self._masks(seqs)
+        pos = torch.cat([p for p, _ in masks], dim=1)  # (1, N)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (1, 1, N, r)
+        h = F.embedding(torch.cat([s.ids.reshape(-1) for s in seqs])[None].to(self.device), self.embed)  # (1, N, d)
+        H, hd, N = self.heads, self.head_dim, r
         for i, (ln1, ln2, qkv_w, out_w, fc1, fc2) in enumerate(self.layers):
             x = F.layer_norm(h, h.shape[-1:], ln1[0], ln1[1], self.eps)
-            qkv = qkv_w(x).view(1, n, H, 3 * hd).transpose(1, 2)  # (1, H, n, 3hd)
+            qkv = qkv_w(x).view(1, N, H, 3 * hd).transpose(1, 2)  # (1, H, N, 3hd)
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            if cache is not None:
-                k, v = cache.layers[i].update(k, v)  # (1, H, P + n, hd)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-            a = out_w(a.transpose(1, 2).reshape(1, n, H * hd))
+            att = []
+            for s, (a, b), (_, mask) in zip(seqs, spans, masks):
+                ks, vs = k[:, :, a:b], v[:, :, a:b]
+                if s.cache is not None:
+                    ks, vs = s.cache.layers[i].update(ks, vs)  # (1, H, P + n, hd)
+                att.append(F.scaled_dot_product_attention(q[:, :, a:b], ks, vs, attn_mask=mask, scale=self.scaling))
+            a = att[0] if len(att) == 1 else torch.cat(att, dim=2)  # (1, H, N, hd)
+            a = out_w(a.transpose(1, 2).reshape(1, N, H * hd))
             if self.parallel:
                 y = F.layer_norm(h, h.shape[-1:], ln2[0], ln2[1], self.eps)
                 h = fc2(self.act(fc1(y))) + a + h
@@ -220,10 +236,15 @@ class LeanNeoX:
                 a = a + h
                 y = F.layer_norm(a, a.shape[-1:], ln2[0], ln2[1], self.eps)
                 h = fc2(self.act(fc1(y))) + a
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
+        kept = [(b - min(s.keep, b - a) if s.keep else a, b) for s, (a, b) in zip(seqs, spans)]
+        if len(seqs) > 1 or kept[0] != spans[0]:
+            h = torch.cat([h[:, a:b] for a, b in kept], dim=1)  # (1, K, d): only the logits asked for
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return with_heads(self.lm_head(h), topk, argmax, cols, perturb)
+        logits, outs, r = self.lm_head(h), [], 0  # (1, K, V)
+        for s, (a, b) in zip(seqs, kept):
+            outs.append(with_heads(logits[:, r:r + b - a], topk, argmax, cols, s.perturb))
+            r += b - a
+        return outs
 
     def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The sequences' forward as one call into csrc/neox.c (batch invariant: see that file).

@@ -51,3 +51,47 @@ def test_unsupported_models_fall_back():
     from dynatree.lean import lean
     m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     assert lean(m) is m
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_packed_torch_forward_gives_each_sequence_its_own_logits(parallel):
+    """The torch path (GPUs, other dtypes, lean-mkl) packs several sequences into one forward --
+    a tree, a chain, one token, a prompt joining with an empty cache, different prefix lengths --
+    and each gets what it gets alone (float64: the packed GEMMs round no differently that shows),
+    heads and cache entries included."""
+    from dynatree.runtime import KeyMask, Seq
+
+    model = tiny_neox(13, layers=2)
+    model.config.use_parallel_residual = parallel
+    lean = LeanNeoX(model, gemm=False)
+    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
+
+    def steps(caches):
+        p0 = caches[0].length
+        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
+                    KeyMask(p0, ancestor_matrix(tree.parents))),
+                Seq(torch.tensor([30, 31, 32]), caches[1]),
+                Seq(torch.tensor([44]), caches[2]),
+                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
+
+    def prefilled():
+        caches = [new_cache(model, 64) for _ in prompts]
+        for c, p in zip(caches, prompts):
+            if p:
+                lean(input_ids=torch.tensor([p]), past_key_values=c)
+        return caches
+
+    with torch.inference_mode():
+        alone_caches = prefilled()
+        alone = [lean.forward([s], topk=3)[0] for s in steps(alone_caches)]
+        packed_caches = prefilled()
+        packed = lean.forward(steps(packed_caches), topk=3)
+    for a, b in zip(alone, packed):
+        assert a.logits.shape == b.logits.shape and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-12)
+        assert [t for t in a.top[1]] == [t for t in b.top[1]]
+    assert packed[3].logits.shape[1] == 1  # keep=1: the joining prompt's last row only
+    for ca, cb in zip(alone_caches, packed_caches):
+        assert ca.length == cb.length
+        for la, lb in zip(ca.layers, cb.layers):
+            assert torch.allclose(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length], rtol=0, atol=1e-12)
