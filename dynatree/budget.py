@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from .kvcache import new_cache
+from .names import model_files
 
 # Bumped when what a saved profile measures changes (2: the profile's masks reach the native
 # kernel with their all-visible prefix, as the engine's do), so stale profiles are measured again.
@@ -357,8 +358,7 @@ def _disk_path(pair, params) -> Path | None:
     for name in (pair.names.get("target"), pair.names.get("draft")):
         if not name or not Path(name).is_dir():
             return None
-        files += [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(name).iterdir())
-                  if f.suffix in (".json", ".safetensors", ".bin")]
+        files += model_files(name)
     from . import native
     cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "") \
         if Path("/proc/cpuinfo").exists() else platform.processor()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .config import KERNELS
-from .names import hub_problem, looks_local
+from .names import default_pair_dir, hub_problem, looks_local
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -40,11 +40,6 @@ def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
         return DTYPES[spec]
     except KeyError:
         raise PairError(f"unknown dtype {spec!r}; choose one of float32, bfloat16, float16, float64") from None
-
-
-def default_pair_dir() -> Path:
-    """The demo pair bundled inside the package (see ``dynatree/assets``)."""
-    return Path(__file__).parent / "assets" / "demo-pair"
 
 
 class HFRunner:

@@ -60,3 +60,19 @@ def hub_problem(name: str, kind: str = "model") -> str | None:
         return (f"not in the Hugging Face cache, and the hub ({os.environ.get('HF_ENDPOINT', 'huggingface.co')}) "
                 "is unreachable from this machine")
     return None
+
+
+def default_pair_dir() -> Path:
+    """The demo pair bundled inside the package (see ``dynatree/assets``)."""
+    return Path(__file__).parent / "assets" / "demo-pair"
+
+
+def model_files(name: str | None, role: str = "target") -> list | None:
+    """(file, size, mtime_ns) of a local model directory's configs and weights -- what changes
+    when a model is retrained in place; ``name`` None is the demo pair's ``role``; None for a
+    hub id (its name is all there is to compare)."""
+    path = Path(name).expanduser() if name else default_pair_dir() / role
+    if not path.is_dir():
+        return None
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir())
+            if f.suffix in (".json", ".safetensors", ".bin")]

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from dynatree.data import InputError, InputSource
 from dynatree.metrics import output_schema
+from dynatree.names import model_files
 
 from .spec import JobSpec
 
@@ -83,8 +84,10 @@ def make_plan(spec: JobSpec, log=print) -> Plan:
 
 
 def _manifest(spec: JobSpec, plan: Plan) -> dict:
+    models = {"target": model_files(spec.target, "target"),
+              "draft": model_files(spec.draft, "draft") if spec.method != "ar" else None}
     return {"identity_hash": spec.identity_hash(), "identity": spec.identity(),
-            "input_fingerprint": plan.source.fingerprint(), "rows": plan.source.num_rows,
+            "input_fingerprint": plan.source.fingerprint(), "model_files": models, "rows": plan.source.num_rows,
             "shard_size": plan.shard_size, "shards": plan.num_shards}
 
 
@@ -123,6 +126,10 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
                          != json.dumps(old.get("identity", {}).get(k), default=str))
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
+    if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it
+        raise JobError(f"the models' files changed since {out} was started (sizes or times differ: retrained or "
+                       "replaced in place?), so its finished shards may come from other weights; use --overwrite "
+                       "to start again or another --output")
     if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True):
         raise JobError(f"the input {new['identity']['input']} changed since {out} was started (file sizes, times or "
                        "row counts differ), so its finished shards may not match the rows they were planned "

@@ -156,6 +156,24 @@ def test_bad_inputs_fail_before_any_work(pair_dirs, tmp_path):
     assert not (tmp_path / "out" / "shards").exists() or not os.listdir(tmp_path / "out" / "shards")
 
 
+def test_models_changed_in_place_are_refused_on_resume(pair_dirs, tmp_path):
+    """A model retrained into the same directory is another job: its finished shards came from
+    the old weights."""
+    import shutil
+    from dynatree.jobs.plan import make_plan, prepare_output
+    write_input(tmp_path)
+    models = tmp_path / "models"
+    shutil.copytree(pair_dirs, models)
+    job = spec(pair_dirs, tmp_path, target=str(models / "target"), draft=str(models / "draft"))
+    prepare_output(job, make_plan(job, quiet))
+    (tmp_path / "out" / "shards" / "part-000000.parquet").write_text("a finished shard")
+    prepare_output(job, make_plan(job, quiet))  # unchanged: resumes
+    weights = next((models / "draft").glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    with pytest.raises(JobError, match="the models' files changed"):
+        prepare_output(job, make_plan(job, quiet))
+
+
 def test_an_address_where_nothing_listens_fails_fast():
     """ray.init would retry such an address for minutes (the driver probes it before ray.init;
     called directly here: in this test process Ray may already be up)."""
