@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .runtime import KeyMask, Output, Seq, forward_each, with_heads
+from .runtime import KeyMask, Output, Seq, forward_each, heads_each
 
 
 NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
@@ -240,11 +240,8 @@ class LeanNeoX:
         if len(seqs) > 1 or kept[0] != spans[0]:
             h = torch.cat([h[:, a:b] for a, b in kept], dim=1)  # (1, K, d): only the logits asked for
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        logits, outs, r = self.lm_head(h), [], 0  # (1, K, V)
-        for s, (a, b) in zip(seqs, kept):
-            outs.append(with_heads(logits[:, r:r + b - a], topk, argmax, cols, s.perturb))
-            r += b - a
-        return outs
+        return heads_each(self.lm_head(h), [b - a for a, b in kept], topk, argmax, cols,  # (1, K, V)
+                          [s.perturb for s in seqs])
 
     def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The sequences' forward as one call into csrc/neox.c (batch invariant: see that file).

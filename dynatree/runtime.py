@@ -91,21 +91,42 @@ def with_heads(logits: torch.Tensor, topk: int = 0, argmax: bool = False, cols: 
                perturb: Perturb | None = None) -> Output:
     """logits: (1, n, V) -> an Output with the heads asked for, computed after the forward (the
     runners that cannot fuse them into it: transformers, lean.py's torch path).  Host sync."""
+    return heads_each(logits, [logits.shape[1]], topk, argmax, cols, [perturb])[0]
+
+
+def heads_each(logits: torch.Tensor, keeps: list[int], topk: int = 0, argmax: bool = False,
+               cols: int | None = None, perturbs: list | None = None) -> list[Output]:
+    """logits: (1, K, V), several sequences' kept rows in turn (``keeps`` of them each) -> one
+    Output per sequence, the heads of all rows read back at once (one host sync, not one per
+    sequence: on a GPU each is a wait).  A sampled sequence's rows are perturbed in place first
+    (their scores replace their logits, as in the C head)."""
     from .native import argmax_rows, topk_probs
 
-    rows = logits[0, :, :cols] if cols is not None else logits[0]  # (n, cols)
-    if perturb is not None:  # in place: the kept rows' scores replace their logits, as in the C head
-        noise = _noise_rows(perturb.noise(rows.shape[-1]), rows.device)  # (n, cols) float32
-        if rows.dtype in (torch.float32, torch.float64):
-            rows.mul_(perturb.inv_temp).add_(noise.to(rows.dtype))
-        else:  # scored in float32: noise rounded to 16 bits ties the top scores (bf16: ~5% of draws
-            # at 50k tokens), and argmax would then take the lowest id -- a biased sample
-            scores = rows.float().mul_(perturb.inv_temp).add_(noise)
-            rows.copy_(scores)
-            rows = scores
-    if not (topk or argmax):
-        return Output(logits)
-    return Output(logits, topk_probs(rows, topk) if topk else None, argmax_rows(rows) if argmax else None)
+    rows = logits[0, :, :cols] if cols is not None else logits[0]  # (K, cols)
+    parts, r, widened = [], 0, False
+    for k, perturb in zip(keeps, perturbs or [None] * len(keeps)):
+        part = rows[r:r + k]
+        if perturb is not None:
+            noise = _noise_rows(perturb.noise(rows.shape[-1]), rows.device)  # (k, cols) float32
+            if rows.dtype in (torch.float32, torch.float64):
+                part.mul_(perturb.inv_temp).add_(noise.to(rows.dtype))
+            else:  # scored in float32: noise rounded to 16 bits ties the top scores (bf16: ~5% of
+                # draws at 50k tokens), and argmax would then take the lowest id -- a biased sample
+                scores = part.float().mul_(perturb.inv_temp).add_(noise)
+                part.copy_(scores)
+                part, widened = scores, True
+        parts.append(part)
+        r += k
+    if widened:  # the heads read the float32 scores
+        rows = torch.cat([p.float() for p in parts])
+    top = topk_probs(rows, topk) if topk else None
+    choice = argmax_rows(rows) if argmax else None
+    outs, r = [], 0
+    for k in keeps:
+        outs.append(Output(logits[:, r:r + k], (top[0][r:r + k], top[1][r:r + k]) if top else None,
+                           choice[r:r + k] if choice is not None else None))
+        r += k
+    return outs
 
 
 def _noise_rows(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
