@@ -116,7 +116,8 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         if bad:
             click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty or not text "
                        f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
-            texts = [t for i, t in enumerate(texts) if i not in set(bad)]
+            skip = set(bad)
+            texts = [t for i, t in enumerate(texts) if i not in skip]
         if not texts:
             _fail(f"{path}: no prompts to check")
         prompts = [truncate_prompt(pair.encode(t), max_prompt_tokens) for t in texts]

@@ -304,7 +304,8 @@ class BatchDecoder:
         committed = sum(self._accept_commit(s, out) for s, out in zip(steps, outs))
         t1 = time.perf_counter()
         if cuda:
-            _sync(self.dev)  # one wait for every row's cache gathers, shared out below
+            _sync(self.dev)  # one wait for every row's cache gathers, shared out below (the draft
+            # caches' gathers, queued after each row's commit, fall in it too: small beside the target's)
         wait = (time.perf_counter() - t1) / len(steps)
         for s in steps:
             dt = t_forward + s.commit_time + wait  # what verifying this row cost: the forward and its commit

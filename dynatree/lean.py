@@ -163,22 +163,19 @@ class LeanNeoX:
         position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
         Returns a runtime.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
         (``topk``) or argmax (``argmax``) of each kept row's first ``cols`` logits, host lists."""
-        n = input_ids.shape[1]
         cache = past_key_values
-        if self._takes(n, attention_mask, cache) and attention_mask is not None \
-                and not isinstance(attention_mask, KeyMask):
+        native_ = self._takes(input_ids.shape[1], attention_mask, cache)
+        if native_ and attention_mask is not None and not isinstance(attention_mask, KeyMask):
             attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
         seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
                   attention_mask, logits_to_keep, perturb)
-        if self._takes(n, attention_mask, cache):
-            return self._native([seq], topk, argmax, cols)[0]
-        return self._torch([seq], topk, argmax, cols)[0]
+        return (self._native if native_ else self._torch)([seq], topk, argmax, cols)[0]
 
     def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
         """Several sequences' new tokens -> one Output each (runtime.py), in one packed forward:
         every row in one pass over the weights, each attending to its own cache.  The native
         kernel's is bitwise what each row would get alone; the torch one's GEMMs span all rows
-        (exact in float64; in lower precision a row's rounding may depend on its neighbours)."""
+        (exact in float64; in float32 and lower a row's rounding may depend on its neighbours)."""
         if all(self._takes(len(s.ids), s.mask, s.cache) for s in seqs):
             return self._native(seqs, topk, argmax, cols)
         if self.native:  # a long prefill beside native rows: each takes its own path
@@ -222,11 +219,11 @@ class LeanNeoX:
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             att = []
-            for s, (a, b), (_, mask) in zip(seqs, spans, masks):
-                ks, vs = k[:, :, a:b], v[:, :, a:b]
+            for s, (lo, hi), (_, mask) in zip(seqs, spans, masks):
+                ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
                 if s.cache is not None:
                     ks, vs = s.cache.layers[i].update(ks, vs)  # (1, H, P + n, hd)
-                att.append(F.scaled_dot_product_attention(q[:, :, a:b], ks, vs, attn_mask=mask, scale=self.scaling))
+                att.append(F.scaled_dot_product_attention(q[:, :, lo:hi], ks, vs, attn_mask=mask, scale=self.scaling))
             a = att[0] if len(att) == 1 else torch.cat(att, dim=2)  # (1, H, N, hd)
             a = out_w(a.transpose(1, 2).reshape(1, N, H * hd))
             if self.parallel:
@@ -236,11 +233,11 @@ class LeanNeoX:
                 a = a + h
                 y = F.layer_norm(a, a.shape[-1:], ln2[0], ln2[1], self.eps)
                 h = fc2(self.act(fc1(y))) + a
-        kept = [(b - min(s.keep, b - a) if s.keep else a, b) for s, (a, b) in zip(seqs, spans)]
+        kept = [(hi - min(s.keep, hi - lo) if s.keep else lo, hi) for s, (lo, hi) in zip(seqs, spans)]
         if len(seqs) > 1 or kept[0] != spans[0]:
-            h = torch.cat([h[:, a:b] for a, b in kept], dim=1)  # (1, K, d): only the logits asked for
+            h = torch.cat([h[:, lo:hi] for lo, hi in kept], dim=1)  # (1, K, d): only the logits asked for
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return heads_each(self.lm_head(h), [b - a for a, b in kept], topk, argmax, cols,  # (1, K, V)
+        return heads_each(self.lm_head(h), [hi - lo for lo, hi in kept], topk, argmax, cols,  # (1, K, V)
                           [s.perturb for s in seqs])
 
     def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:

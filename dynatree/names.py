@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,39 +27,60 @@ def _offline() -> bool:
 
 
 def _cached(name: str, kind: str) -> bool:
+    """Whether a copy of ``name`` may be cached here (when unsure: yes, and the loader decides)."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        return True
     if kind == "model":
-        try:
-            from huggingface_hub import try_to_load_from_cache
-        except ImportError:
-            return True  # cannot tell: let the loader decide
         return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    base = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
-    return any(base.glob(name.replace("/", "___") + "*"))
+    if (Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}").is_dir():
+        return True
+    try:  # `datasets` keeps its own cache, in folders named after a snake-cased name
+        from datasets import config
+        from datasets.naming import camelcase_to_snakecase
+    except ImportError:
+        return True
+    base = Path(config.HF_DATASETS_CACHE)
+    org, _, ds = name.rpartition("/")
+    stems = {name.replace("/", "___"), f"{org}___{camelcase_to_snakecase(ds)}" if org else camelcase_to_snakecase(ds)}
+    return any(any(base.glob(stem + "*")) for stem in stems)
 
 
 def hub_unreachable(timeout_s: float = 5.0) -> bool:
-    """Whether the hub's host takes no TCP connection (never with a proxy configured: the proxy,
-    not this machine, would connect)."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+    """Whether the hub's host refused or dropped a TCP connection within ``timeout_s`` (never with
+    a proxy configured, which would connect instead of this machine; a DNS lookup that outlasts the
+    deadline counts as reachable, so the loader decides)."""
+    from urllib.request import getproxies
+
+    if getproxies():
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
-    except OSError:
-        return True
-    return False
+    port = url.port or (80 if url.scheme == "http" else 443)
+    failed: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+            failed.append(False)
+        except OSError:
+            failed.append(True)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    return failed == [True]
 
 
 def hub_problem(name: str, kind: str = "model") -> str | None:
     """Why ``name``, not a local path, cannot load from the hub here as a "model" or "dataset" (not
-    cached, and the hub out of reach: offline mode or no connection), or None if it may."""
-    if looks_local(name) or Path(name).expanduser().exists() or _cached(name, kind):
+    cached, and the hub does not answer: the loaders would retry for 20-60 s), or None if it may.
+    In offline mode the loaders fail fast on their own (or find a copy this check cannot see)."""
+    if looks_local(name) or Path(name).expanduser().exists() or _offline() or _cached(name, kind):
         return None
-    if _offline():
-        return "not in the Hugging Face cache, and offline mode is set"
     if hub_unreachable():
         return (f"not in the Hugging Face cache, and the hub ({os.environ.get('HF_ENDPOINT', 'huggingface.co')}) "
-                "is unreachable from this machine")
+                "is unreachable from this machine (with a cached copy, HF_HUB_OFFLINE=1 uses it)")
     return None
 
 

@@ -82,7 +82,7 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit() or "://" in address:
         return  # "auto", ray:// client addresses and the like: Ray resolves them
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
                        "is its head running (`ray start --head`), and is this its GCS address?") from e

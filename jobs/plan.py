@@ -20,7 +20,7 @@ from dynatree.data import InputError, InputSource
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
-from .spec import JobSpec
+from .spec import PATH_FIELDS, JobSpec, canonical_path
 
 META_KEY = b"dynatree"
 
@@ -87,7 +87,8 @@ def _manifest(spec: JobSpec, plan: Plan) -> dict:
     models = {"target": model_files(spec.target, "target"),
               "draft": model_files(spec.draft, "draft") if spec.method != "ar" else None}
     return {"identity_hash": spec.identity_hash(), "identity": spec.identity(),
-            "input_fingerprint": plan.source.fingerprint(), "model_files": models, "rows": plan.source.num_rows,
+            "input_fingerprint": plan.source.fingerprint(), "model_files": models, "columns": plan.schema.names,
+            "rows": plan.source.num_rows,
             "shard_size": plan.shard_size, "shards": plan.num_shards}
 
 
@@ -104,7 +105,8 @@ def _ours(name: str) -> bool:
 def _refuse_foreign(out: Path) -> None:
     """shards/ is the dataset users read (pyarrow.dataset(out/"shards")): a file dynatree did not
     write there would be read as output, and --overwrite must never delete it."""
-    foreign = sorted(p.name for p in (out / "shards").iterdir() if not _ours(p.name))
+    foreign = sorted(p.name for p in (out / "shards").iterdir()  # pyarrow skips hidden and _ names
+                     if not _ours(p.name) and not p.name.startswith((".", "_")))
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise JobError(f"{out / 'shards'} holds files dynatree did not write ({', '.join(foreign[:3])}{more}); "
@@ -120,12 +122,33 @@ def _clear(out: Path) -> None:
         p.unlink(missing_ok=True)
 
 
+def _legacy(old: dict) -> dict:
+    """An older manifest's identity and input fingerprint with paths as this version keeps them:
+    absolute (they were stored as typed, resolved here from the current directory)."""
+    ident = {k: canonical_path(k, v) if k in PATH_FIELDS else v for k, v in old.get("identity", {}).items()}
+    fp = json.loads(json.dumps(old.get("input_fingerprint")))
+    if isinstance(fp, dict):
+        fp["source"] = canonical_path("input", fp.get("source"))
+        for f in fp.get("files", []):
+            f["path"] = canonical_path("input", f.get("path"))
+    return {**old, "identity": ident, "input_fingerprint": fp}
+
+
+def _same_identity(old: dict, new: dict) -> bool:
+    return old.get("identity_hash") == new["identity_hash"] or (
+        json.dumps(old["identity"], sort_keys=True, default=str) == json.dumps(new["identity"], sort_keys=True, default=str))
+
+
 def _refuse_change(out: Path, old: dict, new: dict) -> None:
-    if old.get("identity_hash") != new["identity_hash"]:
+    old = _legacy(old)
+    if not _same_identity(old, new):
         changed = sorted(k for k in new["identity"] if json.dumps(new["identity"][k], default=str)
                          != json.dumps(old.get("identity", {}).get(k), default=str))
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
+    if "columns" in old and old["columns"] != new["columns"]:  # older manifests lack it
+        raise JobError(f"{out} was written with other output columns (another dynatree version?); its shards "
+                       "and new ones would not form one dataset; use --overwrite to start again or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it
         raise JobError(f"the models' files changed since {out} was started (sizes or times differ: retrained or "
                        "replaced in place?), so its finished shards may come from other weights; use --overwrite "
@@ -150,7 +173,11 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
     if spec.overwrite:
         _clear(out)
     elif path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
-        _refuse_change(out, json.loads(path.read_text()), manifest)
+        old = json.loads(path.read_text())
+        _refuse_change(out, old, manifest)
+        # shards an older version wrote carry the hash of its spelling of the paths: still this job's
+        aliases = set(old.get("aliases", [])) | {old.get("identity_hash")}
+        manifest["aliases"] = sorted(a for a in aliases if a and a != manifest["identity_hash"])
         if not spec.resume:
             raise JobError(f"{out} already holds this job; pass --resume to continue it or --overwrite")
     elif _has_shards(out):
@@ -163,14 +190,16 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
 
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
     """Shard numbers whose file this job wrote for exactly its planned range (footers only)."""
-    ident, done = spec.identity_hash(), set()
+    manifest = out / "manifest.json"
+    idents = {spec.identity_hash(), *(json.loads(manifest.read_text()).get("aliases", []) if manifest.exists() else [])}
+    done = set()
     for p in (out / "shards").glob("part-*.parquet"):
         try:
             k = int(p.stem.split("-")[1])
             meta = json.loads(pq.read_metadata(p).metadata[META_KEY])
         except Exception:  # a damaged or foreign file is redone (and overwritten)
             continue
-        if k < plan.num_shards and meta == {"identity": ident, "range": list(plan.shard(k)[1:])}:
+        if k < plan.num_shards and meta.get("identity") in idents and meta.get("range") == list(plan.shard(k)[1:]):
             done.add(k)
     return done
 

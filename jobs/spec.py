@@ -211,9 +211,17 @@ def _coerce(data: dict) -> dict:
             tuple(c.strip() for c in keep.split(",") if c.strip())
     elif isinstance(keep, list):
         data["keep_columns"] = tuple(keep)
-    for k in ("input", "target", "draft"):  # one spelling per path, so a resume typed differently is the same job
-        v = data.get(k)
-        if isinstance(v, str) and (looks_local(v) or os.path.exists(os.path.expanduser(v))
-                                   or k == "input" and any(c in v for c in "*?[")):
-            data[k] = os.path.abspath(os.path.expanduser(v))
+    for k in PATH_FIELDS:  # one spelling per path, so a resume typed differently is the same job
+        data[k] = canonical_path(k, data.get(k))
     return data
+
+
+PATH_FIELDS = ("input", "target", "draft")
+
+
+def canonical_path(field: str, value):
+    """A local path (or an input glob) made absolute; hub names and anything else as given."""
+    if isinstance(value, str) and (looks_local(value) or os.path.exists(os.path.expanduser(value))
+                                   or field == "input" and any(c in value for c in "*?[")):
+        return os.path.abspath(os.path.expanduser(value))
+    return value

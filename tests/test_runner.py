@@ -139,6 +139,7 @@ def test_bad_inputs_fail_before_any_work(pair_dirs, tmp_path):
             run_job(spec(pair_dirs, tmp_path, overwrite=overwrite), progress=False, log=quiet)
     assert (tmp_path / "out" / "shards" / "mine.parquet").exists()
     os.remove(tmp_path / "out" / "shards" / "mine.parquet")
+    (tmp_path / "out" / "shards" / ".DS_Store").write_text("")  # what pyarrow.dataset skips is no obstacle
     with pytest.raises(JobError, match="no prompt column 'body'"):
         run_job(spec(pair_dirs, tmp_path, prompt_column="body"), progress=False, log=quiet)
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet")
@@ -153,7 +154,7 @@ def test_bad_inputs_fail_before_any_work(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, output=str(tmp_path / "afile" / "out")), progress=False, log=quiet)
     with pytest.raises(JobError, match="no input files"):
         run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "missing*.parquet")), progress=False, log=quiet)
-    assert not (tmp_path / "out" / "shards").exists() or not os.listdir(tmp_path / "out" / "shards")
+    assert not (tmp_path / "out" / "shards").exists() or os.listdir(tmp_path / "out" / "shards") == [".DS_Store"]
 
 
 def test_models_changed_in_place_are_refused_on_resume(pair_dirs, tmp_path):
@@ -172,6 +173,27 @@ def test_models_changed_in_place_are_refused_on_resume(pair_dirs, tmp_path):
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     with pytest.raises(JobError, match="the models' files changed"):
         prepare_output(job, make_plan(job, quiet))
+
+
+def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypatch):
+    """Outputs written when the identity kept paths as typed (relative) resume under absolute
+    paths: the old hash is this job's alias, its shards count as finished."""
+    import dataclasses
+    from dynatree.jobs.plan import finished_shards, make_plan, prepare_output, write_shard
+    write_input(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    job = spec(pair_dirs, tmp_path, input="in.parquet")
+    legacy = dataclasses.replace(job, input="in.parquet", output="out")  # as an older version stored it
+    old_plan = make_plan(legacy, quiet)
+    prepare_output(legacy, old_plan)
+    write_shard(tmp_path / "out", legacy, old_plan, 0, old_plan.schema.empty_table())
+    assert job.input == str(tmp_path / "in.parquet") and job.identity_hash() != legacy.identity_hash()
+    plan = make_plan(job, quiet)
+    prepare_output(job, plan)
+    assert finished_shards(tmp_path / "out", job, plan) == {0}
+    with pytest.raises(JobError, match="changed: max_new_tokens"):  # a real change is still one
+        other = spec(pair_dirs, tmp_path, input="in.parquet", max_new_tokens=5)
+        prepare_output(other, make_plan(other, quiet))
 
 
 def test_an_address_where_nothing_listens_fails_fast():
