@@ -147,6 +147,8 @@ def startup_line(st: dict) -> str:
     """Start-up split: planning, cluster, placement, actors ready (load, kernel, profile inside)."""
     if not st:
         return "-"
+    if "cluster_s" not in st:  # every shard was already finished: no cluster, no actors
+        return f"{st.get('plan_s', 0):.1f}s (planning only: nothing left to decode)"
     total = sum(st.get(k, 0) for k in ("plan_s", "cluster_s", "placement_s", "actors_ready_s"))
     a = st.get("actor", {})
     return (f"{total:.1f}s (plan {st.get('plan_s', 0):.1f}, cluster {st.get('cluster_s', 0):.1f}, placement "
