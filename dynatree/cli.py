@@ -40,12 +40,14 @@ def _pair_options(f):
 @click.option("--prompt", "prompts", multiple=True,
               help="prompt text (default: read stdin); repeat it to decode several prompts together, "
                    "many sequences per forward")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1),
+              help="keep each prompt's last N tokens (default: all; as `dynatree run` does with its L_max)")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True,
               help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
-def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, prompts, ignore_eos,
-             check_ar, as_json):
+def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
+             ignore_eos, check_ar, as_json):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .config import ar_reference, make_config, parse_options
@@ -57,6 +59,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
+        if max_prompt_tokens:
+            prompts = [pair.encode(p)[-max_prompt_tokens:] for p in prompts]
         gens = engine.generate_batch(pair, prompts, method, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         results = [g.as_dict() for g in gens]
         if check_ar:

@@ -73,6 +73,12 @@ def test_cli_generate_json(pair_dirs):
            "--device", "cpu", "--method", "dynatree", "--option", "depth=3", "--prompt", "x"]
     res = runner.invoke(main, bad)
     assert res.exit_code != 0 and "no option 'depth'" in res.output
+    long = args[:-5] + ["--prompt", "It was the best of times. " * 60, "--json"]  # past the 128-token context
+    res = runner.invoke(main, long)
+    assert res.exit_code != 0 and "leaves no room" in res.output
+    res = runner.invoke(main, long + ["--max-prompt-tokens", "50"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["metrics"]["prompt_tokens"] == 50
 
 
 def test_cli_help_lists_method_options():
