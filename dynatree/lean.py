@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .runtime import KeyMask, Output, Seq, forward_each, heads_each
+from .runtime import KeyMask, Output, Seq, forward_each, heads_each, seq_masks
 
 
 NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
@@ -188,19 +188,6 @@ class LeanNeoX:
         return (self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
                 and (getattr(cache.layers[0], "store", None) or torch.float32) in native.KV_FORMATS)
 
-    def _masks(self, seqs: list[Seq]) -> list:
-        """Per sequence: positions (1, n), and its SDPA mask over its cache and new tokens
-        ((1, 1, n, P + n): additive from a KeyMask or given; boolean causal; None for one token)."""
-        out = []
-        for s in seqs:
-            n, past = len(s.ids), s.cache.length if s.cache is not None else 0
-            pos = s.positions if s.positions is not None else torch.arange(past, past + n, device=self.device)
-            mask = s.mask.additive(self.dtype) if isinstance(s.mask, KeyMask) else s.mask
-            if mask is None and n > 1:  # causal over the new tokens, all of the cached prefix
-                mask = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)[None, None]
-            out.append((pos.reshape(1, n), mask))
-        return out
-
     def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The packed forward as torch ops (MKL/oneDNN on a CPU; any dtype and device): the GEMMs
         over every sequence's rows at once, attention per sequence over its own cache."""
@@ -208,7 +195,7 @@ class LeanNeoX:
         for s in seqs:
             spans.append((r, r + len(s.ids)))
             r += len(s.ids)
-        masks = self._masks(seqs)
+        masks = seq_masks(seqs, self.dtype, self.device)
         pos = torch.cat([p for p, _ in masks], dim=1)  # (1, N)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (1, 1, N, r)
         h = F.embedding(torch.cat([s.ids.reshape(-1) for s in seqs])[None].to(self.device), self.embed)  # (1, N, d)

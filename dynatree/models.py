@@ -81,6 +81,8 @@ class ModelPair:
 
         Runners take the engine's compact :class:`~dynatree.runtime.KeyMask` as ``attention_mask``, and
         ``forward(seqs)`` scores several sequences (runtime.py)."""
+        from . import packed
+        from .packed import PackedRunner
         from .lean import LeanNeoX, lean
 
         model = getattr(self, which)
@@ -89,7 +91,9 @@ class ModelPair:
         key = (self.kernel, which)
         if key not in self.state:
             run = model if self.kernel == "hf" else lean(model, gemm=self.kernel == "lean")
-            self.state[key] = run if isinstance(run, LeanNeoX) else HFRunner(run)
+            if not isinstance(run, LeanNeoX):  # Llama-family models pack too; others run transformers'
+                run = PackedRunner(run) if self.kernel != "hf" and packed.supports(run) else HFRunner(run)
+            self.state[key] = run
         return self.state[key]
 
     def window(self, cfg, which: str = "target"):

@@ -141,6 +141,21 @@ def _noise_rows(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack(distinct).to(device)[torch.tensor(index, device=device)]
 
 
+def seq_masks(seqs: list[Seq], dtype: torch.dtype, device: torch.device) -> list:
+    """For a packed torch forward, per sequence: positions (1, n), and its SDPA mask over its cache
+    and new tokens ((1, 1, n, P + n): additive from a KeyMask or as given; boolean causal; None for
+    one token)."""
+    out = []
+    for s in seqs:
+        n, past = len(s.ids), s.cache.length if s.cache is not None else 0
+        pos = s.positions if s.positions is not None else torch.arange(past, past + n, device=device)
+        mask = s.mask.additive(dtype) if isinstance(s.mask, KeyMask) else s.mask
+        if mask is None and n > 1:  # causal over the new tokens, all of the cached prefix
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
+        out.append((pos.reshape(1, n).to(device), mask))
+    return out
+
+
 def forward_each(runner, seqs: list[Seq], **heads) -> list[Output]:
     """Runner.forward for runners without a packed forward: one call per sequence."""
     outs = []

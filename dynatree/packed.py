@@ -1,0 +1,99 @@
+"""A packed multi-sequence forward for Llama-family models (Llama, Mistral, Qwen2), over the
+model's own modules.
+
+Why: transformers' forward takes one batch tensor and one cache, while each of the engine's
+sequences has its own cache (kvcache.BufferCache), so through transformers a batch costs one
+forward per sequence -- one stream over the weights per row, which is what batching exists to
+avoid (on a GPU, the whole cost of a decode step).  Here every projection and MLP runs over all
+sequences' rows at once and attention runs per sequence over its own cache (SDPA, grouped-query
+heads), with the model's own norms, projections, rotary embedding and MLP, so the math is the
+model's.  Tested against transformers' forward in float64 (tests/test_packed.py).  GPT-NeoX
+models take lean.py instead; other architectures keep transformers' forward (models.HFRunner).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .runtime import Output, Seq, heads_each, seq_masks
+
+FAMILY = ("llama", "mistral", "qwen2")
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+def supports(model) -> bool:
+    """A decoder this forward reproduces exactly: the family's layer layout and nothing more (no
+    q/k norms, no sliding window that could bind)."""
+    cfg = getattr(model, "config", None)
+    core = getattr(model, "model", None)
+    if getattr(cfg, "model_type", None) not in FAMILY or core is None or not hasattr(core, "rotary_emb"):
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
+        return False
+    layer = core.layers[0]
+    return ({n for n, _ in layer.self_attn.named_children()} == _ATTN
+            and {n for n, _ in layer.mlp.named_children()} <= _MLP
+            and {"input_layernorm", "post_attention_layernorm"} <= {n for n, _ in layer.named_children()})
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (1, H, N, hd); cos/sin: (1, 1, N, hd) -> rotate-half rotary, as the family applies it."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class PackedRunner:
+    """The engine's runner (runtime.py) for a supported model: ``forward(seqs)`` packs them."""
+
+    def __init__(self, model):
+        self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
+        attn = model.model.layers[0].self_attn
+        self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                 use_cache: bool = True, logits_to_keep: int = 0, topk: int = 0, argmax: bool = False,
+                 cols: int | None = None, perturb=None) -> Output:
+        """One sequence, transformers-style arguments (lean.LeanNeoX.__call__'s)."""
+        seq = Seq(input_ids.reshape(-1), past_key_values, None if position_ids is None else position_ids.reshape(-1),
+                  attention_mask, logits_to_keep, perturb)
+        return self.forward([seq], topk=topk, argmax=argmax, cols=cols)[0]
+
+    def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
+        core = self.model.model
+        spans, r = [], 0  # each sequence's rows in the packed (1, N, .) activations
+        for s in seqs:
+            spans.append((r, r + len(s.ids)))
+            r += len(s.ids)
+        masks = seq_masks(seqs, self.dtype, self.device)
+        h = core.embed_tokens(torch.cat([s.ids.reshape(-1) for s in seqs]).to(self.device))[None]  # (1, N, d)
+        cos, sin = core.rotary_emb(h, torch.cat([p for p, _ in masks], dim=1))  # (1, N, hd)
+        cos, sin = cos[:, None], sin[:, None]
+        for i, layer in enumerate(core.layers):
+            h = h + self._attend(i, layer.self_attn, layer.input_layernorm(h), cos, sin, seqs, spans, masks)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        kept = [(hi - min(s.keep, hi - lo) if s.keep else lo, hi) for s, (lo, hi) in zip(seqs, spans)]
+        if len(seqs) > 1 or kept[0] != spans[0]:
+            h = torch.cat([h[:, lo:hi] for lo, hi in kept], dim=1)  # (1, K, d): only the logits asked for
+        logits = self.model.lm_head(core.norm(h))  # (1, K, V)
+        return heads_each(logits, [hi - lo for lo, hi in kept], topk, argmax, cols, [s.perturb for s in seqs])
+
+    def _attend(self, i: int, attn, x, cos, sin, seqs, spans, masks) -> torch.Tensor:
+        """Layer i's attention block: projections over all rows, attention per sequence over its
+        own cache.  x: (1, N, d) -> (1, N, d)."""
+        N, hd = x.shape[1], self.head_dim
+        q = _rotate(attn.q_proj(x).view(1, N, self.heads, hd).transpose(1, 2), cos, sin)  # (1, Hq, N, hd)
+        k = _rotate(attn.k_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2), cos, sin)  # (1, Hkv, N, hd)
+        v = attn.v_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2)
+        out = []
+        for s, (lo, hi), (_, mask) in zip(seqs, spans, masks):
+            ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
+            if s.cache is not None:
+                ks, vs = s.cache.layers[i].update(ks, vs)  # (1, Hkv, P + n, hd)
+            out.append(F.scaled_dot_product_attention(q[:, :, lo:hi], ks, vs, attn_mask=mask, scale=self.scaling,
+                                                      enable_gqa=self.heads != self.kv_heads))
+        a = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (1, Hq, N, hd)
+        return attn.o_proj(a.transpose(1, 2).reshape(1, N, self.heads * hd))
+

@@ -1,0 +1,99 @@
+"""packed.py: Llama-family models decode many sequences per forward -- and each sequence gets
+what transformers' own forward gives it alone (float64)."""
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from dynatree import decode, make_config, pair_from_models
+from dynatree.engine import decode_batch
+from dynatree.kvcache import new_cache
+from dynatree.models import HFRunner
+from dynatree.packed import PackedRunner, supports
+from dynatree.runtime import KeyMask, Seq
+from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
+
+from conftest import random_prompts
+
+FAMILIES = {  # GQA in all; Qwen2 with biases on q/k/v
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny(family: str, seed: int, vocab: int = 64):
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
+    return model_cls(cfg).double().eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_sequences_get_transformers_logits(family):
+    """A tree, a chain, one token and a prompt joining with an empty cache, packed in one forward:
+    each sequence's logits and cache are what transformers' forward gives it alone."""
+    model = tiny(family, 3)
+    assert supports(model)
+    packed, ref = PackedRunner(model), HFRunner(model)
+    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
+
+    def steps(caches):
+        p0 = caches[0].length
+        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
+                    KeyMask(p0, ancestor_matrix(tree.parents))),
+                Seq(torch.tensor([30, 31, 32]), caches[1]),
+                Seq(torch.tensor([44]), caches[2]),
+                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
+
+    def prefilled(runner):
+        caches = [new_cache(model, 64) for _ in prompts]
+        for c, p in zip(caches, prompts):
+            if p:
+                runner(input_ids=torch.tensor([p]), past_key_values=c)
+        return caches
+
+    with torch.inference_mode():
+        ref_caches = prefilled(ref)
+        alone = [ref.forward([s], topk=3)[0] for s in steps(ref_caches)]
+        caches = prefilled(packed)
+        got = packed.forward(steps(caches), topk=3)
+    for a, b in zip(alone, got):
+        assert a.logits.shape == b.logits.shape and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-10)
+        assert a.top[1] == b.top[1]
+    for ca, cb in zip(ref_caches, caches):
+        assert ca.length == cb.length
+        for la, lb in zip(ca.layers, cb.layers):
+            assert torch.allclose(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length], rtol=0, atol=1e-10)
+
+
+def test_a_llama_pair_decodes_batched_and_equals_ar():
+    """The engine takes the packed runner for a Llama pair, and batched greedy rows of every
+    kind equal batch-1 ar (float64)."""
+    target = tiny("llama", 5)
+    draft = tiny("llama", 6)
+    with torch.no_grad():  # a related draft, so trees get accepted nodes
+        for pt, pd in zip(target.parameters(), draft.parameters()):
+            pd.copy_(pt + 0.3 * (pd - pt))
+    pair = pair_from_models(target, draft, None, eos_token_id=None)
+    assert isinstance(pair.runner("target"), PackedRunner)
+    prompts = random_prompts(5, seed=7, lo=2, hi=20, vocab=64)
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=12, ignore_eos=True)[0] for p in prompts]
+    for method in ("ar", "linear", "dynatree"):
+        got = decode_batch(pair, prompts, make_config(method), max_new_tokens=12, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+    window = {"kv_window": 24, "kv_sinks": 2, "kv_evict": 6}  # StreamingLLM: evicting, keys turned back
+    refs = [decode(pair, p, make_config("ar", window), max_new_tokens=20, ignore_eos=True)[0] for p in prompts]
+    got = decode_batch(pair, prompts, make_config("dynatree", window), max_new_tokens=20, ignore_eos=True)
+    assert [toks for toks, _, _ in got] == refs
+
+
+def test_other_architectures_keep_transformers_forward():
+    model = tiny("llama", 1)
+    model.config.model_type = "phi3"  # not in the family: transformers' forward, one sequence at a time
+    assert not supports(model)
+    pair = pair_from_models(model, None, None, eos_token_id=None)
+    assert isinstance(pair.runner("target"), HFRunner)
