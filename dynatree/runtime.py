@@ -11,8 +11,8 @@ how many of its last rows' logits to return, and for a sampled sequence the :cla
 its heads read.  The runner returns one :class:`Output` per sequence: those logits and the heads
 the engine reads (softmax top-k for drafting, argmax for verification) as host lists.  The native kernel packs every sequence's rows into one
 forward (one stream over the weights) and is batch invariant, so a sequence's results do not
-depend on its neighbours; lean.py's torch path packs the GEMMs too (attention per sequence), and
-transformers' runner loops over the sequences.
+depend on its neighbours; lean.py's torch path and packed.py (Llama-family models) pack the GEMMs
+too (attention per sequence), and transformers' runner loops over the sequences.
 
 Kernels and their types (ctypes, packed weights, C structs) stay behind this interface.
 """
