@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .runtime import KeyMask, Output, Seq, forward_each, heads_each, seq_masks
+from .runtime import KeyMask, Output, Seq, attend_each, forward_each, heads_each, kept_rows, row_spans, seq_masks
 
 
 NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
@@ -191,27 +191,18 @@ class LeanNeoX:
     def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The packed forward as torch ops (MKL/oneDNN on a CPU; any dtype and device): the GEMMs
         over every sequence's rows at once, attention per sequence over its own cache."""
-        spans, r = [], 0  # each sequence's rows in the packed (1, N, .) activations
-        for s in seqs:
-            spans.append((r, r + len(s.ids)))
-            r += len(s.ids)
+        spans = row_spans(seqs)
         masks = seq_masks(seqs, self.dtype, self.device)
         pos = torch.cat([p for p, _ in masks], dim=1)  # (1, N)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (1, 1, N, r)
         h = F.embedding(torch.cat([s.ids.reshape(-1) for s in seqs])[None].to(self.device), self.embed)  # (1, N, d)
-        H, hd, N = self.heads, self.head_dim, r
+        H, hd, N = self.heads, self.head_dim, spans[-1][1]
         for i, (ln1, ln2, qkv_w, out_w, fc1, fc2) in enumerate(self.layers):
             x = F.layer_norm(h, h.shape[-1:], ln1[0], ln1[1], self.eps)
             qkv = qkv_w(x).view(1, N, H, 3 * hd).transpose(1, 2)  # (1, H, N, 3hd)
             q, k, v = qkv.chunk(3, dim=-1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            att = []
-            for s, (lo, hi), (_, mask) in zip(seqs, spans, masks):
-                ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
-                if s.cache is not None:
-                    ks, vs = s.cache.layers[i].update(ks, vs)  # (1, H, P + n, hd)
-                att.append(F.scaled_dot_product_attention(q[:, :, lo:hi], ks, vs, attn_mask=mask, scale=self.scaling))
-            a = att[0] if len(att) == 1 else torch.cat(att, dim=2)  # (1, H, N, hd)
+            a = attend_each(q, k, v, seqs, spans, masks, i, self.scaling)  # (1, H, N, hd)
             a = out_w(a.transpose(1, 2).reshape(1, N, H * hd))
             if self.parallel:
                 y = F.layer_norm(h, h.shape[-1:], ln2[0], ln2[1], self.eps)
@@ -220,12 +211,9 @@ class LeanNeoX:
                 a = a + h
                 y = F.layer_norm(a, a.shape[-1:], ln2[0], ln2[1], self.eps)
                 h = fc2(self.act(fc1(y))) + a
-        kept = [(hi - min(s.keep, hi - lo) if s.keep else lo, hi) for s, (lo, hi) in zip(seqs, spans)]
-        if len(seqs) > 1 or kept[0] != spans[0]:
-            h = torch.cat([h[:, lo:hi] for lo, hi in kept], dim=1)  # (1, K, d): only the logits asked for
+        h, keeps = kept_rows(h, seqs, spans)  # (1, K, d): only the logits asked for
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
-        return heads_each(self.lm_head(h), [hi - lo for lo, hi in kept], topk, argmax, cols,  # (1, K, V)
-                          [s.perturb for s in seqs])
+        return heads_each(self.lm_head(h), keeps, topk, argmax, cols, [s.perturb for s in seqs])  # (1, K, V)
 
     def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The sequences' forward as one call into csrc/neox.c (batch invariant: see that file).

@@ -13,9 +13,8 @@ models take lean.py instead; other architectures keep transformers' forward (mod
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .runtime import Output, Seq, heads_each, seq_masks
+from .runtime import Output, Seq, attend_each, heads_each, kept_rows, row_spans, seq_masks
 
 FAMILY = ("llama", "mistral", "qwen2")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -63,10 +62,7 @@ class PackedRunner:
 
     def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
         core = self.model.model
-        spans, r = [], 0  # each sequence's rows in the packed (1, N, .) activations
-        for s in seqs:
-            spans.append((r, r + len(s.ids)))
-            r += len(s.ids)
+        spans = row_spans(seqs)
         masks = seq_masks(seqs, self.dtype, self.device)
         h = core.embed_tokens(torch.cat([s.ids.reshape(-1) for s in seqs]).to(self.device))[None]  # (1, N, d)
         cos, sin = core.rotary_emb(h, torch.cat([p for p, _ in masks], dim=1))  # (1, N, hd)
@@ -74,11 +70,9 @@ class PackedRunner:
         for i, layer in enumerate(core.layers):
             h = h + self._attend(i, layer.self_attn, layer.input_layernorm(h), cos, sin, seqs, spans, masks)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        kept = [(hi - min(s.keep, hi - lo) if s.keep else lo, hi) for s, (lo, hi) in zip(seqs, spans)]
-        if len(seqs) > 1 or kept[0] != spans[0]:
-            h = torch.cat([h[:, lo:hi] for lo, hi in kept], dim=1)  # (1, K, d): only the logits asked for
+        h, keeps = kept_rows(h, seqs, spans)  # (1, K, d): only the logits asked for
         logits = self.model.lm_head(core.norm(h))  # (1, K, V)
-        return heads_each(logits, [hi - lo for lo, hi in kept], topk, argmax, cols, [s.perturb for s in seqs])
+        return heads_each(logits, keeps, topk, argmax, cols, [s.perturb for s in seqs])
 
     def _attend(self, i: int, attn, x, cos, sin, seqs, spans, masks) -> torch.Tensor:
         """Layer i's attention block: projections over all rows, attention per sequence over its
@@ -87,13 +81,6 @@ class PackedRunner:
         q = _rotate(attn.q_proj(x).view(1, N, self.heads, hd).transpose(1, 2), cos, sin)  # (1, Hq, N, hd)
         k = _rotate(attn.k_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2), cos, sin)  # (1, Hkv, N, hd)
         v = attn.v_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2)
-        out = []
-        for s, (lo, hi), (_, mask) in zip(seqs, spans, masks):
-            ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
-            if s.cache is not None:
-                ks, vs = s.cache.layers[i].update(ks, vs)  # (1, Hkv, P + n, hd)
-            out.append(F.scaled_dot_product_attention(q[:, :, lo:hi], ks, vs, attn_mask=mask, scale=self.scaling,
-                                                      enable_gqa=self.heads != self.kv_heads))
-        a = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (1, Hq, N, hd)
+        a = attend_each(q, k, v, seqs, spans, masks, i, self.scaling, self.heads != self.kv_heads)  # (1, Hq, N, hd)
         return attn.o_proj(a.transpose(1, 2).reshape(1, N, self.heads * hd))
 

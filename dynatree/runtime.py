@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,37 @@ def seq_masks(seqs: list[Seq], dtype: torch.dtype, device: torch.device) -> list
             mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
         out.append((pos.reshape(1, n).to(device), mask))
     return out
+
+
+def row_spans(seqs: list[Seq]) -> list[tuple[int, int]]:
+    """Each sequence's rows [lo, hi) in a packed forward's (1, N, .) activations."""
+    spans, r = [], 0
+    for s in seqs:
+        spans.append((r, r + len(s.ids)))
+        r += len(s.ids)
+    return spans
+
+
+def attend_each(q, k, v, seqs: list[Seq], spans, masks, layer: int, scale: float, gqa: bool = False):
+    """A packed forward's attention: each sequence's new rows of q (1, Hq, N, hd) against its own
+    cache of layer ``layer``, its new keys/values k, v (1, Hkv, N, hd) written into it first.
+    Returns (1, Hq, N, hd)."""
+    out = []
+    for s, (lo, hi), (_, mask) in zip(seqs, spans, masks):
+        ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
+        if s.cache is not None:
+            ks, vs = s.cache.layers[layer].update(ks, vs)  # (1, Hkv, P + n, hd)
+        out.append(F.scaled_dot_product_attention(q[:, :, lo:hi], ks, vs, attn_mask=mask, scale=scale,
+                                                  enable_gqa=gqa))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def kept_rows(h: torch.Tensor, seqs: list[Seq], spans) -> tuple[torch.Tensor, list[int]]:
+    """h: (1, N, d) -> (1, K, d), only the rows whose logits each sequence keeps, and K per sequence."""
+    kept = [(hi - min(s.keep, hi - lo) if s.keep else lo, hi) for s, (lo, hi) in zip(seqs, spans)]
+    if len(seqs) > 1 or kept[0] != spans[0]:
+        h = torch.cat([h[:, lo:hi] for lo, hi in kept], dim=1)
+    return h, [hi - lo for lo, hi in kept]
 
 
 def forward_each(runner, seqs: list[Seq], **heads) -> list[Output]:

@@ -88,3 +88,33 @@ def pair_dirs(tmp_path_factory):
     m.save_pretrained(root / "foreign")
     other.save_pretrained(root / "foreign")
     return root
+
+
+def mixed_batch(model, runner):
+    """What a packed forward must get right, as ``steps(caches)``: four sequences after prompts of
+    different lengths -- a tree (KeyMask, depth positions), a chain, one token, a prompt joining
+    with an empty cache (keep=1).  Returns (prefilled: () -> fresh caches holding the prompts
+    run through ``runner``, steps)."""
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import KeyMask, Seq
+    from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
+
+    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
+
+    def steps(caches):
+        p0 = caches[0].length
+        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
+                    KeyMask(p0, ancestor_matrix(tree.parents))),
+                Seq(torch.tensor([30, 31, 32]), caches[1]),
+                Seq(torch.tensor([44]), caches[2]),
+                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
+
+    def prefilled():
+        caches = [new_cache(model, 64) for _ in prompts]
+        for c, p in zip(caches, prompts):
+            if p:
+                runner(input_ids=torch.tensor([p]), past_key_values=c)
+        return caches
+
+    return prefilled, steps

@@ -6,7 +6,7 @@ from dynatree.kvcache import new_cache
 from dynatree.lean import LeanNeoX, supports
 from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids, tree_attention_mask
 
-from conftest import tiny_neox
+from conftest import mixed_batch, tiny_neox
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -59,28 +59,10 @@ def test_packed_torch_forward_gives_each_sequence_its_own_logits(parallel):
     a tree, a chain, one token, a prompt joining with an empty cache, different prefix lengths --
     and each gets what it gets alone (float64: the packed GEMMs round no differently that shows),
     heads and cache entries included."""
-    from dynatree.runtime import KeyMask, Seq
-
     model = tiny_neox(13, layers=2)
     model.config.use_parallel_residual = parallel
     lean = LeanNeoX(model, gemm=False)
-    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
-    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
-
-    def steps(caches):
-        p0 = caches[0].length
-        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
-                    KeyMask(p0, ancestor_matrix(tree.parents))),
-                Seq(torch.tensor([30, 31, 32]), caches[1]),
-                Seq(torch.tensor([44]), caches[2]),
-                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
-
-    def prefilled():
-        caches = [new_cache(model, 64) for _ in prompts]
-        for c, p in zip(caches, prompts):
-            if p:
-                lean(input_ids=torch.tensor([p]), past_key_values=c)
-        return caches
+    prefilled, steps = mixed_batch(model, lean)
 
     with torch.inference_mode():
         alone_caches = prefilled()

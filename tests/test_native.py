@@ -18,6 +18,8 @@ from dynatree.lean import LeanNeoX
 from dynatree.runtime import KeyMask
 from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
 
+from conftest import mixed_batch
+
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
 
@@ -401,27 +403,10 @@ def test_packed_sequences_get_bitwise_their_own_logits():
     """Several sequences in one native forward (different prefix lengths; a tree, a chain, one
     token, a prompt joining with an empty cache): each gets bitwise the logits, heads and cache
     entries it gets alone."""
-    from dynatree.runtime import Seq
 
     model = neox32(11, layers=2)
     lean = LeanNeoX(model)
-    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
-    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
-
-    def steps(caches):
-        p0 = caches[0].length
-        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
-                    KeyMask(p0, ancestor_matrix(tree.parents))),
-                Seq(torch.tensor([30, 31, 32]), caches[1]),
-                Seq(torch.tensor([44]), caches[2]),
-                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
-
-    def prefilled():
-        caches = [new_cache(model, 64) for _ in prompts]
-        for c, p in zip(caches, prompts):
-            if p:
-                lean(input_ids=torch.tensor([p]), past_key_values=c)
-        return caches
+    prefilled, steps = mixed_batch(model, lean)
 
     with torch.inference_mode():
         alone_caches = prefilled()

@@ -7,13 +7,10 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 from dynatree import decode, make_config, pair_from_models
 from dynatree.engine import decode_batch
-from dynatree.kvcache import new_cache
 from dynatree.models import HFRunner
 from dynatree.packed import PackedRunner, supports
-from dynatree.runtime import KeyMask, Seq
-from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
 
-from conftest import random_prompts
+from conftest import mixed_batch, random_prompts
 
 FAMILIES = {  # GQA in all; Qwen2 with biases on q/k/v
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -38,28 +35,13 @@ def test_packed_sequences_get_transformers_logits(family):
     model = tiny(family, 3)
     assert supports(model)
     packed, ref = PackedRunner(model), HFRunner(model)
-    tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
-    prompts = [[5, 9, 11, 40, 2, 7], [3, 4], [8] * 12, []]
-
-    def steps(caches):
-        p0 = caches[0].length
-        return [Seq(torch.tensor(tree.tokens), caches[0], position_ids(tree.depths, p0)[0],
-                    KeyMask(p0, ancestor_matrix(tree.parents))),
-                Seq(torch.tensor([30, 31, 32]), caches[1]),
-                Seq(torch.tensor([44]), caches[2]),
-                Seq(torch.tensor([6, 7, 8, 9]), caches[3], keep=1)]
-
-    def prefilled(runner):
-        caches = [new_cache(model, 64) for _ in prompts]
-        for c, p in zip(caches, prompts):
-            if p:
-                runner(input_ids=torch.tensor([p]), past_key_values=c)
-        return caches
+    prefilled_ref, steps = mixed_batch(model, ref)
+    prefilled, _ = mixed_batch(model, packed)
 
     with torch.inference_mode():
-        ref_caches = prefilled(ref)
+        ref_caches = prefilled_ref()
         alone = [ref.forward([s], topk=3)[0] for s in steps(ref_caches)]
-        caches = prefilled(packed)
+        caches = prefilled()
         got = packed.forward(steps(caches), topk=3)
     for a, b in zip(alone, got):
         assert a.logits.shape == b.logits.shape and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-10)
