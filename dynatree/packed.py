@@ -1,5 +1,5 @@
-"""A packed multi-sequence forward for Llama-family models (Llama, Mistral, Qwen2), over the
-model's own modules.
+"""A packed multi-sequence forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3), over
+the model's own modules.
 
 Why: transformers' forward takes one batch tensor and one cache, while each of the engine's
 sequences has its own cache (kvcache.BufferCache), so through transformers a batch costs one
@@ -16,14 +16,15 @@ import torch
 
 from .runtime import Output, Seq, attend_each, heads_each, kept_rows, row_spans, seq_masks
 
-FAMILY = ("llama", "mistral", "qwen2")
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_HEAD_NORMS = {"qwen3": {"q_norm", "k_norm"}}  # RMS norms over each head's q and k, before rotary
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
 def supports(model) -> bool:
     """A decoder this forward reproduces exactly: the family's layer layout and nothing more (no
-    q/k norms, no sliding window that could bind)."""
+    q/k norms but Qwen3's per-head ones, no sliding window that could bind)."""
     cfg = getattr(model, "config", None)
     core = getattr(model, "model", None)
     if getattr(cfg, "model_type", None) not in FAMILY or core is None or not hasattr(core, "rotary_emb"):
@@ -31,8 +32,10 @@ def supports(model) -> bool:
     window = getattr(cfg, "sliding_window", None)
     if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
         return False
+    if any(kind != "full_attention" for kind in getattr(cfg, "layer_types", None) or ()):
+        return False
     layer = core.layers[0]
-    return ({n for n, _ in layer.self_attn.named_children()} == _ATTN
+    return ({n for n, _ in layer.self_attn.named_children()} == _ATTN | _HEAD_NORMS.get(cfg.model_type, set())
             and {n for n, _ in layer.mlp.named_children()} <= _MLP
             and {"input_layernorm", "post_attention_layernorm"} <= {n for n, _ in layer.named_children()})
 
@@ -78,8 +81,11 @@ class PackedRunner:
         """Layer i's attention block: projections over all rows, attention per sequence over its
         own cache.  x: (1, N, d) -> (1, N, d)."""
         N, hd = x.shape[1], self.head_dim
-        q = _rotate(attn.q_proj(x).view(1, N, self.heads, hd).transpose(1, 2), cos, sin)  # (1, Hq, N, hd)
-        k = _rotate(attn.k_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2), cos, sin)  # (1, Hkv, N, hd)
+        q, k = attn.q_proj(x).view(1, N, self.heads, hd), attn.k_proj(x).view(1, N, self.kv_heads, hd)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # (1, Hq, N, hd)
+        k = _rotate(k.transpose(1, 2), cos, sin)  # (1, Hkv, N, hd)
         v = attn.v_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2)
         a = attend_each(q, k, v, seqs, spans, masks, i, self.scaling, self.heads != self.kv_heads)  # (1, Hq, N, hd)
         return attn.o_proj(a.transpose(1, 2).reshape(1, N, self.heads * hd))
