@@ -82,7 +82,6 @@ class ShardWorker:
         self._warm_up()
         self.scheduler = Scheduler(self.pair, None if spec.batch_size == "auto" else int(spec.batch_size),
                                    max_batch=spec.max_batch_size, threads=torch.get_num_threads())
-        self.shards_done = 0
 
     def _warm_up(self) -> None:
         """First-use costs before the first shard: the kernel build and the budget's profile
@@ -143,13 +142,15 @@ class ShardWorker:
                 fill_row(results[i], self.pair.decode(got[0]), got[0], got[1], got[2])
             else:
                 refs[i] = (req.cfg, req.ids, got)
-        for i, (cfg, ids, (ref, _, mref)) in refs.items():
-            out = results[i]
-            if out["error"] is None:
-                idx, margin = divergence(self.pair, ids, ref, out["generated_token_ids"], cfg)
-                out.update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,
-                           ar_tokens_per_s=mref.tokens_per_s)
-        self.shards_done += 1
+        checked = {i: ref for i, ref in refs.items() if results[i]["error"] is None}
+
+        def check():  # runs the target: on the decoding thread (Scheduler.call), not beside it
+            return {i: divergence(self.pair, ids, ref, results[i]["generated_token_ids"], cfg)
+                    for i, (cfg, ids, (ref, _, _)) in checked.items()}
+
+        for i, (idx, margin) in (self.scheduler.call(check).result() if checked else {}).items():
+            results[i].update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,
+                              ar_tokens_per_s=checked[i][2][2].tokens_per_s)
         return results
 
 

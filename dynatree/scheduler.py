@@ -6,6 +6,11 @@ batches stay full across shard boundaries: when a row finishes, the next queued 
 at the following step.  The number of rows in flight, B, is fixed or chosen online by
 :class:`BatchTuner` from measured committed tokens per second.
 
+Anything else that runs the models while rows are in flight (the job's divergence check) goes
+through :meth:`Scheduler.call`, which runs it on the decoding thread between steps: the runners
+are not thread-safe (the native kernel's scratch buffers are per runner), and the decoding
+thread carries the job's thread count.
+
 A request that cannot be decoded (its prompt does not fit the context) resolves to the
 ValueError instead of a result.  An unexpected error inside a step fails the groups that had
 rows in the decoder (their callers see the exception; the job retries their shards) and the
@@ -141,6 +146,8 @@ class Scheduler:
         self.pair, self.fixed, self.threads = pair, batch_size, threads
         self.tuner = BatchTuner(max_size=max_batch, start=min(8, max_batch)) if batch_size is None else None
         self._queue: deque = deque()  # (group, index, Request)
+        self._calls: deque = deque()  # (fn, Future): run between steps (call)
+        self._dec: BatchDecoder | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.broken: BaseException | None = None  # why the decoding thread ended, if it did
@@ -157,19 +164,38 @@ class Scheduler:
         if not requests:
             group.future.set_result([])
             return group.future
+        self._enqueue(self._queue, [(group, i, r) for i, r in enumerate(requests)])
+        return group.future
+
+    def call(self, fn) -> Future:
+        """Run ``fn()`` on the decoding thread before its next step; the Future gives its result
+        (or its exception).  For work that runs the models beside the batch (see the module)."""
+        future: Future = Future()
+        self._enqueue(self._calls, [(fn, future)])
+        return future
+
+    def _enqueue(self, queue: deque, items: list) -> None:
         with self._cond:
             if self.broken is not None:
                 raise RuntimeError(f"the decoding thread stopped: {self.broken!r}")
-            self._queue.extend((group, i, r) for i, r in enumerate(requests))
+            queue.extend(items)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dynatree-decode", daemon=True)
                 self._thread.start()
             self._cond.notify()
-        return group.future
+
+    def _run_calls(self) -> None:
+        with self._cond:
+            calls, self._calls = list(self._calls), deque()
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                future.set_exception(e)
 
     def _fill(self, dec: BatchDecoder) -> None:
         with self._cond:
-            while not len(dec) and not self._queue:
+            while not len(dec) and not self._queue and not self._calls:
                 self._cond.wait()
             while self._queue and len(dec) < self.batch_size:
                 group, i, r = self._queue.popleft()
@@ -192,8 +218,11 @@ class Scheduler:
                 err = RuntimeError(f"the decoding thread stopped: {e!r}")
                 for group, _, _ in self._queue:
                     group.fail(err)
+                for _, future in self._calls:
+                    future.set_exception(err)
                 self._queue.clear()
-                for r in self._dec.joining + self._dec.active:
+                self._calls.clear()
+                for r in (self._dec.joining + self._dec.active) if self._dec is not None else ():
                     r.key[0].fail(err)
             traceback.print_exc()  # the callers have the reason; the log gets the stack
 
@@ -203,6 +232,7 @@ class Scheduler:
         dec = self._dec = BatchDecoder(self.pair)
         while True:
             self._fill(dec)
+            self._run_calls()
             if not len(dec):
                 continue
             rows, tokens, t0 = len(dec), dec.tokens, time.perf_counter()

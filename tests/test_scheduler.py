@@ -124,3 +124,35 @@ def test_a_device_error_stops_the_thread(close_pair, monkeypatch):
     with pytest.raises(RuntimeError, match="decoding thread stopped"):
         sched.submit([Request(random_prompts(1, seed=5)[0], make_config("ar"), 4)]).result(timeout=60)
     assert isinstance(sched.broken, torch.AcceleratorError)
+
+
+def test_calls_run_on_the_decoding_thread_between_steps(close_pair, monkeypatch):
+    """Scheduler.call: model work beside the batch (the job's divergence check) runs on the
+    decoding thread, never concurrently with a step (the runners' scratch buffers are shared)."""
+    import threading
+
+    from dynatree import engine
+
+    sched = Scheduler(close_pair, 2, threads=1)
+    in_step, seen = threading.Event(), []
+    real = engine.BatchDecoder.step
+
+    def step(self):
+        in_step.set()
+        try:
+            return real(self)
+        finally:
+            in_step.clear()
+
+    monkeypatch.setattr(engine.BatchDecoder, "step", step)
+    rows = sched.submit(_requests(random_prompts(2, seed=8), make_config("dynatree"), n=40))
+
+    def probe():
+        seen.append((threading.current_thread().name, in_step.is_set()))
+        return len(seen)
+
+    assert [sched.call(probe).result(timeout=60) for _ in range(3)] == [1, 2, 3]
+    assert seen == [("dynatree-decode", False)] * 3
+    with pytest.raises(ZeroDivisionError):
+        sched.call(lambda: 1 / 0).result(timeout=60)
+    assert all(toks for toks, _, _ in rows.result(timeout=120))  # the batch went on
