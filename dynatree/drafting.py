@@ -28,7 +28,7 @@ import torch
 
 from .kvcache import new_cache
 from .runtime import KeyMask, Seq
-from .sampling import head, in_head
+from .sampling import head, in_head, propose_each
 from .tree import Tree, long_tensor
 
 
@@ -46,10 +46,12 @@ def _inference(fn):
 
 @dataclass
 class DraftCall:
-    """One draft forward a drafter asks for: its sequence's new rows and the top-k it reads."""
+    """One draft forward a drafter asks for: its sequence's new rows, the top-k it reads, and the
+    depths of the rows it reads them from (a sampler's noise is per depth)."""
 
     seq: Seq
-    k: int
+    k: int  # 0: no proposals read (a prefill)
+    depths: tuple | list = (0,)
 
 
 class Drafter:
@@ -88,9 +90,9 @@ class Drafter:
             raise ValueError(f"token id {max(tokens)} is outside the draft's vocabulary ({self.vocab} tokens): "
                              "the target chose an id the draft cannot read")
 
-    def _feed(self, tokens: list[int], k: int = 1, perturb=None):
+    def _feed(self, tokens: list[int], k: int = 0, perturb=None):
         """One draft forward over committed ``tokens`` into the cache (the Output's top-k of the
-        last one, ``k``).  A generator (see the class); returns the Output."""
+        last one, ``k``; 0 for none).  A generator (see the class); returns the Output."""
         out = yield DraftCall(Seq(long_tensor(tokens, self.device), self.cache, keep=1, perturb=perturb), k)
         self.forwards += 1
         self.fed_tokens += len(tokens)
@@ -111,14 +113,14 @@ class Drafter:
             if self.window is not None:
                 self.window.make_room(self.cache, 1)
 
-    def _proposals(self, out, depths: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
-        """A draft forward's Output for nodes at ``depths`` -> per row k proposals: confidences
-        and token ids (host lists).  Greedy proposals are the forward's own top-k head (fused into
-        the native kernel; a packed forward asks for the largest k, so rows are cut to theirs)."""
-        if in_head(self.sampler):  # the forward's top-k head (perturbed when sampling: sampling.head)
-            vals, ids = out.top
-            return [v[:k] for v in vals], [t[:k] for t in ids]
-        return self.sampler.propose(out.logits[0, :, : self.vocab], depths, k)
+    @staticmethod
+    def _proposals(out, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """A draft forward's Output -> per row k proposals: confidences and token ids (host
+        lists).  They are the forward's own top-k head (fused into the native kernel; perturbed
+        when sampling: sampling.head), or under top-k / top-p what :func:`drive` drew there; a
+        packed forward asks for the largest k, so rows are cut to theirs."""
+        vals, ids = out.top
+        return [v[:k] for v in vals], [t[:k] for t in ids]
 
     def root(self, tree: Tree, k: int):
         """Feed pending committed tokens (ending with the root); top-k of the root's next token.
@@ -132,7 +134,7 @@ class Drafter:
                 yield from self.prefill()
             self._make_room()
         out = yield from self._feed(self.pending, min(k, self.vocab), head(self.sampler, [0]))
-        vals, idx = self._proposals(out, [0], min(k, self.vocab))
+        vals, idx = self._proposals(out, min(k, self.vocab))
         self.pending = []
         self.base = self.cache.length
         self.root_pos = self.base - 1
@@ -173,10 +175,11 @@ class Drafter:
         ids = long_tensor([tree.tokens[u] for u in nodes], dev)  # (n,)
         depths = [tree.depths[u] for u in nodes]
         pos = long_tensor([self.root_pos + d for d in depths], dev)  # (n,)
-        out = yield DraftCall(Seq(ids, self.cache, pos, mask, perturb=head(self.sampler, depths)), min(k, self.vocab))
+        out = yield DraftCall(Seq(ids, self.cache, pos, mask, perturb=head(self.sampler, depths)), min(k, self.vocab),
+                              depths)
         self.forwards += 1
         self.fed_tokens += n
-        return self._proposals(out, depths, min(k, self.vocab))
+        return self._proposals(out, min(k, self.vocab))
 
     @_inference
     def commit(self, path: list[int], committed: list[int]) -> None:
@@ -233,11 +236,24 @@ def drive(jobs: list[tuple[Drafter, object]]) -> list:
         tf = time.perf_counter() - tf
         for i in idx:
             jobs[i][0].forward_seconds += tf
+        _propose_masked([(jobs[i][0], c, out) for i, c, out in zip(idx, batch, outs)])
         t0 = _charge(jobs, idx, t0)  # before advancing: a policy reads its time spent so far
         for i, out in zip(idx, outs):
             advance(i, out)
     _charge(jobs, idx, t0)
     return results
+
+
+def _propose_masked(calls: list[tuple[Drafter, DraftCall, object]]) -> None:
+    """Drafters sampling under top-k / top-p take their proposals from their masked, perturbed
+    scores, not from a head fused into the forward: all of them in one host sync
+    (sampling.propose_each), put where the head's top-k goes (Output.top)."""
+    todo = [(d, c, out) for d, c, out in calls if c.k and not in_head(d.sampler)]
+    if todo:
+        got = propose_each([d.sampler for d, _, _ in todo], [out.logits[0, :, :d.vocab] for d, _, out in todo],
+                           [c.depths for _, c, _ in todo], [c.k for _, c, _ in todo])
+        for (_, _, out), top in zip(todo, got):
+            out.top = top
 
 
 def _charge(jobs, idx: list[int], t0: float) -> float:

@@ -25,7 +25,8 @@ draft's proposals and the target's choices alike, so a sampled generation is the
 draws with the same seed, token for token, and follows the target's (warped) distribution exactly.
 
 Host syncs per iteration (each named where it happens): draft top-k once per drafted level
-(tree shape decisions), and the target's choices once after verification.
+(tree shape decisions), and the target's choices once after verification -- for all rows at
+once; rows sampling under top-k / top-p add one more at each, for all of their draws.
 """
 from __future__ import annotations
 
@@ -40,10 +41,9 @@ from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair
-from .native import argmax_rows
 from .budget import Governor
 from .policies import make_policy
-from .sampling import Sampler, head, in_head
+from .sampling import Sampler, choose_each, head, in_head
 from .runtime import KeyMask, Seq
 from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
 
@@ -162,18 +162,6 @@ class _Row:
             return min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
         return min(room - 1, self.window.size - 1 - prefix_len)
 
-    def next_token(self, out) -> int:
-        """The token after an Output's last row: its argmax head (a draw when perturbed), or a
-        draw under top-k / top-p.  Host sync."""
-        if in_head(self.sampler):
-            return out.choice[-1]
-        return self.sampler.choose(out.logits[0, -1:], [0])[0]
-
-    def choices(self, tree: Tree, out) -> list[int]:
-        """The target's choice at every node of a verified tree.  Host sync (top-k / top-p)."""
-        if in_head(self.sampler):
-            return out.choice
-        return self.sampler.choose(out.logits[0], tree.depths)
 
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter
@@ -274,10 +262,11 @@ class BatchDecoder:
                 outs[i] = o
                 rows[i].target_forwards += 1
                 rows[i].evict()
+        _draw_masked(rows, outs, [[0]] * len(rows))
         dt = time.perf_counter() - t0
         for r, o in zip(rows, outs):
             r.forward_time += dt
-            r.stop_after(r.next_token(o))
+            r.stop_after(o.choice[-1])
             self.tokens += 1
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft and r.reason is None:
@@ -299,6 +288,7 @@ class BatchDecoder:
         seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev, head(s.row.sampler, s.tree.depths))
                 for s in steps]
         outs = self.target.forward(seqs, argmax=True)
+        _draw_masked([s.row for s in steps], outs, [s.tree.depths for s in steps])
         t_forward = time.perf_counter() - t0
         n_total = sum(len(s.ids) for s in seqs)
         committed = sum(self._accept_commit(s, out) for s, out in zip(steps, outs))
@@ -357,9 +347,9 @@ class BatchDecoder:
         r, tree = s.row, s.tree
         r.last_n = len(tree)
         if len(tree) == 1:
-            path_nodes, new_tokens = [0], [r.next_token(out)]
+            path_nodes, new_tokens = [0], [out.choice[-1]]
         else:
-            path_nodes, last = accept_greedy(tree, r.choices(tree, out))
+            path_nodes, last = accept_greedy(tree, out.choice)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
             r.target_forwards += commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
                                                s.prefix_len, r.kv_update)
@@ -381,6 +371,18 @@ class BatchDecoder:
         from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
         r.tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
         return committed
+
+
+def _draw_masked(rows: list[_Row], outs: list, depths: list[list[int]]) -> None:
+    """Rows sampled under top-k / top-p draw from their masked, perturbed scores, not from the
+    argmax head fused into the forward: all their draws in one host sync (sampling.choose_each),
+    put where the head's argmax goes (Output.choice), so accept reads every row alike."""
+    todo = [(r, o, d) for r, o, d in zip(rows, outs, depths) if not in_head(r.sampler)]
+    if todo:
+        draws = choose_each([r.sampler for r, _, _ in todo], [o.logits[0] for _, o, _ in todo],
+                            [d for _, _, d in todo])
+        for (_, o, _), choice in zip(todo, draws):
+            o.choice = choice
 
 
 def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new_tokens: int = 128,

@@ -158,13 +158,37 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor, depths: list[int]) -> list[int]:
         """logits: (n, V) -> each row's draw (its perturbed argmax).  Host sync."""
-        return native.argmax_rows(self.scores(logits, depths))
+        return choose_each([self], [logits], [depths])[0]
 
     def propose(self, logits: torch.Tensor, depths: list[int], k: int) -> tuple[list[list[float]], list[list[int]]]:
         """A draft's k proposals per row: the top-k of its perturbed scores, with their softmax as
         confidences (host lists; proposals outside top-k / top-p are dropped).  Host sync."""
-        vals, ids = native.topk_probs(self.scores(logits, depths), min(k, logits.shape[-1]))
-        for r in range(len(vals)):
-            n_in = sum(1 for v in vals[r] if v > 1e-30)  # masked tokens score -inf
-            vals[r], ids[r] = vals[r][:n_in], ids[r][:n_in]
-        return vals, ids
+        return propose_each([self], [logits], [depths], [k])[0]
+
+
+def _split(rows: list, sizes: list[int]) -> list[list]:
+    out, r = [], 0
+    for n in sizes:
+        out.append(rows[r:r + n])
+        r += n
+    return out
+
+
+def choose_each(samplers: list[Sampler], logits: list[torch.Tensor], depths: list[list[int]]) -> list[list[int]]:
+    """Several sequences' :meth:`Sampler.choose` (logits[i]: (n_i, V) at depths[i]) read back in
+    one host sync: on a GPU each read is a wait, and a batch has many sequences."""
+    scores = [s.scores(x, d) for s, x, d in zip(samplers, logits, depths)]
+    return _split(native.argmax_rows(torch.cat(scores)), [len(d) for d in depths])
+
+
+def propose_each(samplers: list[Sampler], logits: list[torch.Tensor], depths: list[list[int]],
+                 ks: list[int]) -> list[tuple[list[list[float]], list[list[int]]]]:
+    """Several sequences' :meth:`Sampler.propose` (k = ks[i] each) in one host sync."""
+    scores = torch.cat([s.scores(x, d) for s, x, d in zip(samplers, logits, depths)])
+    vals, ids = native.topk_probs(scores, min(max(ks), scores.shape[-1]))
+    for r in range(len(vals)):
+        n_in = sum(1 for v in vals[r] if v > 1e-30)  # masked tokens score -inf
+        vals[r], ids[r] = vals[r][:n_in], ids[r][:n_in]
+    sizes = [len(d) for d in depths]
+    return [([v[:k] for v in vs], [t[:k] for t in ts])
+            for vs, ts, k in zip(_split(vals, sizes), _split(ids, sizes), ks)]

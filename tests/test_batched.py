@@ -90,16 +90,21 @@ def test_batched_native_greedy_is_batch1_ar(batch):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 def test_batched_sample_does_not_depend_on_neighbours():
     """Sampling: a row's sample is a function of its prompt and seed alone -- ar's, alone or in
-    a batch of any method, hardware budget included."""
+    a batch of any method, hardware budget included; rows under top-k / top-p (drawn apart from
+    the forward's heads, all in one read) beside plain ones."""
     pair = f32_pair()
     prompts = random_prompts(4, seed=25, lo=3, hi=20)
-    cfgs = [make_config("ar", {"temperature": 0.8, "seed": 100 + i}) for i in range(len(prompts))]
+    warps = [{}, {"top_k": 5}, {"top_p": 0.9}, {"top_k": 3, "top_p": 0.8}]
+    cfgs = [make_config("ar", {"temperature": 0.8, "seed": 100 + i, **w}) for i, w in enumerate(warps)]
     alone = [decode(pair, p, c, max_new_tokens=20, ignore_eos=True)[0] for p, c in zip(prompts, cfgs)]
     assert len(set(map(tuple, alone))) > 1
     for method, opts in (("ar", {}), ("linear", {}), ("dynatree", {}), ("dynatree", {"hw_budget": "off"})):
-        cfgs = [make_config(method, {"temperature": 0.8, "seed": 100 + i, **opts}) for i in range(len(prompts))]
-        together = [t for t, _, _ in decode_batch(pair, prompts, cfgs, max_new_tokens=20, ignore_eos=True)]
-        assert together == alone, (method, opts)
+        cfgs = [make_config(method, {"temperature": 0.8, "seed": 100 + i, **w, **opts}) for i, w in enumerate(warps)]
+        together = decode_batch(pair, prompts, cfgs, max_new_tokens=20, ignore_eos=True)
+        assert [t for t, _, _ in together] == alone, (method, opts)
+        if opts:  # without the budget a row's trees are its own too: the same proposals, so the same iterations
+            solo = [decode(pair, p, c, max_new_tokens=20, ignore_eos=True)[2] for p, c in zip(prompts, cfgs)]
+            assert [m.iterations for _, _, m in together] == [m.iterations for m in solo]
 
 
 def test_generate_batch_is_generate_per_prompt(close_pair):
