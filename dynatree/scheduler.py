@@ -185,8 +185,9 @@ class Scheduler:
             self._cond.notify()
 
     def _run_calls(self) -> None:
-        with self._cond:
-            calls, self._calls = list(self._calls), deque()
+        with self._cond:  # emptied in place: callers hold a reference to this deque (_enqueue)
+            calls = list(self._calls)
+            self._calls.clear()
         for fn, future in calls:
             try:
                 future.set_result(fn())
