@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dynatree import budget
-from dynatree.check import divergence
+from dynatree.check import divergence, truncate_prompt
 from dynatree.config import ar_reference
 from dynatree.metrics import fill_row, result_row
 from dynatree.models import load_pair
@@ -63,11 +63,11 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     if not ids:
         raise ValueError("prompt has no tokens")
     if windowed:
-        return ids[-max_prompt_tokens:] if max_prompt_tokens else ids
+        return truncate_prompt(ids, max_prompt_tokens)
     room = pair.max_context - max_new_tokens
     if room < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the {pair.max_context}-token context")
-    return ids[-min(room, max_prompt_tokens or room):]
+    return truncate_prompt(ids, min(room, max_prompt_tokens or room))
 
 
 class ShardWorker:

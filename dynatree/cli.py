@@ -50,6 +50,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
              ignore_eos, check_ar, as_json):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
+    from .check import truncate_prompt
     from .config import ar_reference, make_config, parse_options
     from .models import PairError, load_pair
 
@@ -60,7 +61,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         if max_prompt_tokens:
-            prompts = [pair.encode(p)[-max_prompt_tokens:] for p in prompts]
+            prompts = [truncate_prompt(pair.encode(p), max_prompt_tokens) for p in prompts]
         gens = engine.generate_batch(pair, prompts, method, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         results = [g.as_dict() for g in gens]
         if check_ar:

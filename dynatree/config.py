@@ -1,7 +1,8 @@
 """Algorithm configurations (frozen dataclasses) and ``key=value`` option parsing.
 
 Every method's options are the fields of one dataclass; ``help`` metadata on each field feeds
-``dynatree generate --help`` and the README, so defaults are documented in one place.
+``dynatree generate --help`` (:func:`options_help`), so defaults are documented in one place
+(the README's table of options is written by hand from it).
 """
 from __future__ import annotations
 

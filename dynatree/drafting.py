@@ -122,7 +122,7 @@ class Drafter:
         vals, ids = out.top
         return [v[:k] for v in vals], [t[:k] for t in ids]
 
-    def root(self, tree: Tree, k: int):
+    def root(self, k: int):
         """Feed pending committed tokens (ending with the root); top-k of the root's next token.
         A generator (see the class); returns (probabilities, ids)."""
         self._reset_tree()

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import native
+from .runtime import rotate_half
 
 
 class BufferLayer(DynamicLayer):
@@ -111,11 +112,11 @@ class BufferLayer(DynamicLayer):
         if not self.is_initialized or end <= start + count:
             self.length = min(self.length, start)
             return
-        r, half = cos.shape[-1], cos.shape[-1] // 2
+        r = cos.shape[-1]
         k = self.keys[:, :, start + count:end]  # (b, h, m, d)
         work = torch.promote_types(k.dtype, torch.float32)
         kr, cos, sin = k[..., :r].to(work), cos.to(work), sin.to(work)
-        turned = (kr * cos - torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin).to(k.dtype)
+        turned = (kr * cos - rotate_half(kr) * sin).to(k.dtype)
         self.keys[:, :, start:end - count] = torch.cat((turned, k[..., r:]), dim=-1)
         self.values[:, :, start:end - count] = self.values[:, :, start + count:end].clone()
         self.length = end - count

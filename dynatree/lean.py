@@ -9,7 +9,8 @@ QKV matmul, partial rotary from a precomputed table, SDPA, parallel or sequentia
 It is a drop-in for the engine: ``LeanNeoX(model)(input_ids=, attention_mask=, position_ids=,
 past_key_values=BufferCache, logits_to_keep=)`` returns an object with ``.logits``; it shares
 the model's parameters (no copy).  Tests check logits against transformers in float64 for
-prefill, cached steps and tree masks.  Other architectures use transformers as before.
+prefill, cached steps and tree masks.  Llama-family models take packed.py; other
+architectures, transformers' forward (models.HFRunner).
 
 Two paths run that math.  On a float32 CPU model whose shapes the C kernels take, every cached
 forward of up to ``NATIVE_ROWS`` tokens, and every masked one, is one call into csrc/neox.c
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .runtime import KeyMask, Output, Seq, attend_each, forward_each, heads_each, kept_rows, row_spans, seq_masks
+from .runtime import (KeyMask, Output, Seq, attend_each, forward_each, heads_each, kept_rows, rotate_half, row_spans,
+                      seq_masks)
 
 
 NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
@@ -38,7 +40,7 @@ def can_pack(model) -> bool:
     """oneDNN-packed weights for multi-row forwards: CPU, float32, and weights big enough to be
     memory-bound (a 10 MB draft stays in cache and gets slower packed) yet small enough to keep a
     second copy (the 1-row path keeps the plain weights, which are faster there)."""
-    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_bytes = native.param_bytes(model)
     return (model.device.type == "cpu" and model.dtype == torch.float32 and 32 * 2**20 <= n_bytes <= 2 * 2**30
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -151,9 +153,7 @@ class LeanNeoX:
         """x: (1, H, n, hd); cos/sin: (1, 1, n, r) -> x with its first r dims rotated."""
         r = self.rot
         xr, xp = x[..., :r], x[..., r:]
-        half = r // 2
-        rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-        return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+        return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,

@@ -17,7 +17,7 @@ calibration and the history adaptation only learn from the draft's own nodes.
 """
 from __future__ import annotations
 
-from .tree import Tree
+from .tree import Tree, child_index
 
 
 class NgramIndex:
@@ -111,7 +111,7 @@ def graft(tree: Tree, chain: list[int], n: int = 0, stats: LookupStats | None = 
     estimated value (the chance that every chain token up to it is accepted) exceeds ``bar``,
     the expected tokens a node must bring to pay for its verification (budget.py; 0 without the
     hardware budget).  Returns the chain's nodes, shared or new, and which of them are new."""
-    children = {(tree.parents[v], tree.tokens[v]): v for v in range(1, len(tree))}
+    children = child_index(tree.tokens, tree.parents)
     keep = set(tree.keep) if tree.keep is not None else None
     u, value, nodes, new = 0, 1.0, [], []
     for j, tok in enumerate(chain):

@@ -67,7 +67,8 @@ class Metrics:
 
 @dataclass
 class Check:
-    """A row's comparison with greedy ``ar`` (the job's ``verify_fraction``; check.divergence)."""
+    """A row's comparison with ``ar`` -- greedy, or for a sampled row ``ar`` with the row's seed (the
+    job's ``verify_fraction``; check.divergence)."""
 
     ar_tokens_per_s: float | None = None
     matches_ar: bool | None = None

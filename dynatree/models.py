@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from .config import KERNELS
-from .names import default_pair_dir, hub_problem, looks_local
+from .names import default_pair_dir, model_problem
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -250,11 +249,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
     if target is None:
         raise PairError("a draft was given without a target")
     for role, name in (("target", target), ("draft", draft if load_draft else None)):
-        if name is not None and looks_local(str(name)) and not Path(name).expanduser().exists():
-            raise PairError(f"{role} {name}: no such file or directory")
-        problem = hub_problem(str(name)) if name is not None else None
+        problem = model_problem(str(name)) if name is not None else None
         if problem:
-            raise PairError(f"{role} {name}: no such file or directory, and as a hub id {problem}")
+            raise PairError(f"{role} {name}: {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tok = load_tokenizer(str(target))
     lean = kernel != "hf" and not transformers_models

@@ -72,6 +72,15 @@ def hub_unreachable(timeout_s: float = 5.0) -> bool:
     return failed == [True]
 
 
+def model_problem(name: str) -> str | None:
+    """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
+    a hub id that is neither cached nor reachable (:func:`hub_problem`)."""
+    if looks_local(name) and not Path(name).expanduser().exists():
+        return "no such file or directory"
+    problem = hub_problem(name)
+    return f"no such file or directory, and as a hub id {problem}" if problem else None
+
+
 def hub_problem(name: str, kind: str = "model") -> str | None:
     """Why ``name``, not a local path, cannot load from the hub here as a "model" or "dataset" (not
     cached, and the hub does not answer: the loaders would retry for 20-60 s), or None if it may.

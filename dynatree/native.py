@@ -105,10 +105,13 @@ def status(isa: str | None = None) -> str:
     return _libs[isa][1]
 
 
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def usable(model, isa: str | None = None) -> bool:
     """A float32 CPU model whose packed copy is affordable, on a machine where the kernel built."""
-    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and n_bytes <= MAX_PACKED_BYTES
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and param_bytes(model) <= MAX_PACKED_BYTES
             and library(isa) is not None)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import Output, Seq, attend_each, heads_each, kept_rows, row_spans, seq_masks
+from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -42,8 +42,7 @@ def supports(model) -> bool:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (1, H, N, hd); cos/sin: (1, 1, N, hd) -> rotate-half rotary, as the family applies it."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 class PackedRunner:

@@ -61,7 +61,7 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
     tree = Tree.root_only(root_token)
     if max_depth <= 0 or max_nodes <= 0:
         return tree
-    probs, ids = yield from drafter.root(tree, kmax)
+    probs, ids = yield from drafter.root(kmax)
     frontier, dists = [0], [(probs, ids)]
     while True:
         cands = []  # (logp, parent, token) in parent/rank order
@@ -105,7 +105,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         lat.observe_draft(width, (now - clock[0]) * 1e3)
         clock[0] = now
 
-    probs, ids = yield from drafter.root(tree, kmax)
+    probs, ids = yield from drafter.root(kmax)
     lap(1)
     frontier, dists, vals = [0], [(probs, ids)], [1.0]
     a_top = calib.top1()
@@ -345,7 +345,7 @@ class DySpecHeap(NoDraft):
         if max_depth <= 0 or c.budget <= 0:
             return tree
         k = c.max_branch
-        dist: dict[int, tuple[list[float], list[int]]] = {0: (yield from drafter.root(tree, k))}
+        dist: dict[int, tuple[list[float], list[int]]] = {0: (yield from drafter.root(k))}
         heap: list = []  # (-value, seq, parent, rank, resolved)
         seq = 0
 

@@ -1,6 +1,6 @@
 """The runtime boundary: what the engine hands a model runner and what it gets back.
 
-A runner (lean.LeanNeoX, models.HFRunner) scores the new
+A runner (lean.LeanNeoX, packed.PackedRunner, models.HFRunner) scores the new
 tokens of one or several sequences in one call::
 
     outs = runner.forward([Seq(ids, cache, positions, mask, keep), ...], topk=k | argmax=True, cols=V)
@@ -155,6 +155,13 @@ def seq_masks(seqs: list[Seq], dtype: torch.dtype, device: torch.device) -> list
             mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
         out.append((pos.reshape(1, n).to(device), mask))
     return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., r) -> (-x2, x1), x = (x1, x2) split in halves: the rotary convention of GPT-NeoX and
+    the Llama family (cos * x + sin * rotate_half(x) turns each pair (x1_i, x2_i) by its angle)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def row_spans(seqs: list[Seq]) -> list[tuple[int, int]]:

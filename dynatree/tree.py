@@ -11,8 +11,8 @@ Conventions used throughout the engine:
 * Flattened trees are in BFS order: nodes sorted by depth, ties by creation order.  Hence
   ``parent[i] < i`` and a node's ancestors precede it, which the mask and the accept step rely on.
 
-All tensor functions carry a leading batch dimension of 1 where the model expects one, so that
-batched trees (one tree per row, padded to a common node count) can be added later.
+All tensor functions carry a leading batch dimension of 1 where the model expects one; batches
+of trees are packed by the runners instead (runtime.Seq: one sequence per tree, not padding).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.names import hub_problem, looks_local
+from dynatree.names import model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
@@ -92,11 +92,9 @@ def preflight(spec: JobSpec) -> None:
     """Model problems found before any actor starts: missing paths, mismatched tokenizers."""
     names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
     for flag, name in names.items():
-        if name and not Path(name).expanduser().exists() and looks_local(name):
-            raise JobError(f"{flag} {name}: no such file or directory")
-        problem = hub_problem(name) if name else None
+        problem = model_problem(name) if name else None
         if problem:
-            raise JobError(f"{flag} {name}: no such file or directory, and as a hub id {problem}")
+            raise JobError(f"{flag} {name}: {problem}")
     t, d = (Path(n).expanduser() if n else None for n in names.values())
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
         return

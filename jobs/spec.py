@@ -23,7 +23,8 @@ from dynatree.config import KERNELS, METHODS, make_config
 from dynatree.names import looks_local
 
 
-FAULTS_ENV = "DYNATREE_FAULT_INJECTION"  # tests only: {"die_once_on_shard": name} as JSON, read by actors
+# tests only, read by actors: {"die_once_on_shard": name} or {"die_always_on_shard": name} as JSON
+FAULTS_ENV = "DYNATREE_FAULT_INJECTION"
 
 
 class SpecError(ValueError):

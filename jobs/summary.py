@@ -143,14 +143,18 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def startup_total(st: dict) -> float:
+    """Seconds before the first row could be decoded: planning, cluster, placement, actors ready."""
+    return sum(st.get(k, 0) for k in ("plan_s", "cluster_s", "placement_s", "actors_ready_s"))
+
+
 def startup_line(st: dict) -> str:
     """Start-up split: planning, cluster, placement, actors ready (load, kernel, profile inside)."""
     if not st:
         return "-"
     if "cluster_s" not in st:  # every shard was already finished: no cluster, no actors
         return f"{st.get('plan_s', 0):.1f}s (planning only: nothing left to decode)"
-    total = sum(st.get(k, 0) for k in ("plan_s", "cluster_s", "placement_s", "actors_ready_s"))
     a = st.get("actor", {})
-    return (f"{total:.1f}s (plan {st.get('plan_s', 0):.1f}, cluster {st.get('cluster_s', 0):.1f}, placement "
+    return (f"{startup_total(st):.1f}s (plan {st.get('plan_s', 0):.1f}, cluster {st.get('cluster_s', 0):.1f}, placement "
             f"{st.get('placement_s', 0):.1f}, actors ready {st.get('actors_ready_s', 0):.1f}: model load "
             f"{a.get('load_s', 0):.1f}, kernel {a.get('kernel_s', 0):.1f}, profile {a.get('profile_s', 0):.1f})")

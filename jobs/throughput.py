@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from .driver import run_job
 from .spec import build_spec
+from .summary import startup_total
 
 
 def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpus: float, options: dict,
@@ -35,7 +36,7 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
     run = s["this_run"]
     st = s["startup"]
     return {"rows": n, "tokens": run["tokens_this_run"], "wall_s": run["wall_time_s"],
-            "startup_s": sum(st.get(k, 0) for k in ("plan_s", "cluster_s", "placement_s", "actors_ready_s")),
+            "startup_s": startup_total(st),
             "startup": st, "batch_sizes": [a["batch_size"] for a in run.get("actors", [])],
             "mismatches": s["equivalence"]["mismatches"], "checked": s["equivalence"]["checked"]}
 

@@ -60,8 +60,8 @@ class Recorder(Drafter):
         super().__init__(*a, **k)
         self.seen = {}
 
-    def root(self, tree, k):  # generators, as Drafter's are
-        out = yield from super().root(tree, k)
+    def root(self, k):  # generators, as Drafter's are
+        out = yield from super().root(k)
         self.seen[0] = out
         return out
 
