@@ -503,7 +503,7 @@ class InputSource:
     def read(self, start: int, end: int, columns: list[str], raw: Sequence[str] = ()) -> tuple[pa.Table, dict[str, list]]:
         """Rows [start, end) with only `columns`, typed with `self.schema`; plus, per name in
         `raw`, that column's values as Python objects exactly as the file holds them."""
-        columns, raw = list(columns), list(raw)
+        columns, raw = list(columns), list(dict.fromkeys(raw))  # one column can be both id and prompt
         self._require(columns + raw)
         need = list(dict.fromkeys(columns + raw))
         start, end = max(start, 0), min(end, self.num_rows)

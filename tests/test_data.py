@@ -180,6 +180,8 @@ def test_jsonl_mixed_prompt_column_gives_raw_values(tmp_path):
     table, raw = src.read(0, 7, ["id", "text"], raw=["text"])
     assert raw["text"] == texts + [None]
     assert table.column("text").to_pylist() == ["a string", None, "", "42", "x", '{"k": 1}', None]
+    _, raw = src.read(0, 7, ["text"], raw=["text", "text"])  # the prompts as their own ids: read once
+    assert raw["text"] == texts + [None]
 
 
 def test_mixed_format_directory_and_txt_directory(tmp_path):
