@@ -55,6 +55,8 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     cache window (kv_window) neither the prompt nor the generation is bound by the context."""
     if text is None:
         raise ValueError("prompt is null")
+    if isinstance(text, bytes):
+        raise ValueError("prompt is not UTF-8 text")
     if not isinstance(text, str):
         raise ValueError(f"prompt is not a string ({type(text).__name__})")
     if not text.strip():

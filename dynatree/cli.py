@@ -41,7 +41,7 @@ def _pair_options(f):
               help="prompt text (default: read stdin); repeat it to decode several prompts together, "
                    "many sequences per forward")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1),
-              help="keep each prompt's last N tokens (default: all; as `dynatree run` does with its L_max)")
+              help="keep each prompt's last N tokens (default: all; unlike `dynatree run`, no cut to fit the context)")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True,
@@ -88,29 +88,34 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 @click.option("--prompts", "prompt_files", multiple=True, required=True,
               help="prompt source: Parquet/Arrow/JSONL file, directory or glob (repeatable)")
 @click.option("--prompt-column", default="text", show_default=True)
-@click.option("--limit", type=int, help="first N prompts of each file")
+@click.option("--limit", type=click.IntRange(min=1), help="first N prompts of each file")
 @click.option("--methods", default="linear,fixed_tree,dynatree,dyspec", show_default=True,
               help="comma-separated methods; LABEL=METHOD runs a method under another name "
                    "(e.g. dyspec_heap=dyspec with --option dyspec_heap.mode=heap)")
 @click.option("--option", "options", multiple=True, metavar="LABEL.KEY=VALUE",
               help="method option, repeatable, e.g. dynatree.tau=0.01")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-prompt-tokens", default=200, show_default=True, type=int)
+@click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
+              help="prompts keep their last L_max tokens (fewer if the context needs room for the new ones)")
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
           max_new_tokens, max_prompt_tokens):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     from .check import check_methods, truncate_prompt
     from .data import InputError, read_texts
-    from .config import make_config
+    from .config import ARConfig, make_config, reference_label
     from .models import PairError, load_pair
 
     try:
         from .bench import parse_methods
-        cfgs = {m.label: make_config(m.method, m.options) for m in parse_methods(methods, options)
-                if m.label != "ar"}
+        cfgs = {m.label: make_config(m.method, m.options) for m in parse_methods(methods, options)}
+        # the references check_methods decodes anyway (parse_methods lists them for the bench)
+        cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
         _fail(str(e))
+    room = pair.max_context - max_new_tokens  # as `dynatree run` cuts them
+    if room < 1:
+        _fail(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {pair.max_context}-token context")
     summary = []
     for path in prompt_files:
         try:
@@ -125,10 +130,10 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             texts = [t for i, t in enumerate(texts) if i not in skip]
         if not texts:
             _fail(f"{path}: no prompts to check")
-        prompts = [truncate_prompt(pair.encode(t), max_prompt_tokens) for t in texts]
+        prompts = [truncate_prompt(pair.encode(t), min(max_prompt_tokens, room)) for t in texts]
         rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                              progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
-        for label in ["ar", *cfgs]:
+        for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
             rs = [r for r in rows if r["method"] == label]
             bad = [r for r in rs if not r["matches_ar"]]
             tps = sum(r["tokens_per_s"] for r in rs) / len(rs)

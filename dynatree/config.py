@@ -7,6 +7,7 @@ Every method's options are the fields of one dataclass; ``help`` metadata on eac
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -35,8 +36,8 @@ class SamplingConfig:
         return ("greedy",) if self.temperature == 0 else ("sampled", self.temperature, self.top_k, self.top_p)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # NaN too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -180,6 +181,7 @@ WINDOW_FIELDS = ("kv_window", "kv_sinks", "kv_evict")  # MethodConfig's cache wi
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingConfig's
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingConfig)}
+_WINDOW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MethodConfig)}
 
 
 def ar_reference(cfg) -> ARConfig:
@@ -195,12 +197,15 @@ def ar_reference(cfg) -> ARConfig:
 
 
 def reference_label(ref: ARConfig) -> str:
-    """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024``, ``ar_kvbfloat16``,
-    ``ar_t0.6_p0.9_s3`` (sampling: temperature, then top_k, top_p, seed where set), ..."""
+    """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024`` (``_sinks2_evict16``
+    where those differ from their defaults), ``ar_kvbfloat16``, ``ar_t0.6_p0.9_s3`` (sampling:
+    temperature, then top_k, top_p, seed where set), ..."""
     sampled = "".join(f"_{tag}{getattr(ref, name):g}" for tag, name in
                       (("t", "temperature"), ("k", "top_k"), ("p", "top_p"), ("s", "seed"))
                       if ref.temperature and getattr(ref, name) != _DEFAULTS[name])
-    return "ar" + (f"_window{ref.kv_window}" if ref.kv_window else "") + \
+    window = "".join(f"_{tag}{getattr(ref, name)}" for tag, name in (("sinks", "kv_sinks"), ("evict", "kv_evict"))
+                     if getattr(ref, name) != _WINDOW_DEFAULTS[name]) if ref.kv_window else ""
+    return "ar" + (f"_window{ref.kv_window}{window}" if ref.kv_window else "") + \
         (f"_kv{ref.kv_dtype}" if ref.kv_dtype != "model" else "") + sampled
 
 
@@ -214,8 +219,12 @@ METHODS: dict[str, type] = {
 }
 
 
-def _coerce(ftype, raw: str, name: str):
+def _coerce(ftype, raw, name: str):
+    """An option's value as its field's type: parsed from a string (the CLI), or checked (a job
+    file, the Python API) -- a count must be a whole number, a float a real number."""
     t = ftype if isinstance(ftype, type) else {"int": int, "float": float, "bool": bool, "str": str}.get(str(ftype), str)
+    if not isinstance(raw, str):
+        return _checked(t, raw, name)
     if t is bool:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
@@ -229,6 +238,22 @@ def _coerce(ftype, raw: str, name: str):
         raise ValueError(f"option {name}: expected {t.__name__}, got {raw!r}") from None
 
 
+def _checked(t: type, value, name: str):
+    if t is bool:
+        ok = isinstance(value, bool)
+    elif isinstance(value, bool):  # YAML reads `off` / `on` as booleans: words for a str option
+        if t is str:
+            return "on" if value else "off"
+        ok = False
+    elif t is int:
+        ok = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    else:
+        ok = isinstance(value, (int, float)) if t is float else isinstance(value, str)
+    if not ok:
+        raise ValueError(f"option {name}: expected {t.__name__}, got {value!r}")
+    return t(value)
+
+
 def make_config(method: str, options: dict | None = None):
     """Build a method config from a dict of overrides (values may be strings from the CLI)."""
     if method not in METHODS:
@@ -240,7 +265,7 @@ def make_config(method: str, options: dict | None = None):
         if key not in fields:
             known = ", ".join(fields) or "(none)"
             raise ValueError(f"method {method!r} has no option {key!r}; its options: {known}")
-        kwargs[key] = _coerce(fields[key].type, value, key) if isinstance(value, str) else value
+        kwargs[key] = _coerce(fields[key].type, value, key)
     cfg = cls(**kwargs)
     if isinstance(cfg, SpecConfig) and cfg.lookup < (-1 if isinstance(cfg, DynaTreeConfig) else 0):
         raise ValueError("lookup must be >= 0" + (" (or -1: automatic)" if isinstance(cfg, DynaTreeConfig) else ""))
@@ -267,6 +292,8 @@ def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
         if "=" not in p:
             raise ValueError(f"option {p!r} is not of the form key=value")
         k, v = p.split("=", 1)
+        if k.strip() in out and out[k.strip()] != v.strip():
+            raise ValueError(f"option {k.strip()} given twice ({out[k.strip()]} and {v.strip()})")
         out[k.strip()] = v.strip()
     return out
 

@@ -253,7 +253,8 @@ class _ArrowPart(_Part):
 
 class _TextPart(_Part):
     """A plain-text file is one row: ``text`` (its contents) and ``file`` (its path, so output rows
-    can be traced back to their files)."""
+    can be traced back to their files).  A file that is not UTF-8 is that row's problem, not the
+    job's: its raw value is the bytes (the worker's per-row error), its text null."""
 
     def __init__(self, path: str):
         super().__init__(_stat(path, "txt", 1), pa.schema([("text", pa.string()), ("file", pa.string())]))
@@ -262,13 +263,17 @@ class _TextPart(_Part):
         cols = [c for c in need if c in self.schema.names]
         if not cols or lo >= hi:
             return pa.table({}), {}
-        values = {"file": [self.info.path]}
+        values, raws = {"file": [self.info.path]}, {"file": [self.info.path]}
         if "text" in cols:
             try:
-                values["text"] = [Path(self.info.path).read_text(encoding="utf-8")]
-            except (OSError, UnicodeDecodeError) as e:
+                data = Path(self.info.path).read_bytes()
+            except OSError as e:
                 raise InputError(f"cannot read {self.info.path}: {e}") from e
-        return pa.table({c: values[c] for c in cols}), {c: values[c] for c in raw if c in cols}
+            try:
+                values["text"] = raws["text"] = [data.decode("utf-8")]
+            except UnicodeDecodeError:
+                values["text"], raws["text"] = [None], [data]
+        return pa.table({c: values[c] for c in cols}), {c: raws[c] for c in raw if c in cols}
 
 
 class _DatasetPart(_Part):

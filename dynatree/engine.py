@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import ARConfig, SpecConfig, make_config
+from .config import METHODS, ARConfig, SpecConfig, make_config
 from .drafting import Drafter, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -390,6 +390,8 @@ def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new
     """Decode several prompts together (one BatchDecoder); returns (new token ids, finish reason,
     metrics) per prompt, in order.  ``cfg`` is one config for all or a list with one per prompt."""
     cfgs = cfg if isinstance(cfg, (list, tuple)) else [cfg] * len(prompts)
+    if len(cfgs) != len(prompts):
+        raise ValueError(f"{len(cfgs)} configs for {len(prompts)} prompts: give one, or one per prompt")
     dec = BatchDecoder(pair)
     for i, (p, c) in enumerate(zip(prompts, cfgs)):
         dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, key=i)
@@ -425,10 +427,12 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str 
     (BatchDecoder); one Generation per prompt, in order."""
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     ids = [pair.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
+    if type(cfg) is not METHODS.get(method):
+        raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
     return [Generation(toks, pair.decode(toks), reason, method, metrics, asdict(cfg))
             for toks, reason, metrics in decode_batch(pair, ids, cfg, max_new_tokens=max_new_tokens,
                                                       ignore_eos=ignore_eos)]

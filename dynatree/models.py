@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import KERNELS
-from .names import default_pair_dir, model_problem
+from .names import context_len, default_pair_dir, model_problem
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -124,12 +124,7 @@ def _logit_width(model) -> int:
 
 
 def _context_len(model) -> int:
-    cfg = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 1 << 30
+    return context_len(model.config)
 
 
 def _same_tokenizer(a, b) -> str | None:

@@ -72,6 +72,16 @@ def hub_unreachable(timeout_s: float = 5.0) -> bool:
     return failed == [True]
 
 
+def context_len(config) -> int:
+    """Most positions a model takes, from its config (an object, or config.json's dict)."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1 << 30
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
     a hub id that is neither cached nor reachable (:func:`hub_problem`)."""

@@ -18,6 +18,7 @@ the cluster cannot hold fail the job with a message (placement.py), never a sile
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.names import model_problem
+from dynatree.names import context_len, model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
@@ -96,6 +97,7 @@ def preflight(spec: JobSpec) -> None:
         if problem:
             raise JobError(f"{flag} {name}: {problem}")
     t, d = (Path(n).expanduser() if n else None for n in names.values())
+    _check_window(spec, [p for p in (t, d) if p is not None])
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
         return
     tj, dj = t / "tokenizer.json", d / "tokenizer.json"
@@ -108,6 +110,19 @@ def preflight(spec: JobSpec) -> None:
         return  # e.g. a draft directory without tokenizer files: the actor trusts the target's
     if reason:
         raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
+
+
+def _check_window(spec: JobSpec, dirs: list[Path]) -> None:
+    """A cache window the models' context cannot hold fails every row; say so before any work
+    (local models: their config.json; the engine checks hub models, row by row)."""
+    cfg = spec.method_config
+    if not getattr(cfg, "kv_window", 0):
+        return
+    files = [p / "config.json" for p in dirs if (p / "config.json").is_file()]
+    ctx = min((context_len(json.loads(f.read_text())) for f in files), default=None)
+    if ctx is not None and cfg.kv_window + cfg.kv_evict > ctx:
+        raise JobError(f"kv_window {cfg.kv_window} + kv_evict {cfg.kv_evict} exceed the models' {ctx}-token "
+                       "context (a draft's tree positions can reach their sum)")
 
 
 def _check_devices(spec: JobSpec, resources: dict) -> None:

@@ -81,6 +81,9 @@ class JobSpec:
     overwrite: bool = _f(False, "discard what output holds")
 
     def __post_init__(self):
+        wrong = _type_problems(self)
+        if wrong:  # before any comparison: "16" < 1 would raise a TypeError, not say which field
+            raise SpecError("invalid job spec: " + "; ".join(wrong))
         problems = []
         if not self.input:
             problems.append("input is required")
@@ -150,6 +153,25 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "tuple": tuple, "None": type(None)}
+
+
+def _is(value, t: type) -> bool:
+    if isinstance(value, bool) and t is not bool:  # YAML's true/yes is no number
+        return False
+    return isinstance(value, (int, float)) if t is float else isinstance(value, t)
+
+
+def _type_problems(spec: JobSpec) -> list[str]:
+    """Fields whose value is not of the annotated type (a job file's or a Python caller's)."""
+    out = []
+    for f in dataclasses.fields(spec):
+        value, names = getattr(spec, f.name), [t.strip() for t in str(f.type).split("|")]
+        if not any(_is(value, _TYPES[t]) for t in names):
+            out.append(f"{f.name} must be {' or '.join(n for n in names if n != 'None')}, got {value!r}")
+    return out
 
 
 def _load_file(path: str) -> dict:

@@ -121,3 +121,9 @@ def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
     from dynatree import generate
     with pytest.raises(ValueError, match="empty"):
         generate(close_pair, "  \n\t ", "ar")
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number"):
+        generate(close_pair, [3, 4], "ar", max_new_tokens=3.5)
+    with pytest.raises(ValueError, match="options is a LinearConfig, not the config of method 'ar'"):
+        generate(close_pair, [3, 4], "ar", make_config("linear"))
+    with pytest.raises(ValueError, match="1 configs for 2 prompts"):
+        decode_batch(close_pair, [[3], [4]], [make_config("ar")])

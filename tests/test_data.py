@@ -202,6 +202,9 @@ def test_mixed_format_directory_and_txt_directory(tmp_path):
     assert src.read(0, 2, ["text"], raw=["text"])[1] == {"text": ["first", "second\nprompt"]}
     table = src.read(0, 2, ["file", "text"], raw=[])[0]  # rows trace back to their files
     assert table.column("file").to_pylist() == [str(t / "a.txt"), str(t / "b.txt")]
+    (t / "c.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8: that row's error, not the job's
+    table, raw = InputSource.open(str(t)).read(0, 3, ["text"], raw=["text"])
+    assert table.column("text").to_pylist() == ["first", "second\nprompt", None] and raw["text"][2] == b"caf\xe9"
 
 
 def test_empty_inputs(tmp_path):

@@ -45,6 +45,7 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 def test_bad_options_are_clear_errors():
     from dynatree import make_config
+    from dynatree.config import parse_options
     with pytest.raises(ValueError, match="no option 'depht'"):
         make_config("fixed_tree", {"depht": "3"})
     with pytest.raises(ValueError, match="expected int"):
@@ -56,6 +57,18 @@ def test_bad_options_are_clear_errors():
         make_config("linear", {"k": "0"})
     with pytest.raises(ValueError, match="tau must be within"):
         make_config("fixed_tree", {"tau": "2"})
+    # typed values (a job file, the Python API) are checked as strings are parsed
+    for method, bad in (("linear", {"k": 3.7}), ("ar", {"seed": 1.5}), ("dynatree", {"tau": True}),
+                        ("dynatree", {"history": 1}), ("ar", {"kv_dtype": 3})):
+        with pytest.raises(ValueError, match="expected (int|float|bool|str), got"):
+            make_config(method, bad)
+    assert make_config("linear", {"k": 3.0}).k == 3 and make_config("ar", {"temperature": 1}).temperature == 1.0
+    assert make_config("dynatree", {"hw_budget": False}).hw_budget == "off"  # YAML's `hw_budget: off`
+    with pytest.raises(ValueError, match="option k given twice"):
+        parse_options(["k=3", "k=4"])
+    for t in ("nan", "inf", float("nan")):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            make_config("ar", {"temperature": t})
 
 
 def test_cli_generate_json(pair_dirs):
@@ -108,7 +121,7 @@ def test_a_target_token_the_draft_cannot_read_is_a_clear_error():
 def test_generate_needs_at_least_one_new_token():
     from dynatree import pair_from_models
     pair = pair_from_models(tiny_neox(1, vocab=48), None, None, eos_token_id=None)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 1, got 0"):
         generate(pair, [1, 2, 3], "ar", max_new_tokens=0)
 
 

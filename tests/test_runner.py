@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dynatree.jobs.driver import JobError, run_job
 from dynatree.jobs.spec import FAULTS_ENV, SpecError, build_spec
@@ -249,6 +250,13 @@ def test_spec_validation_messages(tmp_path):
     a = build_spec(str(job))
     b = build_spec(str(job), options={"depth": "3"})
     assert a.identity_hash() == b.identity_hash() and a.options == {"depth": 3}
+    for bad, msg in (({"max_new_tokens": "16"}, "max_new_tokens must be int, got '16'"),
+                     ({"verify_fraction": "0.5"}, "verify_fraction must be float"),
+                     ({"shard_size": 2.5}, "shard_size must be int"), ({"max_prompt_tokens": True}, "max_prompt_tokens"),
+                     ({"method": "linear", "options": {"k": 3.7}}, "option k: expected int")):
+        job.write_text(yaml.safe_dump({"input": "a.parquet", "output": "out", **bad}))  # as a job file gives them
+        with pytest.raises(SpecError, match=msg):
+            build_spec(str(job))
 
 
 def test_context_overflow_truncates_or_errors(ray_cluster, pair_dirs, tmp_path):
@@ -358,6 +366,8 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, target="/no/such/model"), progress=False, log=quiet)
     with pytest.raises(JobError, match="do not share a tokenizer"):
         run_job(spec(pair_dirs, tmp_path, draft=str(pair_dirs / "foreign")), progress=False, log=quiet)
+    with pytest.raises(JobError, match="kv_window 120 \\+ kv_evict 16 exceed the models' 128-token context"):
+        run_job(spec(pair_dirs, tmp_path, options={"kv_window": 120, "kv_evict": 16}), progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
 

@@ -158,7 +158,7 @@ def test_check_compares_windowed_rows_with_windowed_ar(close_pair):
     prompts = random_prompts(2, seed=49, lo=20, hi=30)
     rows = check_methods(close_pair, prompts, {"dyn_w": make_config("dynatree", W), "dyn": make_config("dynatree")},
                          max_new_tokens=60)
-    assert [r["method"] for r in rows] == ["ar", "ar_window40", "dyn_w", "dyn"] * 2
+    assert [r["method"] for r in rows] == ["ar", "ar_window40_evict8", "dyn_w", "dyn"] * 2
     assert all(r["matches_ar"] for r in rows)
 
 
@@ -176,6 +176,8 @@ def test_job_prompts_under_a_window_are_not_cut_to_the_context():
     assert len(prompt_ids(Pair(), text, 500, 30, windowed=True)) == 30
     with pytest.raises(ValueError, match="does not fit"):
         prompt_ids(Pair(), text, 500, None)
+    with pytest.raises(ValueError, match="not UTF-8 text"):  # a .txt input that is not UTF-8 (data.py)
+        prompt_ids(Pair(), b"caf\xe9", 5, None)
 
 
 def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
@@ -196,9 +198,13 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 150 and out["matches_ar"] is True  # past the 128-token context
-    pq.write_table(pa.table({"text": ["It was the best of times", "Call me Ishmael"]}), tmp_path / "p.parquet")
+    long = "It was the best of times, it was the worst of times. " * 40  # far past the context
+    pq.write_table(pa.table({"text": ["It was the best of times", long]}), tmp_path / "p.parquet")
     res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods",
-                                    "dw=dynatree", "--option", "dw.kv_window=24", "--option", "dw.kv_evict=4",
-                                    "--max-new-tokens", "60"])
+                                    "dw=dynatree,lw=linear", "--option", "dw.kv_window=24", "--option", "dw.kv_evict=4",
+                                    "--option", "lw.kv_window=24", "--option", "lw.kv_evict=6",
+                                    "--max-new-tokens", "60", "--max-prompt-tokens", "500"])
     assert res.exit_code == 0, res.output
-    assert "dw" in res.output
+    table = {ln.split()[1]: ln.split()[2:4] for ln in res.output.splitlines() if "p.parquet" in ln and "/" not in ln.split()[1]}
+    # each reference once per prompt, its own window's (evictions differ: different texts)
+    assert table == {m: ["2", "2"] for m in ("ar", "ar_window24_evict4", "ar_window24_evict6", "dw", "lw")}, res.output
