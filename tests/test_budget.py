@@ -72,7 +72,7 @@ class ChainDrafter:
 
     seconds = 0.0
 
-    def root(self, tree, k):  # generators like drafting.Drafter's, that never need a forward
+    def root(self, k):  # generators like drafting.Drafter's, that never need a forward
         return [0.6, 0.2, 0.1][:k], [1, 2, 3][:k]
         yield
 
