@@ -190,13 +190,13 @@ class _Dispatch:
 
         spec, cpus, gpus = self.spec, self.cpus, self.gpus
         t0 = time.time()
-        self.pg = placement.reserve(n, cpus, gpus, timeout_s=spec.placement_timeout_s, log=self.log)
+        self.pg = placement.reserve(n, cpus, gpus, memory=self.memory, timeout_s=spec.placement_timeout_s, log=self.log)
         self.startup["placement_s"] = round(time.time() - t0, 3)
         env = {FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else {}
         threads = max(1, int(cpus))
 
         def start(i: int):
-            return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus), max_restarts=0,
+            return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus, self.memory), max_restarts=0,
                                      max_concurrency=spec.inflight_shards + 2,
                                      runtime_env={"env_vars": env} if env else None).remote(spec, threads)
 
@@ -216,8 +216,9 @@ class _Dispatch:
         resources = ray.cluster_resources()
         _check_devices(self.spec, resources)
         n, self.cpus, self.gpus = _actor_shape(self.spec, resources)
+        self.memory = self.spec.memory_per_actor * 1e9 if self.spec.memory_per_actor else None  # bytes
         try:
-            n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus)
+            n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
         self.startup["cluster_s"] = round(time.time() - t0, 3)

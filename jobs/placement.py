@@ -12,7 +12,7 @@ import re
 import time
 
 _UNIT = 10_000  # Ray stores resource quantities as fixed point with 1e-4 resolution
-_FLAGS = {"CPU": "--cpus-per-actor", "GPU": "--gpus-per-actor", "memory": "the memory per actor"}
+_FLAGS = {"CPU": "--cpus-per-actor", "GPU": "--gpus-per-actor", "memory": "--memory-per-actor"}
 
 
 class PlacementError(RuntimeError):

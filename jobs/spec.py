@@ -68,6 +68,8 @@ class JobSpec:
     num_actors: int | None = _f(None, "actors (default: as many as the cluster's nodes hold at this shape)")
     cpus_per_actor: float = _f(2.0, "CPUs (and threads) per actor")
     gpus_per_actor: float | None = _f(None, "GPUs per actor (default: 1 when the cluster has GPUs)")
+    memory_per_actor: float | None = _f(None, "GB of memory each actor reserves (Ray's memory resource: "
+                                              "actors go only where it is free; default: none reserved)")
     shard_size: int = _f(64, "rows per output file (the unit of resume and retry)")
     max_inflight_per_actor: int | None = _f(None, "shards queued per actor (default: enough to keep "
                                                   "its batch full)")
@@ -114,6 +116,8 @@ class JobSpec:
         elif self.device.startswith("cuda:") and self.device != "cuda:0":
             problems.append(f"device {self.device}: a Ray actor sees only the GPUs it was given, numbered "
                             "from 0; use device cuda (each actor gets its own GPU)")
+        if self.memory_per_actor is not None and self.memory_per_actor <= 0:
+            problems.append("memory_per_actor must be > 0 (GB)")
         if self.gpus_per_actor is not None and not 0 <= self.gpus_per_actor <= 1:
             problems.append("gpus_per_actor must be within [0, 1]: an actor runs its pair on one GPU "
                             "(start more actors to use more GPUs)")

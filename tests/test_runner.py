@@ -375,8 +375,11 @@ def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
     write_input(tmp_path)
     with pytest.raises(JobError, match="no GPUs"):
         run_job(spec(pair_dirs, tmp_path, device="cuda"), progress=False, log=quiet)
-    # no shard was written, so another config on the same output is not refused
-    s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0), progress=False, log=quiet)
+    with pytest.raises(JobError, match=r"memory: 9000\.0 GB}.*lower --memory-per-actor"):  # more than any node has
+        run_job(spec(pair_dirs, tmp_path, memory_per_actor=9000.0), progress=False, log=quiet)
+    # no shard was written, so another config on the same output is not refused (memory that fits: placed)
+    s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0, memory_per_actor=0.5),
+                progress=False, log=quiet)
     assert s["rows"] == len(PROMPTS) and s["startup"]["actors_ready_s"] > 0
 
 
