@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .config import KERNELS, KV_DTYPES, METHODS, options_help
+from .config import KV_DTYPES, METHODS, options_help
 
 
 def _fail(msg: str) -> None:
@@ -20,14 +20,16 @@ def main() -> None:
 
 
 def _pair_options(f):
-    f = click.option("--target", help="target model: hub name or local directory (default: bundled demo pair)")(f)
-    f = click.option("--draft", help="draft model: hub name or local directory (default: bundled demo pair)")(f)
-    f = click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")(f)
-    f = click.option("--dtype", default="float32", show_default=True,
-                     type=click.Choice(["float32", "bfloat16", "float16", "float64"]))(f)
-    f = click.option("--kernel", default="lean", show_default=True, type=click.Choice(list(KERNELS)),
-                     help="forward the engine runs: lean (GPT-NeoX models, dynatree's CPU GEMM; others fall "
-                          "back), lean-mkl (same forward, torch's GEMMs) or hf (transformers')")(f)
+    """The model flags of every command, from JobSpec's fields (the same as `dynatree run`'s)."""
+    import dataclasses
+
+    from .jobs.spec import JobSpec
+
+    fields = {fld.name: fld for fld in dataclasses.fields(JobSpec)}
+    for name in reversed(("target", "draft", "device", "dtype", "kernel")):
+        fld, choices = fields[name], fields[name].metadata.get("choices")
+        f = click.option(f"--{name}", default=fld.default, show_default=fld.default is not None,
+                         type=click.Choice(list(choices)) if choices else str, help=fld.metadata["help"])(f)
     return f
 
 
