@@ -67,10 +67,16 @@ def _init_ray(spec: JobSpec):
                                f"{e} (if the head uses token authentication, this client needs the same "
                                "RAY_AUTH_MODE and token)") from e
         else:
-            # a private local cluster on loopback ("local": never attach to a cluster some earlier
-            # `ray start` left registered); the dashboard is not needed for `dynatree run`
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=True)
+            start_local_ray(log_to_driver=True)
+    return ray
+
+
+def start_local_ray(**kw):
+    """A private local Ray cluster on loopback ("local": never attach to a cluster some earlier
+    `ray start` left registered), without the dashboard `dynatree run` does not need."""
+    import ray
+
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kw)
     return ray
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import pyarrow.parquet as pq
 
-from .driver import run_job
+from .driver import run_job, start_local_ray
 from .spec import build_spec
 from .summary import startup_total
 
@@ -58,8 +58,7 @@ def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, sh
     base = dict(target=target, draft=draft, max_new_tokens=max_new_tokens, ignore_eos=True, device="cpu",
                 verify_fraction=verify_fraction, shard_size=shard_size)
     results = []
-    import ray
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_local_ray(log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="dt-jobs-") as tmp:
         for c in configs.split(","):
             head, *opts = c.split("+")

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dynatree.jobs.driver import start_local_ray
 from dynatree.jobs.placement import (PlacementError, actor_options, check_request, describe_error,
                                      feasible_actors, release, reserve, wait_ready)
 
@@ -70,7 +71,7 @@ def test_check_request_shape_too_big_for_any_node_names_that_resource():
         check_request([node("a", cpu=8)], None, 1, 1)  # GPUs on a CPU-only cluster
     with pytest.raises(PlacementError, match=r"even 1 actor.*lower --cpus-per-actor$"):
         check_request(TWO_NODES, None, 9, 0)
-    with pytest.raises(PlacementError, match=r"lower the memory per actor$"):
+    with pytest.raises(PlacementError, match=r"lower --memory-per-actor$"):
         check_request(TWO_NODES, 1, 1, 0, memory=32 * GB)
     # enough of each somewhere, never together: both are candidates
     with pytest.raises(PlacementError, match=r"--cpus-per-actor / --gpus-per-actor$"):
@@ -90,8 +91,7 @@ def cluster():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("a Ray session is already open in this process")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    start_local_ray(num_cpus=2, log_to_driver=False)
 
     # defined here so cloudpickle ships them by value (workers cannot import this test module)
     class Unpicklable(Exception):

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dynatree.jobs.driver import JobError, run_job
+from dynatree.jobs.driver import JobError, run_job, start_local_ray
 from dynatree.jobs.spec import FAULTS_ENV, SpecError, build_spec
 from dynatree.jobs.summary import read_rows
 
@@ -20,10 +20,7 @@ PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael."
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-    # address="local": always a fresh private cluster, never one a `ray start` left registered
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray = start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     ray.shutdown()
 
