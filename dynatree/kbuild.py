@@ -79,7 +79,8 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
         return None, f"unknown DYNATREE_ISA={isa!r} (one of {', '.join(VARIANTS)})"
     if isa not in variants_here():
         return None, f"DYNATREE_ISA={isa} cannot run on this CPU ({platform.machine()})"
-    flags = FLAGS + VARIANTS[isa]
+    # DYNATREE_CFLAGS: extra flags, e.g. a sanitizer build (README, Tests); part of the cache key
+    flags = FLAGS + VARIANTS[isa] + os.environ.get("DYNATREE_CFLAGS", "").split()
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         return None, f"no C compiler ({cc!r} not on PATH)"
