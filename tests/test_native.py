@@ -463,6 +463,20 @@ def test_concurrent_builders_wait_for_one_build(isa, monkeypatch, tmp_path):
     assert len(log.read_text().split()) == len(kbuild.OBJECTS)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_extra_cflags_reach_the_build_and_its_key(monkeypatch, tmp_path):
+    """DYNATREE_CFLAGS (a sanitizer build, say) is appended to the compiler's flags and keys the
+    cached object, so a normal and a sanitized build never load each other."""
+    seen = []
+    monkeypatch.setattr(kbuild, "_compile", lambda cc, flags, out: seen.append(flags))  # None: built
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    monkeypatch.delenv("DYNATREE_CFLAGS", raising=False)
+    plain, _ = kbuild.build("generic")
+    monkeypatch.setenv("DYNATREE_CFLAGS", "-g  -DDT_TEST=1")
+    extra, _ = kbuild.build("generic")
+    assert plain != extra and seen[1][-2:] == ["-g", "-DDT_TEST=1"] and "-g" not in seen[0]
+
+
 def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
     """`dynatree build` compiles each requested variant into the cache (a fake compiler here: the
     real build is tested above) and says which could not be built."""
