@@ -162,7 +162,6 @@ class _Row:
             return min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
         return min(room - 1, self.window.size - 1 - prefix_len)
 
-
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter
         return finish(self.tally, prompt_tokens=len(self.prompt), new_tokens=len(self.out),
