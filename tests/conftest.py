@@ -118,3 +118,29 @@ def mixed_batch(model, runner):
         return caches
 
     return prefilled, steps
+
+
+def alone_and_packed(model, runner, ref=None):
+    """The mixed batch run two ways: each sequence alone through ``ref`` (default: ``runner``),
+    and all four in one packed forward through ``runner``, each from freshly prefilled caches.
+    Returns (alone outputs, their caches, packed outputs, their caches)."""
+    ref = ref or runner
+    prefilled_ref, steps = mixed_batch(model, ref)
+    prefilled = prefilled_ref if ref is runner else mixed_batch(model, runner)[0]
+    with torch.inference_mode():
+        ref_caches = prefilled_ref()
+        alone = [ref.forward([s], topk=3)[0] for s in steps(ref_caches)]
+        caches = prefilled()
+        packed = runner.forward(steps(caches), topk=3)
+    return alone, ref_caches, packed, caches
+
+
+def assert_same_runs(alone, alone_caches, packed, packed_caches, atol: float) -> None:
+    """Each sequence's logits (within atol), top-k ids and cache keys are what it got alone."""
+    for a, b in zip(alone, packed):
+        assert a.logits.shape == b.logits.shape and torch.allclose(a.logits, b.logits, rtol=0, atol=atol)
+        assert list(a.top[1]) == list(b.top[1])
+    for ca, cb in zip(alone_caches, packed_caches):
+        assert ca.length == cb.length
+        for la, lb in zip(ca.layers, cb.layers):
+            assert torch.allclose(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length], rtol=0, atol=atol)

@@ -6,7 +6,7 @@ from dynatree.kvcache import new_cache
 from dynatree.lean import LeanNeoX, supports
 from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids, tree_attention_mask
 
-from conftest import mixed_batch, tiny_neox
+from conftest import alone_and_packed, assert_same_runs, tiny_neox
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -62,18 +62,6 @@ def test_packed_torch_forward_gives_each_sequence_its_own_logits(parallel):
     model = tiny_neox(13, layers=2)
     model.config.use_parallel_residual = parallel
     lean = LeanNeoX(model, gemm=False)
-    prefilled, steps = mixed_batch(model, lean)
-
-    with torch.inference_mode():
-        alone_caches = prefilled()
-        alone = [lean.forward([s], topk=3)[0] for s in steps(alone_caches)]
-        packed_caches = prefilled()
-        packed = lean.forward(steps(packed_caches), topk=3)
-    for a, b in zip(alone, packed):
-        assert a.logits.shape == b.logits.shape and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-12)
-        assert [t for t in a.top[1]] == [t for t in b.top[1]]
+    alone, alone_caches, packed, packed_caches = alone_and_packed(model, lean)
+    assert_same_runs(alone, alone_caches, packed, packed_caches, atol=1e-12)
     assert packed[3].logits.shape[1] == 1  # keep=1: the joining prompt's last row only
-    for ca, cb in zip(alone_caches, packed_caches):
-        assert ca.length == cb.length
-        for la, lb in zip(ca.layers, cb.layers):
-            assert torch.allclose(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length], rtol=0, atol=1e-12)

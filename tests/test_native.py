@@ -18,7 +18,7 @@ from dynatree.lean import LeanNeoX
 from dynatree.runtime import KeyMask
 from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
 
-from conftest import mixed_batch
+from conftest import alone_and_packed, mixed_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
@@ -406,13 +406,9 @@ def test_packed_sequences_get_bitwise_their_own_logits():
 
     model = neox32(11, layers=2)
     lean = LeanNeoX(model)
+    alone, alone_caches, packed, packed_caches = alone_and_packed(model, lean)
     prefilled, steps = mixed_batch(model, lean)
-
     with torch.inference_mode():
-        alone_caches = prefilled()
-        alone = [lean.forward([s], topk=3)[0] for s in steps(alone_caches)]
-        packed_caches = prefilled()
-        packed = lean.forward(steps(packed_caches), topk=3)
         argmaxed = lean.forward(steps(prefilled()), argmax=True)
     for a, b, c in zip(alone, packed, argmaxed):
         assert torch.equal(a.logits, b.logits) and a.top == b.top

@@ -10,7 +10,7 @@ from dynatree.engine import decode_batch
 from dynatree.models import HFRunner
 from dynatree.packed import PackedRunner, supports
 
-from conftest import mixed_batch, random_prompts
+from conftest import alone_and_packed, assert_same_runs, random_prompts
 
 FAMILIES = {  # GQA in all; Qwen2 with biases on q/k/v; Qwen3 with per-head q/k norms and head_dim != d / heads
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -41,22 +41,7 @@ def test_packed_sequences_get_transformers_logits(family):
     each sequence's logits and cache are what transformers' forward gives it alone."""
     model = tiny(family, 3)
     assert supports(model)
-    packed, ref = PackedRunner(model), HFRunner(model)
-    prefilled_ref, steps = mixed_batch(model, ref)
-    prefilled, _ = mixed_batch(model, packed)
-
-    with torch.inference_mode():
-        ref_caches = prefilled_ref()
-        alone = [ref.forward([s], topk=3)[0] for s in steps(ref_caches)]
-        caches = prefilled()
-        got = packed.forward(steps(caches), topk=3)
-    for a, b in zip(alone, got):
-        assert a.logits.shape == b.logits.shape and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-10)
-        assert a.top[1] == b.top[1]
-    for ca, cb in zip(ref_caches, caches):
-        assert ca.length == cb.length
-        for la, lb in zip(ca.layers, cb.layers):
-            assert torch.allclose(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length], rtol=0, atol=1e-10)
+    assert_same_runs(*alone_and_packed(model, PackedRunner(model), ref=HFRunner(model)), atol=1e-10)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
