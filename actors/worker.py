@@ -32,6 +32,7 @@ from dynatree.metrics import fill_row, result_row
 from dynatree.models import load_pair
 from dynatree.jobs.spec import FAULTS_ENV
 from dynatree.scheduler import Request, Scheduler
+from dynatree.stops import text_of
 
 
 def verify_selected(row_id, fraction: float) -> bool:
@@ -121,11 +122,11 @@ class ShardWorker:
             cfg = self.cfg
             if cfg.temperature > 0:
                 cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, out["id"]))
-            reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos))
+            reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, spec.stop_rule))
             slots.append(("gen", i))
             # the ar reference (a sample: with the row's seed) decodes in the same batches
             if verify_selected(out["id"], spec.verify_fraction):
-                reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos))
+                reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, spec.stop_rule))
                 slots.append(("ref", i))
         return reqs, slots
 
@@ -141,7 +142,7 @@ class ShardWorker:
                 if kind == "gen":
                     results[i].update(error=str(got), finish_reason="error")
             elif kind == "gen":
-                fill_row(results[i], self.pair.decode(got[0]), got[0], got[1], got[2])
+                fill_row(results[i], text_of(self.pair.decode, got[0], got[1], self.spec.stop_rule), *got)
             else:
                 refs[i] = (req.cfg, req.ids, got)
         checked = {i: ref for i, ref in refs.items() if results[i]["error"] is None}

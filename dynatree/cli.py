@@ -45,11 +45,15 @@ def _pair_options(f):
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1),
               help="keep each prompt's last N tokens (default: all; unlike `dynatree run`, no cut to fit the context)")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
+@click.option("--stop", "stop", multiple=True, help="end where the generated text contains this string "
+              "(repeatable; the text ends before it)")
+@click.option("--stop-token-id", "stop_token_ids", multiple=True, type=click.IntRange(min=0),
+              help="end when this token id is generated (repeatable)")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True,
               help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
 def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
-             ignore_eos, check_ar, as_json):
+             ignore_eos, stop, stop_token_ids, check_ar, as_json):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import truncate_prompt
@@ -64,11 +68,11 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         if max_prompt_tokens:
             prompts = [truncate_prompt(pair.encode(p), max_prompt_tokens) for p in prompts]
-        gens = engine.generate_batch(pair, prompts, method, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids)
+        gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
         results = [g.as_dict() for g in gens]
-        if check_ar:
-            refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), max_new_tokens=max_new_tokens,
-                                         ignore_eos=ignore_eos)  # ar with the method's seed and cache window
+        if check_ar:  # ar with the method's seed and cache window
+            refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
             for res, ref, gen in zip(results, refs, gens):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
     except (PairError, ValueError) as e:
@@ -169,6 +173,9 @@ def _spec_options(f):
             f = click.option(f"--{name}/--no-{name}", fld.name, default=None, help=help_)(f)
         elif kind == "dict":
             f = click.option(f"--{name}", fld.name, multiple=True, metavar="KEY=VALUE", help=help_)(f)
+        elif fld.metadata.get("repeat"):  # given once per value; none given leaves the job file's
+            f = click.option(f"--{name}", fld.name, multiple=True, type=fld.metadata.get("item", str),
+                             callback=lambda _ctx, _param, v: v or None, help=fld.metadata["help"])(f)
         else:
             choices = fld.metadata.get("choices")
             kind = click.Choice(list(choices)) if choices else {"int": int, "float": float}.get(kind, str)

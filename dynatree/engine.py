@@ -44,6 +44,7 @@ from .models import ModelPair
 from .budget import Governor
 from .policies import make_policy
 from .sampling import Sampler, choose_each, head, in_head
+from .stops import Stop, text_of
 from .runtime import KeyMask, Seq
 from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
 
@@ -56,7 +57,7 @@ class ContextError(ValueError):
 class Generation:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "length" | "eos" | "context"
+    finish_reason: str  # "length" | "eos" | "stop" | "context"
     method: str
     metrics: Metrics
     options: dict = field(default_factory=dict)
@@ -111,11 +112,13 @@ class _Row:
     Between iterations: ``out`` holds the committed new tokens; the target cache holds the
     prompt and every committed token but the last (the root of the next tree)."""
 
-    def __init__(self, key, pair: ModelPair, prompt: list[int], cfg, max_new_tokens: int, ignore_eos: bool):
+    def __init__(self, key, pair: ModelPair, prompt: list[int], cfg, max_new_tokens: int, ignore_eos: bool,
+                 stop: Stop | None = None):
         self.key, self.prompt, self.cfg, self.max_new_tokens = key, prompt, cfg, max_new_tokens
         self.policy = make_policy(cfg)
         self.policy.attach(pair)
         self.eos = None if ignore_eos else pair.eos_token_id
+        self.stop_hit = stop.watch(pair.decode) if stop is not None else None
         self.max_context = pair.max_context
         self.sampler = Sampler.from_config(cfg)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
@@ -142,6 +145,8 @@ class _Row:
         self.out.append(tok)
         if self.eos is not None and tok == self.eos:
             self.reason = "eos"
+        elif self.stop_hit is not None and self.stop_hit(self.out):
+            self.reason = "stop"
         elif len(self.out) >= self.max_new_tokens:
             self.reason = "length"
         elif self.window is None and len(self.prompt) + len(self.out) >= self.max_context:
@@ -202,13 +207,16 @@ class BatchDecoder:
         return len(self.joining) + len(self.active)
 
     def add(self, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
-            key=None) -> None:
-        """Queue a prompt (token ids); ``key`` names it in :meth:`step`'s results."""
+            stop: Stop | None = None, key=None) -> None:
+        """Queue a prompt (token ids); ``key`` names it in :meth:`step`'s results; ``stop``: stop
+        strings and token ids (stops.py)."""
         cfg = cfg if cfg is not None else ARConfig()
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
+        if stop is not None and stop.strings and self.pair.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
         window = getattr(cfg, "kv_window", 0)
         if window and window + cfg.kv_evict > self.pair.max_context:
             raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
@@ -217,7 +225,7 @@ class BatchDecoder:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
                                f"window: option kv_window, e.g. {self.pair.max_context // 2})")
-        self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos))
+        self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos, stop))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], str, Metrics]]:
@@ -385,7 +393,7 @@ def _draw_masked(rows: list[_Row], outs: list, depths: list[list[int]]) -> None:
 
 
 def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new_tokens: int = 128,
-                 ignore_eos: bool = False) -> list[tuple[list[int], str, Metrics]]:
+                 ignore_eos: bool = False, stop: Stop | None = None) -> list[tuple[list[int], str, Metrics]]:
     """Decode several prompts together (one BatchDecoder); returns (new token ids, finish reason,
     metrics) per prompt, in order.  ``cfg`` is one config for all or a list with one per prompt."""
     cfgs = cfg if isinstance(cfg, (list, tuple)) else [cfg] * len(prompts)
@@ -393,7 +401,7 @@ def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new
         raise ValueError(f"{len(cfgs)} configs for {len(prompts)} prompts: give one, or one per prompt")
     dec = BatchDecoder(pair)
     for i, (p, c) in enumerate(zip(prompts, cfgs)):
-        dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, key=i)
+        dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, key=i)
     results: dict = {}
     while dec:
         for key, toks, reason, m in dec.step():
@@ -402,36 +410,40 @@ def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new
 
 
 def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128,
-           ignore_eos: bool = False) -> tuple[list[int], str, Metrics]:
+           ignore_eos: bool = False, stop: Stop | None = None) -> tuple[list[int], str, Metrics]:
     """Decode one prompt with the method described by ``cfg`` (the B = 1 case of BatchDecoder).
 
     Returns (new token ids, finish reason, metrics).  At temperature 0 the tokens equal greedy
     autoregressive decoding with the target, whatever the method; above 0 they are a sample
     from the target's distribution (reproducible with ``cfg.seed``).
     """
-    return decode_batch(pair, [prompt_ids], cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)[0]
+    return decode_batch(pair, [prompt_ids], cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop)[0]
 
 
 def generate(pair: ModelPair, prompt: str | list[int], method: str = "dynatree",
-             options: dict | None = None, *, max_new_tokens: int = 128,
-             ignore_eos: bool = False) -> Generation:
+             options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
+             stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
     """Decode one prompt (text or token ids) and return tokens, text and metrics."""
-    return generate_batch(pair, [prompt], method, options, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)[0]
+    return generate_batch(pair, [prompt], method, options, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                          stop=stop, stop_token_ids=stop_token_ids)[0]
 
 
 def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str = "dynatree",
-                   options: dict | None = None, *, max_new_tokens: int = 128,
-                   ignore_eos: bool = False) -> list[Generation]:
+                   options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
+                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> list[Generation]:
     """Decode several prompts (texts or token ids) together, many sequences per forward
-    (BatchDecoder); one Generation per prompt, in order."""
+    (BatchDecoder); one Generation per prompt, in order.  ``stop``: a string or strings whose
+    appearance in the generated text ends it (the text ends before it); ``stop_token_ids``:
+    tokens that end it like EOS (stops.py)."""
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    rule = Stop.of(stop, stop_token_ids)
     ids = [pair.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
-    return [Generation(toks, pair.decode(toks), reason, method, metrics, asdict(cfg))
+    return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(cfg))
             for toks, reason, metrics in decode_batch(pair, ids, cfg, max_new_tokens=max_new_tokens,
-                                                      ignore_eos=ignore_eos)]
+                                                      ignore_eos=ignore_eos, stop=rule)]

@@ -30,6 +30,7 @@ import torch
 
 from .engine import BatchDecoder
 from .models import ModelPair
+from .stops import Stop
 
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A CUDA error (a device-side assert, an illegal address) poisons the process's context: every
@@ -44,6 +45,7 @@ class Request:
     cfg: object
     max_new_tokens: int
     ignore_eos: bool = False
+    stop: Stop | None = None
 
 
 @dataclass
@@ -204,7 +206,7 @@ class Scheduler:
                     continue
                 try:
                     dec.add(r.ids, r.cfg, max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
-                            key=(group, i))
+                            stop=r.stop, key=(group, i))
                 except ValueError as e:  # this row only
                     group.resolve(i, e)
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory for its cache: its shard fails

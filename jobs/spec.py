@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dynatree.config import KERNELS, METHODS, make_config
 from dynatree.names import looks_local
+from dynatree.stops import Stop
 
 
 # tests only, read by actors: {"die_once_on_shard": name} or {"die_always_on_shard": name} as JSON
@@ -33,7 +34,10 @@ class SpecError(ValueError):
 
 OUTPUT_IDENTITY = ("input", "prompt_column", "id_column", "keep_columns", "target", "draft", "kernel",
                    "method", "options", "max_new_tokens", "max_prompt_tokens", "ignore_eos", "dtype",
-                   "shard_size", "verify_fraction")
+                   "shard_size", "verify_fraction", "stop", "stop_token_ids")
+# identity fields left out of identity() while they hold their default, so that jobs started before
+# the field existed keep their identity (and resume)
+_LATER_FIELDS = {"stop": (), "stop_token_ids": ()}
 
 
 def _f(default, help: str, **meta):
@@ -60,6 +64,10 @@ class JobSpec:
     max_new_tokens: int = _f(128, "new tokens per prompt (T)")
     max_prompt_tokens: int | None = _f(512, "L_max: prompts keep their last L_max tokens")
     ignore_eos: bool = _f(False, "generate max_new_tokens even past EOS")
+    stop: tuple = _f((), "end a row where its generated text contains this string; the text ends before "
+                         "it (repeatable; a newline in a shell: $'\\n')", repeat=True)
+    stop_token_ids: tuple = _f((), "end a row when it generates this token id, kept like EOS (repeatable)",
+                               repeat=True, flag="stop_token_id", item=int)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _f("float32", "weights' dtype", choices=("float32", "bfloat16", "float16", "float64"))
     batch_size: int | str = _f("auto", "rows each actor decodes together: a number, or auto (tuned "
@@ -129,6 +137,10 @@ class JobSpec:
             make_config(self.method, self.options)
         except (ValueError, TypeError) as e:
             problems.append(str(e))
+        try:
+            Stop(self.stop, self.stop_token_ids)
+        except ValueError as e:
+            problems.append(str(e))
         if problems:
             raise SpecError("invalid job spec: " + "; ".join(problems))
 
@@ -148,8 +160,13 @@ class JobSpec:
     def method_config(self):
         return make_config(self.method, self.options)
 
+    @property
+    def stop_rule(self) -> Stop | None:
+        return Stop.of(self.stop, self.stop_token_ids)
+
     def identity(self) -> dict:
-        return {k: getattr(self, k) for k in OUTPUT_IDENTITY}
+        return {k: getattr(self, k) for k in OUTPUT_IDENTITY
+                if k not in _LATER_FIELDS or getattr(self, k) != _LATER_FIELDS[k]}
 
     def identity_hash(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)
@@ -238,6 +255,12 @@ def _coerce(data: dict) -> dict:
             tuple(c.strip() for c in keep.split(",") if c.strip())
     elif isinstance(keep, list):
         data["keep_columns"] = tuple(keep)
+    for k in ("stop", "stop_token_ids"):  # YAML/JSON lists, or one value
+        v = data.get(k)
+        if isinstance(v, list):
+            data[k] = tuple(v)
+        elif isinstance(v, (str, int)) and not isinstance(v, bool):
+            data[k] = (v,)
     for k in PATH_FIELDS:  # one spelling per path, so a resume typed differently is the same job
         data[k] = canonical_path(k, data.get(k))
     return data

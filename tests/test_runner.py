@@ -388,3 +388,20 @@ def test_the_driver_imports_neither_torch_nor_transformers():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_stop_rules_in_a_job(ray_cluster, pair_dirs, tmp_path):
+    """--stop ends rows where ar with the same rule ends them (every row checked against it)."""
+    from dynatree import generate_batch, load_pair
+    write_input(tmp_path)
+    pair = load_pair(str(pair_dirs / "target"), str(pair_dirs / "draft"), device="cpu", dtype="float64")
+    free = generate_batch(pair, PROMPTS, "ar", max_new_tokens=12)
+    stop = free[0].text[2:5]
+    s = run_job(spec(pair_dirs, tmp_path, stop=(stop,), batch_size=5, num_actors=1), progress=False, log=quiet)
+    rows = read_rows(tmp_path / "out")
+    assert s["equivalence"]["checked"] == len(PROMPTS) and s["equivalence"]["mismatches"] == 0
+    assert s["finish_reasons"]["stop"] == sum(stop in g.text for g in free) >= 1
+    for r, g in zip(rows, free):
+        cut = stop in g.text
+        assert r["finish_reason"] == ("stop" if cut else g.finish_reason)
+        assert r["generated_text"] == (g.text[:g.text.find(stop)] if cut else g.text)

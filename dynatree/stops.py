@@ -1,0 +1,63 @@
+"""Stop rules besides EOS and ``max_new_tokens``: stop strings and stop token ids (vLLM's ``stop`` /
+``stop_token_ids``).
+
+A generation ends at the first generated token after which
+
+* that token is one of ``token_ids`` (kept, as EOS is), or
+* the generated text -- the generated tokens decoded, the prompt not included -- contains one of
+  ``strings``; the token completing it is the last token, and the returned text ends just before
+  the string (:meth:`Stop.cut`).
+
+The rule looks only at committed tokens, one at a time in order, so a tree method that accepts
+several tokens in one iteration stops at the same token ``ar`` stops at: the outputs stay equal.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stop:
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.strings, str) or not all(isinstance(s, str) and s for s in self.strings):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.strings!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids):
+            raise ValueError(f"stop token ids must be whole numbers >= 0, got {self.token_ids!r}")
+
+    @classmethod
+    def of(cls, strings=None, token_ids=None) -> "Stop | None":
+        """From the user-facing forms (a string or a list of them; a list of ids); None if empty."""
+        strings = (strings,) if isinstance(strings, str) else tuple(strings or ())
+        stop = cls(strings, tuple(token_ids or ()))
+        return stop if stop.strings or stop.token_ids else None
+
+    def cut(self, text: str) -> str:
+        """``text`` up to the first stop string in it (all of it if none occurs)."""
+        found = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+        return text[:min(found)] if found else text
+
+    def watch(self, decode: Callable[[list[int]], str]) -> Callable[[list[int]], bool]:
+        """A check to call after each token appended to ``out``: whether the rule ends it there."""
+        ids, strings = frozenset(self.token_ids), self.strings
+        # The text a stop string ends in comes from the last few tokens: every token is at least one
+        # byte of text, so the last len(bytes) + 4 tokens hold it, with room for a slice that starts
+        # inside a multi-byte character (decoded as U+FFFD) or loses a leading space.
+        tail = max((len(s.encode()) for s in strings), default=0) + 4
+
+        def hit(out: list[int]) -> bool:
+            if out[-1] in ids:
+                return True
+            if not strings or not any(s in decode(out[-tail:]) for s in strings):
+                return False
+            return any(s in decode(out) for s in strings)  # the whole text decides (a slice may err)
+        return hit
+
+
+def text_of(decode: Callable[[list[int]], str], ids: list[int], reason: str, stop: Stop | None) -> str:
+    """A generation's text: its tokens decoded, ending before the stop string that ended it."""
+    text = decode(ids)
+    return stop.cut(text) if stop is not None and reason == "stop" else text

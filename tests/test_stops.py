@@ -1,0 +1,123 @@
+"""Stop strings and stop token ids: the rule itself, and every method stopping where ar stops."""
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from dynatree import BatchDecoder, Stop, generate, generate_batch, load_pair, make_config
+from dynatree.cli import main
+from dynatree.jobs.spec import SpecError, build_spec
+from dynatree.tokenizer import train_bpe_tokenizer
+
+METHODS = ["ar", "linear", "fixed_tree", "dynatree", "dyspec"]
+PROMPT = "The history of the city"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_pair(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def free_run(demo):
+    """ar's 60 tokens with no stop rule (the demo pair, greedy)."""
+    return generate(demo, PROMPT, "ar", max_new_tokens=60, ignore_eos=True)
+
+
+def first_stop(decode, ids, strings=(), token_ids=()) -> int | None:
+    """The oracle: tokens kept under the rule, by decoding every prefix in full."""
+    for n in range(1, len(ids) + 1):
+        if ids[n - 1] in token_ids or any(s in decode(ids[:n]) for s in strings):
+            return n
+    return None
+
+
+def test_cut_and_validation():
+    stop = Stop(("ab", "c"))
+    assert stop.cut("xxcab") == "xx" and stop.cut("xabc") == "x" and stop.cut("none") == "none"
+    assert Stop.of("ab").strings == ("ab",) and Stop.of(None, []) is None
+    for bad in (dict(strings=("",)), dict(strings="ab"), dict(token_ids=(-1,)), dict(token_ids=(True,))):
+        with pytest.raises(ValueError):
+            Stop(**bad)
+
+
+def test_watch_agrees_with_decoding_every_prefix():
+    """The watch decodes only a tail of the tokens; on random byte-level BPE sequences (multi-byte
+    characters split across tokens included) it stops exactly where decoding whole prefixes does."""
+    tok = train_bpe_tokenizer(["naïve café — déjà vu, 東京 and more words " * 4, "plain ascii text here"], 300)
+    rng = random.Random(0)
+    for trial in range(200):
+        ids = [rng.randrange(1, len(tok)) for _ in range(30)]
+        text = tok.decode(ids)
+        a = rng.randrange(len(text) - 3)
+        strings = (text[a:a + rng.randint(1, 3)],) if "\ufffd" not in text[a:a + 3] else ("é",)
+        token_ids = (ids[rng.randrange(30)],) if trial % 3 == 0 else ()
+        hit = Stop(strings, token_ids).watch(tok.decode)
+        got = next((n for n in range(1, 31) if hit(ids[:n])), None)
+        assert got == first_stop(tok.decode, ids, strings, token_ids), (trial, strings)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_stops_where_ar_stops(demo, free_run, method):
+    ids, text = free_run.token_ids, free_run.text
+    s = text[40:47]  # spans several tokens; its first appearance is where ar must stop
+    n = first_stop(demo.decode, ids, (s,))
+    g = generate(demo, PROMPT, method, max_new_tokens=60, ignore_eos=True, stop=s)
+    assert g.finish_reason == "stop" and g.token_ids == ids[:n]
+    assert g.text == demo.decode(ids[:n])[:demo.decode(ids[:n]).find(s)] and s not in g.text
+    t = generate(demo, PROMPT, method, max_new_tokens=60, ignore_eos=True, stop_token_ids=[ids[9]])
+    assert t.finish_reason == "stop" and t.token_ids == ids[:ids.index(ids[9]) + 1]
+
+
+def test_rows_with_different_rules_in_one_batch(demo, free_run):
+    """Batched, each row stops by its own rule, as it does alone."""
+    ids, text = free_run.token_ids, free_run.text
+    rules = [Stop((text[40:47],)), Stop(token_ids=(ids[9],)), None, Stop(("\n",), (ids[30],))]
+    dec = BatchDecoder(demo)
+    for i, rule in enumerate(rules):
+        dec.add(demo.encode(PROMPT), make_config("dynatree"), max_new_tokens=60, ignore_eos=True, stop=rule, key=i)
+    got = {}
+    while dec:
+        got.update({k: (toks, reason) for k, toks, reason, _ in dec.step()})
+    for i, rule in enumerate(rules):
+        n = first_stop(demo.decode, ids, rule.strings, rule.token_ids) if rule else None
+        assert got[i] == (ids[:n], "stop") if n else got[i] == (ids, "length")
+
+
+def test_sampled_rows_stop_where_ar_stops(demo):
+    opts = {"temperature": 0.9, "seed": 5}
+    free = generate(demo, PROMPT, "ar", opts, max_new_tokens=50, ignore_eos=True)
+    s = free.text[30:34]
+    ref = generate(demo, PROMPT, "ar", opts, max_new_tokens=50, ignore_eos=True, stop=s)
+    got = generate_batch(demo, [PROMPT, "Once upon a time"], "dynatree", opts, max_new_tokens=50, ignore_eos=True,
+                         stop=s)[0]
+    assert ref.finish_reason == got.finish_reason == "stop" and got.token_ids == ref.token_ids
+    assert ref.token_ids == free.token_ids[:len(ref.token_ids)] and got.text == ref.text
+
+
+def test_stop_strings_need_a_tokenizer(close_pair):
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        generate(close_pair, [5, 6, 7], "ar", stop="x")
+    g = generate(close_pair, [5, 6, 7], "dynatree", max_new_tokens=20, ignore_eos=True)
+    t = generate(close_pair, [5, 6, 7], "dynatree", max_new_tokens=20, ignore_eos=True,
+                 stop_token_ids=[g.token_ids[4]])
+    assert t.token_ids == g.token_ids[:g.token_ids.index(g.token_ids[4]) + 1]
+
+
+def test_job_spec_and_cli_flags(tmp_path, free_run):
+    job = tmp_path / "job.yaml"
+    job.write_text('input: a.parquet\noutput: out\nstop: ["\\n\\n", "THE END"]\nstop_token_ids: 7\n')
+    spec = build_spec(str(job))
+    assert spec.stop == ("\n\n", "THE END") and spec.stop_token_ids == (7,)
+    assert spec.stop_rule == Stop(("\n\n", "THE END"), (7,))
+    plain = build_spec(None, input="a.parquet", output="out")
+    assert "stop" not in plain.identity() and plain.stop_rule is None  # jobs from before stops keep their identity
+    assert spec.identity_hash() != build_spec(str(job), stop=("other",)).identity_hash()
+    for bad, msg in (({"stop": ("",)}, "non-empty strings"), ({"stop_token_ids": (-2,)}, "whole numbers")):
+        with pytest.raises(SpecError, match=msg):
+            build_spec(None, input="a.parquet", output="out", **bad)
+    s = free_run.text[40:47]
+    r = CliRunner().invoke(main, ["generate", "--prompt", PROMPT, "--method", "dynatree", "--max-new-tokens", "60",
+                                  "--ignore-eos", "--device", "cpu", "--stop", s, "--check-ar", "--json"])
+    assert r.exit_code == 0, r.output
+    assert '"finish_reason": "stop"' in r.output and '"matches_ar": true' in r.output
