@@ -29,7 +29,7 @@ from dynatree import budget
 from dynatree.check import divergence, truncate_prompt
 from dynatree.config import ar_reference
 from dynatree.metrics import fill_row, result_row
-from dynatree.models import load_pair
+from dynatree.models import PairError, load_pair
 from dynatree.jobs.spec import FAULTS_ENV
 from dynatree.scheduler import Request, Scheduler
 from dynatree.stops import text_of
@@ -51,18 +51,25 @@ def row_seed(seed: int, row_id) -> int:
     return zlib.crc32(f"{seed}:{row_id}".encode())
 
 
-def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, windowed: bool = False) -> list[int]:
+def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, windowed: bool = False,
+               chat: bool = False) -> list[int]:
     """The prompt's token ids under the prompt policy; ValueError names what is wrong.  With a
-    cache window (kv_window) neither the prompt nor the generation is bound by the context."""
+    cache window (kv_window) neither the prompt nor the generation is bound by the context.
+    ``chat``: the prompt (a string: one user message; or a list of {role, content} messages) is
+    rendered with the tokenizer's chat template."""
     if text is None:
         raise ValueError("prompt is null")
     if isinstance(text, bytes):
         raise ValueError("prompt is not UTF-8 text")
-    if not isinstance(text, str):
-        raise ValueError(f"prompt is not a string ({type(text).__name__})")
-    if not text.strip():
+    if chat and isinstance(text, (list, tuple)):
+        ids = pair.encode_chat(chat_messages(text))
+    elif not isinstance(text, str):
+        raise ValueError(f"prompt is not a string ({type(text).__name__})" +
+                         (" or a list of {role, content} messages" if chat else ""))
+    elif not text.strip():
         raise ValueError("prompt is empty")
-    ids = pair.encode(text)
+    else:
+        ids = pair.encode_chat([{"role": "user", "content": text}]) if chat else pair.encode(text)
     if not ids:
         raise ValueError("prompt has no tokens")
     if windowed:
@@ -73,6 +80,15 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     return truncate_prompt(ids, min(room, max_prompt_tokens or room))
 
 
+def chat_messages(value: list) -> list[dict]:
+    """A prompt cell as chat messages: each a mapping with string ``role`` and ``content``
+    (other keys dropped, so a Parquet struct's nulls do not reach the template)."""
+    if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                            and isinstance(m.get("content"), str) for m in value):
+        raise ValueError("prompt is not a list of {role, content} messages with string values")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
 class ShardWorker:
     def __init__(self, spec, threads: int | None = None):
         t0 = time.perf_counter()
@@ -81,6 +97,8 @@ class ShardWorker:
         self.spec, self.cfg = spec, spec.method_config
         self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                               load_draft=spec.method != "ar", kernel=spec.kernel)
+        if spec.chat_template and not getattr(self.pair.tokenizer, "chat_template", None):
+            raise PairError(f"chat_template is on but the target {spec.target or '(demo pair)'}'s tokenizer has none")
         self.startup = {"load_s": time.perf_counter() - t0}
         self._warm_up()
         self.scheduler = Scheduler(self.pair, None if spec.batch_size == "auto" else int(spec.batch_size),
@@ -115,7 +133,7 @@ class ShardWorker:
         for i, (r, out) in enumerate(zip(rows, results)):
             try:
                 ids = prompt_ids(self.pair, r["text"], spec.max_new_tokens, spec.max_prompt_tokens,
-                                 bool(self.cfg.kv_window))
+                                 bool(self.cfg.kv_window), spec.chat_template)
             except ValueError as e:
                 out.update(error=str(e), finish_reason="error")
                 continue

@@ -45,6 +45,8 @@ def _pair_options(f):
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1),
               help="keep each prompt's last N tokens (default: all; unlike `dynatree run`, no cut to fit the context)")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
+@click.option("--chat-template", is_flag=True,
+              help="send each prompt as a user message through the target tokenizer's chat template")
 @click.option("--stop", "stop", multiple=True, help="end where the generated text contains this string "
               "(repeatable; the text ends before it)")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=click.IntRange(min=0),
@@ -53,7 +55,7 @@ def _pair_options(f):
 @click.option("--json", "as_json", is_flag=True,
               help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
 def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
-             ignore_eos, stop, stop_token_ids, check_ar, as_json):
+             ignore_eos, chat_template, stop, stop_token_ids, check_ar, as_json):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import truncate_prompt
@@ -66,8 +68,10 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
+        if chat_template:
+            prompts = [pair.encode_chat([{"role": "user", "content": p}]) for p in prompts]
         if max_prompt_tokens:
-            prompts = [truncate_prompt(pair.encode(p), max_prompt_tokens) for p in prompts]
+            prompts = [truncate_prompt(p if isinstance(p, list) else pair.encode(p), max_prompt_tokens) for p in prompts]
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
         results = [g.as_dict() for g in gens]

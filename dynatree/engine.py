@@ -420,7 +420,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     return decode_batch(pair, [prompt_ids], cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop)[0]
 
 
-def generate(pair: ModelPair, prompt: str | list[int], method: str = "dynatree",
+def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
              options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
              stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
     """Decode one prompt (text or token ids) and return tokens, text and metrics."""
@@ -428,11 +428,12 @@ def generate(pair: ModelPair, prompt: str | list[int], method: str = "dynatree",
                           stop=stop, stop_token_ids=stop_token_ids)[0]
 
 
-def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str = "dynatree",
+def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]], method: str = "dynatree",
                    options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
                    stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> list[Generation]:
-    """Decode several prompts (texts or token ids) together, many sequences per forward
-    (BatchDecoder); one Generation per prompt, in order.  ``stop``: a string or strings whose
+    """Decode several prompts together, many sequences per forward (BatchDecoder); one Generation
+    per prompt, in order.  A prompt is a text, token ids, or chat messages ([{"role", "content"}],
+    rendered with the tokenizer's chat template, the assistant's turn opened).  ``stop``: a string or strings whose
     appearance in the generated text ends it (the text ends before it); ``stop_token_ids``:
     tokens that end it like EOS (stops.py)."""
     if any(isinstance(p, str) and not p.strip() for p in prompts):
@@ -440,7 +441,8 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int]], method: str 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     rule = Stop.of(stop, stop_token_ids)
-    ids = [pair.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    ids = [pair.encode(p) if isinstance(p, str) else pair.encode_chat(list(p)) if p and isinstance(p[0], dict)
+           else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")

@@ -112,6 +112,13 @@ class ModelPair:
             raise PairError("this pair has no tokenizer; pass token ids")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation ([{"role": ..., "content": ...}, ...]) rendered with the tokenizer's chat
+        template, the assistant's turn opened (the template writes any special tokens itself)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise PairError("the target's tokenizer has no chat template")
+        return self.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""

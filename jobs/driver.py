@@ -104,6 +104,8 @@ def preflight(spec: JobSpec) -> None:
             raise JobError(f"{flag} {name}: {problem}")
     t, d = (Path(n).expanduser() if n else None for n in names.values())
     _check_window(spec, [p for p in (t, d) if p is not None])
+    if spec.chat_template and t is not None and t.is_dir() and not _has_chat_template(t):
+        raise JobError(f"--chat-template: the target {spec.target}'s tokenizer has no chat template")
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
         return
     tj, dj = t / "tokenizer.json", d / "tokenizer.json"
@@ -116,6 +118,16 @@ def preflight(spec: JobSpec) -> None:
         return  # e.g. a draft directory without tokenizer files: the actor trusts the target's
     if reason:
         raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
+
+
+def _has_chat_template(model_dir: Path) -> bool:
+    """Whether a local tokenizer carries a chat template (its own file, or in its config)."""
+    if (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def _check_window(spec: JobSpec, dirs: list[Path]) -> None:

@@ -34,10 +34,10 @@ class SpecError(ValueError):
 
 OUTPUT_IDENTITY = ("input", "prompt_column", "id_column", "keep_columns", "target", "draft", "kernel",
                    "method", "options", "max_new_tokens", "max_prompt_tokens", "ignore_eos", "dtype",
-                   "shard_size", "verify_fraction", "stop", "stop_token_ids")
+                   "shard_size", "verify_fraction", "stop", "stop_token_ids", "chat_template")
 # identity fields left out of identity() while they hold their default, so that jobs started before
 # the field existed keep their identity (and resume)
-_LATER_FIELDS = {"stop": (), "stop_token_ids": ()}
+_LATER_FIELDS = {"stop": (), "stop_token_ids": (), "chat_template": False}
 
 
 def _f(default, help: str, **meta):
@@ -64,6 +64,8 @@ class JobSpec:
     max_new_tokens: int = _f(128, "new tokens per prompt (T)")
     max_prompt_tokens: int | None = _f(512, "L_max: prompts keep their last L_max tokens")
     ignore_eos: bool = _f(False, "generate max_new_tokens even past EOS")
+    chat_template: bool = _f(False, "render each prompt with the target tokenizer's chat template: a string as "
+                                    "one user message, or a list of {role, content} messages")
     stop: tuple = _f((), "end a row where its generated text contains this string; the text ends before "
                          "it (repeatable; a newline in a shell: $'\\n')", repeat=True)
     stop_token_ids: tuple = _f((), "end a row when it generates this token id, kept like EOS (repeatable)",

@@ -1,0 +1,77 @@
+"""Chat templates: prompts as chat messages, through the API, the worker's prompt policy and a job."""
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynatree import generate_batch, load_pair
+from dynatree.jobs.driver import JobError, run_job
+from dynatree.jobs.summary import read_rows
+from dynatree.actors.worker import prompt_ids
+from test_runner import quiet, ray_cluster, spec  # noqa: F401 - the module's Ray cluster fixture
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHATS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}],
+         "It was the best of times", [{"role": "user", "content": "Call me Ishmael."}]]
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(pair_dirs, tmp_path_factory):
+    """The test pair with a chat template in both tokenizers."""
+    root = tmp_path_factory.mktemp("chat")
+    for name in ("target", "draft"):
+        shutil.copytree(pair_dirs / name, root / name)
+        (root / name / "chat_template.jinja").write_text(TEMPLATE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def chat_pair(chat_dirs):
+    return load_pair(str(chat_dirs / "target"), str(chat_dirs / "draft"), device="cpu", dtype="float64")
+
+
+def rendered(pair, prompt) -> list[int]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return pair.encode(pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+
+def test_messages_render_with_the_template(chat_pair):
+    ids = chat_pair.encode_chat(CHATS[0])
+    assert chat_pair.decode(ids) == "<|system|>Be brief.\n<|user|>The quick brown fox\n<|assistant|>"
+    by_messages = generate_batch(chat_pair, [CHATS[0], CHATS[2]], "dynatree", max_new_tokens=8)
+    by_ids = generate_batch(chat_pair, [ids, rendered(chat_pair, CHATS[2])], "ar", max_new_tokens=8)
+    assert [g.token_ids for g in by_messages] == [g.token_ids for g in by_ids]
+    assert by_messages[0].metrics.prompt_tokens == len(ids)
+
+
+def test_prompt_policy_with_chat(chat_pair, close_pair):
+    assert prompt_ids(chat_pair, "hello", 8, None, chat=True) == rendered(chat_pair, "hello")
+    assert prompt_ids(chat_pair, CHATS[0], 8, 5, chat=True) == rendered(chat_pair, CHATS[0])[-5:]
+    for bad in ([], [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"]):
+        with pytest.raises(ValueError, match="list of {role, content} messages"):
+            prompt_ids(chat_pair, bad, 8, None, chat=True)
+    with pytest.raises(ValueError, match="not a string"):
+        prompt_ids(chat_pair, CHATS[0], 8, None)
+    with pytest.raises(ValueError, match="no chat template"):
+        close_pair.encode_chat(CHATS[0])
+
+
+def test_chat_job_matches_ar(ray_cluster, chat_dirs, chat_pair, tmp_path):
+    rows = [{"role": m["role"], "content": m["content"]} for m in CHATS[0]]
+    table = pa.table({"key": ["a", "b", "c", "d"],
+                      "text": pa.array([rows, CHATS[2], None, []],
+                                       pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))})
+    pq.write_table(table, tmp_path / "in.parquet")
+    s = run_job(spec(chat_dirs, tmp_path, chat_template=True, num_actors=1), progress=False, log=quiet)
+    out = read_rows(tmp_path / "out")
+    assert s["equivalence"]["checked"] == 2 and s["equivalence"]["mismatches"] == 0
+    assert [r["prompt_tokens"] for r in out[:2]] == [len(rendered(chat_pair, c)) for c in (CHATS[0], CHATS[2])]
+    assert "null" in out[2]["error"] and "messages" in out[3]["error"]
+
+
+def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
+    pq.write_table(pa.table({"key": ["a"], "text": ["hello"]}), tmp_path / "in.parquet")
+    with pytest.raises(JobError, match="has no chat template"):
+        run_job(spec(pair_dirs, tmp_path, chat_template=True), progress=False, log=quiet)
