@@ -62,7 +62,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     if isinstance(text, bytes):
         raise ValueError("prompt is not UTF-8 text")
     if chat and isinstance(text, (list, tuple)):
-        ids = pair.encode_chat(chat_messages(text))
+        ids = pair.encode_chat(text)
     elif not isinstance(text, str):
         raise ValueError(f"prompt is not a string ({type(text).__name__})" +
                          (" or a list of {role, content} messages" if chat else ""))
@@ -73,20 +73,16 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     if not ids:
         raise ValueError("prompt has no tokens")
     if windowed:
-        return truncate_prompt(ids, max_prompt_tokens)
-    room = pair.max_context - max_new_tokens
-    if room < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the {pair.max_context}-token context")
-    return truncate_prompt(ids, min(room, max_prompt_tokens or room))
-
-
-def chat_messages(value: list) -> list[dict]:
-    """A prompt cell as chat messages: each a mapping with string ``role`` and ``content``
-    (other keys dropped, so a Parquet struct's nulls do not reach the template)."""
-    if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                            and isinstance(m.get("content"), str) for m in value):
-        raise ValueError("prompt is not a list of {role, content} messages with string values")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        keep = max_prompt_tokens
+    else:
+        room = pair.max_context - max_new_tokens
+        if room < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the {pair.max_context}-token context")
+        keep = min(room, max_prompt_tokens or room)
+    if chat and keep is not None and len(ids) > keep:  # its last tokens would lose the template's header
+        raise ValueError(f"chat prompt of {len(ids)} tokens is longer than the {keep} a prompt may keep "
+                         "(max_prompt_tokens, or the context less max_new_tokens); shorten the conversation")
+    return truncate_prompt(ids, keep)
 
 
 class ShardWorker:
@@ -99,6 +95,8 @@ class ShardWorker:
                               load_draft=spec.method != "ar", kernel=spec.kernel)
         if spec.chat_template and not getattr(self.pair.tokenizer, "chat_template", None):
             raise PairError(f"chat_template is on but the target {spec.target or '(demo pair)'}'s tokenizer has none")
+        if spec.stop_rule is not None:
+            spec.stop_rule.check_vocab(self.pair.vocab)
         self.startup = {"load_s": time.perf_counter() - t0}
         self._warm_up()
         self.scheduler = Scheduler(self.pair, None if spec.batch_size == "auto" else int(spec.batch_size),

@@ -40,7 +40,7 @@ from .drafting import Drafter, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
-from .models import ModelPair
+from .models import ModelPair, is_chat
 from .budget import Governor
 from .policies import make_policy
 from .sampling import Sampler, choose_each, head, in_head
@@ -215,6 +215,9 @@ class BatchDecoder:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
+        stop = Stop.of(stop)
+        if stop is not None:
+            stop.check_vocab(self.pair.vocab)
         if stop is not None and stop.strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
         window = getattr(cfg, "kv_window", 0)
@@ -441,8 +444,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     rule = Stop.of(stop, stop_token_ids)
-    ids = [pair.encode(p) if isinstance(p, str) else pair.encode_chat(list(p)) if p and isinstance(p[0], dict)
-           else list(p) for p in prompts]
+    ids = [pair.encode(p) if isinstance(p, str) else pair.encode_chat(p) if is_chat(p) else list(p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")

@@ -114,15 +114,36 @@ class ModelPair:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """A conversation ([{"role": ..., "content": ...}, ...]) rendered with the tokenizer's chat
-        template, the assistant's turn opened (the template writes any special tokens itself)."""
+        template, the assistant's turn opened (the template writes any special tokens itself).
+        PairError (a ValueError) if there is no template, or it refuses the conversation."""
+        messages = chat_messages(messages)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise PairError("the target's tokenizer has no chat template")
-        return self.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception: roles must
+            # alternate, ...) or whatever a template trips on: this conversation's problem, not the job's
+            raise PairError(f"the chat template refused this conversation: {e}") from e
+        return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def is_chat(prompt) -> bool:
+    """Whether a prompt is chat messages (a list of mappings), not text or token ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
+
+
+def chat_messages(value) -> list[dict]:
+    """A prompt as chat messages: each a mapping with string ``role`` and ``content`` (other keys
+    dropped, so a Parquet struct's nulls do not reach the template); ValueError otherwise."""
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+        raise ValueError("prompt is not a list of {role, content} messages with string values")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def _logit_width(model) -> int:

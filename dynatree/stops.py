@@ -4,15 +4,16 @@
 A generation ends at the first generated token after which
 
 * that token is one of ``token_ids`` (kept, as EOS is), or
-* the generated text -- the generated tokens decoded, the prompt not included -- contains one of
-  ``strings``; the token completing it is the last token, and the returned text ends just before
-  the string (:meth:`Stop.cut`).
+* the generated text -- the generated tokens decoded as the output's text is (special tokens
+  written out), the prompt not included -- contains one of ``strings``; the token completing it
+  is the last token, and the returned text ends just before the string (:meth:`Stop.cut`).
 
 The rule looks only at committed tokens, one at a time in order, so a tree method that accepts
 several tokens in one iteration stops at the same token ``ar`` stops at: the outputs stay equal.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,10 +31,24 @@ class Stop:
 
     @classmethod
     def of(cls, strings=None, token_ids=None) -> "Stop | None":
-        """From the user-facing forms (a string or a list of them; a list of ids); None if empty."""
+        """From the user-facing forms (a string or strings; an id or ids, numpy integers
+        included); a Stop as it is; None if empty."""
+        if isinstance(strings, Stop) and token_ids is None:
+            return strings
         strings = (strings,) if isinstance(strings, str) else tuple(strings or ())
-        stop = cls(strings, tuple(token_ids or ()))
+        ids = () if token_ids is None else (token_ids,) if not hasattr(token_ids, "__iter__") else tuple(token_ids)
+        try:
+            ids = tuple(t if isinstance(t, bool) else operator.index(t) for t in ids)
+        except TypeError:
+            raise ValueError(f"stop token ids must be whole numbers >= 0, got {token_ids!r}") from None
+        stop = cls(strings, ids)
         return stop if stop.strings or stop.token_ids else None
+
+    def check_vocab(self, vocab: int) -> None:
+        """A stop id the models can never produce is a mistake: say so."""
+        if any(t >= vocab for t in self.token_ids):
+            raise ValueError(f"stop token ids {sorted(t for t in self.token_ids if t >= vocab)} are outside the "
+                             f"models' vocabulary (0 .. {vocab - 1})")
 
     def cut(self, text: str) -> str:
         """``text`` up to the first stop string in it (all of it if none occurs)."""

@@ -142,8 +142,9 @@ def _same_identity(old: dict, new: dict) -> bool:
 def _refuse_change(out: Path, old: dict, new: dict) -> None:
     old = _legacy(old)
     if not _same_identity(old, new):
-        changed = sorted(k for k in new["identity"] if json.dumps(new["identity"][k], default=str)
-                         != json.dumps(old.get("identity", {}).get(k), default=str))
+        before = old.get("identity", {})
+        changed = sorted(k for k in {*new["identity"], *before} if json.dumps(new["identity"].get(k), default=str)
+                         != json.dumps(before.get(k), default=str))
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
     if "columns" in old and old["columns"] != new["columns"]:  # older manifests lack it

@@ -167,8 +167,12 @@ class JobSpec:
         return Stop.of(self.stop, self.stop_token_ids)
 
     def identity(self) -> dict:
-        return {k: getattr(self, k) for k in OUTPUT_IDENTITY
-                if k not in _LATER_FIELDS or getattr(self, k) != _LATER_FIELDS[k]}
+        out = {k: getattr(self, k) for k in OUTPUT_IDENTITY
+               if k not in _LATER_FIELDS or getattr(self, k) != _LATER_FIELDS[k]}
+        for k in ("stop", "stop_token_ids"):  # a rule's order and repeats do not change the output
+            if k in out:
+                out[k] = sorted(set(out[k]))
+        return out
 
     def identity_hash(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)
@@ -259,7 +263,9 @@ def _coerce(data: dict) -> dict:
         data["keep_columns"] = tuple(keep)
     for k in ("stop", "stop_token_ids"):  # YAML/JSON lists, or one value
         v = data.get(k)
-        if isinstance(v, list):
+        if k in data and v is None:  # `stop:` left empty in a job file
+            data[k] = ()
+        elif isinstance(v, list):
             data[k] = tuple(v)
         elif isinstance(v, (str, int)) and not isinstance(v, bool):
             data[k] = (v,)

@@ -48,7 +48,7 @@ def test_messages_render_with_the_template(chat_pair):
 
 def test_prompt_policy_with_chat(chat_pair, close_pair):
     assert prompt_ids(chat_pair, "hello", 8, None, chat=True) == rendered(chat_pair, "hello")
-    assert prompt_ids(chat_pair, CHATS[0], 8, 5, chat=True) == rendered(chat_pair, CHATS[0])[-5:]
+    assert prompt_ids(chat_pair, CHATS[0], 8, 50, chat=True) == rendered(chat_pair, CHATS[0])
     for bad in ([], [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"]):
         with pytest.raises(ValueError, match="list of {role, content} messages"):
             prompt_ids(chat_pair, bad, 8, None, chat=True)
@@ -56,6 +56,29 @@ def test_prompt_policy_with_chat(chat_pair, close_pair):
         prompt_ids(chat_pair, CHATS[0], 8, None)
     with pytest.raises(ValueError, match="no chat template"):
         close_pair.encode_chat(CHATS[0])
+
+
+def test_refused_and_long_conversations_are_row_errors(chat_dirs, chat_pair, tmp_path):
+    """A template that raises (Llama-2 style: roles must alternate) or a conversation longer than a
+    prompt may keep (cutting it would drop the header) fails that prompt with a ValueError only."""
+    import numpy as np
+    strict = tmp_path / "strict"
+    shutil.copytree(chat_dirs / "target", strict)
+    (strict / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    pair = load_pair(str(strict), None, device="cpu", dtype="float64", load_draft=False)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        prompt_ids(pair, CHATS[0], 8, None, chat=True)
+    assert prompt_ids(pair, CHATS[2], 8, None, chat=True)
+    n = len(rendered(chat_pair, CHATS[0]))
+    with pytest.raises(ValueError, match=f"chat prompt of {n} tokens is longer than the 5"):
+        prompt_ids(chat_pair, CHATS[0], 8, 5, chat=True)
+    with pytest.raises(ValueError, match="list of {role, content} messages"):
+        generate_batch(chat_pair, [[{"role": "user", "content": None}]], "ar", max_new_tokens=2)
+    ids = rendered(chat_pair, CHATS[2])  # token ids as an array still read as ids, not as messages
+    assert generate_batch(chat_pair, [np.array(ids)], "ar", max_new_tokens=4)[0].token_ids == \
+        generate_batch(chat_pair, [CHATS[2]], "ar", max_new_tokens=4)[0].token_ids
 
 
 def test_chat_job_matches_ar(ray_cluster, chat_dirs, chat_pair, tmp_path):

@@ -77,11 +77,14 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
     (tmp_path / "out" / "notes.txt").write_text("mine")  # overwrite removes what dynatree wrote, only that
-    s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5, overwrite=True),
+    s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5, overwrite=True, stop=("zq",)),
                 progress=False, log=quiet)
     assert s["this_run"]["shards_this_run"] == 3
     assert all(r["num_generated_tokens"] <= 5 for r in read_rows(tmp_path / "out"))
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    # a field a job without it leaves out of its identity is still named when it changes
+    with pytest.raises(JobError, match=r"different config \(changed: stop\)"):
+        run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
 
 
 def faults(monkeypatch, **kw):

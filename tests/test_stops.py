@@ -1,6 +1,7 @@
 """Stop strings and stop token ids: the rule itself, and every method stopping where ar stops."""
 import random
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -36,6 +37,7 @@ def test_cut_and_validation():
     stop = Stop(("ab", "c"))
     assert stop.cut("xxcab") == "xx" and stop.cut("xabc") == "x" and stop.cut("none") == "none"
     assert Stop.of("ab").strings == ("ab",) and Stop.of(None, []) is None
+    assert Stop.of(None, 5) == Stop.of(None, [np.int64(5)]) == Stop((), (5,)) and Stop.of(stop := Stop(("a",))) is stop
     for bad in (dict(strings=("",)), dict(strings="ab"), dict(token_ids=(-1,)), dict(token_ids=(True,))):
         with pytest.raises(ValueError):
             Stop(**bad)
@@ -95,6 +97,18 @@ def test_sampled_rows_stop_where_ar_stops(demo):
     assert ref.token_ids == free.token_ids[:len(ref.token_ids)] and got.text == ref.text
 
 
+def test_api_forms_and_bad_ids(demo, free_run):
+    """A plain string reaches BatchDecoder.add / decode too; ids the models cannot produce are refused."""
+    from dynatree import decode
+    s = free_run.text[40:47]
+    toks, reason, _ = decode(demo, demo.encode(PROMPT), make_config("dynatree"), max_new_tokens=60, ignore_eos=True,
+                             stop=s)
+    assert reason == "stop" and toks == generate(demo, PROMPT, "ar", max_new_tokens=60, ignore_eos=True,
+                                                 stop=[s]).token_ids
+    with pytest.raises(ValueError, match="outside the models' vocabulary"):
+        generate(demo, PROMPT, "ar", stop_token_ids=[demo.vocab])
+
+
 def test_stop_strings_need_a_tokenizer(close_pair):
     with pytest.raises(ValueError, match="need a tokenizer"):
         generate(close_pair, [5, 6, 7], "ar", stop="x")
@@ -113,6 +127,9 @@ def test_job_spec_and_cli_flags(tmp_path, free_run):
     plain = build_spec(None, input="a.parquet", output="out")
     assert "stop" not in plain.identity() and plain.stop_rule is None  # jobs from before stops keep their identity
     assert spec.identity_hash() != build_spec(str(job), stop=("other",)).identity_hash()
+    assert spec.identity_hash() == build_spec(str(job), stop=("THE END", "\n\n", "THE END")).identity_hash()
+    job.write_text("input: a.parquet\noutput: out\nstop:\n")
+    assert build_spec(str(job)).stop_rule is None
     for bad, msg in (({"stop": ("",)}, "non-empty strings"), ({"stop_token_ids": (-2,)}, "whole numbers")):
         with pytest.raises(SpecError, match=msg):
             build_spec(None, input="a.parquet", output="out", **bad)
