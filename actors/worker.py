@@ -69,7 +69,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     elif not text.strip():
         raise ValueError("prompt is empty")
     else:
-        ids = pair.encode_chat([{"role": "user", "content": text}]) if chat else pair.encode(text)
+        ids = pair.encode_chat(text) if chat else pair.encode(text)
     if not ids:
         raise ValueError("prompt has no tokens")
     if windowed:
@@ -79,10 +79,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
         if room < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the {pair.max_context}-token context")
         keep = min(room, max_prompt_tokens or room)
-    if chat and keep is not None and len(ids) > keep:  # its last tokens would lose the template's header
-        raise ValueError(f"chat prompt of {len(ids)} tokens is longer than the {keep} a prompt may keep "
-                         "(max_prompt_tokens, or the context less max_new_tokens); shorten the conversation")
-    return truncate_prompt(ids, keep)
+    return truncate_prompt(ids, keep, chat)
 
 
 class ShardWorker:
@@ -93,10 +90,11 @@ class ShardWorker:
         self.spec, self.cfg = spec, spec.method_config
         self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                               load_draft=spec.method != "ar", kernel=spec.kernel)
-        if spec.chat_template and not getattr(self.pair.tokenizer, "chat_template", None):
+        if spec.chat_template and not self.pair.has_chat_template:
             raise PairError(f"chat_template is on but the target {spec.target or '(demo pair)'}'s tokenizer has none")
-        if spec.stop_rule is not None:
-            spec.stop_rule.check_vocab(self.pair.vocab)
+        self.stop = spec.stop_rule  # built once, not per row
+        if self.stop is not None:
+            self.stop.check_vocab(self.pair.vocab)
         self.startup = {"load_s": time.perf_counter() - t0}
         self._warm_up()
         self.scheduler = Scheduler(self.pair, None if spec.batch_size == "auto" else int(spec.batch_size),
@@ -138,11 +136,11 @@ class ShardWorker:
             cfg = self.cfg
             if cfg.temperature > 0:
                 cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, out["id"]))
-            reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, spec.stop_rule))
+            reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop))
             slots.append(("gen", i))
             # the ar reference (a sample: with the row's seed) decodes in the same batches
             if verify_selected(out["id"], spec.verify_fraction):
-                reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, spec.stop_rule))
+                reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, self.stop))
                 slots.append(("ref", i))
         return reqs, slots
 
@@ -158,7 +156,7 @@ class ShardWorker:
                 if kind == "gen":
                     results[i].update(error=str(got), finish_reason="error")
             elif kind == "gen":
-                fill_row(results[i], text_of(self.pair.decode, got[0], got[1], self.spec.stop_rule), *got)
+                fill_row(results[i], text_of(self.pair.decode, got[0], got[1], self.stop), *got)
             else:
                 refs[i] = (req.cfg, req.ids, got)
         checked = {i: ref for i, ref in refs.items() if results[i]["error"] is None}

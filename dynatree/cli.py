@@ -68,13 +68,9 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
-        if chat_template:
-            prompts = [pair.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-        if chat_template and max_prompt_tokens and any(len(p) > max_prompt_tokens for p in prompts):
-            raise ValueError(f"a chat prompt is longer than --max-prompt-tokens {max_prompt_tokens} (cutting it "
-                             "would drop the template's header)")
-        if max_prompt_tokens:
-            prompts = [truncate_prompt(p if isinstance(p, list) else pair.encode(p), max_prompt_tokens) for p in prompts]
+        if chat_template or max_prompt_tokens:
+            prompts = [truncate_prompt(pair.encode_chat(p) if chat_template else pair.encode(p), max_prompt_tokens,
+                                       chat_template) for p in prompts]
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
         results = [g.as_dict() for g in gens]

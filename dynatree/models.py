@@ -112,12 +112,17 @@ class ModelPair:
             raise PairError("this pair has no tokenizer; pass token ids")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation ([{"role": ..., "content": ...}, ...]) rendered with the tokenizer's chat
-        template, the assistant's turn opened (the template writes any special tokens itself).
-        PairError (a ValueError) if there is no template, or it refuses the conversation."""
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_chat(self, messages: str | list[dict]) -> list[int]:
+        """A conversation ([{"role": ..., "content": ...}, ...], or a string: one user message)
+        rendered with the tokenizer's chat template, the assistant's turn opened (the template
+        writes any special tokens itself).  PairError (a ValueError) if there is no template, or
+        it refuses the conversation."""
         messages = chat_messages(messages)
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise PairError("the target's tokenizer has no chat template")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -138,8 +143,11 @@ def is_chat(prompt) -> bool:
 
 
 def chat_messages(value) -> list[dict]:
-    """A prompt as chat messages: each a mapping with string ``role`` and ``content`` (other keys
-    dropped, so a Parquet struct's nulls do not reach the template); ValueError otherwise."""
+    """A prompt as chat messages: a string is one user message; otherwise each a mapping with
+    string ``role`` and ``content`` (other keys dropped, so a Parquet struct's nulls do not reach
+    the template); ValueError otherwise."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
         raise ValueError("prompt is not a list of {role, content} messages with string values")
