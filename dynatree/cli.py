@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -350,6 +351,7 @@ def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: in
                  kv_dtype: str) -> None:
     """The native kernel's target forwards against the same forward on torch's MKL/oneDNN GEMMs
     (--kernel lean-mkl), measured here, with the shapes where native is slower named."""
+    from . import kbuild
     from .budget import _profile_model, time_prefill
     from .lean import LeanNeoX
 
@@ -361,6 +363,11 @@ def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: in
     slower = [k for k, r in ratios.items() if r > 1.0]
     click.echo("target, native ÷ lean-mkl time: " + ", ".join(f"{k} {r:.2f}x" for k, r in ratios.items())
                + (f" -- native is SLOWER than MKL at {', '.join(slower)} on this CPU" if slower else ""))
+    if kbuild.variant() == "avx2" and kbuild.has_avx512() and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
+        # MKL picks its code path from the CPU, not from DYNATREE_ISA: here it runs 512-bit FMAs at up to
+        # twice the AVX2 variant's peak, which an AVX2-only CPU's MKL cannot.
+        click.echo("note: MKL runs AVX-512 on this CPU; for the comparison an AVX2-only CPU sees, run with "
+                   "MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2")
 
 
 def matmul_params(runner) -> int:

@@ -51,6 +51,11 @@ def variants_here() -> list[str]:
     return ["native"] + (["avx2"] if _X86 and {"avx2", "fma"} <= set(flags) else []) + ["generic"]
 
 
+def has_avx512() -> bool:
+    """Whether this CPU runs AVX-512 (torch's MKL then does, whatever variant the kernel is built as)."""
+    return _X86 and "avx512f" in _cpu_flags().split()
+
+
 def source_hash() -> str:
     """A digest of the kernel's C sources: part of every cache key that depends on what they compute."""
     return hashlib.sha256("\0".join(src.read_text() for src in SOURCES + HEADERS).encode()).hexdigest()[:16]
