@@ -13,26 +13,21 @@ prefill, cached steps and tree masks.  Llama-family models take packed.py; other
 architectures, transformers' forward (models.HFRunner).
 
 Two paths run that math.  On a float32 CPU model whose shapes the C kernels take, every cached
-forward of up to ``NATIVE_ROWS`` tokens, and every masked one, is one call into csrc/neox.c
+forward of up to ``cmodel.NATIVE_ROWS`` tokens, and every masked one, is one call into csrc/neox.c
 (native.py; batch invariant, so tree logits are bitwise AR logits).  Everything else — other
 dtypes and devices, no C compiler, ``--kernel lean-mkl``, long causal prefills — runs the torch
 ops below.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import cmodel, native
 from .runtime import (KeyMask, Output, Seq, attend_each, forward_each, heads_each, kept_rows, rotate_half, row_spans,
                       seq_masks)
 
 
-NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
-# kernel's work buffer and per-row attention grow with n; up to here it prefills ~10% faster than MKL
-# (200-token prompt on the bench pair: 77-81 ms vs 86-91 ms median)
 PACK_HINT = 64  # oneDNN packs for this many rows; measured flat-ish from 2 to 16 rows on this CPU
 
 
@@ -102,9 +97,8 @@ class LeanNeoX:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
-        self.native = (gemm and cfg.hidden_act in ("gelu", "relu")
-                       and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
-                       and native.usable(model, isa) and native.library(isa).dt_attn_supported(self.head_dim))
+        self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and native.usable(model, isa)
+                       and cmodel.fits(self._shape(), native.library(isa)))
         # The torch path serves everything when not native, and long causal prefills when native
         # (many rows: MKL's GEMM wins there, and a prompt is prefilled the same way by every method).
         pack = can_pack(model) and not self.native
@@ -119,35 +113,28 @@ class LeanNeoX:
             self._init_native(core, native.library(isa))
 
     def _init_native(self, core, lib) -> None:
-        """Packed weights and the pointer table csrc/neox.c reads (NPARAM per layer, in its order)."""
-        cfg = self.config
+        """csrc/neox.c's forward over this model's weights, its fused QKV rows permuted from
+        NeoX's per-head [q k v] interleaving to the kernel's [q heads | k heads | v heads]."""
+        cfg, H, hd = self.config, self.heads, self.head_dim
+        order = torch.arange(3 * H * hd).view(H, 3, hd).transpose(0, 1).reshape(-1)  # new row -> NeoX row
+
+        def qkv(m):
+            return m.weight[order], (m.bias[order] if m.bias is not None else None)
+
+        layers = [cmodel.Layer((l.input_layernorm.weight, l.input_layernorm.bias),
+                               (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),
+                               qkv(l.attention.query_key_value), (l.attention.dense.weight, l.attention.dense.bias),
+                               (l.mlp.dense_h_to_4h.weight, l.mlp.dense_h_to_4h.bias),
+                               (l.mlp.dense_4h_to_h.weight, l.mlp.dense_4h_to_h.bias)) for l in core.layers]
         self.lib = lib
-        mats = [self.model.lm_head.weight] + [m.weight for l in core.layers for m in (
-            l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)]
-        self.weight_format = fmt = native.weight_format(mats)
-        head = native.PackedLinear(self.model.lm_head.weight, None, fmt, lib)
-        self.n_vocab, self.vocab_pad = head.n_out, head.n_pad
-        act = {"gelu": 1, "relu": 2}[cfg.hidden_act]
-        self.dims = torch.tensor([cfg.hidden_size, self.heads, self.head_dim, self.rot, cfg.intermediate_size,
-                                  int(self.parallel), act, self.vocab_pad, self.embed.shape[0], fmt],
-                                 dtype=torch.long)
-        self.packed, ptrs = [head], []
-        for l in core.layers:
-            ptrs += [t.data_ptr() for t in (l.input_layernorm.weight, l.input_layernorm.bias,
-                                            l.post_attention_layernorm.weight, l.post_attention_layernorm.bias)]
-            for m in (l.attention.query_key_value, l.attention.dense, l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h):
-                pm = native.PackedLinear(m.weight, m.bias, fmt, lib)
-                self.packed.append(pm)
-                ptrs += [pm.packed.data_ptr(), pm.bias.data_ptr() if pm.bias is not None else 0]
-        self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        self.head_ptrs = (ctypes.c_void_p * 3)(self.final_ln[0].data_ptr(), self.final_ln[1].data_ptr(),
-                                               head.packed.data_ptr())
-        self.work = torch.empty(0)
-        # plain ints and addresses, looked up once: the call above runs a few thousand times a second
-        self.work_per_row = 8 * cfg.hidden_size + cfg.intermediate_size
-        self.n_layers = len(core.layers)
-        self.dims_ptr, self.embed_ptr = self.dims.data_ptr(), self.embed.data_ptr()
-        self.cos_ptr, self.sin_ptr = self.cos.data_ptr(), self.sin.data_ptr()
+        self.fwd = cmodel.NativeForward(lib, self._shape(), self.embed, self.cos, self.sin, self.final_ln,
+                                        self.model.lm_head.weight, layers)
+        self.weight_format = self.fwd.weight_format
+
+    def _shape(self) -> cmodel.Shape:
+        cfg = self.config
+        return cmodel.Shape(cfg.hidden_size, self.heads, self.heads, self.head_dim, self.rot, cfg.intermediate_size,
+                            cfg.hidden_act, False, self.parallel, self.eps, self.scaling)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, H, n, hd); cos/sin: (1, 1, n, r) -> x with its first r dims rotated."""
@@ -183,10 +170,8 @@ class LeanNeoX:
         return self._torch(seqs, topk, argmax, cols)
 
     def _takes(self, n: int, mask, cache) -> bool:
-        """Whether the native kernel runs this forward (masked, or causal up to NATIVE_ROWS rows,
-        into a cache whose element type it reads)."""
-        return (self.native and cache is not None and (mask is not None or n <= NATIVE_ROWS)
-                and (getattr(cache.layers[0], "store", None) or torch.float32) in native.KV_FORMATS)
+        """Whether the native kernel runs this forward (cmodel.NativeForward.takes)."""
+        return self.native and self.fwd.takes(n, mask, cache)
 
     def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The packed forward as torch ops (MKL/oneDNN on a CPU; any dtype and device): the GEMMs
@@ -216,84 +201,7 @@ class LeanNeoX:
         return heads_each(self.lm_head(h), keeps, topk, argmax, cols, [s.perturb for s in seqs])  # (1, K, V)
 
     def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
-        """The sequences' forward as one call into csrc/neox.c (batch invariant: see that file).
-
-        Lean on purpose: a draft forward is ~0.1 ms of C, so every microsecond of Python here shows."""
-        descs = (native.DtSeq * len(seqs))()
-        ids, pos, alive, kept = [], [], [], 0
-        cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
-        for d, s in zip(descs, seqs):
-            n, cache = len(s.ids), s.cache
-            past = cache.length
-            end = past + n
-            keep = min(s.keep, n) if s.keep else n
-            ids.append(s.ids)
-            pos.append(s.positions)
-            if s.mask is not None:
-                allowed = s.mask.allowed if s.mask.allowed.is_contiguous() else s.mask.allowed.contiguous()
-                if allowed.shape != (n, end - s.mask.visible):
-                    raise ValueError(f"mask covers {tuple(allowed.shape)} keys, expected {(n, end - s.mask.visible)}")
-                alive.append(allowed)
-                d.visible, d.allowed = s.mask.visible, allowed.data_ptr()
-            layers = cache.layers
-            if not layers[0].is_initialized or end > layers[0].capacity:
-                for layer in layers:
-                    layer.reserve(end, self.heads, self.head_dim, self.dtype, self.device)
-            kc, vc = cache.pointers()
-            d.kc, d.vc = ctypes.addressof(kc), ctypes.addressof(vc)
-            alive.append((kc, vc))
-            d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
-            d.kvfmt = native.KV_FORMATS[layers[0].keys.dtype]
-            if s.perturb is not None:  # sampling's heads: one noise row per kept row
-                noise = [g if g.dtype == torch.float32 else g.float() for g in s.perturb.noise(cols)]
-                rows = (ctypes.c_void_p * keep)(*[g.data_ptr() for g in noise])
-                alive.append((noise, rows))
-                d.noise, d.inv_temp = ctypes.addressof(rows), s.perturb.inv_temp
-            kept += keep
-        ids = ids[0] if len(ids) == 1 else torch.cat(ids)  # (n,)
-        if ids.dtype != torch.long or not ids.is_contiguous():
-            ids = ids.long().contiguous()
-        n = ids.shape[0]
-        if all(p is None for p in pos):
-            pos = None  # consecutive positions past.. are computed in C
-        else:
-            pos = torch.cat([p.long() if p is not None else torch.arange(s.cache.length, s.cache.length + len(s.ids))
-                             for p, s in zip(pos, seqs)]).contiguous()  # (n,)
-        if self.work.numel() < n * self.work_per_row:
-            self.work = torch.empty(n * self.work_per_row)
-        logits = torch.empty(kept, self.vocab_pad)  # (sum keep, V_pad)
-        vals = top = None
-        mode = 0
-        if topk:
-            mode = k = min(topk, cols)
-            vals, top = torch.empty(kept, k), torch.empty(kept, k, dtype=torch.long)  # (sum keep, k)
-        elif argmax:
-            mode, top = -1, torch.empty(kept, dtype=torch.long)  # (sum keep,)
-        bad = self.lib.dt_neox_forward(
-            self.dims_ptr, self.eps, self.scaling, self.n_layers, self.ptrs, self.embed_ptr, self.head_ptrs,
-            ids.data_ptr(), n, pos.data_ptr() if pos is not None else None, self.cos_ptr, self.sin_ptr,
-            descs, len(seqs), logits.data_ptr(), self.work.data_ptr(), torch.get_num_threads(), cols, mode,
-            vals.data_ptr() if vals is not None else None, top.data_ptr() if top is not None else None)
-        if bad:
-            raise IndexError(f"token id outside the embedding (0 .. {self.embed.shape[0] - 1})")
-        for d, s in zip(descs, seqs):
-            for layer in s.cache.layers:
-                layer.length = d.past + d.rows
-        if self.vocab_pad != self.n_vocab:
-            logits = logits[:, :self.n_vocab]
-        # host sync (heads): the caller shapes a tree from these, or accepts the target's choices
-        heads = vals.tolist() if mode > 0 else None, top.tolist() if mode else None
-        outs, r = [], 0
-        for d in descs:
-            lg = logits[r:r + d.keep][None]  # (1, keep, V)
-            if mode > 0:
-                outs.append(Output(lg, (heads[0][r:r + d.keep], heads[1][r:r + d.keep])))
-            elif mode < 0:
-                outs.append(Output(lg, choice=heads[1][r:r + d.keep]))
-            else:
-                outs.append(Output(lg))
-            r += d.keep
-        return outs
+        return self.fwd(seqs, topk, argmax, cols)
 
 
 def lean(model, gemm: bool = True):

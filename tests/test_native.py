@@ -275,8 +275,8 @@ def test_cache_keep_moves_the_path_like_torch():
 
 def test_native_after_the_cache_grows_under_a_torch_prefill(monkeypatch):
     """A long prefill (torch path) may move the cache buffers; the native path must follow."""
-    import dynatree.lean
-    monkeypatch.setattr(dynatree.lean, "NATIVE_ROWS", 64)
+    import dynatree.cmodel
+    monkeypatch.setattr(dynatree.cmodel, "NATIVE_ROWS", 64)
     model = neox32(9)
     lean = LeanNeoX(model)
     prompt = [(7 * i) % 97 for i in range(80)]  # > NATIVE_ROWS tokens: the torch path

@@ -1,5 +1,9 @@
-/* A whole GPT-NeoX forward on the CPU, float32, over the new tokens of one or several sequences,
- * each with its own KV cache.
+/* A whole decoder forward on the CPU, float32, over the new tokens of one or several sequences,
+ * each with its own KV cache: GPT-NeoX (Pythia; layer norms, GELU, parallel or sequential
+ * residual) and the Llama family (Llama, Mistral, Qwen2, Qwen3: RMS norms, SwiGLU, grouped-query
+ * attention, Qwen3's per-head q/k norms).  The fused QKV projection's output is laid out
+ * [q of every head | k of every kv head | v of every kv head] (lean.py permutes NeoX's per-head
+ * interleaving into it: each output is its own FMA chain, so the bits do not move).
  *
  * Why: at draft and verify sizes a layer is ~20 small torch ops (layer norms, rotary halves, cache
  * writes, SDPA, residual adds) whose dispatch costs more than their arithmetic; here the whole
@@ -28,9 +32,11 @@
 
 void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 
-enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2_W, FC2_B, NPARAM };
-enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, WFMT, NDIM };  /* WFMT: see dt_gemm */
-enum { ACT_GELU = 1, ACT_RELU = 2 };
+/* QN_W, KN_W: per-head RMS norm weights of q and k (Qwen3), NULL for none; *_B NULL: no bias. */
+enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2_W, FC2_B, QN_W, KN_W, NPARAM };
+enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, WFMT, KV_HEADS, NORM, NDIM };  /* WFMT: see dt_gemm */
+enum { ACT_GELU = 1, ACT_RELU = 2, ACT_SWIGLU = 3 }; /* SWIGLU: fc1 gives [gate | up] (2 ff), g = silu(gate) * up */
+enum { NORM_LAYER = 0, NORM_RMS = 1 };
 
 #include "vec.h"
 #include "attn.h"
@@ -47,6 +53,26 @@ static void layer_norm(const float *x, long n, long d, const float *w, const flo
         for (long j = 0; j < d; j++) { double c = xi[j] - mean; ss += c * c; }
         float m = (float)mean, rstd = (float)(1.0 / sqrt(ss / d + eps));
         for (long j = 0; j < d; j++) y[i * d + j] = (xi[j] - m) * rstd * w[j] + b[j];
+    }
+}
+
+/* y[i] = x[i] * rstd * w (RMS norm; Llama's order: the normalised row, then the weight), sum of
+ * squares in double, one row at a time. */
+static void rms_row(const float *x, long d, const float *w, float eps, float *y) {
+    double ss = 0.0;
+    for (long j = 0; j < d; j++) ss += (double)x[j] * x[j];
+    float rstd = (float)(1.0 / sqrt(ss / d + eps));
+    for (long j = 0; j < d; j++) y[j] = w[j] * (x[j] * rstd);
+}
+
+/* The layer's norm (dims[NORM]) of n rows of d: rows split between the calling threads. */
+static void norm(const long *dims, const float *x, long n, long d, const float *w, const float *b, float eps,
+                 float *y) {
+    if (dims[NORM] == NORM_RMS) {
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) rms_row(x + i * d, d, w, eps, y + i * d);
+    } else {
+        layer_norm(x, n, d, w, b, eps, y);
     }
 }
 
@@ -91,10 +117,12 @@ typedef struct {
 } rowmap;
 
 /* Attention of the packed rows: one task per (sequence, head), over that sequence's keys of
- * layer l (attn_seq).  q rows live in qkv (row stride 3d, head stride 3hd); out: (n, d). */
+ * layer l (attn_seq) in kv head h / (H / KV).  q rows live in qkv (row stride (H + 2 KV) hd,
+ * head stride hd); out: (n, H hd). */
 static void attend(const long *dims, float scaling, const rowmap *rm, long l, const float *qkv, float *out,
                    attn_scratch *w) {
-    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], ns = rm->nseq;
+    long H = dims[HEADS], hd = dims[HEAD_DIM], ns = rm->nseq, group = H / dims[KV_HEADS];
+    long qkvw = (H + 2 * dims[KV_HEADS]) * hd, ow = H * hd;
     /* head-major: a thread's consecutive tasks share one head's weights of attention work */
 #pragma omp for schedule(static)
     for (long t = 0; t < ns * H; t++) {
@@ -102,10 +130,10 @@ static void attend(const long *dims, float scaling, const rowmap *rm, long l, co
         const dt_seq *sq = rm->seq + q;
         long L = sq->past + sq->rows;
         for (long r = 0; r < sq->rows; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r;
-        size_t at = (size_t)(h * sq->cap * hd) * (sq->kvfmt ? 2 : 4); /* bytes to head h's keys */
-        attn_for(hd / 16, sq->kvfmt)(qkv + r0 * 3 * d + h * 3 * hd, 3 * d, sq->rows, L, sq->visible, sq->allowed,
+        size_t at = (size_t)(h / group * sq->cap * hd) * (sq->kvfmt ? 2 : 4); /* bytes to its kv head's keys */
+        attn_for(hd / 16, sq->kvfmt)(qkv + r0 * qkvw + h * hd, qkvw, sq->rows, L, sq->visible, sq->allowed,
                                      (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, scaling, w,
-                                     out + r0 * d + h * hd, d);
+                                     out + r0 * ow + h * hd, ow);
     }
 }
 
@@ -125,41 +153,56 @@ static void put_kv(void *buf, long kvfmt, long at, const float *x, long n) {
     }
 }
 
+/* Floats per packed row of the forward's work buffer (dt_neox_forward's layout: h, h2, a, z,
+ * then the scratch that block_in, the gated activation and the head share). */
+long dt_work_per_row(const long *dims) {
+    long d = dims[D_MODEL], hd = dims[HEAD_DIM], H = dims[HEADS], KV = dims[KV_HEADS], ff = dims[FF];
+    long zw = dims[ACT] == ACT_SWIGLU ? 2 * ff : ff, scratch = d + (2 * H + 2 * KV) * hd;
+    if (dims[ACT] == ACT_SWIGLU && ff > scratch) scratch = ff;
+    return 3 * d + zw + scratch;
+}
+
 /* First half of layer l.  h: (n, d) -> a: (n, d) attention output (plus h for a sequential
- * residual), z: (n, ff) fc1 pre-activation.  Writes each row's key/value at its sequence's slot
- * past + local index.  pos: (n,) positions or NULL (past + local index); cos_t/sin_t: (max_pos,
- * rot); work: >= n * 5d floats. */
+ * residual), z: (n, ff or 2 ff) fc1 pre-activation.  Writes each row's key/value at its
+ * sequence's slot past + local index.  pos: (n,) positions or NULL (past + local index);
+ * cos_t/sin_t: (max_pos, rot); work: the scratch (dt_work_per_row). */
 static void block_in(const long *dims, float eps, float scaling, const float *const *p, long l, long n,
                       const rowmap *rm, const float *h, const long *pos, const float *cos_t, const float *sin_t,
                       float *a, float *z, float *work, attn_scratch *w) {
-    long d = dims[D_MODEL], H = dims[HEADS], hd = dims[HEAD_DIM], rot = dims[ROT], ff = dims[FF];
-    float *x = work, *qkv = work + n * d, *att = work + 4 * n * d;
-    layer_norm(h, n, d, p[LN1_W], p[LN1_B], eps, x);
-    dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, 3 * d);
+    long d = dims[D_MODEL], H = dims[HEADS], KV = dims[KV_HEADS], hd = dims[HEAD_DIM], rot = dims[ROT];
+    long qw = H * hd, qkvw = (H + 2 * KV) * hd, zw = dims[ACT] == ACT_SWIGLU ? 2 * dims[FF] : dims[FF];
+    float *x = work, *qkv = work + n * d, *att = qkv + n * qkvw;
+    norm(dims, h, n, d, p[LN1_W], p[LN1_B], eps, x);
+    dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, qkvw);
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const dt_seq *sq = rm->seq + rm->of[i];
         long slot = sq->past + rm->local[i], at = pos ? pos[i] : slot;
         const float *c = cos_t + at * rot, *sn = sin_t + at * rot;
+        float *row = qkv + i * qkvw;
         for (long hh = 0; hh < H; hh++) {
-            float *q = qkv + i * 3 * d + hh * 3 * hd, *k = q + hd, *v = q + 2 * hd;
-            rotate(q, rot, c, sn);
+            if (p[QN_W]) rms_row(row + hh * hd, hd, p[QN_W], eps, row + hh * hd);
+            rotate(row + hh * hd, rot, c, sn);
+        }
+        for (long g = 0; g < KV; g++) {
+            float *k = row + qw + g * hd, *v = row + qw + KV * hd + g * hd;
+            if (p[KN_W]) rms_row(k, hd, p[KN_W], eps, k);
             rotate(k, rot, c, sn);
-            put_kv(sq->kc[l], sq->kvfmt, (hh * sq->cap + slot) * hd, k, hd);
-            put_kv(sq->vc[l], sq->kvfmt, (hh * sq->cap + slot) * hd, v, hd);
+            put_kv(sq->kc[l], sq->kvfmt, (g * sq->cap + slot) * hd, k, hd);
+            put_kv(sq->vc[l], sq->kvfmt, (g * sq->cap + slot) * hd, v, hd);
         }
     }
     attend(dims, scaling, rm, l, qkv, att, w);
-    dt_gemm_for(att, n, d, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d);
+    dt_gemm_for(att, n, qw, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d);
     if (dims[PARALLEL]) {
-        layer_norm(h, n, d, p[LN2_W], p[LN2_B], eps, x);
+        norm(dims, h, n, d, p[LN2_W], p[LN2_B], eps, x);
     } else {
 #pragma omp for schedule(static)
         for (long i = 0; i < n; i++)
             for (long j = i * d; j < (i + 1) * d; j++) a[j] += h[j];
-        layer_norm(a, n, d, p[LN2_W], p[LN2_B], eps, x);
+        norm(dims, a, n, d, p[LN2_W], p[LN2_B], eps, x);
     }
-    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, ff);
+    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, zw);
 }
 
 /* Second half.  g: (n, ff) activated fc1 output -> out: (n, d) = fc2(g) + a (+ h if parallel). */
@@ -186,7 +229,18 @@ static inline vf verf(vf x) {
     return (vf)((vi)y | sign);
 }
 
-static void activate(int act, float *z, long n, long ff) {
+/* z: (n, ff) fc1 output -> activated in place; SWIGLU: z (n, 2 ff) [gate | up] -> g (n, ff).
+ * Returns the fc2 input. */
+static float *activate(int act, float *z, long n, long ff, float *g) {
+    if (act == ACT_SWIGLU) {
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++)
+            for (long j = 0; j < ff; j += DT_W) {
+                vf x = ld(z + i * 2 * ff + j), up = ld(z + i * 2 * ff + ff + j);
+                st(g + i * ff + j, x / (bc(1.f) + vexp(-x)) * up);
+            }
+        return g;
+    }
 #pragma omp for schedule(static)
     for (long j = 0; j < n * ff; j += DT_W) {
         vf x = ld(z + j);
@@ -196,6 +250,7 @@ static void activate(int act, float *z, long n, long ff) {
             x = vsel(x > bc(0.f), x, bc(0.f));
         st(z + j, x);
     }
+    return z;
 }
 
 /* A whole forward over the new tokens of nseq sequences packed into n = sum(rows) rows:
@@ -203,7 +258,7 @@ static void activate(int act, float *z, long n, long ff) {
  * layer norm and LM head for each sequence's last `keep` rows.
  *   dims: NDIM longs; p: nlayers * NPARAM pointers; head: {final_ln_w, final_ln_b, packed lm head};
  *   ids, pos: (n,) (pos NULL: past + index within the sequence); seqs: see dt_seq;
- *   logits: (sum keep, VOCAB_PAD), sequence by sequence; work: >= n * (8d + ff) floats.
+ *   logits: (sum keep, VOCAB_PAD), sequence by sequence; work: >= n * dt_work_per_row(dims) floats.
  * Heads over the first `cols` logits of each kept row: topk > 0 -> softmax top-k into top_vals,
  * top_ids (sum keep, topk); topk < 0 -> argmax into top_ids (sum keep,); 0 -> none.
  * Every row is computed as it would be alone (batch invariance: see the top of this file), so a
@@ -241,7 +296,8 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * ff;
+        long zw = dims[ACT] == ACT_SWIGLU ? 2 * ff : ff;
+        float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * zw;
         attn_scratch w = {malloc(sizeof(float) * (size_t)span), malloc(sizeof(float) * (size_t)(most * 2 * hd)),
                           malloc(sizeof(float) * (size_t)most), malloc(sizeof(long) * (size_t)most),
                           malloc(sizeof(long) * (size_t)most), malloc(sizeof(long) * (size_t)(KEY_BLOCK_BYTES / 4))};
@@ -250,13 +306,12 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         for (long l = 0; l < nlayers; l++) {
             const float *const *pl = p + l * NPARAM;
             block_in(dims, eps, scaling, pl, l, n, &rm, h, pos, cos_t, sin_t, a, z, scratch, &w);
-            activate(dims[ACT], z, n, ff);
-            block_out(dims, pl, n, z, a, h, h2);
+            block_out(dims, pl, n, activate((int)dims[ACT], z, n, ff, scratch), a, h, h2);
             float *t = h; h = h2; h2 = t;
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < kept; r++) memcpy(scratch + r * d, h + keep_rows[r] * d, sizeof(float) * d);
-        layer_norm(scratch, kept, d, head[0], head[1], eps, h2);
+        norm(dims, scratch, kept, d, head[0], head[1], eps, h2);
         dt_gemm_for(h2, kept, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
 #pragma omp for schedule(static)
         for (long r = 0; r < kept; r++)

@@ -1,0 +1,180 @@
+"""A whole decoder forward as one call into csrc/neox.c: the packed weights, the pointer table the
+C code reads, and the call that packs several sequences into one forward.
+
+The architectures' runners build it from their modules -- lean.py (GPT-NeoX) and packed.py (the
+Llama family) -- and keep their torch path for what it does not take (other dtypes and devices,
+long causal prefills, caches of other element types).  The forward is batch invariant (see the
+top of csrc/neox.c): a row's logits are bitwise what it gets alone, so tree logits are AR logits.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from .runtime import Output, Seq
+
+NATIVE_ROWS = 512  # causal forwards above this many rows (long prefills) take torch's GEMMs: the C
+# kernel's work buffer and per-row attention grow with n; up to here it prefills ~10% faster than MKL
+# (200-token prompt on the bench pair: 77-81 ms vs 86-91 ms median)
+ACTS = {"gelu": 1, "relu": 2, "swiglu": 3}  # csrc/neox.c's ACT_*
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's weights as csrc/neox.c takes them (Linear weights (out, in), nn.Linear's)."""
+
+    norm1: tuple  # (weight, bias or None)
+    norm2: tuple
+    qkv: tuple  # (weight, bias or None): output [q of every head | k of every kv head | v of every kv head]
+    out: tuple
+    fc1: tuple  # SwiGLU: [gate | up]
+    fc2: tuple
+    q_norm: torch.Tensor | None = None  # per-head RMS norm weights (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    d: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rot: int  # rotary dims of each head (rotate-half convention)
+    ff: int
+    act: str  # ACTS
+    rms: bool  # RMS norms (else layer norms)
+    parallel: bool  # GPT-NeoX's parallel residual
+    eps: float
+    scaling: float
+
+
+def fits(shape: Shape, lib) -> bool:
+    """Shapes the kernels take: vector-multiple widths and an attention kernel for the head size."""
+    return (shape.act in ACTS and shape.d % 32 == 0 and shape.ff % 32 == 0 and shape.heads % shape.kv_heads == 0
+            and lib is not None and lib.dt_attn_supported(shape.head_dim) != 0)
+
+
+class NativeForward:
+    def __init__(self, lib, shape: Shape, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 final_norm: tuple, lm_head: torch.Tensor, layers: list[Layer]):
+        """embed: (V, d); cos, sin: (max_pos, rot) float32 rotary tables; final_norm: (weight,
+        bias or None); lm_head: (V, d).  Keeps references to every tensor whose address it holds."""
+        self.lib, self.shape = lib, shape
+        mats = [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)]
+        self.weight_format = fmt = native.weight_format(mats)
+        head = native.PackedLinear(lm_head, None, fmt, lib)
+        self.n_vocab, self.vocab_pad = head.n_out, head.n_pad
+        self.dims = torch.tensor([shape.d, shape.heads, shape.head_dim, shape.rot, shape.ff, int(shape.parallel),
+                                  ACTS[shape.act], self.vocab_pad, embed.shape[0], fmt, shape.kv_heads,
+                                  int(shape.rms)], dtype=torch.long)
+        self.keep_alive, ptrs = [head, embed, cos, sin, final_norm], []
+        addr = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
+        for layer in layers:
+            ptrs += [addr(layer.norm1[0]), addr(layer.norm1[1]), addr(layer.norm2[0]), addr(layer.norm2[1])]
+            for w, b in (layer.qkv, layer.out, layer.fc1, layer.fc2):
+                pm = native.PackedLinear(w, b, fmt, lib)
+                self.keep_alive.append(pm)
+                ptrs += [pm.packed.data_ptr(), addr(pm.bias)]
+            ptrs += [addr(layer.q_norm), addr(layer.k_norm)]
+            self.keep_alive += [layer.norm1, layer.norm2, layer.q_norm, layer.k_norm]  # not the (fused) matrices
+        self.ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self.head_ptrs = (ctypes.c_void_p * 3)(addr(final_norm[0]), addr(final_norm[1]), head.packed.data_ptr())
+        self.work = torch.empty(0)
+        # plain ints and addresses, looked up once: the call below runs a few thousand times a second
+        self.work_per_row = lib.dt_work_per_row(self.dims.data_ptr())
+        self.n_layers, self.n_embed = len(layers), embed.shape[0]
+        self.dims_ptr, self.embed_ptr = self.dims.data_ptr(), embed.data_ptr()
+        self.cos_ptr, self.sin_ptr = cos.data_ptr(), sin.data_ptr()
+
+    def takes(self, n: int, mask, cache) -> bool:
+        """Whether this forward runs a sequence: masked, or causal up to NATIVE_ROWS rows, into a
+        cache whose element type it reads."""
+        return (cache is not None and (mask is not None or n <= NATIVE_ROWS)
+                and (getattr(cache.layers[0], "store", None) or torch.float32) in native.KV_FORMATS)
+
+    def __call__(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
+        """The sequences' forward as one call (runtime.py's runner contract).
+
+        Lean on purpose: a draft forward is ~0.1 ms of C, so every microsecond of Python here shows."""
+        descs = (native.DtSeq * len(seqs))()
+        ids, pos, alive, kept = [], [], [], 0
+        cols = self.n_vocab if cols is None else min(cols, self.n_vocab)
+        for d, s in zip(descs, seqs):
+            n, cache = len(s.ids), s.cache
+            past = cache.length
+            end = past + n
+            keep = min(s.keep, n) if s.keep else n
+            ids.append(s.ids)
+            pos.append(s.positions)
+            if s.mask is not None:
+                allowed = s.mask.allowed if s.mask.allowed.is_contiguous() else s.mask.allowed.contiguous()
+                if allowed.shape != (n, end - s.mask.visible):
+                    raise ValueError(f"mask covers {tuple(allowed.shape)} keys, expected {(n, end - s.mask.visible)}")
+                alive.append(allowed)
+                d.visible, d.allowed = s.mask.visible, allowed.data_ptr()
+            layers = cache.layers
+            if not layers[0].is_initialized or end > layers[0].capacity:
+                for layer in layers:
+                    layer.reserve(end, self.shape.kv_heads, self.shape.head_dim, torch.float32, torch.device("cpu"))
+            kc, vc = cache.pointers()
+            d.kc, d.vc = ctypes.addressof(kc), ctypes.addressof(vc)
+            alive.append((kc, vc))
+            d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
+            d.kvfmt = native.KV_FORMATS[layers[0].keys.dtype]
+            if s.perturb is not None:  # sampling's heads: one noise row per kept row
+                noise = [g if g.dtype == torch.float32 else g.float() for g in s.perturb.noise(cols)]
+                rows = (ctypes.c_void_p * keep)(*[g.data_ptr() for g in noise])
+                alive.append((noise, rows))
+                d.noise, d.inv_temp = ctypes.addressof(rows), s.perturb.inv_temp
+            kept += keep
+        ids = ids[0] if len(ids) == 1 else torch.cat(ids)  # (n,)
+        if ids.dtype != torch.long or not ids.is_contiguous():
+            ids = ids.long().contiguous()
+        n = ids.shape[0]
+        if all(p is None for p in pos):
+            pos = None  # consecutive positions past.. are computed in C
+        else:
+            pos = torch.cat([p.long() if p is not None else torch.arange(s.cache.length, s.cache.length + len(s.ids))
+                             for p, s in zip(pos, seqs)]).contiguous()  # (n,)
+        return self._call(descs, seqs, ids, pos, kept, topk, argmax, cols)
+
+    def _call(self, descs, seqs, ids, pos, kept, topk, argmax, cols) -> list[Output]:
+        n = ids.shape[0]
+        if self.work.numel() < n * self.work_per_row:
+            self.work = torch.empty(n * self.work_per_row)
+        logits = torch.empty(kept, self.vocab_pad)  # (sum keep, V_pad)
+        vals = top = None
+        mode = 0
+        if topk:
+            mode = k = min(topk, cols)
+            vals, top = torch.empty(kept, k), torch.empty(kept, k, dtype=torch.long)  # (sum keep, k)
+        elif argmax:
+            mode, top = -1, torch.empty(kept, dtype=torch.long)  # (sum keep,)
+        bad = self.lib.dt_neox_forward(
+            self.dims_ptr, self.shape.eps, self.shape.scaling, self.n_layers, self.ptrs, self.embed_ptr,
+            self.head_ptrs, ids.data_ptr(), n, pos.data_ptr() if pos is not None else None, self.cos_ptr,
+            self.sin_ptr, descs, len(seqs), logits.data_ptr(), self.work.data_ptr(), torch.get_num_threads(), cols,
+            mode, vals.data_ptr() if vals is not None else None, top.data_ptr() if top is not None else None)
+        if bad:
+            raise IndexError(f"token id outside the embedding (0 .. {self.n_embed - 1})")
+        for d, s in zip(descs, seqs):
+            for layer in s.cache.layers:
+                layer.length = d.past + d.rows
+        if self.vocab_pad != self.n_vocab:
+            logits = logits[:, :self.n_vocab]
+        # host sync (heads): the caller shapes a tree from these, or accepts the target's choices
+        heads = vals.tolist() if mode > 0 else None, top.tolist() if mode else None
+        outs, r = [], 0
+        for d in descs:
+            lg = logits[r:r + d.keep][None]  # (1, keep, V)
+            if mode > 0:
+                outs.append(Output(lg, (heads[0][r:r + d.keep], heads[1][r:r + d.keep])))
+            elif mode < 0:
+                outs.append(Output(lg, choice=heads[1][r:r + d.keep]))
+            else:
+                outs.append(Output(lg))
+            r += d.keep
+        return outs
