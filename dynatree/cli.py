@@ -353,9 +353,7 @@ def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: in
     (--kernel lean-mkl), measured here, with the shapes where native is slower named."""
     from . import kbuild
     from .budget import _profile_model, time_prefill
-    from .lean import LeanNeoX
-
-    mkl = LeanNeoX(pair.target, gemm=False)
+    mkl = type(pair.runner("target"))(pair.target, gemm=False)  # the same architecture's torch path
     ref = _profile_model(mkl, prefix, (1, 4, 16, 64), repeats, kv_dtype)
     ratios = {f"{n} token{'s' if n > 1 else ''}": native_ms[n] / ref[n] for n in ref}
     if prefill:
@@ -371,9 +369,12 @@ def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: in
 
 
 def matmul_params(runner) -> int:
-    """Weights a token multiplies (every matrix but the embedding), for GFLOP/s."""
+    """Weights a token multiplies (every Linear's, the LM head's too when it shares the embedding's
+    matrix; not the embedding lookup), for GFLOP/s."""
+    import torch
+
     model = getattr(runner, "model", runner)
-    return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_in" not in n)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 @main.command()

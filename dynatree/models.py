@@ -91,7 +91,8 @@ class ModelPair:
         if key not in self.state:
             run = model if self.kernel == "hf" else lean(model, gemm=self.kernel == "lean")
             if not isinstance(run, LeanNeoX):  # Llama-family models pack too; others run transformers'
-                run = PackedRunner(run) if self.kernel != "hf" and packed.supports(run) else HFRunner(run)
+                run = (PackedRunner(run, gemm=self.kernel == "lean") if self.kernel != "hf" and packed.supports(run)
+                       else HFRunner(run))
             self.state[key] = run
         return self.state[key]
 

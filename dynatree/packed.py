@@ -9,12 +9,18 @@ sequences' rows at once and attention runs per sequence over its own cache (SDPA
 heads), with the model's own norms, projections, rotary embedding and MLP, so the math is the
 model's.  Tested against transformers' forward in float64 (tests/test_packed.py).  GPT-NeoX
 models take lean.py instead; other architectures keep transformers' forward (models.HFRunner).
+
+On a float32 CPU model whose shapes the C kernels take (head_dim a multiple of 16, SiLU MLP, a
+rotary table that does not depend on the sequence's length), cached forwards run csrc/neox.c's
+whole forward instead (cmodel.py), as GPT-NeoX models do: batch invariant, so tree logits are
+bitwise AR logits and greedy outputs equal ``ar``'s without a tolerance.
 """
 from __future__ import annotations
 
 import torch
 
-from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
+from . import cmodel, native
+from .runtime import KeyMask, Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -45,24 +51,56 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotate_half(x) * sin
 
 
+# rotary embeddings whose table is fixed (the C forward reads one precomputed table); "dynamic"
+# and "longrope" rescale with the sequence's length
+FIXED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
 class PackedRunner:
     """The engine's runner (runtime.py) for a supported model: ``forward(seqs)`` packs them."""
 
-    def __init__(self, model):
+    def __init__(self, model, gemm: bool = True, isa: str | None = None):
+        """gemm: run cached forwards through the C kernels where they apply (cmodel.py), else
+        torch; isa: the kernel variant (default: native.variant())."""
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        rope = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        self.native = bool(gemm and self.config.hidden_act == "silu" and rope in FIXED_ROPE
+                           and native.usable(model, isa) and cmodel.fits(self._shape(), native.library(isa)))
+        if self.native:
+            self.lib = native.library(isa)
+            self.fwd = _native_forward(model, self.lib, self._shape())
+            self.weight_format = self.fwd.weight_format
+
+    def _shape(self) -> cmodel.Shape:
+        cfg = self.config
+        return cmodel.Shape(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, self.head_dim,
+                            cfg.intermediate_size, "swiglu", True, False, cfg.rms_norm_eps, self.scaling)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                  use_cache: bool = True, logits_to_keep: int = 0, topk: int = 0, argmax: bool = False,
                  cols: int | None = None, perturb=None) -> Output:
         """One sequence, transformers-style arguments (lean.LeanNeoX.__call__'s)."""
+        if (self.native and attention_mask is not None and not isinstance(attention_mask, KeyMask)
+                and self.fwd.takes(input_ids.shape[1], attention_mask, past_key_values)):
+            attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
         seq = Seq(input_ids.reshape(-1), past_key_values, None if position_ids is None else position_ids.reshape(-1),
                   attention_mask, logits_to_keep, perturb)
         return self.forward([seq], topk=topk, argmax=argmax, cols=cols)[0]
 
     def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
+        """Every sequence through the C forward when it takes them all; else each sequence it
+        takes there and the rest (long prefills) through torch, or all through torch."""
+        if self.native:
+            if all(self.fwd.takes(len(s.ids), s.mask, s.cache) for s in seqs):
+                return self.fwd(seqs, topk, argmax, cols)
+            if len(seqs) > 1:
+                return [o for s in seqs for o in self.forward([s], topk, argmax, cols)]
+        return self._torch(seqs, topk, argmax, cols)
+
+    def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         core = self.model.model
         spans = row_spans(seqs)
         masks = seq_masks(seqs, self.dtype, self.device)
@@ -89,3 +127,31 @@ class PackedRunner:
         a = attend_each(q, k, v, seqs, spans, masks, i, self.scaling, self.heads != self.kv_heads)  # (1, Hq, N, hd)
         return attn.o_proj(a.transpose(1, 2).reshape(1, N, self.heads * hd))
 
+
+
+def _native_forward(model, lib, shape: cmodel.Shape) -> cmodel.NativeForward:
+    """csrc/neox.c's forward over a Llama-family model: q/k/v fused into one matrix, gate and up
+    into another; the rotary table precomputed by the model's own rotary embedding."""
+    core = model.model
+
+    def cat(*mods):  # -> (weight, bias or None) of the fused matrix
+        biases = [m.bias for m in mods if m.bias is not None]
+        if biases and len(biases) != len(mods):
+            raise ValueError("some of the fused projections have biases and some do not")
+        return torch.cat([m.weight for m in mods]), torch.cat(biases) if biases else None
+
+    layers = []
+    for layer in core.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(cmodel.Layer(
+            (layer.input_layernorm.weight, None), (layer.post_attention_layernorm.weight, None),
+            cat(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj.weight, attn.o_proj.bias),
+            cat(mlp.gate_proj, mlp.up_proj), (mlp.down_proj.weight, mlp.down_proj.bias),
+            attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+            attn.k_norm.weight if hasattr(attn, "k_norm") else None))
+    n_pos = model.config.max_position_embeddings
+    with torch.no_grad():
+        pos = torch.arange(n_pos)[None]
+        cos, sin = core.rotary_emb(core.embed_tokens.weight[:1][None], pos)  # (1, max_pos, hd)
+    return cmodel.NativeForward(lib, shape, core.embed_tokens.weight, cos[0].float().contiguous(),
+                                sin[0].float().contiguous(), (core.norm.weight, None), model.lm_head.weight, layers)

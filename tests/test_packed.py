@@ -5,7 +5,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from dynatree import decode, make_config, pair_from_models
+from dynatree import decode, make_config, native, pair_from_models
 from dynatree.engine import decode_batch
 from dynatree.models import HFRunner
 from dynatree.packed import PackedRunner, supports
@@ -75,3 +75,90 @@ def test_other_architectures_keep_transformers_forward():
     sliding = tiny("qwen3", 1)  # a layer of sliding-window attention: not reproduced here
     sliding.config.layer_types = ["full_attention", "sliding_attention"]
     assert supports(tiny("qwen3", 1)) and not supports(sliding)
+
+
+def llama32(family: str, seed: int, vocab: int = 100):
+    """float32 with head_dim 16 (Qwen3: 32, its own head_dim != d / heads): shapes the C forward
+    takes; vocab 100 exercises the LM head's padding; Qwen2 brings q/k/v biases."""
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    extra = {"head_dim": 32} if family == "qwen3" else {}
+    cfg = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, **extra)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("isa", native.variants_here())
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_family_runs_the_batch_invariant_c_forward(family, isa, monkeypatch):
+    """float32 Llama-family models take csrc/neox.c's forward (GQA, RMS norms, SwiGLU, Qwen2's
+    biases, Qwen3's q/k norms): transformers' logits within float32 rounding, and -- what the
+    torch path cannot promise -- a sequence's logits bitwise the same packed beside others, and a
+    tree's bitwise the AR steps' for the same path."""
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import KeyMask
+    from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
+
+    monkeypatch.setenv("DYNATREE_ISA", isa)
+    model = llama32(family, 3)
+    run = PackedRunner(model)
+    assert run.native and run.lib is native.library(isa)
+    assert_same_runs(*alone_and_packed(model, run, ref=HFRunner(model)), atol=1e-5)
+    alone, alone_caches, packed, packed_caches = alone_and_packed(model, run)
+    for a, b in zip(alone, packed):
+        assert torch.equal(a.logits, b.logits) and a.top == b.top
+    for ca, cb in zip(alone_caches, packed_caches):
+        assert all(torch.equal(la.keys[:, :, :ca.length], lb.keys[:, :, :cb.length])
+                   for la, lb in zip(ca.layers, cb.layers))
+    prompt, path = [5, 9, 11, 40, 2, 7], [17, 23, 4]
+    with torch.inference_mode():
+        cache = new_cache(model, 32)
+        run(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        ar = [run(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, 0] for t in path]
+        cache.truncate(len(prompt))
+        tree, _ = flatten_bfs(Tree([17, 23, 50, 4, 60], [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2], [0.0] * 5))
+        got = run(input_ids=torch.tensor([tree.tokens]), attention_mask=KeyMask(len(prompt), ancestor_matrix(tree.parents)),
+                  position_ids=position_ids(tree.depths, len(prompt)), past_key_values=cache).logits[0]
+    assert [tree.tokens[u] for u in (0, 1, 3)] == path
+    assert all(torch.equal(got[u], a) for u, a in zip((0, 1, 3), ar))
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+def test_a_float32_llama_pair_equals_ar_without_a_tolerance():
+    """On the batch-invariant kernel every method's greedy tokens are ar's in float32, alone and
+    batched (the torch path needs float64 for that promise)."""
+    target, draft = llama32("qwen3", 5), llama32("qwen3", 6)
+    with torch.no_grad():
+        for pt, pd in zip(target.parameters(), draft.parameters()):
+            pd.copy_(pt + 0.3 * (pd - pt))
+    pair = pair_from_models(target, draft, None, eos_token_id=None)
+    assert pair.runner("target").native and pair.runner("draft").native
+    prompts = random_prompts(5, seed=7, lo=2, hi=30, vocab=100)
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=24, ignore_eos=True)[0] for p in prompts]
+    for method in ("linear", "fixed_tree", "dynatree", "dyspec"):
+        assert [decode(pair, p, make_config(method), max_new_tokens=24, ignore_eos=True)[0] for p in prompts] == refs
+        got = decode_batch(pair, prompts, make_config(method), max_new_tokens=24, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+
+
+def test_what_the_c_forward_does_not_take_stays_on_torch():
+    """Head sizes the attention kernel lacks, other activations, length-dependent rotary
+    scaling, float64, and --kernel lean-mkl keep the torch path."""
+    assert not PackedRunner(tiny("llama", 1).float()).native  # head_dim 8
+    assert not PackedRunner(llama32("llama", 1).double()).native
+    assert not PackedRunner(llama32("llama", 1), gemm=False).native
+    gelu = llama32("llama", 1)
+    gelu.config.hidden_act = "gelu"
+    assert not PackedRunner(gelu).native
+    dynamic = llama32("llama", 1)
+    dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert not PackedRunner(dynamic).native
+    pair = pair_from_models(llama32("llama", 1), None, None, eos_token_id=None, kernel="lean-mkl")
+    assert not pair.runner("target").native
