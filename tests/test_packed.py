@@ -146,6 +146,13 @@ def test_a_float32_llama_pair_equals_ar_without_a_tolerance():
         assert [decode(pair, p, make_config(method), max_new_tokens=24, ignore_eos=True)[0] for p in prompts] == refs
         got = decode_batch(pair, prompts, make_config(method), max_new_tokens=24, ignore_eos=True)
         assert [toks for toks, _, _ in got] == refs, method
+    # a bfloat16 cache, a StreamingLLM window (keys turned back on eviction) and seeded sampling:
+    # each against ar with the same options, batched
+    for opts in ({"kv_dtype": "bfloat16"}, {"kv_window": 24, "kv_sinks": 2, "kv_evict": 6},
+                 {"temperature": 0.8, "seed": 3}):
+        refs = [decode(pair, p, make_config("ar", opts), max_new_tokens=30, ignore_eos=True)[0] for p in prompts]
+        got = decode_batch(pair, prompts, make_config("dynatree", opts), max_new_tokens=30, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, opts
 
 
 def test_what_the_c_forward_does_not_take_stays_on_torch():
