@@ -130,6 +130,21 @@ def test_llama_family_runs_the_batch_invariant_c_forward(family, isa, monkeypatc
     assert all(torch.equal(got[u], a) for u, a in zip((0, 1, 3), ar))
 
 
+@pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_every_variant_computes_the_same_llama_bits(family):
+    """As for GPT-NeoX: a corpus decoded on an AVX2 node and an AVX-512 node is the same corpus
+    (the mixed batch: a tree, a chain, a decode step -- grouped-query heads sharing one task --
+    and a joining prompt)."""
+    seen = []
+    for v in native.variants_here():
+        model = llama32(family, 4)
+        run = PackedRunner(model, isa=v)
+        assert run.native and run.lib is native.library(v)
+        seen.append([o.logits for o in alone_and_packed(model, run)[2]])
+    assert all(torch.equal(a, b) for other in seen[1:] for a, b in zip(seen[0], other))
+
+
 @pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 def test_a_float32_llama_pair_equals_ar_without_a_tolerance():
     """On the batch-invariant kernel every method's greedy tokens are ar's in float32, alone and
