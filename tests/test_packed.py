@@ -79,13 +79,14 @@ def test_other_architectures_keep_transformers_forward():
 
 def llama32(family: str, seed: int, vocab: int = 100):
     """float32 with head_dim 16 (Qwen3: 32, its own head_dim != d / heads): shapes the C forward
-    takes; vocab 100 exercises the LM head's padding; Qwen2 brings q/k/v biases."""
+    takes; vocab 100 exercises the LM head's padding; Qwen2 brings q/k/v biases and, as the small
+    Qwen2.5 models do, an LM head tied to the embedding."""
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
     extra = {"head_dim": 32} if family == "qwen3" else {}
     cfg = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                     tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, **extra)
+                     tie_word_embeddings=family == "qwen2", eos_token_id=0, bos_token_id=0, **extra)
     model = model_cls(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
