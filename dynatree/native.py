@@ -29,12 +29,23 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 
 import torch
 
 from .kbuild import VARIANTS, build, source_hash, variant, variants_here  # noqa: F401 (this module's API)
 
-MAX_PACKED_BYTES = 2 * 2**30  # a packed copy sits beside the model's own weights
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+# The packed copy sits beside the model's own weights: at most a quarter of the machine's memory
+# (2 GiB at least), so a 1.7B-parameter bf16 checkpoint loaded as float32 (a 3.4 GB copy) packs
+# on a 16 GB machine.
+MAX_PACKED_BYTES = max(2 * 2**30, _ram_bytes() // 4)
 
 _libs: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # variant -> (library or None, status)
 
@@ -111,10 +122,17 @@ def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def packed_bytes(model) -> int:
+    """The bytes a packed copy of the model's matrices takes: 2 per weight where one 16-bit
+    format holds them all exactly (weight_format), else 4."""
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    return sum(p.numel() for p in mats) * (2 if weight_format(mats) else 4)
+
+
 def usable(model, isa: str | None = None) -> bool:
     """A float32 CPU model whose packed copy is affordable, on a machine where the kernel built."""
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and param_bytes(model) <= MAX_PACKED_BYTES
-            and library(isa) is not None)
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and library(isa) is not None
+            and packed_bytes(model) <= MAX_PACKED_BYTES)
 
 
 # dt_gemm's weight storage formats.  The kernels always compute in float32; a 16-bit format only
@@ -129,9 +147,23 @@ def weight_format(weights) -> int:
     if os.environ.get("DYNATREE_WEIGHTS16", "1") == "0":
         return 0
     for fmt in (1, 2):
-        if all(torch.equal(w.detach().to(FORMATS[fmt]).float(), w.detach().float()) for w in weights):
+        if all(fmt in _exact_in(w) for w in weights):
             return fmt
     return 0
+
+
+_EXACT: dict = {}  # id(tensor) -> (weak reference, its version, formats)
+
+
+def _exact_in(w: torch.Tensor) -> tuple:
+    """The 16-bit formats that hold every value of ``w`` exactly, remembered per tensor until it
+    changes or dies (usable() and the packing both ask, over every matrix of a model)."""
+    key, got = id(w), _EXACT.get(id(w))
+    version = None if w.is_inference() else w._version  # inference tensors keep no version count
+    if got is None or got[0]() is not w or got[1] != version or version is None:
+        formats = tuple(f for f in (1, 2) if torch.equal(w.detach().to(FORMATS[f]).float(), w.detach().float()))
+        got = _EXACT[key] = (weakref.ref(w, lambda _: _EXACT.pop(key, None)), version, formats)
+    return got[2]
 
 
 class PackedLinear:

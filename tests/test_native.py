@@ -341,8 +341,26 @@ def test_weight_format_is_the_narrowest_exact_one(monkeypatch):
     assert native.weight_format([half]) == 2
     assert native.weight_format([half, w.bfloat16().float()]) == 2  # one format holding every matrix
     assert native.weight_format([w * 1e6]) == 0  # beyond fp16's range and not bf16-exact
+    bf = w.bfloat16().float()
+    assert native.weight_format([bf]) == 1
+    bf.mul_(1 + 2**-12)  # changed in place: the remembered answer goes with the tensor's version
+    assert native.weight_format([bf]) == 0
     monkeypatch.setenv("DYNATREE_WEIGHTS16", "0")
     assert native.weight_format([w.bfloat16().float()]) == 0
+
+
+def test_a_16_bit_checkpoint_packs_in_half_the_bytes(monkeypatch):
+    """The packed copy's budget (a quarter of the machine's memory) counts 2 bytes a weight where
+    a 16-bit format holds every matrix exactly: a bf16 checkpoint twice the size still packs."""
+    model, exact = neox32(3), neox32(3)
+    with torch.no_grad():
+        for p in exact.parameters():
+            p.copy_(p.bfloat16().float())
+    mats = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert native.packed_bytes(model) == 4 * mats and native.packed_bytes(exact) == 2 * mats
+    monkeypatch.setattr(native, "MAX_PACKED_BYTES", 3 * mats)
+    assert native.usable(exact) and not native.usable(model)
+    assert LeanNeoX(exact).native and not LeanNeoX(model).native
 
 
 @pytest.mark.parametrize("k", [40, 300])  # 300: AVX-512 builds widen a tile once for all its passes
