@@ -373,7 +373,7 @@ def matmul_params(runner) -> int:
     matrix; not the embedding lookup), for GFLOP/s."""
     import torch
 
-    model = getattr(runner, "model", runner)
+    model = runner if isinstance(runner, torch.nn.Module) else runner.model  # a runner's whole causal LM
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 

@@ -185,3 +185,29 @@ def test_what_the_c_forward_does_not_take_stays_on_torch():
     assert not PackedRunner(dynamic).native
     pair = pair_from_models(llama32("llama", 1), None, None, eos_token_id=None, kernel="lean-mkl")
     assert not pair.runner("target").native
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
+    """`dynatree profile` on a Llama-family pair: the native forward timed against the same
+    architecture's torch path, and its FLOPs counted from every Linear (the LM head included)."""
+    from click.testing import CliRunner
+
+    from dynatree.cli import main, matmul_params
+
+    from dynatree.tokenizer import train_bpe_tokenizer
+
+    from conftest import TEXT
+
+    tok = train_bpe_tokenizer(TEXT, 100)
+    for name, seed in (("target", 12), ("draft", 13)):
+        llama32("llama", seed, vocab=len(tok)).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                                    "--device", "cpu", "--prefix", "16", "--prefill", "20", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    assert "native kernel: " in res.output and "target, native ÷ lean-mkl time: 1 token " in res.output
+    d, ff, layers, heads, kv, hd = 64, 128, 2, 4, 2, 16
+    for family in ("llama", "qwen2"):  # qwen2: the LM head tied to the embedding is still multiplied
+        assert matmul_params(llama32(family, 12)) == layers * (d * (heads + 2 * kv) * hd + heads * hd * d
+                                                               + 3 * d * ff) + 100 * d
