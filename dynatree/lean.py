@@ -115,7 +115,7 @@ class LeanNeoX:
     def _init_native(self, core, lib) -> None:
         """csrc/neox.c's forward over this model's weights, its fused QKV rows permuted from
         NeoX's per-head [q k v] interleaving to the kernel's [q heads | k heads | v heads]."""
-        cfg, H, hd = self.config, self.heads, self.head_dim
+        H, hd = self.heads, self.head_dim
         order = torch.arange(3 * H * hd).view(H, 3, hd).transpose(0, 1).reshape(-1)  # new row -> NeoX row
 
         def qkv(m):
