@@ -13,10 +13,9 @@ prefill, cached steps and tree masks.  Llama-family models take packed.py; other
 architectures, transformers' forward (models.HFRunner).
 
 Two paths run that math.  On a float32 CPU model whose shapes the C kernels take, every cached
-forward of up to ``cmodel.NATIVE_ROWS`` tokens, and every masked one, is one call into csrc/neox.c
-(native.py; batch invariant, so tree logits are bitwise AR logits).  Everything else — other
-dtypes and devices, no C compiler, ``--kernel lean-mkl``, long causal prefills — runs the torch
-ops below.
+forward is one call into csrc/neox.c (cmodel.py; batch invariant, so tree logits are bitwise AR
+logits; a long prompt's prefill a few calls, ``cmodel.NATIVE_ROWS`` rows at a time).  Everything
+else — other dtypes and devices, no C compiler, ``--kernel lean-mkl`` — runs the torch ops below.
 """
 from __future__ import annotations
 
@@ -99,8 +98,8 @@ class LeanNeoX:
         self.rot = emb.shape[-1]
         self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and native.usable(model, isa)
                        and cmodel.fits(self._shape(), native.library(isa)))
-        # The torch path serves everything when not native, and long causal prefills when native
-        # (many rows: MKL's GEMM wins there, and a prompt is prefilled the same way by every method).
+        # The torch path serves everything when not native, and when native the rare forward it
+        # does not take (a long causal one keeping many rows' logits, a cache of another dtype).
         pack = can_pack(model) and not self.native
         self.lm_head = Linear(model.lm_head.weight, None, pack)  # d -> V
         self.layers = [(
@@ -151,7 +150,7 @@ class LeanNeoX:
         Returns a runtime.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
         (``topk``) or argmax (``argmax``) of each kept row's first ``cols`` logits, host lists."""
         cache = past_key_values
-        native_ = self._takes(input_ids.shape[1], attention_mask, cache)
+        native_ = self._takes(input_ids.shape[1], attention_mask, cache, logits_to_keep)
         if native_ and attention_mask is not None and not isinstance(attention_mask, KeyMask):
             attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
         seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
@@ -163,15 +162,15 @@ class LeanNeoX:
         every row in one pass over the weights, each attending to its own cache.  The native
         kernel's is bitwise what each row would get alone; the torch one's GEMMs span all rows
         (exact in float64; in float32 and lower a row's rounding may depend on its neighbours)."""
-        if all(self._takes(len(s.ids), s.mask, s.cache) for s in seqs):
+        if all(self._takes(len(s.ids), s.mask, s.cache, s.keep) for s in seqs):
             return self._native(seqs, topk, argmax, cols)
-        if self.native:  # a long prefill beside native rows: each takes its own path
+        if self.native:  # one the kernel does not take beside native rows: each takes its own path
             return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
         return self._torch(seqs, topk, argmax, cols)
 
-    def _takes(self, n: int, mask, cache) -> bool:
+    def _takes(self, n: int, mask, cache, keep: int = 0) -> bool:
         """Whether the native kernel runs this forward (cmodel.NativeForward.takes)."""
-        return self.native and self.fwd.takes(n, mask, cache)
+        return self.native and self.fwd.takes(n, mask, cache, keep)
 
     def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The packed forward as torch ops (MKL/oneDNN on a CPU; any dtype and device): the GEMMs

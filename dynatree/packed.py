@@ -84,7 +84,7 @@ class PackedRunner:
                  cols: int | None = None, perturb=None) -> Output:
         """One sequence, transformers-style arguments (lean.LeanNeoX.__call__'s)."""
         if (self.native and attention_mask is not None and not isinstance(attention_mask, KeyMask)
-                and self.fwd.takes(input_ids.shape[1], attention_mask, past_key_values)):
+                and self.fwd.takes(input_ids.shape[1], attention_mask, past_key_values, logits_to_keep)):
             attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
         seq = Seq(input_ids.reshape(-1), past_key_values, None if position_ids is None else position_ids.reshape(-1),
                   attention_mask, logits_to_keep, perturb)
@@ -92,9 +92,9 @@ class PackedRunner:
 
     def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
         """Every sequence through the C forward when it takes them all; else each sequence it
-        takes there and the rest (long prefills) through torch, or all through torch."""
+        takes there and the rest through torch, or all through torch."""
         if self.native:
-            if all(self.fwd.takes(len(s.ids), s.mask, s.cache) for s in seqs):
+            if all(self.fwd.takes(len(s.ids), s.mask, s.cache, s.keep) for s in seqs):
                 return self.fwd(seqs, topk, argmax, cols)
             if len(seqs) > 1:
                 return [o for s in seqs for o in self.forward([s], topk, argmax, cols)]

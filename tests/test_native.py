@@ -15,7 +15,7 @@ from dynatree.config import make_config
 from dynatree.engine import decode
 from dynatree.kvcache import new_cache
 from dynatree.lean import LeanNeoX
-from dynatree.runtime import KeyMask
+from dynatree.runtime import KeyMask, Seq
 from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids
 
 from conftest import alone_and_packed, mixed_batch
@@ -520,3 +520,35 @@ def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
     assert res.exit_code != 0 and "generic: not built: false failed" in res.output
     res = CliRunner().invoke(main, ["build"])  # the install step on a machine without a compiler: a warning
     assert res.exit_code == 0 and "not built: false failed" in res.output
+
+
+@pytest.mark.parametrize("arch", ["neox", "qwen3"])
+def test_a_long_prefill_in_chunks_is_bitwise_one_pass(arch, monkeypatch):
+    """A prompt longer than NATIVE_ROWS, keeping one row's logits (a prefill), runs through the
+    kernel in chunks: the same cache and logits, bit for bit, as one pass (batch invariance), and
+    not the torch path; one keeping every row's logits still takes torch."""
+    import dynatree.cmodel
+    from dynatree.packed import PackedRunner
+    from test_packed import llama32
+
+    model = neox32(4) if arch == "neox" else llama32("qwen3", 4)
+    run = LeanNeoX(model) if arch == "neox" else PackedRunner(model)
+    prompt = torch.tensor([[(7 * i) % 97 for i in range(50)]])
+    got = []
+    for rows in (1000, 16):  # one pass; then chunks of 16, 16, 2 and the last 16 rows
+        monkeypatch.setattr(dynatree.cmodel, "NATIVE_ROWS", rows)
+        cache = new_cache(model, 8)
+        with torch.inference_mode():
+            out = run(input_ids=prompt, past_key_values=cache, logits_to_keep=1, argmax=True)
+        got.append((out.logits, out.choice, cache))
+    (a, ca, cache_a), (b, cb, cache_b) = got
+    assert torch.equal(a, b) and ca == cb and cache_a.length == cache_b.length == 50
+    for la, lb in zip(cache_a.layers, cache_b.layers):
+        assert torch.equal(la.keys[:, :, :50], lb.keys[:, :, :50]) and torch.equal(la.values[:, :, :50], lb.values[:, :, :50])
+    calls = []
+    monkeypatch.setattr(type(run), "_torch", lambda self, *a: calls.append(a) or [None])
+    with torch.inference_mode():
+        run.forward([Seq(prompt[0], new_cache(model, 8), keep=1)])
+        assert calls == []
+        run.forward([Seq(prompt[0], new_cache(model, 8))])  # every row's logits: torch's
+    assert len(calls) == 1
