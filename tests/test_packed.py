@@ -147,6 +147,26 @@ def test_every_variant_computes_the_same_llama_bits(family):
 
 
 @pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+def test_c_forward_with_every_bias_one_kv_head_and_llama3_rotary_scaling():
+    """Llama's optional attention and MLP biases, multi-query attention (one kv head for four q
+    heads) and Llama 3's rotary scaling: transformers' logits within float32 rounding."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, max_position_embeddings=128, attention_bias=True, mlp_bias=True,
+                      rope_parameters=rope)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.uniform_(-0.5, 0.5)
+    run = PackedRunner(model)
+    assert run.native
+    assert_same_runs(*alone_and_packed(model, run, ref=HFRunner(model)), atol=1e-5)
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 def test_a_float32_llama_pair_equals_ar_without_a_tolerance():
     """On the batch-invariant kernel every method's greedy tokens are ar's in float32, alone and
     batched (the torch path needs float64 for that promise)."""
