@@ -128,14 +128,16 @@ def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
 
 def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
     """SIGKILL the driver (and the local cluster it started) while batched actors are busy; the
-    re-run finishes with every id exactly once, every row equal to ar."""
-    n = 24
+    re-run finishes with every id exactly once, every row equal to ar.  (Rows long enough that
+    the job outlasts a poll on a fast host: at 40 tokens a Zen 5 finished all 12 shards before
+    the kill landed.)"""
+    n = 32
     pq.write_table(pa.table({"key": [f"r{i}" for i in range(n)],
                              "text": [f"The quick brown fox {i} jumps over" for i in range(n)]}), tmp_path / "in.parquet")
     cmd = [str(Path(sys.executable).parent / "dynatree"), "run", "--input", str(tmp_path / "in.parquet"),
            "--output", str(tmp_path / "out"), "--target", str(pair_dirs / "target"), "--draft",
            str(pair_dirs / "draft"), "--id-column", "key", "--shard-size", "2", "--batch-size", "4",
-           "--max-new-tokens", "40", "--ignore-eos", "--num-actors", "1", "--cpus-per-actor", "1",
+           "--max-new-tokens", "120", "--ignore-eos", "--num-actors", "1", "--cpus-per-actor", "1",
            "--verify-fraction", "1", "--device", "cpu", "--quiet"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -145,7 +147,7 @@ def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
     try:
         while not (shards.exists() and len(list(shards.glob("part-*.parquet"))) >= 2):
             assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
         proc.wait(timeout=60)

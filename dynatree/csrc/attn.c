@@ -72,6 +72,9 @@ static inline long block_end(long j0, long kb, long last) { return j0 + kb < las
 #define ACC_REGS (DT_NREG / 2)
 #define KJ_FOR(R) (ACC_REGS / ((R) * DT_L16) >= 8 ? 8 : ACC_REGS / ((R) * DT_L16) >= 4 ? 4 : ACC_REGS / ((R) * DT_L16) >= 2 ? 2 : 1)
 
+/* Row r of a task: token r / group's q vector of the group's (r % group)-th head. */
+#define Q_ROW(r) (q + (r) / group * qstride + (r) % group * HD)
+
 /* One head size's attention over a cache of element type T read with LDK (ld: float32, ld_bf16:
  * a bfloat16 cache widened in registers); SUF names the pair. */
 #define ATTN_SEQ(C16, T, LDK, SUF)                                                                       \
@@ -107,7 +110,7 @@ static inline long block_end(long j0, long kb, long last) { return j0 + kb < las
             _Pragma("GCC unroll 16") for (int c = 0; c < NB; c++) { st(a0 + c * DT_W, x0[c]); st(a1 + c * DT_W, x1[c]); } \
         }                                                                                                \
     }                                                                                                    \
-    static void attn_seq_##C16##SUF(const float *q, long qstride, long nr, long L, long visible,         \
+    static void attn_seq_##C16##SUF(const float *q, long qstride, long group, long nr, long L, long visible, \
                                const unsigned char *allowed, const void *K_, const void *V_, float scaling, \
                                attn_scratch *w, float *out, long ostride) {                              \
         enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };    \
@@ -117,19 +120,20 @@ static inline long block_end(long j0, long kb, long last) { return j0 + kb < las
             for (long r = 0; r < nr;) {                                                                  \
                 long j1 = block_end(j0, KB, w->last[r]);                                                 \
                 long pair = r + 1 < nr && block_end(j0, KB, w->last[r + 1]) == j1; /* same keys */       \
-                if (j1 > j0 && pair)                                                                     \
-                    scores2_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss); \
+                const float *qr = Q_ROW(r);                                                              \
+                if (j1 > j0 && pair) /* the two rows' q vectors, however far apart */                   \
+                    scores2_##C16##SUF(qr, Q_ROW(r + 1) - qr, K, j0, j1, scaling, w->s + r * ss, ss);   \
                 else if (j1 > j0)                                                                        \
-                    scores1_##C16##SUF(q + r * qstride, qstride, K, j0, j1, scaling, w->s + r * ss, ss); \
+                    scores1_##C16##SUF(qr, 0, K, j0, j1, scaling, w->s + r * ss, ss);                    \
                 r += 1 + pair;                                                                           \
             }                                                                                            \
         for (long r = 0; r < nr; r++) softmax_row(w->s + r * ss, w->last[r], visible,                    \
-                                                  allowed ? allowed + r * okstride : NULL, w->inv + r);  \
+                                                  allowed ? allowed + r / group * okstride : NULL, w->inv + r); \
         memset(w->acc, 0, sizeof(float) * (size_t)(nr * 2 * HD));                                        \
         memset(w->par, 0, sizeof(long) * (size_t)nr);                                                    \
         for (long j0 = 0; j0 < L; j0 += KB)                                                              \
             for (long r = 0; r < nr; r++) {                                                              \
-                const unsigned char *ok = allowed ? allowed + r * okstride : NULL;                       \
+                const unsigned char *ok = allowed ? allowed + r / group * okstride : NULL;               \
                 long j1 = block_end(j0, KB, w->last[r]), cnt = 0;                                        \
                 if (!ok || j1 <= visible) /* every key of the block allowed */                           \
                     for (long j = j0; j < j1; j++) w->idx[cnt++] = j;                                    \
@@ -142,7 +146,8 @@ static inline long block_end(long j0, long kb, long last) { return j0 + kb < las
         for (long r = 0; r < nr; r++) {                                                                  \
             const float *a = w->acc + r * 2 * HD;                                                        \
             vf inv = bc(w->inv[r]);                                                                      \
-            for (long c = 0; c < HD; c += DT_W) st(out + r * ostride + c, (ld(a + c) + ld(a + HD + c)) * inv); \
+            float *o = out + r / group * ostride + r % group * HD;                                       \
+            for (long c = 0; c < HD; c += DT_W) st(o + c, (ld(a + c) + ld(a + HD + c)) * inv);          \
         }                                                                                                \
     }
 

@@ -14,12 +14,16 @@ typedef struct {
     long *last, *par, *idx; /* (rows,) last key a row may see; its ordinal parity; (KB,) key list */
 } attn_scratch;
 
-/* out[r] = softmax(q_r . K[keys]) V[keys] for a sequence's nr rows and one head (see attn.c):
- * q (row stride qstride), L keys of which each row sees those < visible and the ones marked in
- * allowed (rows, L - visible) -- NULL: causal -- up to w->last[r], which the caller sets; K, V
- * (L, head_dim) in the cache's element type. */
-typedef void (*attn_t)(const float *q, long qstride, long nr, long L, long visible, const unsigned char *allowed,
-                       const void *K, const void *V, float scaling, attn_scratch *w, float *out, long ostride);
+/* out[r] = softmax(q_r . K[keys]) V[keys] for nr rows of a sequence over one kv head (see
+ * attn.c): row r is token r / group's query of the group's (r % group)-th head, at q + (r / group)
+ * * qstride + (r % group) * head_dim (group 1: one head's rows; more: grouped-query heads sharing
+ * the kv head, scored together so each key is read once for all of them); L keys of which each
+ * row sees those < visible and the ones its token may see in allowed (tokens, L - visible) --
+ * NULL: causal -- up to w->last[r], which the caller sets; K, V (L, head_dim) in the cache's
+ * element type; out laid out like q (ostride per token). */
+typedef void (*attn_t)(const float *q, long qstride, long group, long nr, long L, long visible,
+                       const unsigned char *allowed, const void *K, const void *V, float scaling, attn_scratch *w,
+                       float *out, long ostride);
 
 attn_t dt_attn_f32(long nv);  /* head_dim 16 * nv over a float32 cache, or NULL if not built */
 attn_t dt_attn_bf16(long nv); /* ... over a bfloat16 cache */

@@ -116,44 +116,27 @@ typedef struct {
     long *of, *local, *start; /* (n,), (n,), (nseq,) */
 } rowmap;
 
-/* Attention of the packed rows: one task per (sequence, head), over that sequence's keys of
- * layer l (attn_seq) in kv head h / (H / KV).  q rows live in qkv (row stride (H + 2 KV) hd,
- * head stride hd); out: (n, H hd).  Under grouped-query attention a one-row sequence without a
- * tree mask (a decode step) is one task per kv head instead, its group's q heads scored as that
- * task's rows: each key is read once per group, not once per q head.  Same bits either way: the
- * attention computes a row alike whatever rows share its task (what makes tree rows AR rows). */
+/* Attention of the packed rows: one task per (sequence, kv head), over that sequence's keys of
+ * layer l (attn_seq), whose rows are every (token, q head) pair of the kv head's group: each key
+ * is read once per group, not once per q head (grouped-query attention; GPT-NeoX's groups are one
+ * head).  Same bits in any grouping: a row's attention does not depend on the rows beside it
+ * (what makes tree rows AR rows).  q rows live in qkv (row stride (H + 2 KV) hd, head stride hd);
+ * out: (n, H hd). */
 static void attend(const long *dims, float scaling, const rowmap *rm, long l, const float *qkv, float *out,
                    attn_scratch *w) {
     long H = dims[HEADS], KV = dims[KV_HEADS], hd = dims[HEAD_DIM], ns = rm->nseq, group = H / KV;
     long qkvw = (H + 2 * KV) * hd, ow = H * hd;
-    /* head-major: a thread's consecutive tasks share one head's weights of attention work */
-#pragma omp for schedule(static) nowait
-    for (long t = 0; t < ns * H; t++) {
-        long h = t / ns, q = t % ns, r0 = rm->start[q];
-        const dt_seq *sq = rm->seq + q;
-        if (group > 1 && sq->rows == 1 && !sq->allowed) continue; /* the grouped loop's */
-        long L = sq->past + sq->rows;
-        for (long r = 0; r < sq->rows; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r;
-        size_t at = (size_t)(h / group * sq->cap * hd) * (sq->kvfmt ? 2 : 4); /* bytes to its kv head's keys */
-        attn_for(hd / 16, sq->kvfmt)(qkv + r0 * qkvw + h * hd, qkvw, sq->rows, L, sq->visible, sq->allowed,
-                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, scaling, w,
-                                     out + r0 * ow + h * hd, ow);
-    }
-    if (group > 1) {
+    /* kv-head-major: a thread's consecutive tasks share one head's weights of attention work */
 #pragma omp for schedule(static)
-        for (long t = 0; t < ns * KV; t++) {
-            long g = t / ns, q = t % ns, r0 = rm->start[q];
-            const dt_seq *sq = rm->seq + q;
-            if (sq->rows != 1 || sq->allowed) continue;
-            long L = sq->past + 1;
-            for (long r = 0; r < group; r++) w->last[r] = L - 1;
-            size_t at = (size_t)(g * sq->cap * hd) * (sq->kvfmt ? 2 : 4);
-            attn_for(hd / 16, sq->kvfmt)(qkv + r0 * qkvw + g * group * hd, hd, group, L, sq->visible, sq->allowed,
-                                         (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, scaling, w,
-                                         out + r0 * ow + g * group * hd, hd);
-        }
-    } else {
-#pragma omp barrier
+    for (long t = 0; t < ns * KV; t++) {
+        long g = t / ns, q = t % ns, r0 = rm->start[q];
+        const dt_seq *sq = rm->seq + q;
+        long L = sq->past + sq->rows, nr = sq->rows * group;
+        for (long r = 0; r < nr; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r / group;
+        size_t at = (size_t)(g * sq->cap * hd) * (sq->kvfmt ? 2 : 4); /* bytes to the kv head's keys */
+        attn_for(hd / 16, sq->kvfmt)(qkv + r0 * qkvw + g * group * hd, qkvw, group, nr, L, sq->visible, sq->allowed,
+                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, scaling, w,
+                                     out + r0 * ow + g * group * hd, ow);
     }
 }
 
@@ -302,7 +285,7 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     float *inv_temp = malloc(sizeof(float) * (size_t)n);
     for (long q = 0, i = 0; q < nseq; q++) {
         rm.start[q] = i;
-        long tr = seqs[q].rows == 1 && !seqs[q].allowed ? dims[HEADS] / dims[KV_HEADS] : seqs[q].rows; /* rows of its attention tasks */
+        long tr = seqs[q].rows * (dims[HEADS] / dims[KV_HEADS]); /* rows of its attention tasks */
         if (tr > most) most = tr;
         if (tr * (seqs[q].past + seqs[q].rows + 16) > span) span = tr * (seqs[q].past + seqs[q].rows + 16);
         for (long r = 0, first = seqs[q].rows - seqs[q].keep; r < seqs[q].rows; r++, i++) {
