@@ -304,6 +304,14 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     runner = pair.runner("target")
     if getattr(runner, "native", False):
         click.echo(f"native kernel: {native.status()}")
+    for name in ("target", "draft"):
+        run = pair.runner(name)
+        why = getattr(run, "refusal", None)
+        if why is None and run is not None and not hasattr(run, "native"):  # models.HFRunner
+            why = ("--kernel hf asks for transformers' forward" if pair.kernel == "hf" else
+                   f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)")
+        if why:
+            click.echo(f"{name}: not on dynatree's kernel: {why}")
     for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""

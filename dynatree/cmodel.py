@@ -55,10 +55,26 @@ class Shape:
     scaling: float
 
 
-def fits(shape: Shape, lib) -> bool:
-    """Shapes the kernels take: vector-multiple widths and an attention kernel for the head size."""
-    return (shape.act in ACTS and shape.d % 32 == 0 and shape.ff % 32 == 0 and shape.heads % shape.kv_heads == 0
-            and lib is not None and lib.dt_attn_supported(shape.head_dim) != 0)
+def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
+    """Why this forward cannot run ``model`` ("" when it can), for the runners' fallback to torch
+    and for `dynatree profile` to say."""
+    if not gemm:
+        return "--kernel lean-mkl asks for torch's kernels"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"a {str(model.dtype).replace('torch.', '')} model on {model.device} (the kernel runs float32 on a CPU)"
+    lib = native.library(isa)
+    if lib is None:
+        return native.status(isa)
+    if shape.act not in ACTS:
+        return f"its activation {shape.act!r} (the kernel has GELU, ReLU and SwiGLU)"
+    if shape.d % 32 or shape.ff % 32 or shape.heads % shape.kv_heads:
+        return f"its widths (hidden {shape.d}, MLP {shape.ff}: multiples of 32; {shape.heads} q heads over {shape.kv_heads} kv heads)"
+    if not lib.dt_attn_supported(shape.head_dim):
+        return f"its head size {shape.head_dim} (the attention kernel takes 16, 32, ..., 128, 160, 192, 256)"
+    if native.packed_bytes(model) > native.MAX_PACKED_BYTES:
+        return (f"its packed copy ({native.packed_bytes(model) / 2**30:.1f} GiB) would pass a quarter of this "
+                f"machine's memory ({native.MAX_PACKED_BYTES / 2**30:.1f} GiB)")
+    return ""
 
 
 class NativeForward:

@@ -96,8 +96,9 @@ class LeanNeoX:
         self.cos = (emb.cos() * scale).to(self.dtype)
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
-        self.native = (gemm and cfg.hidden_act in ("gelu", "relu") and native.usable(model, isa)
-                       and cmodel.fits(self._shape(), native.library(isa)))
+        # why the C forward does not run this model ("" when it does: cmodel.refusal)
+        self.refusal = cmodel.refusal(model, self._shape(), gemm, isa)
+        self.native = not self.refusal
         # The torch path serves everything when not native, and when native the rare forward it
         # does not take (a long causal one keeping many rows' logits, a cache of another dtype).
         pack = can_pack(model) and not self.native
@@ -132,8 +133,9 @@ class LeanNeoX:
 
     def _shape(self) -> cmodel.Shape:
         cfg = self.config
+        act = cfg.hidden_act if cfg.hidden_act in ("gelu", "relu") else f"{cfg.hidden_act} (NeoX)"
         return cmodel.Shape(cfg.hidden_size, self.heads, self.heads, self.head_dim, self.rot, cfg.intermediate_size,
-                            cfg.hidden_act, False, self.parallel, self.eps, self.scaling)
+                            act, False, self.parallel, self.eps, self.scaling)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (1, H, n, hd); cos/sin: (1, 1, n, r) -> x with its first r dims rotated."""

@@ -129,12 +129,6 @@ def packed_bytes(model) -> int:
     return sum(p.numel() for p in mats) * (2 if weight_format(mats) else 4)
 
 
-def usable(model, isa: str | None = None) -> bool:
-    """A float32 CPU model whose packed copy is affordable, on a machine where the kernel built."""
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and library(isa) is not None
-            and packed_bytes(model) <= MAX_PACKED_BYTES)
-
-
 # dt_gemm's weight storage formats.  The kernels always compute in float32; a 16-bit format only
 # halves the bytes streamed per forward, and is used only where it holds every weight exactly.
 FORMATS = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
@@ -157,7 +151,7 @@ _EXACT: dict = {}  # id(tensor) -> (weak reference, its version, formats)
 
 def _exact_in(w: torch.Tensor) -> tuple:
     """The 16-bit formats that hold every value of ``w`` exactly, remembered per tensor until it
-    changes or dies (usable() and the packing both ask, over every matrix of a model)."""
+    changes or dies (the memory check and the packing both ask, over every matrix of a model)."""
     key, got = id(w), _EXACT.get(id(w))
     version = None if w.is_inference() else w._version  # inference tensors keep no version count
     if got is None or got[0]() is not w or got[1] != version or version is None:

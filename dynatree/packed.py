@@ -67,8 +67,10 @@ class PackedRunner:
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         rope = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
-        self.native = bool(gemm and self.config.hidden_act == "silu" and rope in FIXED_ROPE
-                           and native.usable(model, isa) and cmodel.fits(self._shape(), native.library(isa)))
+        # why the C forward does not run this model ("" when it does: cmodel.refusal)
+        self.refusal = cmodel.refusal(model, self._shape(), gemm, isa) or (
+            f"its rotary type {rope!r} rescales with the length" if rope not in FIXED_ROPE else "")
+        self.native = not self.refusal
         if self.native:
             self.lib = native.library(isa)
             self.fwd = _native_forward(model, self.lib, self._shape())
@@ -76,8 +78,9 @@ class PackedRunner:
 
     def _shape(self) -> cmodel.Shape:
         cfg = self.config
+        act = "swiglu" if cfg.hidden_act == "silu" else f"{cfg.hidden_act} (gated)"
         return cmodel.Shape(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, self.head_dim,
-                            cfg.intermediate_size, "swiglu", True, False, cfg.rms_norm_eps, self.scaling)
+                            cfg.intermediate_size, act, True, False, cfg.rms_norm_eps, self.scaling)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                  use_cache: bool = True, logits_to_keep: int = 0, topk: int = 0, argmax: bool = False,

@@ -193,16 +193,21 @@ def test_a_float32_llama_pair_equals_ar_without_a_tolerance():
 
 def test_what_the_c_forward_does_not_take_stays_on_torch():
     """Head sizes the attention kernel lacks, other activations, length-dependent rotary
-    scaling, float64, and --kernel lean-mkl keep the torch path."""
-    assert not PackedRunner(tiny("llama", 1).float()).native  # head_dim 8
-    assert not PackedRunner(llama32("llama", 1).double()).native
-    assert not PackedRunner(llama32("llama", 1), gemm=False).native
+    scaling, float64, and --kernel lean-mkl keep the torch path, each with its reason."""
+    def why(run):
+        assert not run.native
+        return run.refusal
+
+    assert "head size 8" in why(PackedRunner(tiny("llama", 1).float()))
+    assert "float64 model on cpu" in why(PackedRunner(llama32("llama", 1).double()))
+    assert "lean-mkl" in why(PackedRunner(llama32("llama", 1), gemm=False))
     gelu = llama32("llama", 1)
     gelu.config.hidden_act = "gelu"
-    assert not PackedRunner(gelu).native
+    assert "activation 'gelu (gated)'" in why(PackedRunner(gelu))
     dynamic = llama32("llama", 1)
     dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    assert not PackedRunner(dynamic).native
+    assert "rotary type 'dynamic'" in why(PackedRunner(dynamic))
+    assert PackedRunner(llama32("llama", 1)).refusal == ""
     pair = pair_from_models(llama32("llama", 1), None, None, eos_token_id=None, kernel="lean-mkl")
     assert not pair.runner("target").native
 
@@ -227,6 +232,12 @@ def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
                                     "--device", "cpu", "--prefix", "16", "--prefill", "20", "--repeats", "1"])
     assert res.exit_code == 0, res.output
     assert "native kernel: " in res.output and "target, native ÷ lean-mkl time: 1 token " in res.output
+    assert "not on dynatree's kernel" not in res.output
+    res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                                    "--device", "cpu", "--dtype", "float64", "--prefix", "16", "--prefill", "0",
+                                    "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    assert "target: not on dynatree's kernel: a float64 model on cpu" in res.output
     d, ff, layers, heads, kv, hd = 64, 128, 2, 4, 2, 16
     for family in ("llama", "qwen2"):  # qwen2: the LM head tied to the embedding is still multiplied
         assert matmul_params(llama32(family, 12)) == layers * (d * (heads + 2 * kv) * hd + heads * hd * d
