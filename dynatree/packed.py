@@ -10,8 +10,8 @@ heads), with the model's own norms, projections, rotary embedding and MLP, so th
 model's.  Tested against transformers' forward in float64 (tests/test_packed.py).  GPT-NeoX
 models take lean.py instead; other architectures keep transformers' forward (models.HFRunner).
 
-On a float32 CPU model whose shapes the C kernels take (head_dim a multiple of 16, SiLU MLP, a
-rotary table that does not depend on the sequence's length), cached forwards run csrc/neox.c's
+On a float32 CPU model whose shapes the C kernels take (a head size the attention kernel has, a
+SiLU MLP, a rotary table that does not depend on the sequence's length), cached forwards run csrc/neox.c's
 whole forward instead (cmodel.py), as GPT-NeoX models do: batch invariant, so tree logits are
 bitwise AR logits and greedy outputs equal ``ar``'s without a tolerance.
 """
@@ -129,7 +129,6 @@ class PackedRunner:
         v = attn.v_proj(x).view(1, N, self.kv_heads, hd).transpose(1, 2)
         a = attend_each(q, k, v, seqs, spans, masks, i, self.scaling, self.heads != self.kv_heads)  # (1, Hq, N, hd)
         return attn.o_proj(a.transpose(1, 2).reshape(1, N, self.heads * hd))
-
 
 
 def _native_forward(model, lib, shape: cmodel.Shape) -> cmodel.NativeForward:
