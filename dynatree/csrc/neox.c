@@ -156,13 +156,16 @@ static void put_kv(void *buf, long kvfmt, long at, const float *x, long n) {
     }
 }
 
+/* Columns of fc1's output: [gate | up] for SwiGLU. */
+static inline long fc1_width(const long *dims) { return dims[ACT] == ACT_SWIGLU ? 2 * dims[FF] : dims[FF]; }
+
 /* Floats per packed row of the forward's work buffer (dt_neox_forward's layout: h, h2, a, z,
  * then the scratch that block_in, the gated activation and the head share). */
 long dt_work_per_row(const long *dims) {
     long d = dims[D_MODEL], hd = dims[HEAD_DIM], H = dims[HEADS], KV = dims[KV_HEADS], ff = dims[FF];
-    long zw = dims[ACT] == ACT_SWIGLU ? 2 * ff : ff, scratch = d + (2 * H + 2 * KV) * hd;
+    long scratch = d + (2 * H + 2 * KV) * hd;
     if (dims[ACT] == ACT_SWIGLU && ff > scratch) scratch = ff;
-    return 3 * d + zw + scratch;
+    return 3 * d + fc1_width(dims) + scratch;
 }
 
 /* First half of layer l.  h: (n, d) -> a: (n, d) attention output (plus h for a sequential
@@ -173,7 +176,7 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
                       const rowmap *rm, const float *h, const long *pos, const float *cos_t, const float *sin_t,
                       float *a, float *z, float *work, attn_scratch *w) {
     long d = dims[D_MODEL], H = dims[HEADS], KV = dims[KV_HEADS], hd = dims[HEAD_DIM], rot = dims[ROT];
-    long qw = H * hd, qkvw = (H + 2 * KV) * hd, zw = dims[ACT] == ACT_SWIGLU ? 2 * dims[FF] : dims[FF];
+    long qw = H * hd, qkvw = (H + 2 * KV) * hd;
     float *x = work, *qkv = work + n * d, *att = qkv + n * qkvw;
     norm(dims, h, n, d, p[LN1_W], p[LN1_B], eps, x);
     dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, qkvw);
@@ -205,7 +208,7 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
             for (long j = i * d; j < (i + 1) * d; j++) a[j] += h[j];
         norm(dims, a, n, d, p[LN2_W], p[LN2_B], eps, x);
     }
-    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, zw);
+    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, fc1_width(dims));
 }
 
 /* Second half.  g: (n, ff) activated fc1 output -> out: (n, d) = fc2(g) + a (+ h if parallel). */
@@ -300,8 +303,7 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     }
 #pragma omp parallel num_threads(threads)
     {
-        long zw = dims[ACT] == ACT_SWIGLU ? 2 * ff : ff;
-        float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * zw;
+        float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * fc1_width(dims);
         attn_scratch w = {malloc(sizeof(float) * (size_t)span), malloc(sizeof(float) * (size_t)(most * 2 * hd)),
                           malloc(sizeof(float) * (size_t)most), malloc(sizeof(long) * (size_t)most),
                           malloc(sizeof(long) * (size_t)most), malloc(sizeof(long) * (size_t)(KEY_BLOCK_BYTES / 4))};
