@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .runtime import Output, Seq
+from .runtime import KeyMask, Output, Seq, forward_each
 
 NATIVE_ROWS = 512  # a longer causal forward (a long prompt's prefill) runs in chunks of this many
 # rows, one after the other, when it keeps at most this many rows' logits (a prefill keeps one): each
@@ -217,3 +217,40 @@ class NativeForward:
                 outs.append(Output(lg))
             r += d.keep
         return outs
+
+
+class Runner:
+    """The runner contract (runtime.py) of the models with a C forward (lean.LeanNeoX,
+    packed.PackedRunner): the sequences run here in one call when the C forward takes them all,
+    else each on the path that takes it; a subclass sets ``native`` and ``fwd`` and supplies the
+    torch path ``_torch(seqs, topk, argmax, cols)``."""
+
+    native = False
+    fwd: NativeForward
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                 use_cache: bool = True, logits_to_keep: int = 0, topk: int = 0, argmax: bool = False,
+                 cols: int | None = None, perturb=None) -> Output:
+        """One sequence, transformers-style arguments.  input_ids: (1, n); attention_mask: a
+        KeyMask, additive (1, 1, n, P + n) or None (causal); position_ids: (1, n) or None (P ..
+        P+n-1); past_key_values: a BufferCache holding P tokens.  Returns a runtime.Output:
+        ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k (``topk``) or argmax
+        (``argmax``) of each kept row's first ``cols`` logits, host lists."""
+        if (self.native and attention_mask is not None and not isinstance(attention_mask, KeyMask)
+                and self.fwd.takes(input_ids.shape[1], attention_mask, past_key_values, logits_to_keep)):
+            attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
+        seq = Seq(input_ids.reshape(-1), past_key_values, None if position_ids is None else position_ids.reshape(-1),
+                  attention_mask, logits_to_keep, perturb)
+        return self.forward([seq], topk=topk, argmax=argmax, cols=cols)[0]
+
+    def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
+        """Several sequences' new tokens -> one Output each, in one packed forward: every row in
+        one pass over the weights, each attending to its own cache.  The C forward's is bitwise
+        what each row would get alone; the torch one's GEMMs span all rows (exact in float64; in
+        float32 and lower a row's rounding may depend on its neighbours)."""
+        if self.native:
+            if all(self.fwd.takes(len(s.ids), s.mask, s.cache, s.keep) for s in seqs):
+                return self.fwd(seqs, topk, argmax, cols)
+            if len(seqs) > 1:  # one the C forward does not take beside ones it does: each on its path
+                return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
+        return self._torch(seqs, topk, argmax, cols)

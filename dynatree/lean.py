@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cmodel, native
-from .runtime import (KeyMask, Output, Seq, attend_each, forward_each, heads_each, kept_rows, rotate_half, row_spans,
-                      seq_masks)
+from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 
 PACK_HINT = 64  # oneDNN packs for this many rows; measured flat-ish from 2 to 16 rows on this CPU
@@ -71,7 +70,7 @@ def supports(model) -> bool:
     return rope.get("rope_type", "default") == "default" and cfg.hidden_act in ("gelu", "gelu_new", "relu")
 
 
-class LeanNeoX:
+class LeanNeoX(cmodel.Runner):
     def __init__(self, model, gemm: bool = True, isa: str | None = None):
         """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch;
         isa: the kernel variant (default: native.variant(), i.e. $DYNATREE_ISA or native)."""
@@ -143,37 +142,6 @@ class LeanNeoX:
         xr, xp = x[..., :r], x[..., r:]
         return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
-                 logits_to_keep: int = 0, topk: int = 0, argmax: bool = False, cols: int | None = None,
-                 perturb=None):
-        """input_ids: (1, n); attention_mask: a KeyMask, additive (1, 1, n, P + n) or None (causal);
-        position_ids: (1, n) or None (P .. P+n-1); past_key_values: a BufferCache holding P tokens.
-        Returns a runtime.Output: ``.logits`` (1, n or logits_to_keep, V), and the softmax top-k
-        (``topk``) or argmax (``argmax``) of each kept row's first ``cols`` logits, host lists."""
-        cache = past_key_values
-        native_ = self._takes(input_ids.shape[1], attention_mask, cache, logits_to_keep)
-        if native_ and attention_mask is not None and not isinstance(attention_mask, KeyMask):
-            attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
-        seq = Seq(input_ids.reshape(-1), cache, None if position_ids is None else position_ids.reshape(-1),
-                  attention_mask, logits_to_keep, perturb)
-        return (self._native if native_ else self._torch)([seq], topk, argmax, cols)[0]
-
-    def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
-        """Several sequences' new tokens -> one Output each (runtime.py), in one packed forward:
-        every row in one pass over the weights, each attending to its own cache.  The native
-        kernel's is bitwise what each row would get alone; the torch one's GEMMs span all rows
-        (exact in float64; in float32 and lower a row's rounding may depend on its neighbours)."""
-        if all(self._takes(len(s.ids), s.mask, s.cache, s.keep) for s in seqs):
-            return self._native(seqs, topk, argmax, cols)
-        if self.native:  # one the kernel does not take beside native rows: each takes its own path
-            return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
-        return self._torch(seqs, topk, argmax, cols)
-
-    def _takes(self, n: int, mask, cache, keep: int = 0) -> bool:
-        """Whether the native kernel runs this forward (cmodel.NativeForward.takes)."""
-        return self.native and self.fwd.takes(n, mask, cache, keep)
-
     def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         """The packed forward as torch ops (MKL/oneDNN on a CPU; any dtype and device): the GEMMs
         over every sequence's rows at once, attention per sequence over its own cache."""
@@ -200,10 +168,6 @@ class LeanNeoX:
         h, keeps = kept_rows(h, seqs, spans)  # (1, K, d): only the logits asked for
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
         return heads_each(self.lm_head(h), keeps, topk, argmax, cols, [s.perturb for s in seqs])  # (1, K, V)
-
-    def _native(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
-        return self.fwd(seqs, topk, argmax, cols)
-
 
 def lean(model, gemm: bool = True):
     """The lean forward for a supported model, else the model itself."""

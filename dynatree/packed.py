@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import cmodel, native
-from .runtime import KeyMask, Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
+from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -56,7 +56,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 FIXED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
-class PackedRunner:
+class PackedRunner(cmodel.Runner):
     """The engine's runner (runtime.py) for a supported model: ``forward(seqs)`` packs them."""
 
     def __init__(self, model, gemm: bool = True, isa: str | None = None):
@@ -81,27 +81,6 @@ class PackedRunner:
         act = "swiglu" if cfg.hidden_act == "silu" else f"{cfg.hidden_act} (gated)"
         return cmodel.Shape(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, self.head_dim,
                             cfg.intermediate_size, act, True, False, cfg.rms_norm_eps, self.scaling)
-
-    def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
-                 use_cache: bool = True, logits_to_keep: int = 0, topk: int = 0, argmax: bool = False,
-                 cols: int | None = None, perturb=None) -> Output:
-        """One sequence, transformers-style arguments (lean.LeanNeoX.__call__'s)."""
-        if (self.native and attention_mask is not None and not isinstance(attention_mask, KeyMask)
-                and self.fwd.takes(input_ids.shape[1], attention_mask, past_key_values, logits_to_keep)):
-            attention_mask = KeyMask.from_additive(attention_mask)  # additive (1, 1, n, P + n)
-        seq = Seq(input_ids.reshape(-1), past_key_values, None if position_ids is None else position_ids.reshape(-1),
-                  attention_mask, logits_to_keep, perturb)
-        return self.forward([seq], topk=topk, argmax=argmax, cols=cols)[0]
-
-    def forward(self, seqs: list[Seq], topk: int = 0, argmax: bool = False, cols: int | None = None) -> list[Output]:
-        """Every sequence through the C forward when it takes them all; else each sequence it
-        takes there and the rest through torch, or all through torch."""
-        if self.native:
-            if all(self.fwd.takes(len(s.ids), s.mask, s.cache, s.keep) for s in seqs):
-                return self.fwd(seqs, topk, argmax, cols)
-            if len(seqs) > 1:
-                return [o for s in seqs for o in self.forward([s], topk, argmax, cols)]
-        return self._torch(seqs, topk, argmax, cols)
 
     def _torch(self, seqs: list[Seq], topk: int, argmax: bool, cols: int | None) -> list[Output]:
         core = self.model.model
