@@ -71,8 +71,9 @@ def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
         return f"its widths (hidden {shape.d}, MLP {shape.ff}: multiples of 32; {shape.heads} q heads over {shape.kv_heads} kv heads)"
     if not lib.dt_attn_supported(shape.head_dim):
         return f"its head size {shape.head_dim} (the attention kernel takes 16, 32, ..., 128, 160, 192, 256)"
-    if native.packed_bytes(model) > native.MAX_PACKED_BYTES:
-        return (f"its packed copy ({native.packed_bytes(model) / 2**30:.1f} GiB) would pass a quarter of this "
+    copy = native.packed_bytes(model)
+    if copy > native.MAX_PACKED_BYTES:
+        return (f"its packed copy ({copy / 2**30:.1f} GiB) would pass a quarter of this "
                 f"machine's memory ({native.MAX_PACKED_BYTES / 2**30:.1f} GiB)")
     return ""
 
