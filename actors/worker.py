@@ -90,6 +90,7 @@ class ShardWorker:
         self.spec, self.cfg = spec, spec.method_config
         self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                               load_draft=spec.method != "ar", kernel=spec.kernel)
+        self.pair.prefix_cache_bytes = int(spec.prefix_cache_gb * 2**30)
         if spec.chat_template and not self.pair.has_chat_template:
             raise PairError(f"chat_template is on but the target {spec.target or '(demo pair)'}'s tokenizer has none")
         self.stop = spec.stop_rule  # built once, not per row

@@ -252,6 +252,7 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     for pi, prompt in enumerate(prompts):
         got = {}
         for ms in methods:
+            pair.forget_prefixes()  # every method prefills the prompt itself
             with PeakRSS(pair.device) as mem:
                 if ms.method in HF_METHODS:
                     toks, m = run_hf(pair, ms.method, prompt, max_new_tokens, ms.options)
@@ -314,13 +315,17 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     def ref_tokens(ms: MethodSpec) -> list:
         cfg = reference_config(ms)
         if cfg not in refs:
-            refs[cfg] = [decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0] for p in prompts]
+            refs[cfg] = []
+            for p in prompts:
+                pair.forget_prefixes()
+                refs[cfg].append(decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0])
         return refs[cfg]
 
     rows = []
     methods = [ms for ms in methods if ms.method not in HF_METHODS or ms.method == "hf_ar"]  # assisted: B = 1 only
     for b in batch_sizes:
         def run(ms, chunk, n):
+            pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares
             if ms.method == "hf_ar":
                 return [(t, None) for t in run_hf_batch(pair, chunk, n)]
             return [(t, m) for t, _, m in decode_batch(pair, chunk, make_config(ms.method, ms.options),

@@ -43,6 +43,7 @@ from .metrics import Metrics, Tally, finish
 from .models import ModelPair, is_chat
 from .budget import Governor
 from .policies import make_policy
+from .prefix import prefill_shared, remember
 from .sampling import Sampler, choose_each, head, in_head
 from .stops import Stop, text_of
 from .runtime import KeyMask, Seq
@@ -136,6 +137,7 @@ class _Row:
         self.tally = Tally()
         self.t_start = time.perf_counter()
         self.ttft = self.verify_time = self.forward_time = 0.0
+        self.cached_tokens = 0  # prompt tokens whose keys/values came from prefix caching (prefix.py)
         self.target_forwards = 0
         self.last_n = 1  # tokens this row put in the last target forward
         self.budgeted = getattr(self.policy, "latency", None) is not None  # under the hardware budget
@@ -170,6 +172,7 @@ class _Row:
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter
         return finish(self.tally, prompt_tokens=len(self.prompt), new_tokens=len(self.out),
+                      cached_prompt_tokens=self.cached_tokens,
                       wall=time.perf_counter() - self.t_start if self.max_new_tokens > 0 else 0.0, ttft=self.ttft,
                       prefill=self.ttft, draft_time=d.seconds if d else 0.0, verify_time=self.verify_time,
                       target_forwards=self.target_forwards, draft_forwards=d.forwards if d else 0, device=dev,
@@ -256,8 +259,10 @@ class BatchDecoder:
         if not rows:
             return
         t0 = time.perf_counter()
-        fed, outs = [0] * len(rows), [None] * len(rows)
-        for r in rows:
+        fed, copied = self._prefixes(rows, "target", [r.cache for r in rows], [r.prompt for r in rows])
+        outs = [None] * len(rows)
+        for r, n in zip(rows, copied):
+            r.cached_tokens = n
             if r.sampler is not None:
                 r.sampler.at(0)  # the prefill draws generated index 0
         while todo := [i for i, r in enumerate(rows) if fed[i] < len(r.prompt)]:
@@ -273,6 +278,7 @@ class BatchDecoder:
                 rows[i].target_forwards += 1
                 rows[i].evict()
         _draw_masked(rows, outs, [[0]] * len(rows))
+        self._prefixes(rows, "target", [r.cache for r in rows], [r.prompt for r in rows], after=True)
         dt = time.perf_counter() - t0
         for r, o in zip(rows, outs):
             r.forward_time += dt
@@ -284,7 +290,33 @@ class BatchDecoder:
                                     self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype)
                 r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
-        drive([(r.drafter, r.drafter.prefill()) for r in rows if r.drafter is not None])
+        drafting = [r for r in rows if r.drafter is not None]
+        caches = [r.drafter.cache for r in drafting]
+        for r, held in zip(drafting, self._prefixes(drafting, "draft", caches, [r.prompt for r in drafting])[0]):
+            r.drafter.pending = r.drafter.pending[held:]  # what prefix caching gave needs no feeding
+        drive([(r.drafter, r.drafter.prefill()) for r in drafting])
+        self._prefixes(drafting, "draft", caches, [r.prompt for r in drafting], after=True)
+
+    def _prefixes(self, rows: list[_Row], which: str, caches: list, prompts: list[list[int]],
+                  after: bool = False) -> tuple[list[int], list[int]]:
+        """Prefix caching (prefix.py) for ``which`` model's caches of these rows, before their
+        prefill (returns the prompt tokens each cache holds from it, and of those the ones copied
+        from the store) or ``after`` it (stores the prefixes now seen twice).  Rows with a cache
+        window take no part: their caches evict."""
+        held, copied = [0] * len(rows), [0] * len(rows)
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            if r.window is None:
+                groups.setdefault(r.cfg.kv_dtype, []).append(i)
+        for kv_dtype, idx in groups.items():
+            store = self.pair.prefix_store(which, kv_dtype)
+            items = [(caches[i], prompts[i]) for i in idx]
+            if after:
+                remember(store, items)
+                continue
+            for i, h, c in zip(idx, *prefill_shared(store, self.pair.runner(which), items)):
+                held[i], copied[i] = h, c
+        return held, copied
 
     def _iterate(self, rows: list[_Row]) -> None:
         t_iter = time.perf_counter()

@@ -24,6 +24,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 * ``peak_memory_mb``: on GPU, CUDA's max allocated; on CPU the process's peak RSS -- both
   high-water marks of the process so far (it only grows across calls; ``dynatree bench``
   measures each row's own peak instead).
+* ``cached_prompt_tokens``: prompt tokens whose target keys/values were copied from an earlier
+  prompt that began the same way (prefix caching, prefix.py) instead of computed.
 * ``kv_cache_mb``: the KV cache buffers the generation held at their largest, target and draft
   (preallocated for prompt + new tokens + tree, or for the window with ``kv_window``).
 """
@@ -39,6 +41,7 @@ import pyarrow as pa
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     new_tokens: int = 0
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -135,12 +138,13 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, ttft: float,
-           prefill: float, draft_time: float, verify_time: float, target_forwards: int,
+def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, ttft: float, prefill: float,
+           cached_prompt_tokens: int = 0, draft_time: float, verify_time: float, target_forwards: int,
            draft_forwards: int, device, forward_time: float = 0.0, cache_bytes: int = 0) -> Metrics:
     it = tally.iterations
     return Metrics(
         prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached_prompt_tokens,
         new_tokens=new_tokens,
         wall_time_s=wall,
         tokens_per_s=new_tokens / wall if wall > 0 else 0.0,

@@ -74,6 +74,28 @@ class ModelPair:
     # "lean": lean.py's forward through dynatree's C kernels (native.py) where they build; "lean-mkl":
     # the same forward on torch's MKL/oneDNN kernels; "hf": transformers' own forward
     kernel: str = "lean"
+    # keys/values of shared prompt prefixes kept per model and cache dtype (prefix.py); 0 turns it off
+    prefix_cache_bytes: int = 1 << 30
+
+    def prefix_store(self, which: str, kv_dtype: str = "model"):
+        """The prefix.PrefixStore of ``"target"`` or ``"draft"`` caches in ``kv_dtype``, or None when
+        prefix caching is off."""
+        if self.prefix_cache_bytes <= 0:
+            return None
+        from .prefix import PrefixStore
+
+        key = ("prefix", which, kv_dtype)
+        if key not in self.state:
+            self.state[key] = PrefixStore(self.prefix_cache_bytes)
+        store = self.state[key]
+        store.max_bytes = self.prefix_cache_bytes
+        return store
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix stores (benchmarks decode the same prompts once per method: each
+        method's run starts as a fresh job would)."""
+        for key in [k for k in self.state if isinstance(k, tuple) and k[0] == "prefix"]:
+            del self.state[key]
 
     def runner(self, which: str):
         """The callable the engine runs for ``"target"`` or ``"draft"`` (same weights either way).

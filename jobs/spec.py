@@ -80,6 +80,9 @@ class JobSpec:
     gpus_per_actor: float | None = _f(None, "GPUs per actor (default: 1 when the cluster has GPUs)")
     memory_per_actor: float | None = _f(None, "GB of memory each actor reserves (Ray's memory resource: "
                                               "actors go only where it is free; default: none reserved)")
+    prefix_cache_gb: float = _f(1.0, "GB per actor for the keys/values of prompt beginnings that several "
+                                     "prompts share (a template, few-shot examples): computed once, copied "
+                                     "after; 0 turns it off")
     shard_size: int = _f(64, "rows per output file (the unit of resume and retry)")
     max_inflight_per_actor: int | None = _f(None, "shards queued per actor (default: enough to keep "
                                                   "its batch full)")
@@ -126,6 +129,8 @@ class JobSpec:
         elif self.device.startswith("cuda:") and self.device != "cuda:0":
             problems.append(f"device {self.device}: a Ray actor sees only the GPUs it was given, numbered "
                             "from 0; use device cuda (each actor gets its own GPU)")
+        if self.prefix_cache_gb < 0:
+            problems.append("prefix_cache_gb must be >= 0 (0 turns prefix caching off)")
         if self.memory_per_actor is not None and self.memory_per_actor <= 0:
             problems.append("memory_per_actor must be > 0 (GB)")
         if self.gpus_per_actor is not None and not 0 <= self.gpus_per_actor <= 1:

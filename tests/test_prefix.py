@@ -1,0 +1,160 @@
+"""Prefix caching (prefix.py): prompts that begin alike compute their beginning once, and no output
+changes -- bitwise on the native kernel, in float64 on torch's."""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from conftest import EOS, noisy_copy, tiny_neox
+from dynatree import pair_from_models
+from dynatree.config import make_config
+from dynatree.engine import BatchDecoder, decode, decode_batch
+from dynatree.kvcache import BufferCache
+from dynatree.prefix import BLOCK, PrefixStore, chain_hashes, prefill_shared, remember
+
+HEADS, DIM = 2, 4
+
+
+def filled(tokens: list[int], layers: int = 2) -> BufferCache:
+    """A cache whose slot j holds keys (token_j + 1000 * layer) and values minus that."""
+    cache = BufferCache(layers, 128)
+    for i, layer in enumerate(cache.layers):
+        layer.reserve(len(tokens), HEADS, DIM, torch.float32, torch.device("cpu"))
+        for j, t in enumerate(tokens):
+            layer.keys[0, :, j] = t + 1000 * i
+            layer.values[0, :, j] = -(t + 1000 * i)
+        layer.length = len(tokens)
+    return cache
+
+
+def block_bytes(layers: int = 2) -> int:
+    return layers * 2 * HEADS * BLOCK * DIM * 4
+
+
+def test_a_chain_is_stored_once_two_prompts_began_with_it_and_then_copied():
+    store = PrefixStore(1 << 20)
+    a = list(range(100))  # three whole blocks and four tokens
+    remember(store, [(filled(a), a)])
+    assert store.bytes == 0  # seen once: a prompt that never repeats costs only its hashes
+    b = a[:70] + [500] * 30  # shares two blocks with a (its third differs)
+    remember(store, [(filled(b), b)])
+    assert store.bytes == 2 * block_bytes()
+    c = a[:64] + [7]  # 65 tokens: both blocks, its last token left to compute
+    cache = BufferCache(2, 128)
+    held, copied = prefill_shared(store, None, [(cache, c)])
+    assert held == copied == [64] and cache.length == 64
+    assert torch.equal(cache.layers[1].keys[0, :, :64], filled(a).layers[1].keys[0, :, :64])
+    assert torch.equal(cache.layers[0].values[0, :, :64], filled(a).layers[0].values[0, :, :64])
+    # a prompt of exactly two blocks reuses one: its last token must run through the model
+    assert prefill_shared(store, None, [(BufferCache(2, 128), a[:64])])[0] == [32]
+    assert prefill_shared(store, None, [(BufferCache(2, 128), [9] + a[1:64] + [1])])[0] == [0]
+    assert store.reused == 96
+
+
+def test_chain_hashes_cover_every_block_before():
+    t = list(range(96))
+    assert chain_hashes(t, 2) == chain_hashes(t[:64] + [0], 2)
+    assert chain_hashes(t, 3)[1] != chain_hashes([1] + t[1:], 3)[1]  # a change in block 0 reaches block 1
+
+
+def test_the_least_recently_used_chain_leaves_first_with_its_descendants():
+    store = PrefixStore(3 * block_bytes())
+    a, b = list(range(70)), list(range(64)) + [99] * 6  # one chain of two blocks
+    remember(store, [(filled(a), a), (filled(b), b)])
+    assert store.bytes == 2 * block_bytes()
+    c = [50] * 70
+    remember(store, [(filled(c), c), (filled(c), c)])  # a second chain of two blocks: over the cap
+    assert store.bytes == 2 * block_bytes()  # the old chain went whole (its second block is useless alone)
+    assert prefill_shared(store, None, [(BufferCache(2, 128), a)])[0] == [0]
+    assert prefill_shared(store, None, [(BufferCache(2, 128), c)])[0] == [64]
+
+
+def test_off_means_no_store():
+    assert prefill_shared(None, None, [(BufferCache(2, 8), [1, 2])]) == ([0], [0])
+    pair = pair_from_models(tiny_neox(1), None, None, eos_token_id=EOS)
+    pair.prefix_cache_bytes = 0
+    assert pair.prefix_store("target") is None
+
+
+HEADER = random.Random(5).choices([t for t in range(96) if t != EOS], k=75)  # two whole blocks and 11
+
+
+def templated(n: int, seed: int) -> list[list[int]]:
+    """Prompts rendered from one template: the header, then a few tokens of their own."""
+    rng = random.Random(seed)
+    return [HEADER + rng.choices([t for t in range(96) if t != EOS], k=rng.randint(1, 12)) for _ in range(n)]
+
+
+def decode_joining(pair, prompts, cfg, n=12):
+    """Half the prompts start together; the rest join one by one as the batch runs."""
+    dec, got = BatchDecoder(pair), {}
+    half = len(prompts) // 2
+    for i, p in enumerate(prompts[:half]):
+        dec.add(p, cfg, max_new_tokens=n, ignore_eos=True, key=i)
+    late = list(range(half, len(prompts)))
+    while dec or late:
+        if late:
+            i = late.pop(0)
+            dec.add(prompts[i], cfg, max_new_tokens=n, ignore_eos=True, key=i)
+        got.update((k, (t, m)) for k, t, _, m in dec.step())
+    return [got[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("method,opts", [("ar", {}), ("dynatree", {}), ("linear", {"k": 3}),
+                                         ("dynatree", {"temperature": 0.9, "seed": 4}),
+                                         ("ar", {"kv_dtype": "bfloat16"})])
+def test_templated_prompts_decode_as_without_prefix_caching_float64(method, opts):
+    """torch path, float64: the same tokens with and without sharing, starting together or joining
+    late; every prompt after the first two copies the header's two whole blocks (target and draft)."""
+    target = tiny_neox(1)
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
+    assert not getattr(pair.runner("target"), "native", False)
+    prompts, cfg = templated(6, seed=1), make_config(method, opts)
+    pair.prefix_cache_bytes = 0
+    plain = decode_joining(pair, prompts, cfg)
+    pair.prefix_cache_bytes = 1 << 30
+    shared = decode_joining(pair, prompts, cfg)
+    assert [t for t, _ in shared] == [t for t, _ in plain]
+    assert all(m.cached_prompt_tokens == 0 for _, m in plain)
+    cached = [m.cached_prompt_tokens for _, m in shared]
+    assert cached.count(2 * BLOCK) >= 4 and set(cached) <= {0, 2 * BLOCK}, cached
+    if method != "ar":
+        assert pair.prefix_store("draft", cfg.kv_dtype).reused >= 4 * 2 * BLOCK
+
+
+def test_rows_with_a_cache_window_do_not_share():
+    target = tiny_neox(1)
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
+    cfg = make_config("dynatree", {"kv_window": 48, "kv_sinks": 4, "kv_evict": 8})
+    outs = decode_batch(pair, templated(4, seed=2) * 2, cfg, max_new_tokens=10, ignore_eos=True)
+    assert all(m.cached_prompt_tokens == 0 for _, _, m in outs)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("method", ["ar", "dynatree"])
+def test_copied_prefixes_are_the_bits_a_prefill_writes_native(method):
+    """Native kernel, float32, no tolerance: after the prefill every row's target and draft caches
+    hold bitwise what they hold without sharing, and the tokens are batch-1 ar's."""
+    t, d = tiny_neox(31, hidden=64, dtype=torch.float32), tiny_neox(32, hidden=64, layers=1, dtype=torch.float32)
+    pair = pair_from_models(t, d, None, eos_token_id=EOS)
+    assert pair.runner("target").native
+    prompts, cfg = templated(5, seed=3), make_config(method)
+    caches = {}
+    for cap in (0, 1 << 30):
+        pair.prefix_cache_bytes = cap
+        pair.forget_prefixes()
+        dec = BatchDecoder(pair)
+        for i, p in enumerate(prompts):
+            dec.add(p, cfg, max_new_tokens=8, ignore_eos=True, key=i)
+        dec._prefill(dec.joining)
+        caches[cap] = [[(l.keys[0, :, :len(r.prompt)].clone(), l.values[0, :, :len(r.prompt)].clone())
+                        for c in (r.cache, *([r.drafter.cache] if r.drafter else [])) for l in c.layers]
+                       for r in dec.joining]
+        assert sum(r.cached_tokens for r in dec.joining) == (4 * 2 * BLOCK if cap else 0)
+    for plain, shared in zip(caches[0], caches[1 << 30]):
+        assert all(torch.equal(a, b) for kv0, kv1 in zip(plain, shared) for a, b in zip(kv0, kv1))
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=16, ignore_eos=True)[0] for p in prompts]
+    assert [o[0] for o in decode_batch(pair, prompts, cfg, max_new_tokens=16, ignore_eos=True)] == refs
