@@ -164,6 +164,9 @@ class NativeForward:
             alive.append((kc, vc))
             d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
             d.kvfmt = native.KV_FORMATS[layers[0].keys.dtype]
+            if cache.shared is not None:  # a shared prompt prefix: read from its one copy (prefix.py)
+                d.shared, ks, vs, d.scap = cache.shared.pointers()
+                d.ks, d.vs = ctypes.addressof(ks), ctypes.addressof(vs)
             if s.perturb is not None:  # sampling's heads: one noise row per kept row
                 noise = [g if g.dtype == torch.float32 else g.float() for g in s.perturb.noise(cols)]
                 rows = (ctypes.c_void_p * keep)(*[g.data_ptr() for g in noise])
@@ -254,4 +257,7 @@ class Runner:
                 return self.fwd(seqs, topk, argmax, cols)
             if len(seqs) > 1:  # one the C forward does not take beside ones it does: each on its path
                 return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
+        for s in seqs:
+            if s.cache is not None and getattr(s.cache, "shared", None) is not None:
+                s.cache.own_slots()  # torch reads the cache's own slots (prefix.Shared)
         return self._torch(seqs, topk, argmax, cols)

@@ -60,6 +60,9 @@ class MethodConfig(SamplingConfig):
                                  "cached, so every greedy method equals ar with the same kv_dtype; the native "
                                  "CPU kernel reads it as is, torch paths widen the whole cache every forward, "
                                  "which costs more than it saves)")
+    prefix_cache: bool = opt(True, "share keys/values with other prompts that begin the same way (a template, "
+                                   "few-shot examples): the common beginning is computed once and copied, in "
+                                   "blocks of 32 tokens; the same tokens on the native kernel (prefix.py)")
 
     def __post_init__(self):
         super().__post_init__()

@@ -302,11 +302,11 @@ class BatchDecoder:
         """Prefix caching (prefix.py) for ``which`` model's caches of these rows, before their
         prefill (returns the prompt tokens each cache holds from it, and of those the ones copied
         from the store) or ``after`` it (stores the prefixes now seen twice).  Rows with a cache
-        window take no part: their caches evict."""
+        window take no part (their caches evict), nor rows with the option off."""
         held, copied = [0] * len(rows), [0] * len(rows)
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
-            if r.window is None:
+            if r.window is None and r.cfg.prefix_cache:
                 groups.setdefault(r.cfg.kv_dtype, []).append(i)
         for kv_dtype, idx in groups.items():
             store = self.pair.prefix_store(which, kv_dtype)
@@ -314,7 +314,8 @@ class BatchDecoder:
             if after:
                 remember(store, items)
                 continue
-            for i, h, c in zip(idx, *prefill_shared(store, self.pair.runner(which), items)):
+            runner = self.pair.runner(which)
+            for i, h, c in zip(idx, *prefill_shared(store, runner, items, lazy=getattr(runner, "native", False))):
                 held[i], copied[i] = h, c
         return held, copied
 

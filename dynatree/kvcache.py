@@ -131,6 +131,9 @@ class BufferCache(Cache):
     def __init__(self, num_layers: int, capacity: int, store: torch.dtype | None = None):
         super().__init__(layers=[BufferLayer(capacity, store) for _ in range(num_layers)])
         self._ptrs = None  # (first key buffer's address, key addresses, value addresses)
+        # prefix.Shared: a copy of slots 0..n other caches share (prefix caching), which the native
+        # kernel reads instead of these slots; dropped when they change
+        self.shared = None
 
     def pointers(self):
         """The layers' key and value buffer addresses as the C kernels take them (native.py).
@@ -150,15 +153,31 @@ class BufferCache(Cache):
         """Bytes of the key and value buffers (allocated capacity, not the cached length)."""
         return sum(l.keys.nbytes + l.values.nbytes for l in self.layers if l.is_initialized)
 
+    def _unshare_from(self, slot: int) -> None:
+        """Slots from ``slot`` on are about to change: a shared prefix reaching them is this
+        cache's own again."""
+        if self.shared is not None and slot < self.shared.length:
+            self.shared.materialize(self)
+            self.shared = None
+
+    def own_slots(self) -> None:
+        """Make the cache's own slots hold what it reads (before a forward that is not the native
+        kernel's: those read no shared prefix)."""
+        if self.shared is not None:
+            self.shared.materialize(self)
+
     def crop(self, tokens_to_remove: int) -> None:
         for layer in self.layers:
             layer.crop(tokens_to_remove)
+        self._unshare_from(self.length)
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.length = min(layer.length, length)
+        self._unshare_from(self.length)
 
     def evict(self, start: int, count: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._unshare_from(start)
         for layer in self.layers:
             layer.evict(start, count, cos, sin)
 
@@ -170,6 +189,7 @@ class BufferCache(Cache):
         if slots == list(range(start, start + len(slots))):
             self.truncate(start + len(slots))
             return
+        self._unshare_from(start)
         layer0 = self.layers[0]
         if not layer0.is_initialized:
             return

@@ -34,14 +34,66 @@ BLOCK = 32  # tokens per block: the granularity of sharing
 SEEN = 1 << 16  # chain hashes the counting table remembers
 
 
+class Segment:
+    """Consecutive blocks of a chain stored together from one cache: per layer one (heads, n *
+    BLOCK, dim) key tensor and one value tensor, which its blocks view.  The native kernel reads a
+    shared prefix's keys/values from here rather than from each row's copy (:class:`Shared`), so a
+    batch of rows that share it streams it from memory once."""
+
+    __slots__ = ("keys", "values", "nbytes", "live", "_ptrs")
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
+        self.live = 0  # stored blocks viewing it
+        self._ptrs = None
+
+    def pointers(self):
+        """Per layer key and value addresses as the C kernel takes them, and the keys' head stride."""
+        if self._ptrs is None:
+            import ctypes
+
+            n = len(self.keys)
+            self._ptrs = ((ctypes.c_void_p * n)(*[k.data_ptr() for k in self.keys]),
+                          (ctypes.c_void_p * n)(*[v.data_ptr() for v in self.values]), self.keys[0].shape[1])
+        return self._ptrs
+
+
+class Shared:
+    """A cache's first ``length`` slots as a segment holds them (kvcache.BufferCache.shared).
+    ``own``: whether the cache's own slots hold them too; for the native kernel they need not (it
+    reads the segment), and a torch forward first copies them in (:meth:`materialize`)."""
+
+    __slots__ = ("segment", "length", "own")
+
+    def __init__(self, segment: Segment, length: int, own: bool = True):
+        self.segment, self.length, self.own = segment, length, own
+
+    def pointers(self):
+        ks, vs, cap = self.segment.pointers()
+        return self.length, ks, vs, cap
+
+    def materialize(self, cache) -> None:
+        """Copy the shared slots into the cache's own (once)."""
+        if not self.own:
+            for layer, k, v in zip(cache.layers, self.segment.keys, self.segment.values):
+                layer.keys[0, :, :self.length] = k[:, :self.length]
+                layer.values[0, :, :self.length] = v[:, :self.length]
+            self.own = True
+
+
 class _Node:
-    """One block of a stored chain: its tokens' keys and values, per layer ((heads, BLOCK, dim) each)."""
+    """One block of a stored chain: block ``index`` of ``segment``."""
 
-    __slots__ = ("parent", "tokens", "children", "kv", "nbytes")
+    __slots__ = ("parent", "tokens", "children", "segment", "index")
 
-    def __init__(self, parent: "_Node | None", tokens: tuple, kv: list | None):
-        self.parent, self.tokens, self.children, self.kv = parent, tokens, {}, kv
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in kv) if kv else 0
+    def __init__(self, parent: "_Node | None", tokens: tuple, segment: Segment | None = None, index: int = 0):
+        self.parent, self.tokens, self.children, self.segment, self.index = parent, tokens, {}, segment, index
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads, BLOCK, dim) keys and values of this block in ``layer``."""
+        lo, hi = self.index * BLOCK, (self.index + 1) * BLOCK
+        return self.segment.keys[layer][:, lo:hi], self.segment.values[layer][:, lo:hi]
 
 
 def chain_hashes(tokens: list[int], blocks: int) -> list[int]:
@@ -88,37 +140,55 @@ class PrefixStore:
     def times_seen(self, h: int) -> int:
         return self.seen.get(h, 0)
 
-    def copy_into(self, cache, path: list[_Node]) -> int:
-        """Write a matched chain's keys/values into an empty ``cache``; returns the tokens written."""
+    def copy_into(self, cache, path: list[_Node], lazy: bool = False) -> int:
+        """Give an empty ``cache`` a matched chain's keys/values; returns the tokens it now holds.
+        ``lazy`` (the native kernel): the slots the cache reads from a segment are not copied."""
         if not path:
             return 0
         n = len(path) * BLOCK
+        cache.shared = self.alias(path, own=not lazy)
+        first = cache.shared.length // BLOCK if lazy else 0
         for i, layer in enumerate(cache.layers):
-            k0 = path[0].kv[i][0]
+            k0 = path[0].segment.keys[i]
             layer.reserve(n, k0.shape[0], k0.shape[-1], self.dtype, k0.device)
-            for b, node in enumerate(path):
-                k, v = node.kv[i]
+            for b in range(first, len(path)):
+                k, v = path[b].kv(i)
                 layer.keys[0, :, b * BLOCK:(b + 1) * BLOCK] = k
                 layer.values[0, :, b * BLOCK:(b + 1) * BLOCK] = v
             layer.length = n
         self.reused += n
         return n
 
+    @staticmethod
+    def alias(path: list[_Node], own: bool = True) -> Shared | None:
+        """The longest start of a matched chain that one segment holds, as a cache's shared slots."""
+        if not path:
+            return None
+        run = next((i for i, node in enumerate(path) if node.segment is not path[0].segment), len(path))
+        return Shared(path[0].segment, run * BLOCK, own)
+
     def store(self, cache, tokens: list[int], blocks: int) -> None:
         """Store the first ``blocks`` blocks of ``tokens`` from ``cache`` (which holds their keys and
         values at slots 0..), those not stored yet."""
-        node, self.dtype = self.root, cache.layers[0].dtype
+        node, self.dtype, path = self.root, cache.layers[0].dtype, []
         for b in range(blocks):
-            key = tuple(tokens[b * BLOCK:(b + 1) * BLOCK])
-            child = node.children.get(key)
+            child = node.children.get(tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))
             if child is None:
-                lo, hi = b * BLOCK, (b + 1) * BLOCK
-                kv = [(l.keys[0, :, lo:hi].clone(), l.values[0, :, lo:hi].clone()) for l in cache.layers]
-                child = node.children[key] = _Node(node, key, kv)
-                self.bytes += child.nbytes
-            self.lru[child] = None
-            self.lru.move_to_end(child)
-            node = child
+                break
+            path.append(node := child)
+        if len(path) < blocks:  # the new blocks, in one segment
+            lo, hi = len(path) * BLOCK, blocks * BLOCK
+            seg = Segment([l.keys[0, :, lo:hi].clone() for l in cache.layers],
+                          [l.values[0, :, lo:hi].clone() for l in cache.layers])
+            self.bytes += seg.nbytes
+            for i, b in enumerate(range(len(path), blocks)):
+                key = tuple(tokens[b * BLOCK:(b + 1) * BLOCK])
+                node.children[key] = node = _Node(node, key, seg, i)
+                seg.live += 1
+                path.append(node)
+        for n in path:
+            self.lru[n] = None
+            self.lru.move_to_end(n)
         self._shrink()
 
     def _shrink(self) -> None:
@@ -131,16 +201,20 @@ class PrefixStore:
         del node.parent.children[node.tokens]
         while todo:
             n = todo.pop()
-            self.bytes -= n.nbytes
+            n.segment.live -= 1
+            if n.segment.live == 0:  # its memory goes with its last block
+                self.bytes -= n.segment.nbytes
             self.lru.pop(n, None)
             todo.extend(n.children.values())
 
 
-def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, list[int]]]) -> list[int]:
+def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, list[int]]],
+                   lazy: bool = False) -> tuple[list[int], list[int]]:
     """Before a prefill: fill each empty cache with its tokens' stored prefix, after computing in one
     forward the chains that two or more of these prompts share and nobody stored.  ``items``: (cache,
-    tokens to prefill).  Returns how many tokens each cache holds now (the caller feeds the rest, then
-    calls :func:`remember`), and how many of them were copied from the store."""
+    tokens to prefill); ``lazy``: the runner is the native kernel (PrefixStore.copy_into).  Returns
+    how many tokens each cache holds now (the caller feeds the rest, then calls :func:`remember`),
+    and how many of them came from the store."""
     if store is None:
         return [0] * len(items), [0] * len(items)
     usable = [(len(t) - 1) // BLOCK for _, t in items]
@@ -156,7 +230,7 @@ def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, 
         if s and hashes[i][s - 1] not in covered:
             firsts.append((i, s))
             covered.update(hashes[i][:s])
-    held = [store.copy_into(c, p) for (c, _), p in zip(items, paths)]
+    held = [store.copy_into(c, p, lazy) for (c, _), p in zip(items, paths)]
     copied = list(held)
     if firsts:
         runner.forward([Seq(torch.tensor(items[i][1][held[i]:s * BLOCK], device=runner.device), items[i][0], keep=1)
@@ -164,10 +238,11 @@ def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, 
         for i, s in firsts:
             store.store(items[i][0], items[i][1], s)
             held[i] = s * BLOCK
+            items[i][0].shared = store.alias(store.match(items[i][1])[:s])
         for j, (c, t) in enumerate(items):  # the others copy what the first ones computed
             if held[j] < len(store.match(t)) * BLOCK:
                 c.truncate(0)
-                held[j] = copied[j] = store.copy_into(c, store.match(t))
+                held[j] = copied[j] = store.copy_into(c, store.match(t), lazy)
     return held, copied
 
 
@@ -184,4 +259,6 @@ def remember(store: PrefixStore | None, items: list[tuple[object, list[int]]]) -
             twice += 1
         if twice:
             store.store(cache, tokens, twice)
+            if cache.shared is None:  # its own slots hold what the store now does: read them from there
+                cache.shared = store.alias(store.match(tokens)[:twice])
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from conftest import EOS, noisy_copy, tiny_neox
-from dynatree import pair_from_models
+from dynatree import native, pair_from_models
 from dynatree.config import make_config
 from dynatree.engine import BatchDecoder, decode, decode_batch
 from dynatree.kvcache import BufferCache
+from dynatree.runtime import Seq
 from dynatree.prefix import BLOCK, PrefixStore, chain_hashes, prefill_shared, remember
 
 HEADS, DIM = 2, 4
@@ -125,10 +126,11 @@ def test_templated_prompts_decode_as_without_prefix_caching_float64(method, opts
         assert pair.prefix_store("draft", cfg.kv_dtype).reused >= 4 * 2 * BLOCK
 
 
-def test_rows_with_a_cache_window_do_not_share():
+@pytest.mark.parametrize("opts", [{"kv_window": 48, "kv_sinks": 4, "kv_evict": 8}, {"prefix_cache": False}])
+def test_rows_with_a_cache_window_or_the_option_off_do_not_share(opts):
     target = tiny_neox(1)
     pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
-    cfg = make_config("dynatree", {"kv_window": 48, "kv_sinks": 4, "kv_evict": 8})
+    cfg = make_config("dynatree", opts)
     outs = decode_batch(pair, templated(4, seed=2) * 2, cfg, max_new_tokens=10, ignore_eos=True)
     assert all(m.cached_prompt_tokens == 0 for _, _, m in outs)
 
@@ -150,6 +152,10 @@ def test_copied_prefixes_are_the_bits_a_prefill_writes_native(method):
         for i, p in enumerate(prompts):
             dec.add(p, cfg, max_new_tokens=8, ignore_eos=True, key=i)
         dec._prefill(dec.joining)
+        for r in dec.joining:  # the kernel reads shared slots from the store's copy; a torch forward would copy them in
+            for c in (r.cache, *([r.drafter.cache] if r.drafter else [])):
+                assert c.shared is None or c.shared.own == (c.shared.length == 0 or r is dec.joining[0])
+                c.own_slots()
         caches[cap] = [[(l.keys[0, :, :len(r.prompt)].clone(), l.values[0, :, :len(r.prompt)].clone())
                         for c in (r.cache, *([r.drafter.cache] if r.drafter else [])) for l in c.layers]
                        for r in dec.joining]
@@ -158,3 +164,69 @@ def test_copied_prefixes_are_the_bits_a_prefill_writes_native(method):
         assert all(torch.equal(a, b) for kv0, kv1 in zip(plain, shared) for a, b in zip(kv0, kv1))
     refs = [decode(pair, p, make_config("ar"), max_new_tokens=16, ignore_eos=True)[0] for p in prompts]
     assert [o[0] for o in decode_batch(pair, prompts, cfg, max_new_tokens=16, ignore_eos=True)] == refs
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("isa", native.variants_here())
+def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, monkeypatch):
+    """On every variant: rows that share a prefix point at the store's copy (kvcache.BufferCache.shared)
+    and the C forward reads it from there -- with each row's own copy of those slots wiped, the
+    tokens are still batch-1 ar's, bitwise; with the store's copy wiped, they are not."""
+    monkeypatch.setenv("DYNATREE_ISA", isa)
+    t, d = tiny_neox(31, hidden=64, dtype=torch.float32), tiny_neox(32, hidden=64, layers=1, dtype=torch.float32)
+    pair = pair_from_models(t, d, None, eos_token_id=EOS)
+    prompts, cfg = templated(4, seed=6), make_config("dynatree")
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=16, ignore_eos=True)[0] for p in prompts]
+
+    def run(wipe):
+        pair.forget_prefixes()
+        dec = BatchDecoder(pair)
+        for i, p in enumerate(prompts):
+            dec.add(p, cfg, max_new_tokens=16, ignore_eos=True, key=i)
+        dec._prefill(dec.joining)
+        dec.active, dec.joining = dec.joining, []  # what step() does after its prefill
+        caches = [c for r in dec.active for c in (r.cache, r.drafter.cache)]
+        assert all(c.shared is not None and c.shared.length == 2 * BLOCK for c in caches[2:])
+        for c in caches:
+            wipe(c)
+        got = {}
+        while dec:
+            got.update((k, toks) for k, toks, _, _ in dec.step())
+        return [got[i] for i in range(len(prompts))]
+
+    def own(c):
+        for l in c.layers:
+            l.keys[:, :, :2 * BLOCK] = 0
+            l.values[:, :, :2 * BLOCK] = 0
+
+    def store_copy(c):
+        if c.shared is not None:
+            for k in c.shared.segment.keys:
+                k.zero_()
+
+    assert run(lambda c: None) == refs
+    assert run(own) == refs
+    assert run(store_copy) != refs
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_a_torch_forward_copies_a_shared_prefix_in_first(monkeypatch):
+    """A cache the native kernel reads a prefix of from the store (its own slots never written)
+    still gives a torch forward the right keys: they are copied in before it runs."""
+    t = tiny_neox(31, hidden=64, dtype=torch.float32)
+    pair = pair_from_models(t, None, None, eos_token_id=EOS)
+    runner = pair.runner("target")
+    prompts = templated(3, seed=8)
+    dec = BatchDecoder(pair)
+    for p in prompts:
+        dec.add(p, make_config("ar"), max_new_tokens=4, ignore_eos=True)
+    dec._prefill(dec.joining)
+    lazy = dec.joining[2].cache
+    assert lazy.shared is not None and not lazy.shared.own
+    pair.prefix_cache_bytes = 0
+    plain = BatchDecoder(pair)
+    plain.add(prompts[2], make_config("ar"), max_new_tokens=4, ignore_eos=True)
+    plain._prefill(plain.joining)
+    monkeypatch.setattr(runner, "native", False)
+    outs = [runner.forward([Seq(torch.tensor([5]), c)])[0].logits for c in (lazy, plain.joining[0].cache)]
+    assert lazy.shared.own and torch.equal(outs[0], outs[1])

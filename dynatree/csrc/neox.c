@@ -106,6 +106,10 @@ typedef struct {
     long kvfmt; /* cache element: 0 float32, 1 bfloat16 (rounded to nearest even as it is written) */
     const float *const *noise;
     float inv_temp;
+    long shared;            /* keys j < shared are read from ks[l], vs[l] instead (prefix.py's copy of a */
+    void *const *ks;        /* prompt prefix other sequences share: the same values, so the same bits, */
+    void *const *vs;        /* read from one place); (KV heads, scap, hd) buffers */
+    long scap;
 } dt_seq;
 
 /* Where each packed row belongs: its sequence and its index among that sequence's rows; where
@@ -133,10 +137,12 @@ static void attend(const long *dims, float scaling, const rowmap *rm, long l, co
         const dt_seq *sq = rm->seq + q;
         long L = sq->past + sq->rows, nr = sq->rows * group;
         for (long r = 0; r < nr; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r / group;
-        size_t at = (size_t)(g * sq->cap * hd) * (sq->kvfmt ? 2 : 4); /* bytes to the kv head's keys */
+        size_t elem = sq->kvfmt ? 2 : 4, at = (size_t)(g * sq->cap * hd) * elem; /* bytes to the kv head's keys */
+        size_t ats = (size_t)(g * sq->scap * hd) * elem;
+        const char *k0 = sq->shared ? (const char *)sq->ks[l] + ats : 0, *v0 = sq->shared ? (const char *)sq->vs[l] + ats : 0;
         attn_for(hd / 16, sq->kvfmt)(qkv + r0 * qkvw + g * group * hd, qkvw, group, nr, L, sq->visible, sq->allowed,
-                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, scaling, w,
-                                     out + r0 * ow + g * group * hd, ow);
+                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, sq->shared, k0, v0,
+                                     scaling, w, out + r0 * ow + g * group * hd, ow);
     }
 }
 
