@@ -42,7 +42,7 @@ class _Moments:
 
 _COLUMNS = ["id", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
             "acceptance_rate", "lookup_tokens", "ttft_s", "tpot_s", "ar_tokens_per_s", "matches_ar",
-            "first_divergence", "divergence_margin"]
+            "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens"]
 _MOMENTS = ("tokens_per_s", "tokens_per_iteration", "acceptance_rate", "ttft_s", "tpot_s")
 
 
@@ -60,9 +60,10 @@ def read_rows(out: Path) -> list[dict]:
 
 def _tally(out: Path) -> dict:
     t = {"rows": 0, "errors": 0, "tokens": 0, "lookup": 0, "checked": 0, "mismatched": [], "mismatches": 0,
-         "reasons": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
+         "prompt": 0, "cached": 0, "reasons": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
-        for r in pq.read_table(f, columns=_COLUMNS).to_pylist():
+        have = set(pq.read_schema(f).names)  # a shard from an older version may lack newer columns
+        for r in pq.read_table(f, columns=[c for c in _COLUMNS if c in have]).to_pylist():
             t["rows"] += 1
             if r["finish_reason"]:
                 t["reasons"][r["finish_reason"]] += 1
@@ -71,6 +72,8 @@ def _tally(out: Path) -> dict:
                 continue
             t["tokens"] += r["num_generated_tokens"] or 0
             t["lookup"] += r["lookup_tokens"] or 0
+            t["prompt"] += r.get("prompt_tokens") or 0
+            t["cached"] += r.get("cached_prompt_tokens") or 0
             for k in _MOMENTS:
                 t[k].add(r[k])
             if r["matches_ar"] is not None:
@@ -99,6 +102,8 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> 
         **{k: t[k].as_dict() for k in _MOMENTS if k != "tokens_per_s"},
         "tokens_per_s_per_prompt": t["tokens_per_s"].as_dict(),
         "lookup_tokens": t["lookup"],
+        "prompt_tokens": t["prompt"],
+        "cached_prompt_tokens": t["cached"],  # prefix caching: prompt tokens copied, not computed
         "speedup_vs_ar": t["speedup"].as_dict(),
         "equivalence": {
             "checked": checked, "matched": checked - t["mismatches"], "mismatches": t["mismatches"],
@@ -137,6 +142,9 @@ def format_table(s: dict) -> str:
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
         f"tokens from lookup       {s.get('lookup_tokens', 0)}",
+        f"prompt tokens cached     {s.get('cached_prompt_tokens', 0)} of {s.get('prompt_tokens', 0)}"
+        + (f" ({s['cached_prompt_tokens'] / s['prompt_tokens']:.0%}, shared prefixes computed once)"
+           if s.get("prompt_tokens") else ""),
         f"speedup vs ar            {ms(s['speedup_vs_ar'])}  (rows re-decoded with ar: {s['speedup_vs_ar']['n']})",
         "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
     ]

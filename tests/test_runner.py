@@ -408,3 +408,22 @@ def test_stop_rules_in_a_job(ray_cluster, pair_dirs, tmp_path):
         cut = stop in g.text
         assert r["finish_reason"] == ("stop" if cut else g.finish_reason)
         assert r["generated_text"] == (g.text[:g.text.find(stop)] if cut else g.text)
+
+
+def test_templated_prompts_share_their_prefix_in_a_job(ray_cluster, pair_dirs, tmp_path):
+    """Prompts rendered from one template: after the first rows, each row copies the template's
+    whole blocks instead of computing them (cached_prompt_tokens, the summary's total); every row
+    still equals ar, and the same job without prefix caching generates the same tokens."""
+    header = "Call me Ishmael. Some years ago, never mind how long precisely. Call me Ishmael. "  # ~72 tokens
+    write_input(tmp_path, [header + t for t in PROMPTS])
+    s = run_job(spec(pair_dirs, tmp_path, method="dynatree", dtype="float32", batch_size=4, num_actors=1),
+                progress=False, log=quiet)
+    rows = read_rows(tmp_path / "out")
+    assert s["equivalence"]["checked"] == len(PROMPTS) and s["equivalence"]["mismatches"] == 0
+    cached = [r["cached_prompt_tokens"] for r in rows]
+    assert sum(c > 0 for c in cached) >= len(PROMPTS) - 2 and all(c % 32 == 0 for c in cached)
+    assert s["cached_prompt_tokens"] == sum(cached) and s["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    off = run_job(spec(pair_dirs, tmp_path, method="dynatree", dtype="float32", batch_size=4, num_actors=1,
+                       prefix_cache_gb=0.0, overwrite=True), progress=False, log=quiet)
+    assert off["cached_prompt_tokens"] == 0
+    assert [r["generated_token_ids"] for r in read_rows(tmp_path / "out")] == [r["generated_token_ids"] for r in rows]
