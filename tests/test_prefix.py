@@ -168,13 +168,21 @@ def test_copied_prefixes_are_the_bits_a_prefill_writes_native(method):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("isa", native.variants_here())
-def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, monkeypatch):
-    """On every variant: rows that share a prefix point at the store's copy (kvcache.BufferCache.shared)
-    and the C forward reads it from there -- with each row's own copy of those slots wiped, the
-    tokens are still batch-1 ar's, bitwise; with the store's copy wiped, they are not."""
+@pytest.mark.parametrize("family", ["neox", "qwen3"])
+def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, family, monkeypatch):
+    """On every variant, for GPT-NeoX and a grouped-query Llama-family model: rows that share a
+    prefix point at the store's copy (kvcache.BufferCache.shared) and the C forward reads it from
+    there -- with each row's own copy of those slots wiped, the tokens are still batch-1 ar's,
+    bitwise; with the store's copy wiped, they are not."""
     monkeypatch.setenv("DYNATREE_ISA", isa)
-    t, d = tiny_neox(31, hidden=64, dtype=torch.float32), tiny_neox(32, hidden=64, layers=1, dtype=torch.float32)
+    if family == "neox":
+        t, d = tiny_neox(31, hidden=64, dtype=torch.float32), tiny_neox(32, hidden=64, layers=1, dtype=torch.float32)
+    else:
+        from test_packed import llama32
+
+        t, d = llama32(family, 5), llama32(family, 6)
     pair = pair_from_models(t, d, None, eos_token_id=EOS)
+    assert pair.runner("target").native and pair.runner("draft").native
     prompts, cfg = templated(4, seed=6), make_config("dynatree")
     refs = [decode(pair, p, make_config("ar"), max_new_tokens=16, ignore_eos=True)[0] for p in prompts]
 
