@@ -86,6 +86,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
         def ar(cfg: ARConfig) -> list[int]:
             if cfg not in refs:
+                pair.forget_prefixes()  # each decode prefills its prompt itself, as the methods' do
                 ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
                 refs[cfg] = ref
                 rows.append({"prompt": pi, "method": reference_label(cfg),
@@ -96,6 +97,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
         ar(ARConfig())
         for label, cfg in methods.items():
             ref = ar(ar_reference(cfg))
+            pair.forget_prefixes()
             toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
             idx, margin = divergence(pair, prompt, ref, toks, cfg)
             rows.append({"prompt": pi, "method": label, "matches_ar": idx is None,
