@@ -67,7 +67,7 @@ class BatchTuner:
     """
 
     max_size: int = 64
-    start: int = 8
+    start: int = 16
     window_s: float = 2.0
     max_window_s: float = 30.0
     gain: float = 1.05
@@ -150,7 +150,7 @@ class Scheduler:
     def __init__(self, pair: ModelPair, batch_size: int | None = None, *, max_batch: int = 64,
                  threads: int | None = None):
         self.pair, self.fixed, self.threads = pair, batch_size, threads
-        self.tuner = BatchTuner(max_size=max_batch, start=min(8, max_batch)) if batch_size is None else None
+        self.tuner = BatchTuner(max_size=max_batch, start=min(16, max_batch)) if batch_size is None else None
         self._queue: deque = deque()  # (group, index, Request)
         self._calls: deque = deque()  # (fn, Future): run between steps (call)
         self._dec: BatchDecoder | None = None
