@@ -238,9 +238,11 @@ def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, 
         for i, s in firsts:
             store.store(items[i][0], items[i][1], s)
             held[i] = s * BLOCK
-            items[i][0].shared = store.alias(store.match(items[i][1])[:s])
+            if items[i][0].shared is None:  # (one it has may cover slots it never wrote: it stays)
+                items[i][0].shared = store.alias(store.match(items[i][1])[:s])
         for j, (c, t) in enumerate(items):  # the others copy what the first ones computed
             if held[j] < len(store.match(t)) * BLOCK:
+                c.shared = None
                 c.truncate(0)
                 held[j] = copied[j] = store.copy_into(c, store.match(t), lazy)
     return held, copied

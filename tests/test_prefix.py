@@ -238,3 +238,35 @@ def test_a_torch_forward_copies_a_shared_prefix_in_first(monkeypatch):
     monkeypatch.setattr(runner, "native", False)
     outs = [runner.forward([Seq(torch.tensor([5]), c)])[0].logits for c in (lazy, plain.joining[0].cache)]
     assert lazy.shared.own and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_a_group_extending_a_stored_chain_computes_the_rest_once():
+    """A stored first block, then two prompts joining together that share two: one computes the
+    second block (the other copies it), both read the first from the store; every cache, made
+    whole, is bitwise what a plain prefill writes, and the tokens are ar's."""
+    t = tiny_neox(31, hidden=64, dtype=torch.float32)
+    pair = pair_from_models(t, None, None, eos_token_id=EOS)
+    rng = random.Random(9)
+    tail = lambda: rng.choices([x for x in range(96) if x != EOS], k=5)  # noqa: E731
+    short = [HEADER[:BLOCK] + tail() for _ in range(2)]  # share block 0 only
+    decode_batch(pair, short, make_config("ar"), max_new_tokens=2, ignore_eos=True)
+    pair2 = [HEADER + tail() for _ in range(2)]  # share blocks 0 and 1
+    dec = BatchDecoder(pair)
+    for p in pair2:
+        dec.add(p, make_config("ar"), max_new_tokens=8, ignore_eos=True)
+    dec._prefill(dec.joining)
+    assert sorted(r.cached_tokens for r in dec.joining) == [BLOCK, 2 * BLOCK]
+    assert all(r.cache.shared.length == BLOCK and not r.cache.shared.own for r in dec.joining)
+    pair.prefix_cache_bytes = 0
+    for r in dec.joining:
+        plain = BatchDecoder(pair)
+        plain.add(r.prompt, make_config("ar"), max_new_tokens=8, ignore_eos=True)
+        plain._prefill(plain.joining)
+        r.cache.own_slots()
+        n = len(r.prompt)
+        assert all(torch.equal(a.keys[0, :, :n], b.keys[0, :, :n]) and torch.equal(a.values[0, :, :n], b.values[0, :, :n])
+                   for a, b in zip(r.cache.layers, plain.joining[0].cache.layers))
+    pair.prefix_cache_bytes = 1 << 30
+    refs = [decode(pair, p, make_config("ar"), max_new_tokens=8, ignore_eos=True)[0] for p in pair2]
+    assert [toks for toks, _, _ in decode_batch(pair, pair2, make_config("ar"), max_new_tokens=8, ignore_eos=True)] == refs
