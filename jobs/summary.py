@@ -143,8 +143,8 @@ def format_table(s: dict) -> str:
         f"acceptance rate          {ms(s['acceptance_rate'])}",
         f"tokens from lookup       {s.get('lookup_tokens', 0)}",
         f"prompt tokens cached     {s.get('cached_prompt_tokens', 0)} of {s.get('prompt_tokens', 0)}"
-        + (f" ({s['cached_prompt_tokens'] / s['prompt_tokens']:.0%}, shared prefixes computed once)"
-           if s.get("prompt_tokens") else ""),
+        + (f" ({s['cached_prompt_tokens'] / s['prompt_tokens']:.0%}: shared prompt beginnings computed once)"
+           if s.get("cached_prompt_tokens") else ""),
         f"speedup vs ar            {ms(s['speedup_vs_ar'])}  (rows re-decoded with ar: {s['speedup_vs_ar']['n']})",
         "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
     ]
