@@ -90,11 +90,6 @@ class _Node:
     def __init__(self, parent: "_Node | None", tokens: tuple, segment: Segment | None = None, index: int = 0):
         self.parent, self.tokens, self.children, self.segment, self.index = parent, tokens, {}, segment, index
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(heads, BLOCK, dim) keys and values of this block in ``layer``."""
-        lo, hi = self.index * BLOCK, (self.index + 1) * BLOCK
-        return self.segment.keys[layer][:, lo:hi], self.segment.values[layer][:, lo:hi]
-
 
 def chain_hashes(tokens: list[int], blocks: int) -> list[int]:
     """The hash of each of the first ``blocks`` whole blocks together with every block before it."""
@@ -147,14 +142,20 @@ class PrefixStore:
             return 0
         n = len(path) * BLOCK
         cache.shared = self.alias(path, own=not lazy)
-        first = cache.shared.length // BLOCK if lazy else 0
+        runs, b = [], cache.shared.length // BLOCK if lazy else 0
+        while b < len(path):  # consecutive blocks of one segment copy as one slice
+            e = b + 1
+            while e < len(path) and path[e].segment is path[b].segment:
+                e += 1
+            runs.append((b, e, path[b].segment, path[b].index))
+            b = e
         for i, layer in enumerate(cache.layers):
             k0 = path[0].segment.keys[i]
             layer.reserve(n, k0.shape[0], k0.shape[-1], self.dtype, k0.device)
-            for b in range(first, len(path)):
-                k, v = path[b].kv(i)
-                layer.keys[0, :, b * BLOCK:(b + 1) * BLOCK] = k
-                layer.values[0, :, b * BLOCK:(b + 1) * BLOCK] = v
+            for b, e, seg, at in runs:
+                lo, hi = at * BLOCK, (at + e - b) * BLOCK
+                layer.keys[0, :, b * BLOCK:e * BLOCK] = seg.keys[i][:, lo:hi]
+                layer.values[0, :, b * BLOCK:e * BLOCK] = seg.values[i][:, lo:hi]
             layer.length = n
         self.reused += n
         return n
