@@ -104,14 +104,15 @@ def decode_joining(pair, prompts, cfg, n=12):
     return [got[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("method,opts", [("ar", {}), ("dynatree", {}), ("linear", {"k": 3}),
-                                         ("dynatree", {"temperature": 0.9, "seed": 4}),
-                                         ("ar", {"kv_dtype": "bfloat16"})])
-def test_templated_prompts_decode_as_without_prefix_caching_float64(method, opts):
-    """torch path, float64: the same tokens with and without sharing, starting together or joining
-    late; every prompt after the first two copies the header's two whole blocks (target and draft)."""
+@pytest.mark.parametrize("method,opts,kernel", [("ar", {}, "lean"), ("dynatree", {}, "lean"), ("linear", {"k": 3}, "lean"),
+                                                ("dynatree", {"temperature": 0.9, "seed": 4}, "lean"),
+                                                ("ar", {"kv_dtype": "bfloat16"}, "lean"), ("dynatree", {}, "hf")])
+def test_templated_prompts_decode_as_without_prefix_caching_float64(method, opts, kernel):
+    """torch paths (dynatree's packed forward, transformers' own), float64: the same tokens with
+    and without sharing, starting together or joining late; every prompt after the first two
+    copies the header's two whole blocks (target and draft)."""
     target = tiny_neox(1)
-    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS, kernel=kernel)
     assert not getattr(pair.runner("target"), "native", False)
     prompts, cfg = templated(6, seed=1), make_config(method, opts)
     pair.prefix_cache_bytes = 0
