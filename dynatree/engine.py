@@ -320,9 +320,11 @@ class BatchDecoder:
         return held, copied
 
     def _iterate(self, rows: list[_Row]) -> None:
-        t_iter = time.perf_counter()
         budgeted = [r for r in rows if r.budgeted]
         probe = len(rows) > 1 and bool(budgeted) and self.governor.skip_drafting()
+        if not probe:
+            _catch_up(rows)
+        t_iter = time.perf_counter()
         steps = self._draft(rows, probe)
         cuda = self.dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
         if cuda:
@@ -414,6 +416,21 @@ class BatchDecoder:
         from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
         r.tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
         return committed
+
+
+def _catch_up(rows: list[_Row]) -> None:
+    """Before a drafted iteration: drafts that sat out iterations (budget.Governor's plain ones)
+    are fed the tokens committed meanwhile, and lookup indexes take them in, outside the
+    iteration's timing -- the Governor compares drafting with a current draft against plain steps;
+    after a gap of 64 iterations the catch-up alone made a drafted iteration cost 4x a plain one
+    (16 rows), so trees could never win an exploration back.  (What catching up costs is the
+    price of exploring, bounded by the gap between explorations.)"""
+    late = [r.drafter for r in rows if r.drafter is not None and len(r.drafter.pending) > 2]
+    if late:
+        drive([(d, d.prefill()) for d in late])
+    for r in rows:
+        if r.index is not None:
+            r.index.catch_up()
 
 
 def _draw_masked(rows: list[_Row], outs: list, depths: list[list[int]]) -> None:

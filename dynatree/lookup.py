@@ -39,7 +39,8 @@ class NgramIndex:
     def extend(self, tokens: list[int]) -> None:
         self.seq.extend(tokens)
 
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
+        """Index the positions that gained a successor since the last lookup."""
         seq, last = self.seq, self.last
         for e in range(self.indexed, len(seq) - 1):  # positions with a successor
             for n in range(self.min_n, min(self.max_n, e + 1) + 1):
@@ -50,7 +51,7 @@ class NgramIndex:
         """(up to k tokens that followed the latest earlier occurrence of the longest matching
         suffix, that suffix's length n >= min_n); ([], 0) if none occurred.  A copy that runs into
         the present continues from its own output, so a loop of period p yields k tokens, not p."""
-        self._catch_up()
+        self.catch_up()
         seq, t = self.seq, len(self.seq)
         for n in range(min(self.max_n, t), self.min_n - 1, -1):
             e = self.last.get(tuple(seq[t - n:]))
