@@ -259,7 +259,7 @@ class BatchDecoder:
         if not rows:
             return
         t0 = time.perf_counter()
-        fed, copied = self._prefixes(rows, "target", [r.cache for r in rows], [r.prompt for r in rows])
+        fed, copied = self._prefixes(rows, "target")
         outs = [None] * len(rows)
         for r, n in zip(rows, copied):
             r.cached_tokens = n
@@ -278,7 +278,7 @@ class BatchDecoder:
                 rows[i].target_forwards += 1
                 rows[i].evict()
         _draw_masked(rows, outs, [[0]] * len(rows))
-        self._prefixes(rows, "target", [r.cache for r in rows], [r.prompt for r in rows], after=True)
+        self._prefixes(rows, "target", after=True)
         dt = time.perf_counter() - t0
         for r, o in zip(rows, outs):
             r.forward_time += dt
@@ -291,15 +291,13 @@ class BatchDecoder:
                 r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
         drafting = [r for r in rows if r.drafter is not None]
-        caches = [r.drafter.cache for r in drafting]
-        for r, held in zip(drafting, self._prefixes(drafting, "draft", caches, [r.prompt for r in drafting])[0]):
+        for r, held in zip(drafting, self._prefixes(drafting, "draft")[0]):
             r.drafter.pending = r.drafter.pending[held:]  # what prefix caching gave needs no feeding
         drive([(r.drafter, r.drafter.prefill()) for r in drafting])
-        self._prefixes(drafting, "draft", caches, [r.prompt for r in drafting], after=True)
+        self._prefixes(drafting, "draft", after=True)
 
-    def _prefixes(self, rows: list[_Row], which: str, caches: list, prompts: list[list[int]],
-                  after: bool = False) -> tuple[list[int], list[int]]:
-        """Prefix caching (prefix.py) for ``which`` model's caches of these rows, before their
+    def _prefixes(self, rows: list[_Row], which: str, after: bool = False) -> tuple[list[int], list[int]]:
+        """Prefix caching (prefix.py) for ``which`` model's caches of these rows' prompts, before their
         prefill (returns the prompt tokens each cache holds from it, and of those the ones copied
         from the store) or ``after`` it (stores the prefixes now seen twice).  Rows with a cache
         window take no part (their caches evict), nor rows with the option off."""
@@ -310,7 +308,7 @@ class BatchDecoder:
                 groups.setdefault(r.cfg.kv_dtype, []).append(i)
         for kv_dtype, idx in groups.items():
             store = self.pair.prefix_store(which, kv_dtype)
-            items = [(caches[i], prompts[i]) for i in idx]
+            items = [(rows[i].cache if which == "target" else rows[i].drafter.cache, rows[i].prompt) for i in idx]
             if after:
                 remember(store, items)
                 continue

@@ -168,9 +168,9 @@ class PrefixStore:
         run = next((i for i, node in enumerate(path) if node.segment is not path[0].segment), len(path))
         return Shared(path[0].segment, run * BLOCK, own)
 
-    def store(self, cache, tokens: list[int], blocks: int) -> None:
+    def store(self, cache, tokens: list[int], blocks: int) -> list[_Node]:
         """Store the first ``blocks`` blocks of ``tokens`` from ``cache`` (which holds their keys and
-        values at slots 0..), those not stored yet."""
+        values at slots 0..), those not stored yet; returns the chain of those blocks."""
         node, self.dtype, path = self.root, cache.layers[0].dtype, []
         for b in range(blocks):
             child = node.children.get(tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))
@@ -191,6 +191,7 @@ class PrefixStore:
             self.lru[n] = None
             self.lru.move_to_end(n)
         self._shrink()
+        return path
 
     def _shrink(self) -> None:
         while self.bytes > self.max_bytes and self.lru:
@@ -237,15 +238,16 @@ def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, 
         runner.forward([Seq(torch.tensor(items[i][1][held[i]:s * BLOCK], device=runner.device), items[i][0], keep=1)
                         for i, s in firsts])
         for i, s in firsts:
-            store.store(items[i][0], items[i][1], s)
+            chain = store.store(items[i][0], items[i][1], s)
             held[i] = s * BLOCK
             if items[i][0].shared is None:  # (one it has may cover slots it never wrote: it stays)
-                items[i][0].shared = store.alias(store.match(items[i][1])[:s])
+                items[i][0].shared = store.alias(chain)
         for j, (c, t) in enumerate(items):  # the others copy what the first ones computed
-            if held[j] < len(store.match(t)) * BLOCK:
+            path = store.match(t)
+            if held[j] < len(path) * BLOCK:
                 c.shared = None
                 c.truncate(0)
-                held[j] = copied[j] = store.copy_into(c, store.match(t), lazy)
+                held[j] = copied[j] = store.copy_into(c, path, lazy)
     return held, copied
 
 
@@ -261,7 +263,7 @@ def remember(store: PrefixStore | None, items: list[tuple[object, list[int]]]) -
         while twice < len(hs) and store.times_seen(hs[twice]) >= 2:
             twice += 1
         if twice:
-            store.store(cache, tokens, twice)
+            chain = store.store(cache, tokens, twice)
             if cache.shared is None:  # its own slots hold what the store now does: read them from there
-                cache.shared = store.alias(store.match(tokens)[:twice])
+                cache.shared = store.alias(chain[:(len(tokens) - 1) // BLOCK])
 
