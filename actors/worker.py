@@ -35,20 +35,25 @@ from dynatree.scheduler import Request, Scheduler
 from dynatree.stops import text_of
 
 
-def verify_selected(row_id, fraction: float) -> bool:
-    """Deterministic sample of ids for the AR equivalence check (same ids on every run)."""
+def _key(row_id, sample: int) -> str:
+    return str(row_id) if sample == 0 else f"{row_id}:{sample}"  # sample 0 keeps the 1-sample keys
+
+
+def verify_selected(row_id, fraction: float, sample: int = 0) -> bool:
+    """Deterministic choice of output rows for the AR equivalence check (the same on every run)."""
     if fraction >= 1.0:
         return True
     if fraction <= 0.0:
         return False
-    h = int(hashlib.sha256(str(row_id).encode()).hexdigest()[:8], 16)
+    h = int(hashlib.sha256(_key(row_id, sample).encode()).hexdigest()[:8], 16)
     return h / 0xFFFFFFFF < fraction
 
 
-def row_seed(seed: int, row_id) -> int:
-    """A sampled row's seed: fixed by (job seed, row id), so reruns, resumes and any sharding
-    reproduce it, while rows with equal prompts still draw different samples."""
-    return zlib.crc32(f"{seed}:{row_id}".encode())
+def row_seed(seed: int, row_id, sample: int = 0) -> int:
+    """A sampled row's seed: fixed by (job seed, row id, sample number), so reruns, resumes and
+    any sharding reproduce it, while rows with equal prompts (and a prompt's samples) still draw
+    different samples."""
+    return zlib.crc32(f"{seed}:{_key(row_id, sample)}".encode())
 
 
 def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, windowed: bool = False,
@@ -126,29 +131,34 @@ class ShardWorker:
                 "rates": dict(s.tuner.rates) if s.tuner is not None else {}}
 
     def _requests(self, rows: list[dict], results: list[dict]) -> tuple[list[Request], list[tuple[str, int]]]:
-        spec, reqs, slots = self.spec, [], []
-        for i, (r, out) in enumerate(zip(rows, results)):
+        spec, reqs, slots, n = self.spec, [], [], self.spec.samples
+        for i, r in enumerate(rows):
             try:
                 ids = prompt_ids(self.pair, r["text"], spec.max_new_tokens, spec.max_prompt_tokens,
                                  bool(self.cfg.kv_window), spec.chat_template)
             except ValueError as e:
-                out.update(error=str(e), finish_reason="error")
+                for out in results[i * n:(i + 1) * n]:
+                    out.update(error=str(e), finish_reason="error")
                 continue
-            cfg = self.cfg
-            if cfg.temperature > 0:
-                cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, out["id"]))
-            reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop))
-            slots.append(("gen", i))
-            # the ar reference (a sample: with the row's seed) decodes in the same batches
-            if verify_selected(out["id"], spec.verify_fraction):
-                reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, self.stop))
-                slots.append(("ref", i))
+            # a prompt's samples queue together: they join one prefill, which computes the prompt once
+            for k in range(n):
+                j, cfg = i * n + k, self.cfg
+                if cfg.temperature > 0:
+                    cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, r["id"], k))
+                reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop))
+                slots.append(("gen", j))
+                # the ar reference (a sample: with the row's seed) decodes in the same batches
+                if verify_selected(r["id"], spec.verify_fraction, k):
+                    reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, self.stop))
+                    slots.append(("ref", j))
         return reqs, slots
 
     def run_shard(self, shard: str, rows: list[dict]) -> list[dict]:
-        """rows: [{"id": ..., "text": ...}] -> one result row per input row, same order."""
+        """rows: [{"id": ..., "text": ...}] -> ``spec.samples`` result rows per input row, in order
+        (a row's samples together, numbered in ``sample`` when there are several)."""
         _maybe_die(shard, self.spec.output)
-        results = [result_row(r["id"], self.spec.method) for r in rows]
+        n = self.spec.samples
+        results = [result_row(r["id"], self.spec.method, sample=k if n > 1 else None) for r in rows for k in range(n)]
         reqs, slots = self._requests(rows, results)
         outcomes = self.scheduler.submit(reqs).result()
         refs = {}

@@ -92,16 +92,23 @@ def _arrow_type(annotation: str) -> pa.DataType:
 
 
 @functools.cache  # built once: result_row asks for its names on every row
-def output_schema() -> pa.Schema:
-    cols = list(_HEAD) + [(f.name, _arrow_type(f.type)) for cls in (Metrics, Check) for f in fields(cls)]
-    return pa.schema(cols)
+def output_schema(sampled: bool = False) -> pa.Schema:
+    """``sampled``: a job drawing several samples per prompt (JobSpec.samples) numbers them in a
+    ``sample`` column after ``id`` (absent otherwise, so older jobs' shards keep their columns)."""
+    head = list(_HEAD)
+    if sampled:
+        head.insert(1, ("sample", pa.int32()))
+    return pa.schema(head + [(f.name, _arrow_type(f.type)) for cls in (Metrics, Check) for f in fields(cls)])
 
 
-def result_row(row_id, method: str, error: str | None = None) -> dict:
-    """A row with every output column: metrics unset until :func:`fill_row`."""
-    row = dict.fromkeys(output_schema().names)
+def result_row(row_id, method: str, error: str | None = None, sample: int | None = None) -> dict:
+    """A row with every output column: metrics unset until :func:`fill_row`.  ``sample``: its
+    number among the prompt's samples (output_schema(sampled=True)), or None."""
+    row = dict.fromkeys(output_schema(sample is not None).names)
     row.update(id=str(row_id), method=method, error=error, finish_reason="error" if error else None,
                num_generated_tokens=0)
+    if sample is not None:
+        row["sample"] = sample
     return row
 
 

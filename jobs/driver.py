@@ -186,9 +186,12 @@ def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table
 
 
 def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Table) -> pa.Table:
-    if [r["id"] for r in results] != [r["id"] for r in rows]:
+    n = plan.samples
+    if [r["id"] for r in results] != [r["id"] for r in rows for _ in range(n)]:
         raise JobError("an actor returned rows that do not match its shard's ids")
-    table = pa.Table.from_pylist(results, schema=output_schema())
+    table = pa.Table.from_pylist(results, schema=output_schema(n > 1))
+    if n > 1:  # every sample row carries its prompt's kept columns
+        kept = kept.take(pa.array([i for i in range(len(rows)) for _ in range(n)], pa.int64()))
     for c in plan.keep:
         table = table.append_column(plan.schema.field(c), kept.column(c))
     return table
@@ -283,7 +286,8 @@ class _Dispatch:
         from ray.exceptions import RayActorError, RayTaskError
 
         inflight: dict = {}  # ref -> (slot, actor, shard number, rows, kept columns, alone)
-        bar = _progress(sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending)) if progress else None
+        total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
+        bar = _progress(total) if progress else None
         t0 = time.time()
         try:
             while pending or inflight:

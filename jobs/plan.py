@@ -35,6 +35,7 @@ class Plan:
     shard_size: int
     keep: tuple[str, ...]  # input columns copied to the output
     schema: pa.Schema  # the output rows' schema: result columns, then the kept ones
+    samples: int = 1  # output rows per input row (JobSpec.samples)
 
     @property
     def num_shards(self) -> int:
@@ -46,7 +47,7 @@ class Plan:
 
 
 def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
-    result_cols = set(output_schema().names)
+    result_cols = set(output_schema(spec.samples > 1).names)
     if spec.keep_columns is not None:
         missing = [c for c in spec.keep_columns if c not in source.column_names]
         if missing:
@@ -77,10 +78,10 @@ def make_plan(spec: JobSpec, log=print) -> Plan:
         keep = _kept_columns(spec, source, log)
     except InputError as e:
         raise JobError(str(e)) from e
-    schema = output_schema()
+    schema = output_schema(spec.samples > 1)
     for c in keep:
         schema = schema.append(source.schema.field(c))
-    return Plan(source, spec.shard_size, keep, schema)
+    return Plan(source, spec.shard_size, keep, schema, spec.samples)
 
 
 def _manifest(spec: JobSpec, plan: Plan) -> dict:

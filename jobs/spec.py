@@ -34,10 +34,10 @@ class SpecError(ValueError):
 
 OUTPUT_IDENTITY = ("input", "prompt_column", "id_column", "keep_columns", "target", "draft", "kernel",
                    "method", "options", "max_new_tokens", "max_prompt_tokens", "ignore_eos", "dtype",
-                   "shard_size", "verify_fraction", "stop", "stop_token_ids", "chat_template")
+                   "shard_size", "verify_fraction", "stop", "stop_token_ids", "chat_template", "samples")
 # identity fields left out of identity() while they hold their default, so that jobs started before
 # the field existed keep their identity (and resume)
-_LATER_FIELDS = {"stop": (), "stop_token_ids": (), "chat_template": False}
+_LATER_FIELDS = {"stop": (), "stop_token_ids": (), "chat_template": False, "samples": 1}
 
 
 def _f(default, help: str, **meta):
@@ -64,6 +64,8 @@ class JobSpec:
     max_new_tokens: int = _f(128, "new tokens per prompt (T)")
     max_prompt_tokens: int | None = _f(512, "L_max: prompts keep their last L_max tokens")
     ignore_eos: bool = _f(False, "generate max_new_tokens even past EOS")
+    samples: int = _f(1, "completions drawn per prompt, each an output row (its number in column sample, "
+                         "its own seed); needs sampling (--option temperature=...)")
     chat_template: bool = _f(False, "render each prompt with the target tokenizer's chat template: a string as "
                                     "one user message, or a list of {role, content} messages")
     stop: tuple = _f((), "end a row where its generated text contains this string; the text ends before "
@@ -108,6 +110,8 @@ class JobSpec:
             problems.append("max_new_tokens must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             problems.append("max_prompt_tokens must be >= 1")
+        if self.samples < 1:
+            problems.append("samples must be >= 1")
         if self.max_retries < 0:
             problems.append("max_retries must be >= 0")
         if self.shard_size < 1:
@@ -141,7 +145,9 @@ class JobSpec:
         if (self.target is None) != (self.draft is None) and self.method != "ar":
             problems.append("give both target and draft, or neither (the bundled demo pair)")
         try:
-            make_config(self.method, self.options)
+            if self.samples > 1 and make_config(self.method, self.options).temperature <= 0:
+                problems.append(f"samples={self.samples} needs sampling (option temperature > 0): greedy "
+                                "samples of a prompt would all be the same")
         except (ValueError, TypeError) as e:
             problems.append(str(e))
         try:

@@ -40,7 +40,7 @@ class _Moments:
         return {"mean": mean, "std": math.sqrt(var), "n": self.n}
 
 
-_COLUMNS = ["id", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
+_COLUMNS = ["id", "sample", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
             "acceptance_rate", "lookup_tokens", "ttft_s", "tpot_s", "ar_tokens_per_s", "matches_ar",
             "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens"]
 _MOMENTS = ("tokens_per_s", "tokens_per_iteration", "acceptance_rate", "ttft_s", "tpot_s")
@@ -83,7 +83,8 @@ def _tally(out: Path) -> dict:
                 if not r["matches_ar"]:
                     t["mismatches"] += 1
                     if len(t["mismatched"]) < 50:
-                        t["mismatched"].append({k: r[k] for k in ("id", "first_divergence", "divergence_margin")})
+                        t["mismatched"].append({k: r[k] for k in ("id", "sample", "first_divergence",
+                                                                  "divergence_margin") if k in r})
     return t
 
 

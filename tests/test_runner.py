@@ -307,6 +307,42 @@ def test_sampled_job_reproducible_per_row(ray_cluster, pair_dirs, tmp_path):
     assert len({tuple(r["generated_token_ids"]) for r in a}) > 1
 
 
+def test_samples_per_prompt(ray_cluster, pair_dirs, tmp_path):
+    """samples=3: three output rows per prompt, numbered, each with its own seed (sample 0 is the
+    row a 1-sample job draws), kept columns repeated, a bad prompt's samples all errors; the
+    samples share the prompt's prefill; a resume redoes a lost shard's samples exactly."""
+    header = "Call me Ishmael. Some years ago, never mind how long precisely. Call me Ishmael. "  # ~72 tokens
+    texts = [header + PROMPTS[0], *PROMPTS[1:5], None]
+    keys = [f"k{i}" for i in range(len(texts))]
+    pq.write_table(pa.table({"key": keys, "text": texts, "topic": [f"t{i}" for i in keys]}), tmp_path / "in.parquet")
+    opts = {"temperature": 0.9, "seed": 5}
+    s = run_job(spec(pair_dirs, tmp_path, options=opts, samples=3, num_actors=1, batch_size=8), progress=False,
+                log=quiet)
+    rows = read_rows(tmp_path / "out")
+    assert [(r["id"], r["sample"], r["topic"]) for r in rows] == [(k, j, f"t{k}") for k in keys for j in range(3)]
+    good, bad = rows[:-3], rows[-3:]
+    assert all(r["error"] is None and r["matches_ar"] is True for r in good)
+    assert all("null" in r["error"] for r in bad) and s["rows"] == 18 and s["errors"] == 3
+    assert s["equivalence"]["checked"] == 15 and s["equivalence"]["mismatches"] == 0
+    draws = [{tuple(r["generated_token_ids"]) for r in good[i:i + 3]} for i in range(0, 15, 3)]
+    assert sum(len(d) > 1 for d in draws) >= 3  # a prompt's samples differ
+    assert sum(r["cached_prompt_tokens"] for r in good[:3]) >= 64  # the long prompt computed once
+    one = run_job(spec(pair_dirs, tmp_path, options=opts, output=str(tmp_path / "one"), method="linear",
+                       verify_fraction=0.0), progress=False, log=quiet)
+    assert one["rows"] == len(texts) and "sample" not in pq.read_schema(tmp_path / "one/shards/part-000000.parquet").names
+    assert [r["generated_token_ids"] for r in read_rows(tmp_path / "one")][:-1] == \
+        [r["generated_token_ids"] for r in good if r["sample"] == 0]
+    os.remove(tmp_path / "out/shards/part-000001.parquet")
+    again = run_job(spec(pair_dirs, tmp_path, options=opts, samples=3, num_actors=1, batch_size=3),
+                    progress=False, log=quiet)
+    assert again["this_run"]["shards_this_run"] == 1
+    def same(rs):  # what a resume must reproduce (timings differ)
+        return [(r["id"], r["sample"], r["topic"], r["generated_token_ids"]) for r in rs]
+    assert same(read_rows(tmp_path / "out")) == same(rows)
+    with pytest.raises(SpecError, match="samples=2 needs sampling"):
+        spec(pair_dirs, tmp_path, samples=2)
+
+
 def test_changed_input_resume_is_refused(ray_cluster, pair_dirs, tmp_path):
     """Defect: the same path with other contents must not resume into lost and duplicated ids."""
     write_input(tmp_path)
