@@ -145,11 +145,13 @@ class ShardWorker:
                 j, cfg = i * n + k, self.cfg
                 if cfg.temperature > 0:
                     cfg = dataclasses.replace(cfg, seed=row_seed(cfg.seed, r["id"], k))
-                reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop))
-                slots.append(("gen", j))
                 # the ar reference (a sample: with the row's seed) decodes in the same batches
-                if verify_selected(r["id"], spec.verify_fraction, k):
-                    reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, self.stop))
+                checked = verify_selected(r["id"], spec.verify_fraction, k)
+                reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop, checked or k < n - 1))
+                slots.append(("gen", j))
+                if checked:
+                    reqs.append(Request(ids, ar_reference(cfg), spec.max_new_tokens, spec.ignore_eos, self.stop,
+                                        k < n - 1))
                     slots.append(("ref", j))
         return reqs, slots
 

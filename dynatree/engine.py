@@ -114,7 +114,7 @@ class _Row:
     prompt and every committed token but the last (the root of the next tree)."""
 
     def __init__(self, key, pair: ModelPair, prompt: list[int], cfg, max_new_tokens: int, ignore_eos: bool,
-                 stop: Stop | None = None):
+                 stop: Stop | None = None, again: bool = False):
         self.key, self.prompt, self.cfg, self.max_new_tokens = key, prompt, cfg, max_new_tokens
         self.policy = make_policy(cfg)
         self.policy.attach(pair)
@@ -138,6 +138,7 @@ class _Row:
         self.t_start = time.perf_counter()
         self.ttft = self.verify_time = self.forward_time = 0.0
         self.cached_tokens = 0  # prompt tokens whose keys/values came from prefix caching (prefix.py)
+        self.again = again  # more rows with this prompt follow (BatchDecoder.add)
         self.target_forwards = 0
         self.last_n = 1  # tokens this row put in the last target forward
         self.budgeted = getattr(self.policy, "latency", None) is not None  # under the hardware budget
@@ -210,9 +211,10 @@ class BatchDecoder:
         return len(self.joining) + len(self.active)
 
     def add(self, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
-            stop: Stop | None = None, key=None) -> None:
+            stop: Stop | None = None, key=None, again: bool = False) -> None:
         """Queue a prompt (token ids); ``key`` names it in :meth:`step`'s results; ``stop``: stop
-        strings and token ids (stops.py)."""
+        strings and token ids (stops.py); ``again``: more rows with this prompt will follow (a
+        job's samples), so prefix caching keeps it from its first prefill, not its second."""
         cfg = cfg if cfg is not None else ARConfig()
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
@@ -231,7 +233,7 @@ class BatchDecoder:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
                                f"window: option kv_window, e.g. {self.pair.max_context // 2})")
-        self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos, stop))
+        self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos, stop, again))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], str, Metrics]]:
@@ -310,7 +312,7 @@ class BatchDecoder:
             store = self.pair.prefix_store(which, kv_dtype)
             items = [(rows[i].cache if which == "target" else rows[i].drafter.cache, rows[i].prompt) for i in idx]
             if after:
-                remember(store, items)
+                remember(store, items, [rows[i].again for i in idx])
                 continue
             runner = self.pair.runner(which)
             for i, h, c in zip(idx, *prefill_shared(store, runner, items, lazy=getattr(runner, "native", False))):

@@ -124,10 +124,10 @@ class PrefixStore:
             self.lru.move_to_end(n)
         return path
 
-    def count(self, hashes: list[int]) -> None:
-        """One more prompt began with each of these chains."""
+    def count(self, hashes: list[int], times: int = 1) -> None:
+        """``times`` more prompts began with each of these chains."""
         for h in hashes:
-            self.seen[h] = self.seen.get(h, 0) + 1
+            self.seen[h] = self.seen.get(h, 0) + times
             self.seen.move_to_end(h)
         while len(self.seen) > SEEN:
             self.seen.popitem(last=False)
@@ -251,14 +251,15 @@ def prefill_shared(store: PrefixStore | None, runner, items: list[tuple[object, 
     return held, copied
 
 
-def remember(store: PrefixStore | None, items: list[tuple[object, list[int]]]) -> None:
+def remember(store: PrefixStore | None, items: list[tuple[object, list[int]]], again: list[bool] | None = None) -> None:
     """After a prefill: count the chains these prompts began with, and store those now seen twice
-    (from the caches, which hold the prompts' keys/values at slots 0..)."""
+    (from the caches, which hold the prompts' keys/values at slots 0..).  ``again[i]``: prompt i
+    is known to come back (a job's samples), so it counts as seen twice at once."""
     if store is None:
         return
-    for cache, tokens in items:
+    for i, (cache, tokens) in enumerate(items):
         hs = chain_hashes(tokens, len(tokens) // BLOCK)
-        store.count(hs)
+        store.count(hs, 2 if again and again[i] else 1)
         twice = 0
         while twice < len(hs) and store.times_seen(hs[twice]) >= 2:
             twice += 1

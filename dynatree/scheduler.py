@@ -46,6 +46,7 @@ class Request:
     max_new_tokens: int
     ignore_eos: bool = False
     stop: Stop | None = None
+    again: bool = False  # more rows with this prompt follow (BatchDecoder.add)
 
 
 @dataclass
@@ -210,7 +211,7 @@ class Scheduler:
                     continue
                 try:
                     dec.add(r.ids, r.cfg, max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
-                            stop=r.stop, key=(group, i))
+                            stop=r.stop, key=(group, i), again=r.again)
                 except ValueError as e:  # this row only
                     group.resolve(i, e)
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory for its cache: its shard fails

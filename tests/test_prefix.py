@@ -127,6 +127,27 @@ def test_templated_prompts_decode_as_without_prefix_caching_float64(method, opts
         assert pair.prefix_store("draft", cfg.kv_dtype).reused >= 4 * 2 * BLOCK
 
 
+def test_a_prompt_said_to_come_again_is_kept_from_its_first_prefill():
+    """A job's samples of one prompt join as batch slots free up, one by one: told that the prompt
+    comes again, the store keeps it after the first prefill, so every later sample copies it."""
+    target = tiny_neox(1)
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
+    prompt, cfg = templated(1, seed=3)[0], make_config("dynatree", {"temperature": 0.9})
+
+    def one_by_one(again):
+        pair.forget_prefixes()
+        out = []
+        for k in range(3):
+            dec = BatchDecoder(pair)
+            dec.add(prompt, cfg, max_new_tokens=4, again=again and k < 2)
+            while dec:
+                out += [m.cached_prompt_tokens for _, _, _, m in dec.step()]
+        return out
+
+    assert one_by_one(False) == [0, 0, 2 * BLOCK]
+    assert one_by_one(True) == [0, 2 * BLOCK, 2 * BLOCK]
+
+
 @pytest.mark.parametrize("opts", [{"kv_window": 48, "kv_sinks": 4, "kv_evict": 8}, {"prefix_cache": False}])
 def test_rows_with_a_cache_window_or_the_option_off_do_not_share(opts):
     target = tiny_neox(1)
