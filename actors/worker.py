@@ -36,7 +36,10 @@ from dynatree.stops import text_of
 
 
 def _key(row_id, sample: int) -> str:
-    return str(row_id) if sample == 0 else f"{row_id}:{sample}"  # sample 0 keeps the 1-sample keys
+    """Sample 0 keeps a 1-sample job's key (so it draws that job's row).  Ids may hold any
+    character, so the others' keys are told apart by the character after what precedes them
+    (``row_seed``: the seed's digits), never by the id."""
+    return f":{row_id}" if sample == 0 else f"/{sample}:{row_id}"
 
 
 def verify_selected(row_id, fraction: float, sample: int = 0) -> bool:
@@ -45,7 +48,8 @@ def verify_selected(row_id, fraction: float, sample: int = 0) -> bool:
         return True
     if fraction <= 0.0:
         return False
-    h = int(hashlib.sha256(_key(row_id, sample).encode()).hexdigest()[:8], 16)
+    key = str(row_id) if sample == 0 else _key(row_id, sample)
+    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
     return h / 0xFFFFFFFF < fraction
 
 
@@ -53,7 +57,7 @@ def row_seed(seed: int, row_id, sample: int = 0) -> int:
     """A sampled row's seed: fixed by (job seed, row id, sample number), so reruns, resumes and
     any sharding reproduce it, while rows with equal prompts (and a prompt's samples) still draw
     different samples."""
-    return zlib.crc32(f"{seed}:{_key(row_id, sample)}".encode())
+    return zlib.crc32(f"{seed}{_key(row_id, sample)}".encode())
 
 
 def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, windowed: bool = False,

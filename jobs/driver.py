@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.names import context_len, model_problem
+from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
@@ -104,8 +104,10 @@ def preflight(spec: JobSpec) -> None:
             raise JobError(f"{flag} {name}: {problem}")
     t, d = (Path(n).expanduser() if n else None for n in names.values())
     _check_window(spec, [p for p in (t, d) if p is not None])
-    if spec.chat_template and t is not None and t.is_dir() and not _has_chat_template(t):
-        raise JobError(f"--chat-template: the target {spec.target}'s tokenizer has no chat template")
+    tt = t if t is not None or spec.target else default_pair_dir() / "target"  # no --target: the demo pair
+    if spec.chat_template and tt.is_dir() and not _has_chat_template(tt):
+        raise JobError(f"--chat-template: the target {spec.target or '(the bundled demo pair)'}'s tokenizer "
+                       "has no chat template")
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
         return
     tj, dj = t / "tokenizer.json", d / "tokenizer.json"

@@ -145,9 +145,10 @@ class JobSpec:
         if (self.target is None) != (self.draft is None) and self.method != "ar":
             problems.append("give both target and draft, or neither (the bundled demo pair)")
         try:
-            if self.samples > 1 and make_config(self.method, self.options).temperature <= 0:
-                problems.append(f"samples={self.samples} needs sampling (option temperature > 0): greedy "
-                                "samples of a prompt would all be the same")
+            cfg = make_config(self.method, self.options)
+            if self.samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
+                problems.append(f"samples={self.samples} needs sampling (option temperature > 0, top_k not 1): "
+                                "otherwise every sample of a prompt would be the same")
         except (ValueError, TypeError) as e:
             problems.append(str(e))
         try:

@@ -58,11 +58,12 @@ def read_rows(out: Path) -> list[dict]:
     return rows
 
 
-def _tally(out: Path) -> dict:
+def _tally(out: Path, sampled: bool = False) -> dict:
     t = {"rows": 0, "errors": 0, "tokens": 0, "lookup": 0, "checked": 0, "mismatched": [], "mismatches": 0,
          "prompt": 0, "cached": 0, "reasons": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
-        have = set(pq.read_schema(f).names)  # a shard from an older version may lack newer columns
+        have = set(pq.read_schema(f).names) - (set() if sampled else {"sample"})  # an older version's shard
+        # may lack newer columns; a 1-sample job's "sample" is an input column
         for r in pq.read_table(f, columns=[c for c in _COLUMNS if c in have]).to_pylist():
             t["rows"] += 1
             if r["finish_reason"]:
@@ -89,7 +90,7 @@ def _tally(out: Path) -> dict:
 
 
 def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> dict:
-    t = _tally(out)
+    t = _tally(out, getattr(spec, "samples", 1) > 1)
     wall = run_stats.get("wall_time_s") or 0.0
     checked = t["checked"]
     return {

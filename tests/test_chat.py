@@ -98,3 +98,5 @@ def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
     pq.write_table(pa.table({"key": ["a"], "text": ["hello"]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="has no chat template"):
         run_job(spec(pair_dirs, tmp_path, chat_template=True), progress=False, log=quiet)
+    with pytest.raises(JobError, match="demo pair.* has no chat template"):  # no --target: the bundled pair's
+        run_job(spec(pair_dirs, tmp_path, chat_template=True, target=None, draft=None), progress=False, log=quiet)

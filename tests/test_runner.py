@@ -341,6 +341,16 @@ def test_samples_per_prompt(ray_cluster, pair_dirs, tmp_path):
     assert same(read_rows(tmp_path / "out")) == same(rows)
     with pytest.raises(SpecError, match="samples=2 needs sampling"):
         spec(pair_dirs, tmp_path, samples=2)
+    with pytest.raises(SpecError, match="samples=2 needs sampling"):  # top_k = 1 draws the argmax
+        spec(pair_dirs, tmp_path, samples=2, options={"temperature": 0.9, "top_k": 1})
+
+
+def test_a_sample_seed_is_not_another_rows():
+    """Ids may hold any character: (id "q", sample 1) must not draw with (id "q:1", sample 0)'s seed."""
+    from dynatree.actors.worker import row_seed
+    assert row_seed(5, "q", 1) != row_seed(5, "q:1", 0) and row_seed(5, "q", 0) == row_seed(5, "q")
+    seeds = {row_seed(5, i, k) for i in ("q", "q:1", "q:0", '["q", 1]') for k in range(3)}
+    assert len(seeds) == 12
 
 
 def test_changed_input_resume_is_refused(ray_cluster, pair_dirs, tmp_path):
