@@ -52,11 +52,13 @@ def _pair_options(f):
               "(repeatable; the text ends before it)")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=click.IntRange(min=0),
               help="end when this token id is generated (repeatable)")
+@click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1),
+              help="draws per prompt (needs --option temperature=T), each with its own seed, a prompt's together")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True,
               help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
 def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
-             ignore_eos, chat_template, stop, stop_token_ids, check_ar, as_json):
+             ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import truncate_prompt
@@ -72,7 +74,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         if chat_template or max_prompt_tokens:
             prompts = [truncate_prompt(pair.encode_chat(p) if chat_template else pair.encode(p), max_prompt_tokens,
                                        chat_template) for p in prompts]
-        limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids)
+        limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
+                      samples=samples)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
         results = [g.as_dict() for g in gens]
         if check_ar:  # ar with the method's seed and cache window

@@ -31,7 +31,7 @@ once; rows sampling under top-k / top-p add one more at each, for all of their d
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -44,7 +44,7 @@ from .models import ModelPair, is_chat
 from .budget import Governor
 from .policies import make_policy
 from .prefix import prefill_shared, remember
-from .sampling import Sampler, choose_each, head, in_head
+from .sampling import Sampler, choose_each, head, in_head, sample_seed
 from .stops import Stop, text_of
 from .runtime import KeyMask, Seq
 from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
@@ -473,6 +473,16 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     return decode_batch(pair, [prompt_ids], cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop)[0]
 
 
+def _samples_of(cfg, samples: int) -> list:
+    """One config per sample, each with its own seed (sampling.sample_seed)."""
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"samples must be a whole number >= 1, got {samples!r}")
+    if samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
+        raise ValueError(f"samples={samples} needs sampling (option temperature > 0, top_k not 1): otherwise "
+                         "every sample of a prompt would be the same")
+    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(samples)]
+
+
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
              options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
              stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
@@ -483,12 +493,15 @@ def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str 
 
 def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]], method: str = "dynatree",
                    options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
-                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> list[Generation]:
+                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                   samples: int = 1) -> list[Generation]:
     """Decode several prompts together, many sequences per forward (BatchDecoder); one Generation
     per prompt, in order.  A prompt is a text, token ids, or chat messages ([{"role", "content"}],
     rendered with the tokenizer's chat template, the assistant's turn opened).  ``stop``: a string or strings whose
     appearance in the generated text ends it (the text ends before it); ``stop_token_ids``:
-    tokens that end it like EOS (stops.py)."""
+    tokens that end it like EOS (stops.py).  ``samples``: draws per prompt (sampling only), each
+    with its own seed, the first with the config's; ``samples`` Generations per prompt, a prompt's
+    together, computing the prompt once (prefix caching)."""
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -498,6 +511,8 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
-    return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(cfg))
-            for toks, reason, metrics in decode_batch(pair, ids, cfg, max_new_tokens=max_new_tokens,
-                                                      ignore_eos=ignore_eos, stop=rule)]
+    cfgs = _samples_of(cfg, samples) * len(ids)
+    ids = [p for p in ids for _ in range(samples)]
+    return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(c))
+            for c, (toks, reason, metrics) in zip(cfgs, decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens,
+                                                                     ignore_eos=ignore_eos, stop=rule))]

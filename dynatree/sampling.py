@@ -43,6 +43,12 @@ def _mix(seed: int, j: int) -> int:
     return z ^ (z >> 31)
 
 
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of a prompt's sample number ``sample`` (generate_batch's ``samples``): sample 0
+    draws with ``seed`` itself, so a single sample is the plain generation."""
+    return seed if sample == 0 else _mix(seed, -1 - sample)  # j < 0: no generated index's noise key
+
+
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
     """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values."""
     x = x ^ (x >> 16)

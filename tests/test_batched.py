@@ -117,6 +117,30 @@ def test_generate_batch_is_generate_per_prompt(close_pair):
         assert (g.token_ids, g.finish_reason, g.options) == (one.token_ids, one.finish_reason, one.options)
 
 
+def test_generate_batch_samples(close_pair):
+    """samples=3: three draws per prompt, a prompt's together; the first is the 1-sample generation,
+    each is ar's draw with the seed its options record, and a prompt's draws differ."""
+    from dynatree import generate_batch
+
+    prompts, opts = random_prompts(2, seed=28, lo=40, hi=60), {"temperature": 1.0, "seed": 3}
+    gens = generate_batch(close_pair, prompts, "dynatree", opts, max_new_tokens=10, ignore_eos=True, samples=3)
+    assert len(gens) == 6
+    one = generate_batch(close_pair, prompts, "dynatree", opts, max_new_tokens=10, ignore_eos=True)
+    assert [g.token_ids for g in gens[::3]] == [g.token_ids for g in one]
+    assert [g.options["seed"] for g in gens[:3]] == [g.options["seed"] for g in gens[3:]] and gens[1].options["seed"] != 3
+    for i, g in enumerate(gens):
+        ar = generate_batch(close_pair, [prompts[i // 3]], "ar", {**opts, "seed": g.options["seed"]},
+                            max_new_tokens=10, ignore_eos=True)[0]
+        assert g.token_ids == ar.token_ids
+    assert len({tuple(g.token_ids) for g in gens[:3]}) > 1 or len({tuple(g.token_ids) for g in gens[3:]}) > 1
+    assert sum(g.metrics.cached_prompt_tokens for g in gens) > 0  # a prompt's draws share its prefill
+    for bad in ({}, {"temperature": 1.0, "top_k": 1}):
+        with pytest.raises(ValueError, match="samples=2 needs sampling"):
+            generate_batch(close_pair, prompts, "ar", bad, samples=2)
+    with pytest.raises(ValueError, match="samples must be"):
+        generate_batch(close_pair, prompts, "ar", opts, samples=0)
+
+
 def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
     from dynatree import generate
     with pytest.raises(ValueError, match="empty"):
