@@ -165,7 +165,8 @@ class NativeForward:
             d.rows, d.past, d.cap, d.keep = n, past, layers[0].capacity, keep
             d.kvfmt = native.KV_FORMATS[layers[0].keys.dtype]
             if cache.shared is not None:  # a shared prompt prefix: read from its one copy (prefix.py)
-                d.shared, ks, vs, d.scap = cache.shared.pointers()
+                ends, ks, vs, scaps = cache.shared.pointers()
+                d.nshare, d.ends, d.scaps = len(ends), ctypes.addressof(ends), ctypes.addressof(scaps)
                 d.ks, d.vs = ctypes.addressof(ks), ctypes.addressof(vs)
             if s.perturb is not None:  # sampling's heads: one noise row per kept row
                 noise = [g if g.dtype == torch.float32 else g.float() for g in s.perturb.noise(cols)]

@@ -56,7 +56,10 @@ class DtSeq(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_long), ("past", ctypes.c_long), ("visible", ctypes.c_long), ("cap", ctypes.c_long),
                 ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
                 ("kvfmt", ctypes.c_long), ("noise", ctypes.c_void_p), ("inv_temp", ctypes.c_float),
-                ("shared", ctypes.c_long), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p), ("scap", ctypes.c_long)]
+                ("nshare", ctypes.c_long), ("ends", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
+                ("scaps", ctypes.c_void_p)]
+
+MAX_PIECES = 16  # csrc/attn.h DT_MAX_PIECES: the most pieces a shared prefix is read in
 
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # cache element types the kernel reads (dt_seq.kvfmt)
 

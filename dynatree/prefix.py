@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from .native import MAX_PIECES
 from .runtime import Seq
 
 BLOCK = 32  # tokens per block: the granularity of sharing
@@ -40,45 +41,58 @@ class Segment:
     shared prefix's keys/values from here rather than from each row's copy (:class:`Shared`), so a
     batch of rows that share it streams it from memory once."""
 
-    __slots__ = ("keys", "values", "nbytes", "live", "_ptrs")
+    __slots__ = ("keys", "values", "nbytes", "live")
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         self.keys, self.values = keys, values
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
         self.live = 0  # stored blocks viewing it
-        self._ptrs = None
-
-    def pointers(self):
-        """Per layer key and value addresses as the C kernel takes them, and the keys' head stride."""
-        if self._ptrs is None:
-            import ctypes
-
-            n = len(self.keys)
-            self._ptrs = ((ctypes.c_void_p * n)(*[k.data_ptr() for k in self.keys]),
-                          (ctypes.c_void_p * n)(*[v.data_ptr() for v in self.values]), self.keys[0].shape[1])
-        return self._ptrs
 
 
 class Shared:
-    """A cache's first ``length`` slots as a segment holds them (kvcache.BufferCache.shared).
+    """A cache's first ``length`` slots as segments hold them (kvcache.BufferCache.shared): in
+    ``pieces`` (segment, its first block, blocks), one per run of a chain's blocks that one segment
+    holds -- a chain stored in steps (a template, then a prompt that extends it) has several.
     ``own``: whether the cache's own slots hold them too; for the native kernel they need not (it
-    reads the segment), and a torch forward first copies them in (:meth:`materialize`)."""
+    reads the segments), and a torch forward first copies them in (:meth:`materialize`)."""
 
-    __slots__ = ("segment", "length", "own")
+    __slots__ = ("pieces", "length", "own", "_ptrs")
 
-    def __init__(self, segment: Segment, length: int, own: bool = True):
-        self.segment, self.length, self.own = segment, length, own
+    def __init__(self, pieces: list[tuple[Segment, int, int]], own: bool = True):
+        self.pieces, self.own, self._ptrs = pieces, own, None
+        self.length = sum(n for _, _, n in pieces) * BLOCK
 
     def pointers(self):
-        ks, vs, cap = self.segment.pointers()
-        return self.length, ks, vs, cap
+        """As the C kernel takes them (csrc/neox.c dt_seq): each piece's end slot; per layer, each
+        piece's first key (value) address; each piece's segment's head stride."""
+        if self._ptrs is None:
+            import ctypes
+
+            ends, first, strides = [], 0, []
+            for seg, _, n in self.pieces:
+                first += n * BLOCK
+                ends.append(first)
+                strides.append(seg.keys[0].shape[1])
+
+            def starts(which):  # [layer * pieces + piece]: the piece's first slot in every head's rows
+                return [(t := getattr(seg, which)[i]).data_ptr() + at * BLOCK * t.shape[-1] * t.element_size()
+                        for i in range(len(self.pieces[0][0].keys)) for seg, at, _ in self.pieces]
+
+            ks, vs = starts("keys"), starts("values")
+            self._ptrs = ((ctypes.c_long * len(ends))(*ends), (ctypes.c_void_p * len(ks))(*ks),
+                          (ctypes.c_void_p * len(vs))(*vs), (ctypes.c_long * len(strides))(*strides))
+        return self._ptrs
 
     def materialize(self, cache) -> None:
         """Copy the shared slots into the cache's own (once)."""
         if not self.own:
-            for layer, k, v in zip(cache.layers, self.segment.keys, self.segment.values):
-                layer.keys[0, :, :self.length] = k[:, :self.length]
-                layer.values[0, :, :self.length] = v[:, :self.length]
+            b = 0
+            for seg, at, n in self.pieces:
+                lo, hi = at * BLOCK, (at + n) * BLOCK
+                for layer, k, v in zip(cache.layers, seg.keys, seg.values):
+                    layer.keys[0, :, b:b + n * BLOCK] = k[:, lo:hi]
+                    layer.values[0, :, b:b + n * BLOCK] = v[:, lo:hi]
+                b += n * BLOCK
             self.own = True
 
 
@@ -89,6 +103,19 @@ class _Node:
 
     def __init__(self, parent: "_Node | None", tokens: tuple, segment: Segment | None = None, index: int = 0):
         self.parent, self.tokens, self.children, self.segment, self.index = parent, tokens, {}, segment, index
+
+
+def _runs(path: list[_Node], b: int = 0) -> list[tuple[int, int]]:
+    """The runs [b, e) of a chain's blocks from block ``b`` on that one segment holds: they copy
+    as one slice, and the kernel reads each as one piece."""
+    runs = []
+    while b < len(path):
+        e = b + 1
+        while e < len(path) and path[e].segment is path[b].segment:
+            e += 1
+        runs.append((b, e))
+        b = e
+    return runs
 
 
 def chain_hashes(tokens: list[int], blocks: int) -> list[int]:
@@ -142,31 +169,25 @@ class PrefixStore:
             return 0
         n = len(path) * BLOCK
         cache.shared = self.alias(path, own=not lazy)
-        runs, b = [], cache.shared.length // BLOCK if lazy else 0
-        while b < len(path):  # consecutive blocks of one segment copy as one slice
-            e = b + 1
-            while e < len(path) and path[e].segment is path[b].segment:
-                e += 1
-            runs.append((b, e, path[b].segment, path[b].index))
-            b = e
+        b0 = cache.shared.length // BLOCK if lazy else 0  # blocks the cache reads from its own slots
         for i, layer in enumerate(cache.layers):
             k0 = path[0].segment.keys[i]
             layer.reserve(n, k0.shape[0], k0.shape[-1], self.dtype, k0.device)
-            for b, e, seg, at in runs:
-                lo, hi = at * BLOCK, (at + e - b) * BLOCK
-                layer.keys[0, :, b * BLOCK:e * BLOCK] = seg.keys[i][:, lo:hi]
-                layer.values[0, :, b * BLOCK:e * BLOCK] = seg.values[i][:, lo:hi]
+            for b, e in _runs(path, b0):
+                lo, hi = path[b].index * BLOCK, (path[b].index + e - b) * BLOCK
+                layer.keys[0, :, b * BLOCK:e * BLOCK] = path[b].segment.keys[i][:, lo:hi]
+                layer.values[0, :, b * BLOCK:e * BLOCK] = path[b].segment.values[i][:, lo:hi]
             layer.length = n
         self.reused += n
         return n
 
     @staticmethod
     def alias(path: list[_Node], own: bool = True) -> Shared | None:
-        """The longest start of a matched chain that one segment holds, as a cache's shared slots."""
+        """A matched chain as a cache's shared slots: its runs of one segment's blocks, as many as
+        the kernel reads (native.MAX_PIECES; the cache holds the rest itself)."""
         if not path:
             return None
-        run = next((i for i, node in enumerate(path) if node.segment is not path[0].segment), len(path))
-        return Shared(path[0].segment, run * BLOCK, own)
+        return Shared([(path[b].segment, path[b].index, e - b) for b, e in _runs(path)][:MAX_PIECES], own)
 
     def store(self, cache, tokens: list[int], blocks: int) -> list[_Node]:
         """Store the first ``blocks`` blocks of ``tokens`` from ``cache`` (which holds their keys and

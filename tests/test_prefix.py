@@ -190,12 +190,13 @@ def test_copied_prefixes_are_the_bits_a_prefill_writes_native(method):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("isa", native.variants_here())
-@pytest.mark.parametrize("family", ["neox", "qwen3"])
-def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, family, monkeypatch):
+@pytest.mark.parametrize("family,stepped", [("neox", False), ("qwen3", False), ("neox", True)])
+def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, family, stepped, monkeypatch):
     """On every variant, for GPT-NeoX and a grouped-query Llama-family model: rows that share a
     prefix point at the store's copy (kvcache.BufferCache.shared) and the C forward reads it from
     there -- with each row's own copy of those slots wiped, the tokens are still batch-1 ar's,
-    bitwise; with the store's copy wiped, they are not."""
+    bitwise; with the store's copy wiped, they are not.  ``stepped``: the prompts extend a stored
+    one-block template by a block, so their chain lies in two segments, read as two pieces."""
     monkeypatch.setenv("DYNATREE_ISA", isa)
     if family == "neox":
         t, d = tiny_neox(31, hidden=64, dtype=torch.float32), tiny_neox(32, hidden=64, layers=1, dtype=torch.float32)
@@ -206,10 +207,16 @@ def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, family, monkeyp
     pair = pair_from_models(t, d, None, eos_token_id=EOS)
     assert pair.runner("target").native and pair.runner("draft").native
     prompts, cfg = templated(4, seed=6), make_config("dynatree")
+    rng, vocab = random.Random(9), [t for t in range(96) if t != EOS]
+    if stepped:  # another second block, the same in every prompt
+        ext = rng.choices(vocab, k=BLOCK)
+        prompts = [p[:BLOCK] + ext + p[2 * BLOCK:] for p in prompts]
     refs = [decode(pair, p, make_config("ar"), max_new_tokens=16, ignore_eos=True)[0] for p in prompts]
 
     def run(wipe):
         pair.forget_prefixes()
+        if stepped:  # the first block stored first (target and draft), as a segment of its own
+            decode_batch(pair, [HEADER[:BLOCK] + rng.choices(vocab, k=9) for _ in range(2)], cfg, max_new_tokens=2)
         dec = BatchDecoder(pair)
         for i, p in enumerate(prompts):
             dec.add(p, cfg, max_new_tokens=16, ignore_eos=True, key=i)
@@ -217,21 +224,24 @@ def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, family, monkeyp
         dec.active, dec.joining = dec.joining, []  # what step() does after its prefill
         caches = [c for r in dec.active for c in (r.cache, r.drafter.cache)]
         assert all(c.shared is not None and c.shared.length == 2 * BLOCK for c in caches[2:])
-        for c in caches:
-            wipe(c)
+        assert all(len(c.shared.pieces) == 1 + stepped for c in caches[2:])
+        with torch.inference_mode():  # (stepped: the template's segment was made under it)
+            for c in caches:
+                wipe(c)
         got = {}
         while dec:
             got.update((k, toks) for k, toks, _, _ in dec.step())
         return [got[i] for i in range(len(prompts))]
 
-    def own(c):
+    def own(c):  # a row's own copy of what it shares
+        n = c.shared.length if c.shared is not None else 0
         for l in c.layers:
-            l.keys[:, :, :2 * BLOCK] = 0
-            l.values[:, :, :2 * BLOCK] = 0
+            l.keys[:, :, :n] = 0
+            l.values[:, :, :n] = 0
 
-    def store_copy(c):
+    def store_copy(c):  # the last piece (the template's extension, when stepped)
         if c.shared is not None:
-            for k in c.shared.segment.keys:
+            for k in c.shared.pieces[-1][0].keys:
                 k.zero_()
 
     assert run(lambda c: None) == refs
@@ -265,8 +275,9 @@ def test_a_torch_forward_copies_a_shared_prefix_in_first(monkeypatch):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 def test_a_group_extending_a_stored_chain_computes_the_rest_once():
     """A stored first block, then two prompts joining together that share two: one computes the
-    second block (the other copies it), both read the first from the store; every cache, made
-    whole, is bitwise what a plain prefill writes, and the tokens are ar's."""
+    second block (the other reads it from the store), both read the first from the store (the one
+    that copied both: in two pieces); every cache, made whole, is bitwise what a plain prefill
+    writes, and the tokens are ar's."""
     t = tiny_neox(31, hidden=64, dtype=torch.float32)
     pair = pair_from_models(t, None, None, eos_token_id=EOS)
     rng = random.Random(9)
@@ -279,7 +290,8 @@ def test_a_group_extending_a_stored_chain_computes_the_rest_once():
         dec.add(p, make_config("ar"), max_new_tokens=8, ignore_eos=True)
     dec._prefill(dec.joining)
     assert sorted(r.cached_tokens for r in dec.joining) == [BLOCK, 2 * BLOCK]
-    assert all(r.cache.shared.length == BLOCK and not r.cache.shared.own for r in dec.joining)
+    assert sorted(len(r.cache.shared.pieces) for r in dec.joining) == [1, 2]
+    assert all(r.cache.shared.length == r.cached_tokens and not r.cache.shared.own for r in dec.joining)
     pair.prefix_cache_bytes = 0
     for r in dec.joining:
         plain = BatchDecoder(pair)

@@ -33,9 +33,15 @@
 /* The end of the key block starting at j0 for a row that may see keys up to `last`. */
 static inline long block_end(long j0, long kb, long last) { return j0 + kb < last + 1 ? j0 + kb : last + 1; }
 
-/* Where the key block after the one starting at j0 starts: KB keys on, but no block straddles
- * `split` (keys before it are read from the shared prefix's copy). */
-static inline long next_block(long j0, long kb, long split) { return j0 < split && j0 + kb > split ? split : j0 + kb; }
+/* The piece (attn_t) key j0 lies in, given the one before (nshare: the row's own cache), and where
+ * the key block starting at j0 ends: KB keys on, but no block straddles a piece's end. */
+static inline long piece_at(long j0, long p, long nshare, const long *ends) {
+    while (p < nshare && j0 >= ends[p]) p++;
+    return p;
+}
+static inline long next_block(long j0, long kb, long p, long nshare, const long *ends) {
+    return p < nshare && j0 + kb > ends[p] ? ends[p] : j0 + kb;
+}
 
 /* Scores of R rows (q + r * qs) against keys j0..j1-1 into s + r * ss, KJ keys at a time: R * KJ
  * independent chains hide the FMA latency, and each key chunk loaded serves R rows.  Per (row,
@@ -115,23 +121,26 @@ static inline long next_block(long j0, long kb, long split) { return j0 < split 
         }                                                                                                \
     }                                                                                                    \
     static void attn_seq_##C16##SUF(const float *q, long qstride, long group, long nr, long L, long visible, \
-                               const unsigned char *allowed, const void *K_, const void *V_, long split,  \
-                               const void *K0_, const void *V0_, float scaling, attn_scratch *w, float *out, \
-                               long ostride) {                                                           \
+                               const unsigned char *allowed, const void *K_, const void *V_, long nshare, \
+                               const long *ends, const void *const *K0, const void *const *V0, float scaling, \
+                               attn_scratch *w, float *out, long ostride) {                              \
         enum { HD = 16 * C16, KB = KEY_BLOCK_BYTES / (HD * 4) > 8 ? KEY_BLOCK_BYTES / (HD * 4) : 8 };    \
-        const T *K = (const T *)K_, *V = (const T *)V_, *K0 = (const T *)K0_, *V0 = (const T *)V0_;     \
+        const T *K = (const T *)K_, *V = (const T *)V_;                                                  \
         long ss = L + 16, okstride = L - visible;                                                        \
-        for (long j0 = 0, jn; j0 < L; j0 = jn) {                                                         \
-            const T *Kb = j0 < split ? K0 : K; /* key j at Kb + j * HD either way */                    \
-            jn = next_block(j0, KB, split);                                                              \
+        for (long j0 = 0, jn, p = 0; j0 < L; j0 = jn) {                                                  \
+            p = piece_at(j0, p, nshare, ends);                                                           \
+            /* key j at Kb + (j - o) * HD; its score at w->s + r * ss + j either way */                  \
+            long o = p < nshare && p ? ends[p - 1] : 0;                                                  \
+            const T *Kb = p < nshare ? (const T *)K0[p] : K;                                             \
+            jn = next_block(j0, KB, p, nshare, ends);                                                    \
             for (long r = 0; r < nr;) {                                                                  \
                 long j1 = block_end(j0, jn - j0, w->last[r]);                                            \
                 long pair = r + 1 < nr && block_end(j0, jn - j0, w->last[r + 1]) == j1; /* same keys */ \
                 const float *qr = Q_ROW(r);                                                              \
                 if (j1 > j0 && pair) /* the two rows' q vectors, however far apart */                   \
-                    scores2_##C16##SUF(qr, Q_ROW(r + 1) - qr, Kb, j0, j1, scaling, w->s + r * ss, ss);  \
+                    scores2_##C16##SUF(qr, Q_ROW(r + 1) - qr, Kb, j0 - o, j1 - o, scaling, w->s + r * ss + o, ss); \
                 else if (j1 > j0)                                                                        \
-                    scores1_##C16##SUF(qr, 0, Kb, j0, j1, scaling, w->s + r * ss, ss);                   \
+                    scores1_##C16##SUF(qr, 0, Kb, j0 - o, j1 - o, scaling, w->s + r * ss + o, ss);       \
                 r += 1 + pair;                                                                           \
             }                                                                                            \
         }                                                                                                \
@@ -139,18 +148,20 @@ static inline long next_block(long j0, long kb, long split) { return j0 < split 
                                                   allowed ? allowed + r / group * okstride : NULL, w->inv + r); \
         memset(w->acc, 0, sizeof(float) * (size_t)(nr * 2 * HD));                                        \
         memset(w->par, 0, sizeof(long) * (size_t)nr);                                                    \
-        for (long j0 = 0, jn; j0 < L; j0 = jn) {                                                         \
-            const T *Vb = j0 < split ? V0 : V;                                                           \
-            jn = next_block(j0, KB, split);                                                              \
+        for (long j0 = 0, jn, p = 0; j0 < L; j0 = jn) {                                                  \
+            p = piece_at(j0, p, nshare, ends);                                                           \
+            long o = p < nshare && p ? ends[p - 1] : 0; /* value j at Vb + (j - o) * HD */               \
+            const T *Vb = p < nshare ? (const T *)V0[p] : V;                                             \
+            jn = next_block(j0, KB, p, nshare, ends);                                                    \
             for (long r = 0; r < nr; r++) {                                                              \
                 const unsigned char *ok = allowed ? allowed + r / group * okstride : NULL;               \
                 long j1 = block_end(j0, jn - j0, w->last[r]), cnt = 0;                                   \
                 if (!ok || j1 <= visible) /* every key of the block allowed */                           \
-                    for (long j = j0; j < j1; j++) w->idx[cnt++] = j;                                    \
+                    for (long j = j0; j < j1; j++) w->idx[cnt++] = j - o;                                \
                 else                                                                                     \
                     for (long j = j0; j < j1; j++)                                                       \
-                        if (j < visible || ok[j - visible]) w->idx[cnt++] = j;                           \
-                values_##C16##SUF(Vb, w->s + r * ss, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);       \
+                        if (j < visible || ok[j - visible]) w->idx[cnt++] = j - o;                       \
+                values_##C16##SUF(Vb, w->s + r * ss + o, w->idx, cnt, w->par[r], w->acc + r * 2 * HD);  \
                 w->par[r] ^= cnt & 1;                                                                    \
             }                                                                                            \
         }                                                                                                \

@@ -20,11 +20,15 @@ typedef struct {
  * the kv head, scored together so each key is read once for all of them); L keys of which each
  * row sees those < visible and the ones its token may see in allowed (tokens, L - visible) --
  * NULL: causal -- up to w->last[r], which the caller sets; K, V (L, head_dim) in the cache's
- * element type, except keys j < split, read from K0, V0 (a prompt prefix several sequences share,
- * prefix.py: the same values, read from one copy); out laid out like q (ostride per token). */
+ * element type, except the first ends[nshare - 1] keys (0 if nshare is 0), read in nshare pieces
+ * from other buffers (a prompt prefix several sequences share, prefix.py: the same values, read
+ * from one copy): key j of piece p (ends[p - 1] <= j < ends[p], ends[-1] = 0) at K0[p] + (j -
+ * ends[p - 1]) * head_dim, its value likewise in V0[p]; out laid out like q (ostride per token). */
+#define DT_MAX_PIECES 16
 typedef void (*attn_t)(const float *q, long qstride, long group, long nr, long L, long visible,
-                       const unsigned char *allowed, const void *K, const void *V, long split, const void *K0,
-                       const void *V0, float scaling, attn_scratch *w, float *out, long ostride);
+                       const unsigned char *allowed, const void *K, const void *V, long nshare, const long *ends,
+                       const void *const *K0, const void *const *V0, float scaling, attn_scratch *w, float *out,
+                       long ostride);
 
 attn_t dt_attn_f32(long nv);  /* head_dim 16 * nv over a float32 cache, or NULL if not built */
 attn_t dt_attn_bf16(long nv); /* ... over a bfloat16 cache */

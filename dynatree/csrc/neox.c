@@ -106,10 +106,11 @@ typedef struct {
     long kvfmt; /* cache element: 0 float32, 1 bfloat16 (rounded to nearest even as it is written) */
     const float *const *noise;
     float inv_temp;
-    long shared;            /* keys j < shared are read from ks[l], vs[l] instead (prefix.py's copy of a */
-    void *const *ks;        /* prompt prefix other sequences share: the same values, so the same bits, */
-    void *const *vs;        /* read from one place); (KV heads, scap, hd) buffers */
-    long scap;
+    long nshare;            /* the first ends[nshare - 1] keys are read in pieces from prefix.py's copy of a */
+    const long *ends;       /* prompt prefix other sequences share (the same values, so the same bits, read */
+    void *const *ks;        /* from one place): piece p of layer l at ks[l * nshare + p], vs[...], the key */
+    void *const *vs;        /* at the piece's start in a (KV heads, scaps[p], hd) buffer; see attn.h */
+    const long *scaps;
 } dt_seq;
 
 /* Where each packed row belongs: its sequence and its index among that sequence's rows; where
@@ -138,10 +139,15 @@ static void attend(const long *dims, float scaling, const rowmap *rm, long l, co
         long L = sq->past + sq->rows, nr = sq->rows * group;
         for (long r = 0; r < nr; r++) w->last[r] = sq->allowed ? L - 1 : sq->past + r / group;
         size_t elem = sq->kvfmt ? 2 : 4, at = (size_t)(g * sq->cap * hd) * elem; /* bytes to the kv head's keys */
-        size_t ats = (size_t)(g * sq->scap * hd) * elem;
-        const char *k0 = sq->shared ? (const char *)sq->ks[l] + ats : 0, *v0 = sq->shared ? (const char *)sq->vs[l] + ats : 0;
+        const void *k0[DT_MAX_PIECES], *v0[DT_MAX_PIECES];
+        long np = sq->nshare < DT_MAX_PIECES ? sq->nshare : DT_MAX_PIECES; /* prefix.py sends no more */
+        for (long p = 0; p < np; p++) {
+            size_t ats = (size_t)(g * sq->scaps[p] * hd) * elem;
+            k0[p] = (const char *)sq->ks[l * sq->nshare + p] + ats;
+            v0[p] = (const char *)sq->vs[l * sq->nshare + p] + ats;
+        }
         attn_for(hd / 16, sq->kvfmt)(qkv + r0 * qkvw + g * group * hd, qkvw, group, nr, L, sq->visible, sq->allowed,
-                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, sq->shared, k0, v0,
+                                     (const char *)sq->kc[l] + at, (const char *)sq->vc[l] + at, np, sq->ends, k0, v0,
                                      scaling, w, out + r0 * ow + g * group * hd, ow);
     }
 }
