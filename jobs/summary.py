@@ -124,6 +124,11 @@ def write_summary(out: Path, summary: dict) -> None:
     os.replace(tmp, path)
 
 
+def _per_prompt(s: dict) -> str:
+    n = (s.get("config") or {}).get("samples", 1)
+    return f"{s['rows'] // n} prompts x {n} samples; " if n > 1 else ""
+
+
 def format_table(s: dict) -> str:
     def ms(d, fmt="{:.2f}"):
         if d["mean"] is None:
@@ -133,7 +138,7 @@ def format_table(s: dict) -> str:
     eq = s["equivalence"]
     run = s["this_run"]
     lines = [
-        f"rows                     {s['rows']}  (errors {s['errors']})",
+        f"rows                     {s['rows']}  ({_per_prompt(s)}errors {s['errors']})",
         f"generated tokens         {s['generated_tokens']}",
         "job tokens/s (this run)  " + (f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
         + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "

@@ -323,6 +323,8 @@ def test_samples_per_prompt(ray_cluster, pair_dirs, tmp_path):
     good, bad = rows[:-3], rows[-3:]
     assert all(r["error"] is None and r["matches_ar"] is True for r in good)
     assert all("null" in r["error"] for r in bad) and s["rows"] == 18 and s["errors"] == 3
+    from dynatree.jobs.summary import format_table
+    assert "18  (6 prompts x 3 samples; errors 3)" in format_table(s)
     assert s["equivalence"]["checked"] == 15 and s["equivalence"]["mismatches"] == 0
     draws = [{tuple(r["generated_token_ids"]) for r in good[i:i + 3]} for i in range(0, 15, 3)]
     assert sum(len(d) > 1 for d in draws) >= 3  # a prompt's samples differ
