@@ -72,10 +72,13 @@ def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = 
 
 
 def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, max_new_tokens: int,
-                  ignore_eos: bool = True, progress=None) -> list[dict]:
+                  ignore_eos: bool = True, progress=None, plain: bool = True) -> list[dict]:
     """Decode every prompt with ``ar`` and each method; one row per (prompt, method).
 
-    methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.
+    methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.  An
+    ``ar`` method is a reference: decoded once, under its reference label (``ar_t0.5``, ...).
+    ``plain``: also plain greedy ``ar`` (not when the generation outgrows the context: methods
+    with a cache window can, it cannot).
     """
     from .config import ARConfig, ar_reference, reference_label
     from .engine import decode
@@ -94,9 +97,12 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
                              **mref.as_dict()})
             return refs[cfg]
 
-        ar(ARConfig())
+        if plain:
+            ar(ARConfig())
         for label, cfg in methods.items():
             ref = ar(ar_reference(cfg))
+            if isinstance(cfg, ARConfig):
+                continue
             pair.forget_prefixes()
             toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
             idx, margin = divergence(pair, prompt, ref, toks, cfg)

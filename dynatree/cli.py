@@ -127,8 +127,9 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     except (PairError, ValueError) as e:
         _fail(str(e))
     room = pair.max_context - max_new_tokens  # as `dynatree run` cuts them
-    if room < 1:
-        _fail(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {pair.max_context}-token context")
+    if room < 1 and not all(getattr(c, "kv_window", 0) for c in cfgs.values()):
+        _fail(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {pair.max_context}-token "
+              "context (methods with a cache window, option kv_window, can generate past it; give every one)")
     summary = []
     for path in prompt_files:
         try:
@@ -143,8 +144,9 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             texts = [t for i, t in enumerate(texts) if i not in skip]
         if not texts:
             _fail(f"{path}: no prompts to check")
-        prompts = [truncate_prompt(pair.encode(t), min(max_prompt_tokens, room)) for t in texts]
-        rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
+        prompts = [truncate_prompt(pair.encode(t), min(max_prompt_tokens, room) if room > 0 else max_prompt_tokens)
+                   for t in texts]
+        rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens, plain=room > 0,
                              progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
         for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
             rs = [r for r in rows if r["method"] == label]

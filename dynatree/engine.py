@@ -30,6 +30,7 @@ once; rows sampling under top-k / top-p add one more at each, for all of their d
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -187,6 +188,23 @@ class _Step:
     __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "prefix_len", "commit_time")
 
 
+def _token_ids(ids, vocab: int) -> list[int]:
+    """A prompt's token ids as host ints in [0, vocab); ValueError names what is wrong."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist() if ids.dim() == 1 else ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) and not hasattr(ids, "tolist"):
+        raise ValueError(f"a prompt's token ids must be a list of ints, got {type(ids).__name__}")
+    ids = ids.tolist() if not isinstance(ids, (list, tuple)) else ids
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+        raise ValueError("a prompt's token ids must be ints (a 1-D list, array or tensor of them)")
+    if not ids:
+        raise ValueError("empty prompt: at least one token is needed")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    return [int(t) for t in ids]
+
+
 class BatchDecoder:
     """Decodes many sequences together (rows may use different methods and options).
 
@@ -218,8 +236,11 @@ class BatchDecoder:
         cfg = cfg if cfg is not None else ARConfig()
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
-        if not prompt_ids:
-            raise ValueError("empty prompt: at least one token is needed")
+        prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
+        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        if key is not None and any(r.key == key for r in (*self.joining, *self.active)):
+            raise ValueError(f"key {key!r} names a row still decoding: results would be told apart by key")
         stop = Stop.of(stop)
         if stop is not None:
             stop.check_vocab(self.pair.vocab)
@@ -233,7 +254,7 @@ class BatchDecoder:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
                                f"window: option kv_window, e.g. {self.pair.max_context // 2})")
-        self.joining.append(_Row(key, self.pair, list(prompt_ids), cfg, max_new_tokens, ignore_eos, stop, again))
+        self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], str, Metrics]]:
@@ -475,12 +496,12 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
 def _samples_of(cfg, samples: int) -> list:
     """One config per sample, each with its own seed (sampling.sample_seed)."""
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+    if not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1:
         raise ValueError(f"samples must be a whole number >= 1, got {samples!r}")
     if samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
         raise ValueError(f"samples={samples} needs sampling (option temperature > 0, top_k not 1): otherwise "
                          "every sample of a prompt would be the same")
-    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(samples)]
+    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(int(samples))]
 
 
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
@@ -502,6 +523,11 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     tokens that end it like EOS (stops.py).  ``samples``: draws per prompt (sampling only), each
     with its own seed, the first with the config's; ``samples`` Generations per prompt, a prompt's
     together, computing the prompt once (prefix caching)."""
+    if isinstance(prompts, (str, bytes)) or is_chat(prompts):
+        raise ValueError("generate_batch takes a list of prompts; for one, use generate (or pass [prompt])")
+    prompts = list(prompts)  # (a generator is read once)
+    if any(isinstance(p, bytes) for p in prompts):
+        raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -512,7 +538,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
     cfgs = _samples_of(cfg, samples) * len(ids)
-    ids = [p for p in ids for _ in range(samples)]
+    ids = [p for p in ids for _ in range(int(samples))]
     return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(c))
             for c, (toks, reason, metrics) in zip(cfgs, decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens,
                                                                      ignore_eos=ignore_eos, stop=rule))]

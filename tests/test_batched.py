@@ -2,6 +2,7 @@
 exactly what it gets alone -- with per-row stopping."""
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,6 +140,40 @@ def test_generate_batch_samples(close_pair):
             generate_batch(close_pair, prompts, "ar", bad, samples=2)
     with pytest.raises(ValueError, match="samples must be"):
         generate_batch(close_pair, prompts, "ar", opts, samples=0)
+
+
+def test_a_bad_row_is_refused_by_add_and_the_batch_goes_on(close_pair):
+    """BatchDecoder.add checks what would otherwise fail inside a shared forward (and take every
+    row with it): token ids outside the vocabulary or not ints, max_new_tokens < 1, a key in use."""
+    dec = BatchDecoder(close_pair)
+    dec.add([3, 4, 5], make_config("dynatree"), max_new_tokens=4, key="a")
+    for bad, match in (([close_pair.vocab], "outside the vocabulary"), ([-5], "outside the vocabulary"),
+                       ("Hello", "list of ints"), ([True, False], "must be ints"), ([1.0], "must be ints"), ([], "empty")):
+        with pytest.raises(ValueError, match=match):
+            dec.add(bad, key="b")
+    for n in (0, -3, 2.0):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            dec.add([3], max_new_tokens=n, key="b")
+    with pytest.raises(ValueError, match="still decoding"):
+        dec.add([6], key="a")
+    dec.add(np.array([6, 7]), key="n")  # arrays and tensors of ints are fine
+    dec.add(torch.tensor([6, 7]), key="t")
+    got = {}
+    while dec:
+        got.update((k, toks) for k, toks, _, _ in dec.step())
+    assert sorted(got) == ["a", "n", "t"] and got["n"] == got["t"] and len(got["a"]) == 4
+
+
+def test_generate_batch_takes_a_list_of_prompts(close_pair):
+    from dynatree import generate_batch
+
+    for bad in ("Hello", b"Hello", [b"Hi"], [{"role": "user", "content": "hi"}]):
+        with pytest.raises(ValueError):
+            generate_batch(close_pair, bad, "ar", max_new_tokens=2)
+    gens = generate_batch(close_pair, (p for p in [[3, 4], [5]]), "ar", max_new_tokens=2)  # a generator is read once
+    assert len(gens) == 2
+    assert len(generate_batch(close_pair, [[3, 4]], "ar", {"temperature": 0.7}, max_new_tokens=2,
+                              samples=np.int64(2))) == 2
 
 
 def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):

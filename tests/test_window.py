@@ -208,3 +208,19 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
     table = {ln.split()[1]: ln.split()[2:4] for ln in res.output.splitlines() if "p.parquet" in ln and "/" not in ln.split()[1]}
     # each reference once per prompt, its own window's (evictions differ: different texts)
     assert table == {m: ["2", "2"] for m in ("ar", "ar_window24_evict4", "ar_window24_evict6", "dw", "lw")}, res.output
+    # generating past the context: every method windowed, so plain ar (which cannot) is left out
+    res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods", "dw=dynatree",
+                                    "--option", "dw.kv_window=24", "--option", "dw.kv_evict=4", "--max-new-tokens", "150",
+                                    "--max-prompt-tokens", "20"])
+    assert res.exit_code == 0, res.output
+    table = {ln.split()[1]: ln.split()[2:4] for ln in res.output.splitlines() if "p.parquet" in ln and "/" not in ln.split()[1]}
+    assert table == {"ar_window24_evict4": ["2", "2"], "dw": ["2", "2"]}, res.output
+    res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods",
+                                    "dw=dynatree,linear", "--option", "dw.kv_window=24", "--option", "dw.kv_evict=4",
+                                    "--max-new-tokens", "150"])
+    assert res.exit_code != 0 and "give every one" in res.output
+    # a sampled ar asked for is a reference, under its own label (not merged with plain ar's rows)
+    res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods", "ar,dynatree",
+                                    "--option", "temperature=0.5", "--max-new-tokens", "8", "--max-prompt-tokens", "20"])
+    table = {ln.split()[1]: ln.split()[2:4] for ln in res.output.splitlines() if "p.parquet" in ln and "/" not in ln.split()[1]}
+    assert table == {m: ["2", "2"] for m in ("ar", "ar_t0.5", "dynatree")}, res.output
