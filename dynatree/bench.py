@@ -416,10 +416,15 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     t0 = time.time()
-    for ds in spec.datasets:
-        name, texts = load_bench_prompts(ds, spec.prompt_column, spec.prompts)
+    loaded = [(ds, *load_bench_prompts(ds, spec.prompt_column, spec.prompts)) for ds in spec.datasets]  # all first:
+    names = [name for _, name, _ in loaded]  # a bad one fails before any measurement
+    if len(set(names)) < len(names):
+        raise ValueError(f"two datasets named {next(n for n in names if names.count(n) > 1)!r}: their rows "
+                         "would merge; label them NAME=PATH")
+    for ds, name, texts in loaded:
         if len(texts) <= spec.warmup:
             raise ValueError(f"dataset {ds}: {len(texts)} usable prompts, need more than --warmup {spec.warmup}")
+    for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
         base = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
         log(f"{name}: {len(base)} prompts ({spec.warmup} warm-up), L_max={spec.max_prompt_tokens}, T={spec.max_new_tokens}")

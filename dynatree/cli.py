@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -12,6 +13,15 @@ from .config import KV_DTYPES, METHODS, options_help
 
 def _fail(msg: str) -> None:
     raise click.ClickException(msg)
+
+
+def _threads(n: int | None) -> None:
+    """--threads: the native kernel runs on torch's thread count (its OpenMP regions split work
+    evenly, so a thread the OS pauses for another process stalls each forward)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
 
 
 @click.group()
@@ -57,14 +67,17 @@ def _pair_options(f):
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True,
               help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
 def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
-             ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json):
+             ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json, threads):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import truncate_prompt
     from .config import ar_reference, make_config, parse_options
     from .models import PairError, load_pair
 
+    _threads(threads)
     prompts = list(prompts) or [sys.stdin.read()]
     if not all(p.strip() for p in prompts):
         _fail("empty prompt")
@@ -77,7 +90,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
                       samples=samples)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
-        results = [g.as_dict() for g in gens]
+        results = [{**({"prompt": i // samples, "sample": i % samples} if len(gens) > 1 else {}), **g.as_dict()}
+                   for i, g in enumerate(gens)]
         if check_ar:  # ar with the method's seed and cache window
             refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
             for res, ref, gen in zip(results, refs, gens):
@@ -90,7 +104,9 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
             continue
         click.echo(gen.text)
         m = gen.metrics
-        click.echo(f"\n[{method}] {m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
+        which = (f"prompt {result['prompt']}" + (f" sample {result['sample']}" if samples > 1 else "") + ": "
+                 if "prompt" in result else "")
+        click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
                    f"{m.iterations} iterations, {m.tokens_per_iteration:.2f} tokens/iteration, "
                    f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else ""),
                    err=True)
@@ -110,9 +126,12 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
               help="prompts keep their last L_max tokens (fewer if the context needs room for the new ones)")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
-          max_new_tokens, max_prompt_tokens):
+          max_new_tokens, max_prompt_tokens, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
+    _threads(threads)
     from .check import check_methods, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
@@ -213,8 +232,15 @@ def run(config_file, quiet, **fields):
     click.echo(f"results: {spec.output}/shards/*.parquet   summary: {spec.output}/summary.json")
 
 
-def _int_list(s: str | None) -> tuple:
-    return tuple(int(x) for x in s.split(",") if x) if s else ()
+def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
+    """A comma-separated flag's whole numbers, each >= lo (a clear error otherwise)."""
+    try:
+        out = tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
+    except ValueError:
+        raise click.BadParameter(f"{s!r} is not a comma-separated list of whole numbers", param_hint=flag) from None
+    if any(x < lo for x in out):
+        raise click.BadParameter(f"{s!r}: every value must be >= {lo}", param_hint=flag)
+    return out
 
 
 @main.command()
@@ -222,9 +248,10 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--dataset", "datasets", multiple=True, required=True,
               help="wikitext, pg19 (hub), a file/dir/glob, or NAME=PATH; repeatable")
 @click.option("--prompt-column", default="text", show_default=True)
-@click.option("--prompts", "n_prompts", default=10, show_default=True, help="N prompts per dataset")
-@click.option("--warmup", default=2, show_default=True, help="first W prompts discarded")
-@click.option("--max-prompt-tokens", default=200, show_default=True, help="L_max")
+@click.option("--prompts", "n_prompts", default=10, show_default=True, type=click.IntRange(min=1),
+              help="N prompts per dataset")
+@click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="first W prompts discarded")
+@click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1), help="L_max")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="T (EOS ignored)")
 @click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic,hf_prompt_lookup",
               show_default=True, help="LABEL=METHOD runs a method under another name")
@@ -239,7 +266,7 @@ def _int_list(s: str | None) -> tuple:
 @click.option("--grid-depth", help="fixed-tree grid depths, e.g. 3,4,5,6,7,8")
 @click.option("--grid-branch", help="fixed-tree grid branching, e.g. 2,3,4")
 @click.option("--grid-tau", help="fixed-tree grid tau, e.g. 0.01,0.02,0.03,0.05,0.1")
-@click.option("--threads", type=int, help="torch threads")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
 def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
           max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, batch_sizes, grid_depth,
@@ -257,14 +284,16 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     try:
         grid = {}
         if grid_depth or grid_branch or grid_tau:
-            grid = {"depth": list(_int_list(grid_depth) or (5,)), "branch": list(_int_list(grid_branch) or (2,)),
+            grid = {"depth": list(_int_list(grid_depth, "--grid-depth") or (5,)),
+                    "branch": list(_int_list(grid_branch, "--grid-branch") or (2,)),
                     "tau": [float(x) for x in (grid_tau or "0.02").split(",") if x]}
         spec = BenchSpec(datasets=tuple(datasets), methods=tuple(parse_methods(methods, options)),
                          prompts=n_prompts, warmup=warmup, max_prompt_tokens=max_prompt_tokens,
                          max_new_tokens=max_new_tokens, prompt_column=prompt_column,
-                         sweep_tokens=_int_list(sweep_tokens), sweep_prompt_len=_int_list(sweep_prompt_len),
+                         sweep_tokens=_int_list(sweep_tokens, "--sweep-tokens"),
+                         sweep_prompt_len=_int_list(sweep_prompt_len, "--sweep-prompt-len"),
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
-                         batch_sizes=_int_list(batch_sizes))
+                         batch_sizes=_int_list(batch_sizes, "--batch-sizes"))
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel, transformers_models=spec.hf_peers)
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:
@@ -276,14 +305,17 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
 
 @main.command()
 @_pair_options
-@click.option("--prefix", default=256, show_default=True, help="cached tokens before the timed forwards")
-@click.option("--prefill", default=300, show_default=True, help="prompt tokens of the timed prefill (0: skip)")
-@click.option("--repeats", default=9, show_default=True, help="timings per size (the median is shown)")
+@click.option("--prefix", default=256, show_default=True, type=click.IntRange(min=0),
+              help="cached tokens before the timed forwards (at most the context minus 65)")
+@click.option("--prefill", default=300, show_default=True, type=click.IntRange(min=0),
+              help="prompt tokens of the timed prefill (0: skip; less than the context)")
+@click.option("--repeats", default=9, show_default=True, type=click.IntRange(min=1),
+              help="timings per size (the median is shown)")
 @click.option("--cache-lengths", help="comma-separated cached-token counts: target forwards of 1 and 16 tokens "
                                       "at each, to show where attention over a long cache takes over")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
               help="the caches' key/value storage (as the method option kv_dtype)")
-@click.option("--threads", type=int, help="torch threads")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads")
 def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cache_lengths, kv_dtype, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
     a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the
@@ -296,10 +328,19 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
 
     if threads:
         torch.set_num_threads(threads)
+    lengths = _int_list(cache_lengths, "--cache-lengths")
     try:
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
         _fail(str(e))
+    if prefill >= pair.max_context:
+        click.echo(f"--prefill {prefill}: the models' context is {pair.max_context} tokens; timing a prefill of "
+                   f"{pair.max_context - 1}", err=True)
+        prefill = pair.max_context - 1
+    if prefix > pair.max_context - 65:
+        click.echo(f"--prefix {prefix} leaves no room for a 64-token forward in the {pair.max_context}-token "
+                   f"context: timing at {pair.max_context - 65}", err=True)
+        prefix = pair.max_context - 65
     lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats, fresh=True,
                       kv_dtype=kv_dtype)
     cache = "" if kv_dtype == "model" else f" (keys and values stored as {kv_dtype})"
@@ -339,7 +380,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats,
                      kv_dtype)
     if cache_lengths:
-        _cache_sweep(runner, _int_list(cache_lengths), pair.max_context, repeats, kv_dtype)
+        _cache_sweep(runner, lengths, pair.max_context, repeats, kv_dtype)
 
 
 def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int, kv_dtype: str) -> None:
@@ -424,7 +465,12 @@ def report_cmd(out_dir):
     """Rebuild summary.md and PNG plots from a bench directory's results.parquet."""
     from .report import report
 
-    md, pngs = report(out_dir)
+    if not (Path(out_dir) / "results.parquet").is_file():
+        _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet)")
+    try:
+        md, pngs = report(out_dir)
+    except (OSError, ValueError, KeyError) as e:  # a damaged or foreign results.parquet / bench.json
+        _fail(f"{out_dir}: cannot read its bench results ({type(e).__name__}: {e})")
     click.echo(md.read_text())
     click.echo(f"wrote {md}, " + ", ".join(str(p) for p in pngs))
 

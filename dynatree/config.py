@@ -42,6 +42,8 @@ class SamplingConfig:
             raise ValueError("top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.seed < 1 << 64:  # the noise keys are 64-bit (sampling._mix): larger ones would wrap
+            raise ValueError(f"seed must be a whole number in [0, 2**64), got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,8 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise PairError(f"device {spec!r} requested but CUDA is not available")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(spec)):  # what the engine runs on (and is tested on)
+        raise PairError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
     return torch.device(spec)
 
 

@@ -84,7 +84,7 @@ def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
 def test_profile_command(pair_dirs):
     res = CliRunner().invoke(main, ["profile", "--target", str(pair_dirs / "target"), "--draft",
                                     str(pair_dirs / "draft"), "--device", "cpu", "--prefix", "16",
-                                    "--repeats", "1", "--kernel", "hf"])
+                                    "--prefill", "64", "--repeats", "1", "--kernel", "hf"])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert "kernel hf" in lines[0]
@@ -129,3 +129,30 @@ def test_bench_windowed_rows_use_the_windowed_ar(pair_dirs, tmp_path):
     cache = {(r["method"], json.loads(r["setting"])["T"]): r["kv_cache_mb"] for r in sweep}
     assert cache[(ref, 10)] == cache[(ref, 40)] < cache[("ar", 40)]
     assert "× ref" in (out / "summary.md").read_text()
+
+
+def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
+    """Numbers and directories a command cannot use: one clear line (click's usage error or ours),
+    no traceback -- before the models load where that is possible."""
+    pair = ["--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu"]
+    base = bench_args(pair_dirs, tmp_path, 2, 4) + ["--out", str(tmp_path / "b")]
+    for flag, value in (("--prompts", "-1"), ("--warmup", "-1"), ("--threads", "-2"), ("--max-prompt-tokens", "0"),
+                        ("--batch-sizes", "0"), ("--sweep-prompt-len", "-3"), ("--grid-depth", "x")):
+        res = CliRunner().invoke(main, base + [flag, value])
+        assert res.exit_code == 2 and flag in res.output, (flag, res.output)  # click's usage error
+    for args, says in ((["profile", *pair, "--repeats", "0"], "--repeats"),
+                       (["profile", *pair, "--cache-lengths", "abc"], "--cache-lengths"),
+                       (["report", str(tmp_path)], "not a `dynatree bench` output directory"),
+                       (["generate", "--prompt", "hi", "--device", "foo"], "device must be auto, cpu, cuda"),
+                       (["generate", *pair, "--prompt", "hi", "--option", "temperature=1", "--option", f"seed={1 << 64}"],
+                        "seed must be")):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code != 0 and says in res.output and isinstance(res.exception, SystemExit), (args, res.output)
+    (tmp_path / "results.parquet").write_text("not parquet")
+    res = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert res.exit_code == 1 and "cannot read its bench results" in res.output
+    data = tmp_path / "prompts.parquet"  # (bench_args wrote it)
+    res = CliRunner().invoke(main, base + ["--dataset", f"tiny={data}"])
+    assert res.exit_code == 1 and "two datasets named 'tiny'" in res.output
+    res = CliRunner().invoke(main, base + ["--dataset", f"x={tmp_path / 'missing.parquet'}", "--methods", "ar"])
+    assert res.exit_code == 1 and "missing.parquet" in res.output and not (tmp_path / "b" / "results.parquet").exists()
