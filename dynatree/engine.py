@@ -190,12 +190,12 @@ class _Step:
 
 def _token_ids(ids, vocab: int) -> list[int]:
     """A prompt's token ids as host ints in [0, vocab); ValueError names what is wrong."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist() if ids.dim() == 1 else ids
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) and not hasattr(ids, "tolist"):
+    if isinstance(ids, (str, bytes)):
         raise ValueError(f"a prompt's token ids must be a list of ints, got {type(ids).__name__}")
-    ids = ids.tolist() if not isinstance(ids, (list, tuple)) else ids
-    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array or a tensor
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                                                 for t in ids):
         raise ValueError("a prompt's token ids must be ints (a 1-D list, array or tensor of them)")
     if not ids:
         raise ValueError("empty prompt: at least one token is needed")

@@ -148,7 +148,8 @@ def test_a_bad_row_is_refused_by_add_and_the_batch_goes_on(close_pair):
     dec = BatchDecoder(close_pair)
     dec.add([3, 4, 5], make_config("dynatree"), max_new_tokens=4, key="a")
     for bad, match in (([close_pair.vocab], "outside the vocabulary"), ([-5], "outside the vocabulary"),
-                       ("Hello", "list of ints"), ([True, False], "must be ints"), ([1.0], "must be ints"), ([], "empty")):
+                       ("Hello", "list of ints"), ([True, False], "must be ints"), ([1.0], "must be ints"), ([], "empty"),
+                       (torch.tensor(3), "must be ints"), (torch.tensor([[3]]), "must be ints"), (7, "must be ints")):
         with pytest.raises(ValueError, match=match):
             dec.add(bad, key="b")
     for n in (0, -3, 2.0):
