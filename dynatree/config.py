@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -250,10 +251,10 @@ def _checked(t: type, value, name: str):
         if t is str:
             return "on" if value else "off"
         ok = False
-    elif t is int:
-        ok = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    elif t is int:  # numpy's numbers too (numbers.Integral / Real)
+        ok = isinstance(value, numbers.Integral) or isinstance(value, numbers.Real) and float(value).is_integer()
     else:
-        ok = isinstance(value, (int, float)) if t is float else isinstance(value, str)
+        ok = isinstance(value, numbers.Real) if t is float else isinstance(value, str)
     if not ok:
         raise ValueError(f"option {name}: expected {t.__name__}, got {value!r}")
     return t(value)
