@@ -36,14 +36,21 @@ class Plan:
     keep: tuple[str, ...]  # input columns copied to the output
     schema: pa.Schema  # the output rows' schema: result columns, then the kept ones
     samples: int = 1  # output rows per input row (JobSpec.samples)
+    limit: int | None = None  # only the input's first rows (JobSpec.limit)
+
+    @property
+    def rows(self) -> int:
+        """The input rows the job decodes."""
+        n = self.source.num_rows
+        return n if self.limit is None else min(n, self.limit)
 
     @property
     def num_shards(self) -> int:
-        return -(-self.source.num_rows // self.shard_size)
+        return -(-self.rows // self.shard_size)
 
     def shard(self, k: int) -> tuple[str, int, int]:
         s = k * self.shard_size
-        return f"part-{k:06d}", s, min(s + self.shard_size, self.source.num_rows)
+        return f"part-{k:06d}", s, min(s + self.shard_size, self.rows)
 
 
 def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
@@ -81,7 +88,7 @@ def make_plan(spec: JobSpec, log=print) -> Plan:
     schema = output_schema(spec.samples > 1)
     for c in keep:
         schema = schema.append(source.schema.field(c))
-    return Plan(source, spec.shard_size, keep, schema, spec.samples)
+    return Plan(source, spec.shard_size, keep, schema, spec.samples, spec.limit)
 
 
 def _manifest(spec: JobSpec, plan: Plan) -> dict:
@@ -89,7 +96,7 @@ def _manifest(spec: JobSpec, plan: Plan) -> dict:
               "draft": model_files(spec.draft, "draft") if spec.method != "ar" else None}
     return {"identity_hash": spec.identity_hash(), "identity": spec.identity(),
             "input_fingerprint": plan.source.fingerprint(), "model_files": models, "columns": plan.schema.names,
-            "rows": plan.source.num_rows,
+            "rows": plan.rows,
             "shard_size": plan.shard_size, "shards": plan.num_shards}
 
 

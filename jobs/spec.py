@@ -34,10 +34,10 @@ class SpecError(ValueError):
 
 OUTPUT_IDENTITY = ("input", "prompt_column", "id_column", "keep_columns", "target", "draft", "kernel",
                    "method", "options", "max_new_tokens", "max_prompt_tokens", "ignore_eos", "dtype",
-                   "shard_size", "verify_fraction", "stop", "stop_token_ids", "chat_template", "samples")
+                   "shard_size", "verify_fraction", "stop", "stop_token_ids", "chat_template", "samples", "limit")
 # identity fields left out of identity() while they hold their default, so that jobs started before
 # the field existed keep their identity (and resume)
-_LATER_FIELDS = {"stop": (), "stop_token_ids": (), "chat_template": False, "samples": 1}
+_LATER_FIELDS = {"stop": (), "stop_token_ids": (), "chat_template": False, "samples": 1, "limit": None}
 
 
 def _f(default, help: str, **meta):
@@ -53,6 +53,8 @@ class JobSpec:
     output: str = _f("", "output directory (shards/, manifest.json, summary.json)")
     prompt_column: str = _f("text", "column holding prompts")
     id_column: str | None = _f(None, "column holding ids (default: the row index)")
+    limit: int | None = _f(None, "decode only the input's first N rows: a trial run before the whole corpus (part of "
+                                 "the output's identity: the full job goes to another --output, or --overwrite)")
     keep_columns: tuple | None = _f(None, "input columns copied to every output row, comma-separated "
                                           "(default: all; 'none' for none)")
     target: str | None = _f(None, "target model: hub name or local directory (default: the bundled demo pair)")
@@ -110,6 +112,8 @@ class JobSpec:
             problems.append("max_new_tokens must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             problems.append("max_prompt_tokens must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            problems.append("limit must be >= 1")
         if self.samples < 1:
             problems.append("samples must be >= 1")
         if self.max_retries < 0:

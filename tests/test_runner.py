@@ -355,6 +355,23 @@ def test_a_sample_seed_is_not_another_rows():
     assert len(seeds) == 12
 
 
+def test_limit_is_a_trial_run_of_the_first_rows(ray_cluster, pair_dirs, tmp_path):
+    """--limit N: the input's first N rows only; the whole job on the same output is another job
+    (refused), so a trial's short last shard never stands in for a whole one."""
+    write_input(tmp_path)
+    s = run_job(spec(pair_dirs, tmp_path, limit=5, verify_fraction=0.0, max_new_tokens=3, num_actors=1),
+                progress=False, log=quiet)
+    assert s["rows"] == 5 and [r["id"] for r in read_rows(tmp_path / "out")] == [f"k{i}" for i in range(5)]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["rows"] == 5
+    with pytest.raises(JobError, match="different config .*limit"):
+        run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=3, num_actors=1), progress=False, log=quiet)
+    s = run_job(spec(pair_dirs, tmp_path, limit=50, verify_fraction=0.0, max_new_tokens=3, num_actors=1,
+                     overwrite=True), progress=False, log=quiet)
+    assert s["rows"] == len(PROMPTS)  # a limit past the input's end takes it all
+    with pytest.raises(SpecError, match="limit must be >= 1"):
+        spec(pair_dirs, tmp_path, limit=0)
+
+
 def test_changed_input_resume_is_refused(ray_cluster, pair_dirs, tmp_path):
     """Defect: the same path with other contents must not resume into lost and duplicated ids."""
     write_input(tmp_path)
