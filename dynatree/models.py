@@ -1,6 +1,7 @@
 """Loading a target/draft pair and checking that the two can speculate for each other."""
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
@@ -49,12 +50,18 @@ class HFRunner:
 
     def __init__(self, model):
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
+        # transformers 5.x renames forward's past_key_values to cache (the old name warns, then goes
+        # in 5.40); the engine says past_key_values, as older 5.x versions take it
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else None
 
     def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,
                  perturb=None, **kwargs):
         """transformers' arguments, plus the heads of runtime.Output (computed after the forward)."""
         if isinstance(attention_mask, KeyMask):
             attention_mask = attention_mask.additive(self.dtype)
+        if self._cache_kw and "past_key_values" in kwargs:
+            kwargs[self._cache_kw] = kwargs.pop("past_key_values")
         return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols, perturb)
 
     def forward(self, seqs, **heads):
