@@ -68,13 +68,17 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     rendered with the tokenizer's chat template."""
     if text is None:
         raise ValueError("prompt is null")
-    if isinstance(text, bytes):
-        raise ValueError("prompt is not UTF-8 text")
+    if isinstance(text, bytes):  # a binary column: text if it decodes
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("prompt is not UTF-8 text") from None
     if chat and isinstance(text, (list, tuple)):
         ids = pair.encode_chat(text)
     elif not isinstance(text, str):
+        hint = "" if chat or not isinstance(text, (list, tuple)) else " (chat messages? run with --chat-template)"
         raise ValueError(f"prompt is not a string ({type(text).__name__})" +
-                         (" or a list of {role, content} messages" if chat else ""))
+                         (" or a list of {role, content} messages" if chat else hint))
     elif not text.strip():
         raise ValueError("prompt is empty")
     else:

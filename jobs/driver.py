@@ -103,9 +103,11 @@ def preflight(spec: JobSpec) -> None:
         if problem:
             raise JobError(f"{flag} {name}: {problem}")
     t, d = (Path(n).expanduser() if n else None for n in names.values())
+    if spec.target is None:  # no --target/--draft: the bundled demo pair
+        t, d = default_pair_dir() / "target", default_pair_dir() / "draft" if spec.method != "ar" else None
     _check_window(spec, [p for p in (t, d) if p is not None])
-    tt = t if t is not None or spec.target else default_pair_dir() / "target"  # no --target: the demo pair
-    if spec.chat_template and tt.is_dir() and not _has_chat_template(tt):
+    _check_stop_ids(spec, t)
+    if spec.chat_template and t.is_dir() and not _has_chat_template(t):
         raise JobError(f"--chat-template: the target {spec.target or '(the bundled demo pair)'}'s tokenizer "
                        "has no chat template")
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
@@ -130,6 +132,17 @@ def _has_chat_template(model_dir: Path) -> bool:
         return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
     except (OSError, ValueError):
         return False
+
+
+def _check_stop_ids(spec: JobSpec, target: Path | None) -> None:
+    """A stop token id past a local target's vocabulary fails every actor; say so first."""
+    f = target / "config.json" if target is not None else None
+    if not spec.stop_token_ids or f is None or not f.is_file():
+        return
+    vocab = json.loads(f.read_text()).get("vocab_size")
+    bad = [i for i in spec.stop_token_ids if vocab and i >= vocab]
+    if bad:
+        raise JobError(f"--stop-token-id {bad[0]} is outside the target's vocabulary (0 .. {vocab - 1})")
 
 
 def _check_window(spec: JobSpec, dirs: list[Path]) -> None:

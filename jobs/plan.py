@@ -63,7 +63,7 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
         clash = [c for c in spec.keep_columns if c in result_cols]
         if clash:
             raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
-        return tuple(spec.keep_columns)
+        return tuple(dict.fromkeys(spec.keep_columns))  # (a Python caller may repeat one)
     skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column]
     if skipped:
         hint = " (--id-column id makes it the row id)" if "id" in skipped else ""
@@ -119,6 +119,16 @@ def _refuse_foreign(out: Path) -> None:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise JobError(f"{out / 'shards'} holds files dynatree did not write ({', '.join(foreign[:3])}{more}); "
                        "move them or choose another --output")
+
+
+def _refuse_strays(out: Path, plan: Plan) -> None:
+    """A shard file numbered past this job's shards (copied in, or left by another job) would be
+    read as output (and counted in the summary): refuse, as for foreign files."""
+    names = {f"part-{k:06d}.parquet" for k in range(plan.num_shards)}
+    strays = sorted(p.name for p in (out / "shards").glob("part-*.parquet") if p.name not in names)
+    if strays:
+        raise JobError(f"{out / 'shards'} holds shard file(s) this job does not plan ({', '.join(strays[:3])}; it has "
+                       f"{plan.num_shards} shards): move them, or --overwrite to start again")
 
 
 def _clear(out: Path) -> None:
@@ -184,6 +194,7 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
     elif path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
         old = json.loads(path.read_text())
         _refuse_change(out, old, manifest)
+        _refuse_strays(out, plan)
         # shards an older version wrote carry the hash of its spelling of the paths: still this job's
         aliases = set(old.get("aliases", [])) | {old.get("identity_hash")}
         manifest["aliases"] = sorted(a for a in aliases if a and a != manifest["identity_hash"])

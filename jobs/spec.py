@@ -274,9 +274,9 @@ def _coerce(data: dict) -> dict:
     keep = data.get("keep_columns")
     if isinstance(keep, str):
         data["keep_columns"] = () if keep.strip().lower() == "none" else \
-            tuple(c.strip() for c in keep.split(",") if c.strip())
+            tuple(dict.fromkeys(c.strip() for c in keep.split(",") if c.strip()))  # a repeat is one column
     elif isinstance(keep, list):
-        data["keep_columns"] = tuple(keep)
+        data["keep_columns"] = tuple(dict.fromkeys(keep))
     for k in ("stop", "stop_token_ids"):  # YAML/JSON lists, or one value
         v = data.get(k)
         if k in data and v is None:  # `stop:` left empty in a job file

@@ -372,6 +372,27 @@ def test_limit_is_a_trial_run_of_the_first_rows(ray_cluster, pair_dirs, tmp_path
         spec(pair_dirs, tmp_path, limit=0)
 
 
+def test_driver_refuses_strays_and_bad_values_before_work(ray_cluster, pair_dirs, tmp_path):
+    """A shard file numbered past the job's shards would be read and counted as output: refused. A
+    stop token id past the vocabulary, or a cache window past the context, of the bundled demo pair
+    too, fail in the driver; a column kept twice is kept once."""
+    import shutil
+
+    write_input(tmp_path)
+    run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=2, num_actors=1), progress=False, log=quiet)
+    shards = tmp_path / "out" / "shards"
+    shutil.copy(shards / "part-000000.parquet", shards / "part-000099.parquet")
+    with pytest.raises(JobError, match="part-000099.parquet; it has 3 shards"):
+        run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=2, num_actors=1), progress=False,
+                log=quiet)
+    demo = dict(target=None, draft=None, output=str(tmp_path / "o2"), address="127.0.0.1:1")  # never reached
+    with pytest.raises(JobError, match="stop-token-id 99999 is outside"):
+        run_job(spec(pair_dirs, tmp_path, stop_token_ids=(99999,), **demo), progress=False, log=quiet)
+    with pytest.raises(JobError, match="kv_window 5000"):
+        run_job(spec(pair_dirs, tmp_path, options={"kv_window": 5000}, **demo), progress=False, log=quiet)
+    assert spec(pair_dirs, tmp_path, keep_columns="text,key,text").keep_columns == ("text", "key")
+
+
 def test_changed_input_resume_is_refused(ray_cluster, pair_dirs, tmp_path):
     """Defect: the same path with other contents must not resume into lost and duplicated ids."""
     write_input(tmp_path)

@@ -178,6 +178,7 @@ def test_job_prompts_under_a_window_are_not_cut_to_the_context():
         prompt_ids(Pair(), text, 500, None)
     with pytest.raises(ValueError, match="not UTF-8 text"):  # a .txt input that is not UTF-8 (data.py)
         prompt_ids(Pair(), b"caf\xe9", 5, None)
+    assert len(prompt_ids(Pair(), "word word".encode(), 5, None)) == 2  # a binary column's UTF-8 is text
 
 
 def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
