@@ -556,17 +556,22 @@ class InputSource:
         part = self._parts[k]
         return part, part.locate(row - self._starts[k])
 
+    def id_strings(self, start: int, stop: int, column: str) -> list[str | None]:
+        """Rows start..stop-1's ids as the output writes them: str of the column's values as Arrow
+        reads them (the one conversion the duplicate check and the shards share)."""
+        col = self.read(start, stop, [column])[0].column(0)
+        ids = col.to_pylist()
+        if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
+            ids = [None if v is None else str(v) for v in ids]
+        return ids
+
     def _id_hashes(self, column: str, chunk: int):
         """(first global row, int64 hashes of str(id)) per chunk; a null id raises."""
         for s in range(0, self.num_rows, chunk):
-            table, _ = self.read(s, s + chunk, [column])
-            col = table.column(0)
-            if col.null_count:
-                part, where = self._where(s + col.is_null().index(True).as_py())
+            ids = self.id_strings(s, s + chunk, column)
+            if None in ids:
+                part, where = self._where(s + ids.index(None))
                 raise InputError(f"{part.info.path}: id column {column!r} is null at {where}")
-            ids = col.to_pylist()
-            if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
-                ids = [str(v) for v in ids]
             yield s, ids, np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
 
     def check_ids(self, column: str, chunk: int = 65536) -> None:

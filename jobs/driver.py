@@ -195,8 +195,8 @@ def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table
     _, s, e = plan.shard(k)
     id_col = [spec.id_column] if spec.id_column else []
     cols = list(dict.fromkeys([spec.prompt_column, *id_col, *plan.keep]))
-    table, raw = plan.source.read(s, e, cols, raw=[spec.prompt_column, *id_col])
-    ids = [str(v) for v in raw[spec.id_column]] if spec.id_column else [str(i) for i in range(s, e)]
+    table, raw = plan.source.read(s, e, cols, raw=[spec.prompt_column])
+    ids = plan.source.id_strings(s, e, spec.id_column) if spec.id_column else [str(i) for i in range(s, e)]
     return [{"id": i, "text": t} for i, t in zip(ids, raw[spec.prompt_column])], table.select(list(plan.keep))
 
 

@@ -253,3 +253,18 @@ def test_check_ids(tmp_path, monkeypatch):
     _jsonl(tmp_path / "i.jsonl", [{"id": 1}, {"id": "1"}, {"id": 2}])  # compared as str(value)
     with pytest.raises(InputError, match="duplicate ids in 'id'.*'1'"):
         InputSource.open(str(tmp_path / "i.jsonl")).check_ids("id")
+
+
+def test_shard_ids_are_the_ids_the_duplicate_check_compared(tmp_path):
+    """A mixed-type JSONL id column (true and "True"): the duplicate check and the shards' ids come
+    from one conversion, so two ids the check let through stay two ids in the output."""
+    from dynatree.jobs.driver import _read_shard
+    from dynatree.jobs.plan import make_plan
+    from dynatree.jobs.spec import build_spec
+
+    (tmp_path / "in.jsonl").write_text('{"id": true, "text": "a b"}\n{"id": "True", "text": "c d"}\n{"id": 7, "text": "e"}\n')
+    spec = build_spec(None, input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out"), id_column="id")
+    plan = make_plan(spec, log=lambda *a: None)
+    rows, _ = _read_shard(spec, plan, 0)
+    ids = [r["id"] for r in rows]
+    assert len(set(ids)) == 3 and ids == plan.source.id_strings(0, 3, "id")
