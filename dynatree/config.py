@@ -288,6 +288,17 @@ def make_config(method: str, options: dict | None = None):
     return cfg
 
 
+def check_samples(cfg, samples) -> int:
+    """``samples`` draws per prompt under ``cfg`` (a job's --samples, generate_batch's samples): a
+    whole number >= 1, and above 1 only when sampling draws differ (ValueError otherwise)."""
+    if not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"samples must be a whole number >= 1, got {samples!r}")
+    if samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
+        raise ValueError(f"samples={samples} needs sampling (option temperature > 0, top_k not 1): otherwise "
+                         "every sample of a prompt would be the same")
+    return int(samples)
+
+
 _AT_LEAST_ONE = ("k", "depth", "branch", "max_nodes", "window", "budget", "max_depth", "max_branch")  # counts and sizes
 
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import METHODS, ARConfig, SpecConfig, make_config
+from .config import METHODS, ARConfig, SpecConfig, check_samples, make_config
 from .drafting import Drafter, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -496,12 +496,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
 
 def _samples_of(cfg, samples: int) -> list:
     """One config per sample, each with its own seed (sampling.sample_seed)."""
-    if not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1:
-        raise ValueError(f"samples must be a whole number >= 1, got {samples!r}")
-    if samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
-        raise ValueError(f"samples={samples} needs sampling (option temperature > 0, top_k not 1): otherwise "
-                         "every sample of a prompt would be the same")
-    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(int(samples))]
+    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(check_samples(cfg, samples))]
 
 
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",

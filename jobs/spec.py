@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import KERNELS, METHODS, make_config
+from dynatree.config import KERNELS, METHODS, check_samples, make_config
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -114,8 +114,6 @@ class JobSpec:
             problems.append("max_prompt_tokens must be >= 1")
         if self.limit is not None and self.limit < 1:
             problems.append("limit must be >= 1")
-        if self.samples < 1:
-            problems.append("samples must be >= 1")
         if self.max_retries < 0:
             problems.append("max_retries must be >= 0")
         if self.shard_size < 1:
@@ -149,10 +147,7 @@ class JobSpec:
         if (self.target is None) != (self.draft is None) and self.method != "ar":
             problems.append("give both target and draft, or neither (the bundled demo pair)")
         try:
-            cfg = make_config(self.method, self.options)
-            if self.samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
-                problems.append(f"samples={self.samples} needs sampling (option temperature > 0, top_k not 1): "
-                                "otherwise every sample of a prompt would be the same")
+            check_samples(make_config(self.method, self.options), self.samples)
         except (ValueError, TypeError) as e:
             problems.append(str(e))
         try:
