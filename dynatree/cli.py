@@ -228,6 +228,10 @@ def run(config_file, quiet, **fields):
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True))
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
+    except KeyboardInterrupt:  # the shell's code for Ctrl-C, so scripts can tell it from a failure
+        click.echo(f"\ninterrupted: finished shards are kept in {fields.get('output') or 'the output'}; "
+                   "the same command resumes", err=True)
+        sys.exit(130)
     click.echo(format_table(summary))
     click.echo(f"results: {spec.output}/shards/*.parquet   summary: {spec.output}/summary.json")
 

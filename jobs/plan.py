@@ -76,9 +76,9 @@ def make_plan(spec: JobSpec, log=print) -> Plan:
     try:
         source = InputSource.open(spec.input)
         cols = source.column_names
-        if source.num_rows and spec.prompt_column not in cols:
+        if cols and spec.prompt_column not in cols:  # (an empty input without columns is just empty)
             raise JobError(f"input {spec.input}: no prompt column {spec.prompt_column!r} (columns: {', '.join(cols)})")
-        if spec.id_column and source.num_rows:  # an empty input (no rows, maybe no columns) is just empty
+        if spec.id_column and cols:
             if spec.id_column not in cols:
                 raise JobError(f"input {spec.input}: no id column {spec.id_column!r} (columns: {', '.join(cols)})")
             source.check_ids(spec.id_column)

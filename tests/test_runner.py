@@ -440,6 +440,9 @@ def test_awkward_inputs(ray_cluster, pair_dirs, tmp_path):
                 progress=False, log=quiet)
     t = pq.read_table(tmp_path / "o2" / "shards")
     assert s["rows"] == 0 and t.num_rows == 0 and {"generated_text", "key", "text"} <= set(t.column_names)
+    with pytest.raises(JobError, match="no prompt column 'txt'"):  # a typo is caught even with no rows
+        run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "empty.parquet"), output=str(tmp_path / "o4"),
+                     prompt_column="txt"), progress=False, log=quiet)
     (tmp_path / "empty.jsonl").write_text("")  # no rows, no columns: still just empty, with --id-column
     s = run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "empty.jsonl"), output=str(tmp_path / "o3")),
                 progress=False, log=quiet)
@@ -513,3 +516,17 @@ def test_templated_prompts_share_their_prefix_in_a_job(ray_cluster, pair_dirs, t
                        prefix_cache_gb=0.0, overwrite=True), progress=False, log=quiet)
     assert off["cached_prompt_tokens"] == 0
     assert [r["generated_token_ids"] for r in read_rows(tmp_path / "out")] == [r["generated_token_ids"] for r in rows]
+
+
+def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+    from dynatree.jobs import driver
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "run_job", interrupted)
+    res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 130 and "the same command resumes" in res.output
