@@ -276,15 +276,12 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
           max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, batch_sizes, grid_depth,
           grid_branch, grid_tau, threads, out_dir):
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
-    import torch
-
     from .bench import BenchSpec, parse_methods, run_bench
     from .data import InputError
     from .models import PairError, load_pair
     from .report import report
 
-    if threads:
-        torch.set_num_threads(threads)
+    _threads(threads)
     try:
         grid = {}
         if grid_depth or grid_branch or grid_tau:
@@ -330,8 +327,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     from .budget import profile as run_profile, time_prefill
     from .models import PairError, load_pair
 
-    if threads:
-        torch.set_num_threads(threads)
+    _threads(threads)
     lengths = _int_list(cache_lengths, "--cache-lengths")
     try:
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
@@ -381,8 +377,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     if prefill:
         click.echo(f"target prefill of {prefill} tokens: {native_prefill:.1f} ms")
     if getattr(runner, "native", False):
-        _against_mkl(pair, lat.verify_ms, native_prefill, prefill, min(prefix, pair.max_context - 65), repeats,
-                     kv_dtype)
+        _against_mkl(pair, lat.verify_ms, native_prefill, prefill, prefix, repeats, kv_dtype)
     if cache_lengths:
         _cache_sweep(runner, lengths, pair.max_context, repeats, kv_dtype)
 

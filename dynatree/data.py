@@ -467,6 +467,15 @@ def _unify(parts: list[_Part]) -> pa.Schema:
     return schema
 
 
+def id_strings(col) -> list[str | None]:
+    """An id column as the output writes it: str of its values as Arrow reads them -- the one
+    conversion the duplicate check (InputSource.check_ids) and the shards share."""
+    ids = col.to_pylist()
+    if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
+        ids = [None if v is None else str(v) for v in ids]
+    return ids
+
+
 class InputSource:
     """A planned view of an input: row counts from file metadata, rows read by range on demand.
 
@@ -557,13 +566,8 @@ class InputSource:
         return part, part.locate(row - self._starts[k])
 
     def id_strings(self, start: int, stop: int, column: str) -> list[str | None]:
-        """Rows start..stop-1's ids as the output writes them: str of the column's values as Arrow
-        reads them (the one conversion the duplicate check and the shards share)."""
-        col = self.read(start, stop, [column])[0].column(0)
-        ids = col.to_pylist()
-        if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
-            ids = [None if v is None else str(v) for v in ids]
-        return ids
+        """Rows start..stop-1's ids as the output writes them (:func:`id_strings`)."""
+        return id_strings(self.read(start, stop, [column])[0].column(0))
 
     def _id_hashes(self, column: str, chunk: int):
         """(first global row, int64 hashes of str(id)) per chunk; a null id raises."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from dynatree.data import id_strings
 from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
@@ -196,7 +197,7 @@ def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table
     id_col = [spec.id_column] if spec.id_column else []
     cols = list(dict.fromkeys([spec.prompt_column, *id_col, *plan.keep]))
     table, raw = plan.source.read(s, e, cols, raw=[spec.prompt_column])
-    ids = plan.source.id_strings(s, e, spec.id_column) if spec.id_column else [str(i) for i in range(s, e)]
+    ids = id_strings(table.column(spec.id_column)) if spec.id_column else [str(i) for i in range(s, e)]
     return [{"id": i, "text": t} for i, t in zip(ids, raw[spec.prompt_column])], table.select(list(plan.keep))
 
 
