@@ -59,10 +59,13 @@ class Drafter:
     :class:`DraftCall` and receives its runtime.Output, so several sequences' levels can share one
     packed draft forward (:func:`drive`); :func:`run` drives one sequence alone."""
 
-    def __init__(self, model, vocab: int, capacity: int, sampler=None, window=None, kv_dtype: str = "model"):
+    def __init__(self, model, vocab: int, capacity: int, sampler=None, window=None, kv_dtype: str = "model",
+                 context: int = 0):
         self.model, self.device = model, model.device
         self.sampler = sampler
         self.window = window  # kvcache.Window (StreamingLLM) or None
+        self.context = context  # config.SpecConfig.draft_context: 0, or the most tokens a (re)start feeds
+        self.restarts = 0
         self.vocab = vocab
         self.cache = new_cache(model, capacity, kv_dtype)
         self.pending: list[int] = []
@@ -106,6 +109,13 @@ class Drafter:
         between them, so the draft keeps the same sinks and recent tokens as the target.  A
         generator (see the class)."""
         todo, self.pending = self.pending[:-1], self.pending[-1:]
+        if self.context and len(todo) > self.context:
+            # catching up would feed len(todo) tokens; a restart on the latest `context` costs fewer,
+            # and a draft reads little context (the README's *Draft context*)
+            self.cache.shared = None  # (dropped, not copied in: nothing of it is kept)
+            self.cache.truncate(0)
+            todo = todo[-self.context:]
+            self.restarts += 1
         while todo:
             room = len(todo) if self.window is None else self.window.size - self.cache.length
             piece, todo = todo[:room], todo[room:]

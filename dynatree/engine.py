@@ -310,7 +310,7 @@ class BatchDecoder:
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft and r.reason is None:
                 r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler,
-                                    self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype)
+                                    self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype, r.cfg.draft_context)
                 r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
         drafting = [r for r in rows if r.drafter is not None]
@@ -327,7 +327,8 @@ class BatchDecoder:
         held, copied = [0] * len(rows), [0] * len(rows)
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
-            if r.window is None and r.cfg.prefix_cache:
+            # (a draft that reads only the prompt's end cannot share its beginning)
+            if r.window is None and r.cfg.prefix_cache and (which == "target" or not _bounded(r)):
                 groups.setdefault(r.cfg.kv_dtype, []).append(i)
         for kv_dtype, idx in groups.items():
             store = self.pair.prefix_store(which, kv_dtype)
@@ -437,6 +438,11 @@ class BatchDecoder:
         from_lookup = sum(1 for u in path_nodes[1:committed + 1] if u in tree.grafted) if tree.grafted else 0
         r.tally.add(committed, min(accepted, committed), tree.max_depth, len(tree) - 1, from_lookup)
         return committed
+
+
+def _bounded(r: _Row) -> bool:
+    """Whether the row's draft reads less than its whole prompt (SpecConfig.draft_context)."""
+    return 0 < r.drafter.context < len(r.prompt)
 
 
 def _catch_up(rows: list[_Row]) -> None:

@@ -187,3 +187,29 @@ def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
         generate(close_pair, [3, 4], "ar", make_config("linear"))
     with pytest.raises(ValueError, match="1 configs for 2 prompts"):
         decode_batch(close_pair, [[3], [4]], [make_config("ar")])
+
+
+@pytest.mark.parametrize("opts", [{}, {"temperature": 0.9, "seed": 5}])
+def test_drafts_that_sat_out_iterations_restart_and_tokens_stay_ars(close_pair, monkeypatch, opts):
+    """Batched, the governor's plain iterations leave drafts behind; with draft_context a draft
+    more than that many tokens behind restarts on the latest ones (drafting.Drafter.prefill).
+    Every row's tokens are still ar's, greedy and sampled."""
+    from dynatree.budget import Governor
+    from dynatree.drafting import Drafter
+
+    calls = iter(range(1 << 20))
+    monkeypatch.setattr(Governor, "skip_drafting", lambda self: next(calls) % 6 != 5)  # 5 plain, 1 drafted
+    restarts, prefill = [], Drafter.prefill
+
+    def counted(self):
+        before = self.restarts
+        yield from prefill(self)
+        restarts.append(self.restarts - before)
+
+    monkeypatch.setattr(Drafter, "prefill", counted)
+    prompts = random_prompts(4, seed=3, lo=2, hi=3)
+    cfg = make_config("dynatree", {"draft_context": 3, **opts})
+    got = decode_batch(close_pair, prompts, cfg, max_new_tokens=40, ignore_eos=True)
+    refs = [decode(close_pair, p, make_config("ar", opts), max_new_tokens=40, ignore_eos=True)[0] for p in prompts]
+    assert [g[0] for g in got] == refs
+    assert sum(restarts) >= 4 * 4, restarts  # every row, most of its ~6 drafted iterations

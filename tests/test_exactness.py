@@ -31,6 +31,8 @@ SETTINGS = [
     ("dyspec", {"budget": 5, "max_branch": 2}),
     ("dyspec", {"mode": "threshold"}),
     ("dyspec", {"mode": "threshold", "threshold": 0.001, "budget": 64}),
+    ("dynatree", {"hw_budget": "off", "draft_context": 4}),
+    ("linear", {"k": 3, "draft_context": 1}),
 ]
 PROMPTS = random_prompts(20, seed=1)
 

@@ -57,6 +57,8 @@ def test_bad_options_are_clear_errors():
         make_config("linear", {"k": "0"})
     with pytest.raises(ValueError, match="tau must be within"):
         make_config("fixed_tree", {"tau": "2"})
+    with pytest.raises(ValueError, match="draft_context must be >= 0"):
+        make_config("dyspec", {"draft_context": "-1"})
     # typed values (a job file, the Python API) are checked as strings are parsed
     for method, bad in (("linear", {"k": 3.7}), ("ar", {"seed": 1.5}), ("dynatree", {"tau": True}),
                         ("dynatree", {"history": 1}), ("ar", {"kv_dtype": 3})):

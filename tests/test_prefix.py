@@ -304,3 +304,19 @@ def test_a_group_extending_a_stored_chain_computes_the_rest_once():
     pair.prefix_cache_bytes = 1 << 30
     refs = [decode(pair, p, make_config("ar"), max_new_tokens=8, ignore_eos=True)[0] for p in pair2]
     assert [toks for toks, _, _ in decode_batch(pair, pair2, make_config("ar"), max_new_tokens=8, ignore_eos=True)] == refs
+
+
+def test_a_draft_reading_only_the_prompts_end_shares_nothing_and_stores_nothing():
+    """draft_context shorter than the prompts: the draft's cache holds the prompt's last tokens at
+    positions from 0, which are not the prompt's prefix -- storing them would hand other rows wrong
+    keys.  The target still shares; the draft store stays empty; the tokens are unchanged."""
+    target = tiny_neox(1)
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
+    prompts = templated(6, seed=1)
+    plain = decode_joining(pair, prompts, make_config("dynatree", {}))
+    pair.forget_prefixes()
+    bounded = decode_joining(pair, prompts, make_config("dynatree", {"draft_context": 16}))
+    assert [t for t, _ in bounded] == [t for t, _ in plain]
+    assert [m.cached_prompt_tokens for _, m in bounded].count(2 * BLOCK) >= 4
+    draft = pair.prefix_store("draft", "model")
+    assert draft.reused == 0 and draft.bytes == 0

@@ -125,3 +125,34 @@ def test_draft_commit_keeps_accepted_nodes_and_feeds_the_rest(close_pair):
     for a, b in zip(d.cache.layers, ref.layers):
         torch.testing.assert_close(a.keys[:, :, :n_cached], b.keys[:, :, :n_cached], rtol=0, atol=1e-10)
         torch.testing.assert_close(a.values[:, :, :n_cached], b.values[:, :, :n_cached], rtol=0, atol=1e-10)
+
+
+def test_a_draft_restarts_on_its_last_tokens_when_catching_up_would_cost_more(close_pair):
+    """draft_context: at join the draft reads the prompt's last tokens only (positions from 0),
+    and a draft that fell further behind than that restarts on the latest ones; a shorter gap is
+    caught up on as before.  The cache then equals a fresh prefill of those tokens."""
+    from dynatree.drafting import run
+
+    prompt = random_prompts(1, seed=9, lo=30, hi=30)[0]
+    d = Drafter(close_pair.runner("draft"), close_pair.vocab, 256, context=8)
+
+    def assert_cache_is_a_prefill_of(ids):
+        ref = new_cache(close_pair.draft, 64)
+        with torch.no_grad():
+            close_pair.draft(input_ids=torch.tensor([ids]), past_key_values=ref, use_cache=True)
+        assert d.cache.length == len(ids)
+        for a, b in zip(d.cache.layers, ref.layers):
+            torch.testing.assert_close(a.keys[:, :, :len(ids)], b.keys[:, :, :len(ids)], rtol=0, atol=1e-10)
+
+    d.extend(prompt)
+    run(d, d.prefill())
+    assert d.pending == prompt[-1:] and d.restarts == 1
+    assert_cache_is_a_prefill_of(prompt[-9:-1])
+    d.extend(prompt[:5])  # a gap of 5 <= 8: caught up on
+    run(d, d.prefill())
+    assert d.restarts == 1
+    assert_cache_is_a_prefill_of(prompt[-9:] + prompt[:4])
+    d.extend(prompt[:20])  # 20 tokens to catch up on > 8: restarts
+    run(d, d.prefill())
+    assert d.restarts == 2
+    assert_cache_is_a_prefill_of((prompt[4:5] + prompt[:20])[-9:-1])
