@@ -186,9 +186,11 @@ class ShardWorker:
             return {i: divergence(self.pair, ids, ref, results[i]["generated_token_ids"], cfg)
                     for i, (cfg, ids, (ref, _, _)) in checked.items()}
 
+        # a row and its reference time the same shared forwards at batch size > 1: no speed comparison
+        alone = self.scheduler.batch_size == 1
         for i, (idx, margin) in (self.scheduler.call(check).result() if checked else {}).items():
             results[i].update(matches_ar=idx is None, first_divergence=idx, divergence_margin=margin,
-                              ar_tokens_per_s=checked[i][2][2].tokens_per_s)
+                              ar_tokens_per_s=checked[i][2][2].tokens_per_s if alone else None)
         return results
 
 

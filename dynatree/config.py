@@ -94,11 +94,11 @@ class SpecConfig(MethodConfig):
     lookup: int = opt(0, "context lookup: graft up to this many tokens copied from the text so far (what "
                          "followed the latest earlier occurrence of the longest repeated suffix, up to 8 tokens) onto each tree; "
                          "0 = off)")
-    draft_context: int = opt(0, "the most committed tokens the draft reads when it (re)starts: a joining prompt's "
-                                "last draft_context tokens, and a draft that fell further behind (rows drafting "
-                                "nothing while the hardware budget keeps trees off) restarts on the last "
-                                "draft_context tokens instead of catching up on all of them.  Changes proposals, "
-                                "never the output (0 = the whole text)")
+    draft_context: int = opt(128, "the most committed tokens the draft reads when it (re)starts: a joining "
+                                  "prompt's last draft_context tokens, and a draft that fell further behind (rows "
+                                  "drafting nothing while the hardware budget keeps trees off) restarts on the last "
+                                  "draft_context tokens instead of catching up on all of them.  Changes proposals, "
+                                  "never the output (0 = the whole text)")
 
     def __post_init__(self):
         super().__post_init__()

@@ -313,7 +313,7 @@ def test_a_draft_reading_only_the_prompts_end_shares_nothing_and_stores_nothing(
     target = tiny_neox(1)
     pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=EOS)
     prompts = templated(6, seed=1)
-    plain = decode_joining(pair, prompts, make_config("dynatree", {}))
+    plain = decode_joining(pair, prompts, make_config("dynatree", {"draft_context": 0}))
     pair.forget_prefixes()
     bounded = decode_joining(pair, prompts, make_config("dynatree", {"draft_context": 16}))
     assert [t for t, _ in bounded] == [t for t, _ in plain]

@@ -117,6 +117,10 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
                 log=quiet)
     assert s["equivalence"]["checked"] == len(PROMPTS) and s["equivalence"]["mismatches"] == 0
     assert s["this_run"]["actors"][0]["steps"] > 0
+    # a row and its ar reference shared forwards: no per-row speedup is claimed
+    from dynatree.jobs.summary import format_table
+    assert s["speedup_vs_ar"]["n"] == 0 and "shared forwards at batch size > 1" in format_table(s)
+    assert all(r["ar_tokens_per_s"] is None for r in read_rows(tmp_path / "out"))
 
 
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
@@ -125,9 +129,10 @@ def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
     feather.write_feather(pa.Table.from_pylist(recs), tmp_path / "in.arrow")
     for name in ("in.jsonl", "in.arrow"):
         out = tmp_path / f"out-{name}"
-        s = run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / name), output=str(out), num_actors=1),
-                    progress=False, log=quiet)
+        s = run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / name), output=str(out), num_actors=1,
+                         batch_size=1), progress=False, log=quiet)
         assert s["rows"] == 5 and s["equivalence"]["mismatches"] == 0
+        assert s["speedup_vs_ar"]["n"] == 5  # decoded one at a time: rows and references timed apart
         assert [r["id"] for r in read_rows(out)] == [f"j{i}" for i in range(5)]
 
 
