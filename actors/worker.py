@@ -97,22 +97,27 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
 
 class ShardWorker:
     def __init__(self, spec, threads: int | None = None):
-        t0 = time.perf_counter()
-        if threads:
-            torch.set_num_threads(max(1, int(threads)))
         self.spec, self.cfg = spec, spec.method_config
+        self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
+        self.startup: dict = {}
+        self.scheduler = Scheduler(None, None if spec.batch_size == "auto" else int(spec.batch_size),
+                                   max_batch=spec.max_batch_size, threads=self.threads)
+        # every torch op of the actor runs on the decoding thread, loading included (scheduler.py)
+        self.pair = self.scheduler.load(self._load)
+        self.stop = spec.stop_rule  # built once, not per row
+        if self.stop is not None:
+            self.stop.check_vocab(self.pair.vocab)
+
+    def _load(self):
+        spec, t0 = self.spec, time.perf_counter()
         self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                               load_draft=spec.method != "ar", kernel=spec.kernel)
         self.pair.prefix_cache_bytes = int(spec.prefix_cache_gb * 2**30)
         if spec.chat_template and not self.pair.has_chat_template:
             raise PairError(f"chat_template is on but the target {spec.target or '(demo pair)'}'s tokenizer has none")
-        self.stop = spec.stop_rule  # built once, not per row
-        if self.stop is not None:
-            self.stop.check_vocab(self.pair.vocab)
-        self.startup = {"load_s": time.perf_counter() - t0}
+        self.startup["load_s"] = time.perf_counter() - t0
         self._warm_up()
-        self.scheduler = Scheduler(self.pair, None if spec.batch_size == "auto" else int(spec.batch_size),
-                                   max_batch=spec.max_batch_size, threads=torch.get_num_threads())
+        return self.pair
 
     def _warm_up(self) -> None:
         """First-use costs before the first shard: the kernel build and the budget's profile
@@ -130,7 +135,7 @@ class ShardWorker:
     def ready(self) -> dict:
         p = self.pair
         return {"pid": os.getpid(), "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
-                "context": p.max_context, "vocab": p.vocab, "threads": torch.get_num_threads(),
+                "context": p.max_context, "vocab": p.vocab, "threads": self.threads,
                 "startup": self.startup}
 
     def stats(self) -> dict:

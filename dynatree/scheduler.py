@@ -9,7 +9,11 @@ at the following step.  The number of rows in flight, B, is fixed or chosen onli
 Anything else that runs the models while rows are in flight (the job's divergence check) goes
 through :meth:`Scheduler.call`, which runs it on the decoding thread between steps: the runners
 are not thread-safe (the native kernel's scratch buffers are per runner), and the decoding
-thread carries the job's thread count.
+thread carries the job's thread count.  Loading the pair goes there too (:meth:`Scheduler.load`):
+OpenMP (libgomp) keeps a team of threads for every thread that ever ran a parallel region, and
+once the teams outnumber the cores it stops spinning at barriers and sleeps instead -- a torch op
+on the loading thread made every forward on the decoding thread 1.5 ms slower (2.5x at one token
+on 2 cores; the job ran at half the speed of the same decoding on one thread).
 
 A request that cannot be decoded (its prompt does not fit the context) resolves to the
 ValueError instead of a result.  An unexpected error inside a step fails the groups that had
@@ -148,7 +152,7 @@ class Scheduler:
     thread in OpenMP, so the caller's setting does not reach a new thread by itself).
     """
 
-    def __init__(self, pair: ModelPair, batch_size: int | None = None, *, max_batch: int = 64,
+    def __init__(self, pair: ModelPair | None, batch_size: int | None = None, *, max_batch: int = 64,
                  threads: int | None = None):
         self.pair, self.fixed, self.threads = pair, batch_size, threads
         self.tuner = BatchTuner(max_size=max_batch, start=min(16, max_batch)) if batch_size is None else None
@@ -181,6 +185,12 @@ class Scheduler:
         self._enqueue(self._calls, [(fn, future)])
         return future
 
+    def load(self, build) -> ModelPair:
+        """Build the pair with ``build()`` on the decoding thread (see the module: every torch op
+        of the process on one thread) and decode with it; returns it, or raises what build did."""
+        self.pair = self.call(build).result()
+        return self.pair
+
     def _enqueue(self, queue: deque, items: list) -> None:
         with self._cond:
             if self.broken is not None:
@@ -201,10 +211,13 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 future.set_exception(e)
 
+    def _wait(self, busy: bool) -> None:
+        with self._cond:
+            while not busy and not self._queue and not self._calls:
+                self._cond.wait()
+
     def _fill(self, dec: BatchDecoder) -> None:
         with self._cond:
-            while not len(dec) and not self._queue and not self._calls:
-                self._cond.wait()
             while self._queue and len(dec) < self.batch_size:
                 group, i, r = self._queue.popleft()
                 if group.future.done():  # its shard already failed: don't decode the rest
@@ -237,10 +250,15 @@ class Scheduler:
     def _loop(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
-        dec = self._dec = BatchDecoder(self.pair)
+        dec = None  # made for the first request: a call may load the pair first (load)
         while True:
-            self._fill(dec)
+            self._wait(dec is not None and len(dec) > 0)
             self._run_calls()
+            if dec is None:
+                if not self._queue:
+                    continue
+                dec = self._dec = BatchDecoder(self.pair)
+            self._fill(dec)
             if not len(dec):
                 continue
             rows, tokens, t0 = len(dec), dec.tokens, time.perf_counter()

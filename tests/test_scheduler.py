@@ -185,3 +185,24 @@ def test_calls_run_on_the_decoding_thread_between_steps(close_pair, monkeypatch)
     with pytest.raises(ZeroDivisionError):
         sched.call(lambda: 1 / 0).result(timeout=60)
     assert all(toks for toks, _, _ in rows.result(timeout=120))  # the batch went on
+
+
+def test_the_pair_is_loaded_on_the_decoding_thread(close_pair):
+    """Scheduler.load: the pair is built where it decodes (libgomp keeps a thread team for every
+    thread that ran a parallel region; a second team on 2 cores made each forward 2.5x slower),
+    and what the build raises reaches the caller as it is."""
+    import threading
+
+    sched, where = Scheduler(None, 2, threads=1), []
+
+    def build():
+        where.append(threading.current_thread().name)
+        torch.ones(1 << 16).add_(1)  # a parallel torch op, as loading runs
+        return close_pair
+
+    assert sched.load(build) is close_pair and where == ["dynatree-decode"]
+    out = sched.submit(_requests(random_prompts(1, seed=2), make_config("dynatree"), n=5)).result(timeout=60)
+    assert out[0][0] == decode(close_pair, random_prompts(1, seed=2)[0], make_config("ar"), max_new_tokens=5,
+                               ignore_eos=True)[0]
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        Scheduler(None, 1).load(lambda: (_ for _ in ()).throw(FileNotFoundError("no model here")))
