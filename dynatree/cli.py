@@ -15,6 +15,10 @@ def _fail(msg: str) -> None:
     raise click.ClickException(msg)
 
 
+def _margin(m: float | None) -> str:
+    return "unknown (evicted by the cache window)" if m is None else f"{m:.3g}"
+
+
 def _threads(n: int | None) -> None:
     """--threads: the native kernel runs on torch's thread count (its OpenMP regions split work
     evenly, so a thread the OS pauses for another process stalls each forward)."""
@@ -73,7 +77,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
              ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json, threads):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
-    from .check import truncate_prompt
+    from .check import divergence, truncate_prompt
     from .config import ar_reference, make_config, parse_options
     from .models import PairError, load_pair
 
@@ -94,8 +98,12 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                    for i, g in enumerate(gens)]
         if check_ar:  # ar with the method's seed and cache window
             refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
-            for res, ref, gen in zip(results, refs, gens):
+            for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
+                if not res["matches_ar"]:  # where, and how close the target's top two were there
+                    ids = engine.prompt_token_ids(pair, prompts[i // samples])
+                    res["first_divergence"], res["divergence_margin"] = divergence(
+                        pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
     except (PairError, ValueError) as e:
         _fail(str(e))
     for gen, result in zip(gens, results):
@@ -108,7 +116,9 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                  if "prompt" in result else "")
         click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
                    f"{m.iterations} iterations, {m.tokens_per_iteration:.2f} tokens/iteration, "
-                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else ""),
+                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else "")
+                   + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
+                      f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
                    err=True)
 
 
@@ -233,7 +243,12 @@ def run(config_file, quiet, **fields):
                    "the same command resumes", err=True)
         sys.exit(130)
     click.echo(format_table(summary))
-    click.echo(f"results: {spec.output}/shards/*.parquet   summary: {spec.output}/summary.json")
+    out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
+    click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
+    if summary["rows"] and summary["errors"] == summary["rows"]:
+        kinds = summary["error_messages"]
+        _fail(f"every row failed ({summary['errors']}); the most common error: {next(iter(kinds))!r}"
+              + (f" (and {len(kinds) - 1} other kinds: see the error column)" if len(kinds) > 1 else ""))
 
 
 def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:

@@ -513,6 +513,11 @@ def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str 
                           stop=stop, stop_token_ids=stop_token_ids)[0]
 
 
+def prompt_token_ids(pair: ModelPair, prompt: str | list[int] | list[dict]) -> list[int]:
+    """A prompt as generate_batch reads it: text, chat messages (the chat template), or token ids."""
+    return pair.encode(prompt) if isinstance(prompt, str) else pair.encode_chat(prompt) if is_chat(prompt) else list(prompt)
+
+
 def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]], method: str = "dynatree",
                    options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
                    stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
@@ -534,7 +539,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     rule = Stop.of(stop, stop_token_ids)
-    ids = [pair.encode(p) if isinstance(p, str) else pair.encode_chat(p) if is_chat(p) else list(p) for p in prompts]
+    ids = [prompt_token_ids(pair, p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")

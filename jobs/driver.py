@@ -168,6 +168,9 @@ def _check_devices(spec: JobSpec, resources: dict) -> None:
 def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     """Run (or resume) a job; returns the summary.  Raises JobError on fatal problems."""
     t_start = time.time()
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not os.path.isabs(spec.output):  # set by `ray job submit`
+        log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
+            "in the job's working directory, which Ray manages and may delete; give an absolute path")
     plan = make_plan(spec, log)
     preflight(spec)
     out = prepare_output(spec, plan)

@@ -60,7 +60,7 @@ def read_rows(out: Path) -> list[dict]:
 
 def _tally(out: Path, sampled: bool = False) -> dict:
     t = {"rows": 0, "errors": 0, "tokens": 0, "lookup": 0, "checked": 0, "mismatched": [], "mismatches": 0,
-         "prompt": 0, "cached": 0, "reasons": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
+         "prompt": 0, "cached": 0, "reasons": Counter(), "error_kinds": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
         have = set(pq.read_schema(f).names) - (set() if sampled else {"sample"})  # an older version's shard
         # may lack newer columns; a 1-sample job's "sample" is an input column
@@ -70,6 +70,8 @@ def _tally(out: Path, sampled: bool = False) -> dict:
                 t["reasons"][r["finish_reason"]] += 1
             if r["error"] is not None:
                 t["errors"] += 1
+                if r["error"] in t["error_kinds"] or len(t["error_kinds"]) < 10:
+                    t["error_kinds"][r["error"]] += 1
                 continue
             t["tokens"] += r["num_generated_tokens"] or 0
             t["lookup"] += r["lookup_tokens"] or 0
@@ -96,6 +98,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> 
     return {
         "rows": t["rows"],
         "errors": t["errors"],
+        "error_messages": dict(t["error_kinds"].most_common()),  # up to 10 distinct ones, with counts
         "generated_tokens": t["tokens"],
         "finish_reasons": dict(sorted(t["reasons"].items())),
         "this_run": {**run_stats,

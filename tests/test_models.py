@@ -168,3 +168,26 @@ def test_dataset_cache_detection(monkeypatch, tmp_path):
     (tmp_path / "hub" / "datasets--org--thing").mkdir(parents=True)
     assert names._cached("allenai/WildChat", "dataset") and names._cached("org/thing", "dataset")
     assert not names._cached("org/other", "dataset")
+
+
+def test_cli_generate_check_ar_says_where_and_how_close(pair_dirs, monkeypatch):
+    """A generation that parts from ar (low precision can) carries the first differing index and
+    the target's top-2 logit margin there, as a job's rows do."""
+    from dynatree import engine
+
+    real = engine.generate_batch
+
+    def parted(pair, prompts, method, *a, **k):
+        gens = real(pair, prompts, method, *a, **k)
+        if method != "ar":
+            for g in gens:
+                g.token_ids = g.token_ids[:4] + [(g.token_ids[4] + 1) % 50] + g.token_ids[5:]
+        return gens
+
+    monkeypatch.setattr(engine, "generate_batch", parted)
+    args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+            "--max-new-tokens", "8", "--prompt", "It was the best", "--ignore-eos", "--check-ar"]
+    out = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout.strip().splitlines()[-1])
+    assert out["matches_ar"] is False and out["first_divergence"] == 4 and out["divergence_margin"] > 0
+    res = CliRunner().invoke(main, args)
+    assert "matches_ar=False (first difference at token 4, target top-2 logit margin there" in res.output

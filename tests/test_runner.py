@@ -535,3 +535,34 @@ def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "run_job", interrupted)
     res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "o")])
     assert res.exit_code == 130 and "the same command resumes" in res.output
+
+
+def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+    from dynatree.jobs import driver
+
+    write_input(tmp_path, texts=["", "   ", None])
+    s = run_job(spec(pair_dirs, tmp_path, num_actors=1), progress=False, log=quiet)
+    assert s["errors"] == s["rows"] == 3
+    assert sum(s["error_messages"].values()) == 3 and "prompt is empty" in s["error_messages"]
+    monkeypatch.setattr(driver, "run_job", lambda *a, **k: s)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o"])
+    assert res.exit_code == 1 and "every row failed (3); the most common error: 'prompt is empty'" in res.output
+    assert f"results: {tmp_path / 'o'}/shards" in res.output  # absolute (`ray job submit` runs elsewhere)
+    s2 = dict(s, errors=2)
+    monkeypatch.setattr(driver, "run_job", lambda *a, **k: s2)
+    assert CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o"]).exit_code == 0
+
+
+def test_a_relative_output_under_ray_job_submit_is_named_in_full(pair_dirs, tmp_path, monkeypatch):
+    from dynatree.jobs import driver
+
+    logs = []
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(JobError):  # (no input: the warning comes first)
+        driver.run_job(spec(pair_dirs, tmp_path, input="missing.parquet", output="out/x"), log=logs.append)
+    assert any(f"is {tmp_path / 'out' / 'x'}" in m and "absolute path" in m for m in logs), logs
