@@ -32,7 +32,7 @@ from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
-from .plan import JobError, Plan, finished_shards, make_plan, prepare_output, write_shard
+from .plan import JobError, Plan, default_ids, finished_shards, make_plan, prepare_output, write_shard
 from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
@@ -171,6 +171,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not os.path.isabs(spec.output):  # set by `ray job submit`
         log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
             "in the job's working directory, which Ray manages and may delete; give an absolute path")
+    spec = default_ids(spec, log)
     plan = make_plan(spec, log)
     preflight(spec)
     out = prepare_output(spec, plan)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,6 +69,29 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
         hint = " (--id-column id makes it the row id)" if "id" in skipped else ""
         log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name{hint}")
     return tuple(c for c in source.column_names if c not in result_cols)
+
+
+def default_ids(spec: JobSpec, log=print) -> JobSpec:
+    """No --id-column: an input with an ``id`` column keeps its ids (the output's ``id`` is a
+    result column, so it would be dropped for row indexes).  An output begun with row indexes
+    before this default resumes with them."""
+    if spec.id_column is not None:
+        return spec
+    manifest = Path(spec.output) / "manifest.json"
+    try:
+        source = InputSource.open(spec.input)
+        if "id" not in source.column_names or (not spec.overwrite and manifest.exists() and json.loads(
+                manifest.read_text()).get("identity", {}).get("id_column", "id") is None):
+            return spec
+    except (InputError, OSError, ValueError):
+        return spec  # make_plan (the input) or prepare_output (the manifest) says what is wrong
+    try:
+        source.check_ids("id")
+    except InputError as e:
+        log(f"ids: row indexes, not the input's id column ({e})")
+        return spec
+    log("ids: the input's id column (set --id-column to use another)")
+    return replace(spec, id_column="id")
 
 
 def make_plan(spec: JobSpec, log=print) -> Plan:

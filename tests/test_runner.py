@@ -1,4 +1,5 @@
 """The batch runner end to end on a real local Ray cluster, real Parquet files and tiny models."""
+import dataclasses
 import json
 import os
 import time
@@ -566,3 +567,21 @@ def test_a_relative_output_under_ray_job_submit_is_named_in_full(pair_dirs, tmp_
     with pytest.raises(JobError):  # (no input: the warning comes first)
         driver.run_job(spec(pair_dirs, tmp_path, input="missing.parquet", output="out/x"), log=logs.append)
     assert any(f"is {tmp_path / 'out' / 'x'}" in m and "absolute path" in m for m in logs), logs
+
+
+def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
+    """No --id-column: the input's own `id` column gives the ids (it was dropped for row indexes,
+    the output's `id` being a result column); one with duplicates or nulls, or an output begun
+    with row indexes, keeps row indexes."""
+    from dynatree.jobs.plan import default_ids, make_plan, prepare_output
+    logs = []
+    pq.write_table(pa.table({"id": [f"a{i}" for i in range(4)], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
+    job = spec(pair_dirs, tmp_path, id_column=None)
+    assert default_ids(job, logs.append).id_column == "id" and "the input's id column" in logs[-1]
+    assert default_ids(spec(pair_dirs, tmp_path, id_column="text"), logs.append).id_column == "text"
+    prepare_output(job, make_plan(job, quiet))  # an output begun (by an older version) with row indexes
+    assert default_ids(job, logs.append).id_column is None
+    assert default_ids(dataclasses.replace(job, overwrite=True), logs.append).id_column == "id"
+    pq.write_table(pa.table({"id": ["a", "a", "b", "c"], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
+    other = spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o2"))
+    assert default_ids(other, logs.append).id_column is None and "duplicate ids" in logs[-1]
