@@ -264,6 +264,9 @@ class _Dispatch:
             raise JobError(str(e)) from e
         self.startup["cluster_s"] = round(time.time() - t0, 3)
         self.actors, self.pg = [], None
+        if len(todo) < n:
+            self.log(f"{len(todo)} shard(s) left to decode: starting {len(todo)} of {n} actors "
+                     f"(a shard holds --shard-size {self.spec.shard_size} rows and goes to one actor)")
         try:
             self._start(ray, min(n, len(todo)))
             self._loop(ray, deque((k, None) for k in todo), progress)

@@ -585,3 +585,11 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     pq.write_table(pa.table({"id": ["a", "a", "b", "c"], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
     other = spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o2"))
     assert default_ids(other, logs.append).id_column is None and "duplicate ids" in logs[-1]
+
+
+def test_fewer_shards_than_actors_start_fewer_actors_and_say_so(ray_cluster, pair_dirs, tmp_path):
+    write_input(tmp_path, texts=PROMPTS[:3])
+    logs = []
+    s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=logs.append)
+    assert s["rows"] == 3 and len(s["this_run"]["actors"]) == 1
+    assert any("1 shard(s) left to decode: starting 1 of 2 actors" in m for m in logs), logs
