@@ -60,7 +60,8 @@ def read_rows(out: Path) -> list[dict]:
 
 def _tally(out: Path, sampled: bool = False) -> dict:
     t = {"rows": 0, "errors": 0, "tokens": 0, "lookup": 0, "checked": 0, "mismatched": [], "mismatches": 0,
-         "prompt": 0, "cached": 0, "reasons": Counter(), "error_kinds": Counter(), "speedup": _Moments(), **{k: _Moments() for k in _MOMENTS}}
+         "prompt": 0, "cached": 0, "reasons": Counter(), "error_kinds": Counter(), "speedup": _Moments(),
+         **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
         have = set(pq.read_schema(f).names) - (set() if sampled else {"sample"})  # an older version's shard
         # may lack newer columns; a 1-sample job's "sample" is an input column
