@@ -117,6 +117,9 @@ class Drafter:
             todo = todo[-self.context:]
             self.restarts += 1
         while todo:
+            if self.window is not None and self.cache.length >= self.window.size:
+                # a restarted draft (above) evicts on its own schedule, so its cache can be full here
+                self.window.make_room(self.cache, 1)
             room = len(todo) if self.window is None else self.window.size - self.cache.length
             piece, todo = todo[:room], todo[room:]
             yield from self._feed(piece)

@@ -68,6 +68,23 @@ def test_windowed_methods_equal_windowed_ar_float64(close_pair):
     assert [t for t, _, _ in decode_batch(close_pair, prompts, cfgs, max_new_tokens=150, ignore_eos=True)] == refs
 
 
+@pytest.mark.parametrize("opts", [{}, {"temperature": 0.9, "seed": 3}])
+def test_a_draft_restarted_on_the_prompts_end_keeps_to_the_window(close_pair, opts):
+    """draft_context shorter than the prompt, under a window: the draft restarts on the prompt's
+    end and then fills and evicts on its own schedule, not the target's (its cache could be full
+    when a windowed prefill began, which fed an empty piece and failed the row)."""
+    prompts = random_prompts(2, seed=43, lo=70, hi=70)
+    refs = [decode(close_pair, p, make_config("ar", with_window(opts)), max_new_tokens=150, ignore_eos=True)[0]
+            for p in prompts]
+    for method in ("dynatree", "linear", "dyspec"):
+        for ctx in range(3, 40, 4):
+            cfg = make_config(method, with_window({**opts, "draft_context": ctx}))
+            got = [decode(close_pair, p, cfg, max_new_tokens=150, ignore_eos=True)[0] for p in prompts]
+            assert got == refs, (method, ctx)
+        cfg = make_config(method, with_window({**opts, "draft_context": 11}))
+        assert [t for t, _, _ in decode_batch(close_pair, prompts, cfg, max_new_tokens=150, ignore_eos=True)] == refs
+
+
 def test_windowed_speculation_still_speculates(same_pair):
     """Trees are clipped at the window's end only: an identical draft still commits several tokens
     per iteration through the evictions."""
