@@ -234,6 +234,8 @@ class BatchDecoder:
         strings and token ids (stops.py); ``again``: more rows with this prompt will follow (a
         job's samples), so prefix caching keeps it from its first prefill, not its second."""
         cfg = cfg if cfg is not None else ARConfig()
+        if not isinstance(cfg, tuple(METHODS.values())):
+            raise ValueError(f"cfg must be a method's config (make_config(method, options)), got {type(cfg).__name__}")
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
         prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
@@ -515,7 +517,9 @@ def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str 
 
 def prompt_token_ids(pair: ModelPair, prompt: str | list[int] | list[dict]) -> list[int]:
     """A prompt as generate_batch reads it: text, chat messages (the chat template), or token ids."""
-    return pair.encode(prompt) if isinstance(prompt, str) else pair.encode_chat(prompt) if is_chat(prompt) else list(prompt)
+    if isinstance(prompt, str):
+        return pair.encode(prompt)
+    return pair.encode_chat(prompt) if is_chat(prompt) else prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
 
 
 def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]], method: str = "dynatree",
@@ -536,8 +540,11 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
         raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist")]
+    if bad:
+        raise ValueError(f"a prompt is a text, token ids or chat messages, got {bad[0]}")
     rule = Stop.of(stop, stop_token_ids)
     ids = [prompt_token_ids(pair, p) for p in prompts]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)

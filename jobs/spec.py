@@ -52,7 +52,8 @@ class JobSpec:
     input: str = _f("", "Parquet/Arrow/JSONL file, directory or glob, or a datasets name/dir")
     output: str = _f("", "output directory (shards/, manifest.json, summary.json)")
     prompt_column: str = _f("text", "column holding prompts")
-    id_column: str | None = _f(None, "column holding ids (default: the row index)")
+    id_column: str | None = _f(None, "column holding ids (default: the input's id column when it has one without "
+                                     "nulls or duplicates, else the row index)")
     limit: int | None = _f(None, "decode only the input's first N rows: a trial run before the whole corpus (part of "
                                  "the output's identity: the full job goes to another --output, or --overwrite)")
     keep_columns: tuple | None = _f(None, "input columns copied to every output row, comma-separated "

@@ -175,6 +175,14 @@ def test_generate_batch_takes_a_list_of_prompts(close_pair):
     assert len(gens) == 2
     assert len(generate_batch(close_pair, [[3, 4]], "ar", {"temperature": np.float32(0.7), "seed": np.int64(1)},
                               max_new_tokens=2, samples=np.int64(2))) == 2  # numpy's numbers are numbers
+    assert len(generate_batch(close_pair, [torch.tensor([3, 4]), np.array([5])], "ar",
+                              max_new_tokens=np.int64(2))[1].token_ids) == 2
+    for bad in ([None], [7]):
+        with pytest.raises(ValueError, match="a prompt is a text, token ids or chat messages, got"):
+            generate_batch(close_pair, bad, "ar", max_new_tokens=2)
+    for cfg in ("dynatree", {"k": 3}):
+        with pytest.raises(ValueError, match="cfg must be a method's config"):
+            BatchDecoder(close_pair).add([3, 4], cfg)
 
 
 def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
