@@ -322,7 +322,12 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
         return refs[cfg]
 
     rows = []
-    methods = [ms for ms in methods if ms.method not in HF_METHODS or ms.method == "hf_ar"]  # assisted: B = 1 only
+    greedy_only = [ms.label for ms in methods if ms.method == "hf_ar" and ms.options.get("temperature", 0) > 0]
+    if greedy_only:  # (run_hf_batch is transformers' greedy generate: it would pass for a sample)
+        log(f"  {', '.join(greedy_only)}: transformers' batched generate runs greedy only; left out of the sampled "
+            "batch sweep")
+    methods = [ms for ms in methods if (ms.method not in HF_METHODS or ms.method == "hf_ar")  # assisted: B = 1 only
+               and ms.label not in greedy_only]
     for b in batch_sizes:
         def run(ms, chunk, n):
             pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares

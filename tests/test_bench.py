@@ -156,3 +156,15 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     assert res.exit_code == 1 and "two datasets named 'tiny'" in res.output
     res = CliRunner().invoke(main, base + ["--dataset", f"x={tmp_path / 'missing.parquet'}", "--methods", "ar"])
     assert res.exit_code == 1 and "missing.parquet" in res.output and not (tmp_path / "b" / "results.parquet").exists()
+
+
+def test_the_batch_sweep_leaves_out_a_sampled_hf_ar(pair_dirs, tmp_path):
+    """transformers' batched generate is greedy: under a sampling option its rows would pass for
+    samples identical to ar's."""
+    out = tmp_path / "bench"
+    args = bench_args(pair_dirs, tmp_path, 2, 6) + ["--methods", "ar,hf_ar", "--option", "temperature=0.6",
+                                                    "--batch-sizes", "2", "--out", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    batch = [r for r in pq.read_table(out / "results.parquet").to_pylist() if '"sweep": "batch"' in r["setting"]]
+    assert {r["method"] for r in batch} == {"ar"} and "runs greedy only" in res.output
