@@ -87,20 +87,24 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
     for pi, prompt in enumerate(prompts):
         refs = {}  # ar per reference config (plain greedy ar first)
 
-        def ar(cfg: ARConfig) -> list[int]:
+        def ar(cfg: ARConfig, label: str | None = None) -> list[int]:
+            """The reference's tokens, its row decoded once (under the user's label when it is a
+            method given with one; again under another label given to the same config)."""
             if cfg not in refs:
                 pair.forget_prefixes()  # each decode prefills its prompt itself, as the methods' do
                 ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-                refs[cfg] = ref
-                rows.append({"prompt": pi, "method": reference_label(cfg),
+                rows.append({"prompt": pi, "method": label or reference_label(cfg),
                              "matches_ar": True, "first_divergence": None, "divergence_margin": None,
                              **mref.as_dict()})
-            return refs[cfg]
+                refs[cfg] = (ref, rows[-1])
+            elif label and label != refs[cfg][1]["method"]:
+                rows.append({**refs[cfg][1], "method": label})
+            return refs[cfg][0]
 
         if plain:
             ar(ARConfig())
         for label, cfg in methods.items():
-            ref = ar(ar_reference(cfg))
+            ref = ar(ar_reference(cfg), label if isinstance(cfg, ARConfig) else None)
             if isinstance(cfg, ARConfig):
                 continue
             pair.forget_prefixes()

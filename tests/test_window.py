@@ -177,6 +177,12 @@ def test_check_compares_windowed_rows_with_windowed_ar(close_pair):
                          max_new_tokens=60)
     assert [r["method"] for r in rows] == ["ar", "ar_window40_evict8", "dyn_w", "dyn"] * 2
     assert all(r["matches_ar"] for r in rows)
+    # an ar method given a label keeps it, whether it comes before or after a method it is the reference of
+    s = {"temperature": 0.9, "seed": 5}
+    methods = {"ar_s": make_config("ar", s), "dyn": make_config("dynatree", s), "ar_s2": make_config("ar", s)}
+    rows = check_methods(close_pair, prompts[:1], methods, max_new_tokens=10)
+    assert [r["method"] for r in rows] == ["ar", "ar_s", "dyn", "ar_s2"] and all(r["matches_ar"] for r in rows)
+    assert rows[1]["tokens_per_s"] == rows[3]["tokens_per_s"]  # decoded once
 
 
 def test_job_prompts_under_a_window_are_not_cut_to_the_context():
