@@ -168,3 +168,12 @@ def test_the_batch_sweep_leaves_out_a_sampled_hf_ar(pair_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     batch = [r for r in pq.read_table(out / "results.parquet").to_pylist() if '"sweep": "batch"' in r["setting"]]
     assert {r["method"] for r in batch} == {"ar"} and "runs greedy only" in res.output
+
+
+def test_the_main_table_divides_by_each_methods_own_ar_reference():
+    from dynatree.report import _ref_speedup, _results_table
+    row = lambda tps, ref=None: {"tokens_per_s": tps, "ref_method": ref, "matches_ar": True}
+    gd = {"ar": [row(100.0, "ar")], "ar_t0.8_s3": [row(50.0, "ar_t0.8_s3")], "dts": [row(75.0, "ar_t0.8_s3")],
+          "dyn": [row(150.0, "ar")], "hf_ar": [row(20.0)]}
+    assert [_ref_speedup(gd, m) for m in gd] == [1.0, 1.0, 1.5, 1.5, 0.2]
+    assert "| dts | 75.0 ± 0.0 | 1.50× | yes (1) |" in _results_table({"d": gd}, ["d"], list(gd))
