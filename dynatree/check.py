@@ -89,7 +89,10 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
         def ar(cfg: ARConfig, label: str | None = None) -> list[int]:
             """The reference's tokens, its row decoded once (under the user's label when it is a
-            method given with one; again under another label given to the same config)."""
+            method given with one; again under another label given to the same config).  A bare
+            ``ar`` is labelled by its config (``ar_t0.5``): plain greedy ``ar`` is ``ar``."""
+            if label == "ar" or label in {row["method"] for c, (_, row) in refs.items() if c != cfg}:
+                label = None
             if cfg not in refs:
                 pair.forget_prefixes()  # each decode prefills its prompt itself, as the methods' do
                 ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
