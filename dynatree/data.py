@@ -490,6 +490,7 @@ class InputSource:
         self.num_rows = self._starts[-1]
         self.column_names = list(schema.names)
         self._open: list[_Part] = []  # parts holding a cursor, least recently used first
+        self._ids_ok: set[str] = set()  # columns check_ids passed (it reads the whole column)
 
     @classmethod
     def open(cls, source: str) -> "InputSource":
@@ -579,9 +580,14 @@ class InputSource:
             yield s, ids, np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
 
     def check_ids(self, column: str, chunk: int = 65536) -> None:
-        """Null ids and duplicate ids (compared as str) raise InputError.
+        """Null ids and duplicate ids (compared as str) raise InputError; a column that passed is
+        not read again."""
+        if column not in self._ids_ok:
+            self._check_ids(column, chunk)
+            self._ids_ok.add(column)
 
-        Memory is 8 bytes per row (a hash), not a set of id strings: repeated hashes are found by
+    def _check_ids(self, column: str, chunk: int) -> None:
+        """Memory is 8 bytes per row (a hash), not a set of id strings: repeated hashes are found by
         sorting, and a second pass confirms only the ids behind them."""
         self._require([column])
         hashes = [h for _, _, h in self._id_hashes(column, chunk)]

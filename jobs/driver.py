@@ -171,8 +171,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not os.path.isabs(spec.output):  # set by `ray job submit`
         log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
             "in the job's working directory, which Ray manages and may delete; give an absolute path")
-    spec = default_ids(spec, log)
-    plan = make_plan(spec, log)
+    spec, source = default_ids(spec, log)
+    plan = make_plan(spec, log, source)
     preflight(spec)
     out = prepare_output(spec, plan)
     startup = {"plan_s": round(time.time() - t_start, 3)}

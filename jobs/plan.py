@@ -71,33 +71,35 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
     return tuple(c for c in source.column_names if c not in result_cols)
 
 
-def default_ids(spec: JobSpec, log=print) -> JobSpec:
+def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
     """No --id-column: an input with an ``id`` column keeps its ids (the output's ``id`` is a
     result column, so it would be dropped for row indexes).  An output begun with row indexes
-    before this default resumes with them."""
+    before this default resumes with them.  Returns the spec and the input opened (for
+    make_plan, so the input is opened and its ids checked once), or None."""
     if spec.id_column is not None:
-        return spec
+        return spec, None
     manifest = Path(spec.output) / "manifest.json"
     try:
         source = InputSource.open(spec.input)
         if "id" not in source.column_names or (not spec.overwrite and manifest.exists() and json.loads(
                 manifest.read_text()).get("identity", {}).get("id_column", "id") is None):
-            return spec
+            return spec, source
     except (InputError, OSError, ValueError):
-        return spec  # make_plan (the input) or prepare_output (the manifest) says what is wrong
+        return spec, None  # make_plan (the input) or prepare_output (the manifest) says what is wrong
     try:
         source.check_ids("id")
     except InputError as e:
         log(f"ids: row indexes, not the input's id column ({e})")
-        return spec
+        return spec, source
     log("ids: the input's id column (set --id-column to use another)")
-    return replace(spec, id_column="id")
+    return replace(spec, id_column="id"), source
 
 
-def make_plan(spec: JobSpec, log=print) -> Plan:
-    """Open the input (metadata only), check its columns and ids; InputError becomes JobError."""
+def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Plan:
+    """Open the input (metadata only; or take it opened), check its columns and ids; InputError
+    becomes JobError."""
     try:
-        source = InputSource.open(spec.input)
+        source = source or InputSource.open(spec.input)
         cols = source.column_names
         if cols and spec.prompt_column not in cols:  # (an empty input without columns is just empty)
             raise JobError(f"input {spec.input}: no prompt column {spec.prompt_column!r} (columns: {', '.join(cols)})")

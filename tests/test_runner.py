@@ -577,14 +577,14 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     logs = []
     pq.write_table(pa.table({"id": [f"a{i}" for i in range(4)], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
     job = spec(pair_dirs, tmp_path, id_column=None)
-    assert default_ids(job, logs.append).id_column == "id" and "the input's id column" in logs[-1]
-    assert default_ids(spec(pair_dirs, tmp_path, id_column="text"), logs.append).id_column == "text"
+    assert default_ids(job, logs.append)[0].id_column == "id" and "the input's id column" in logs[-1]
+    assert default_ids(spec(pair_dirs, tmp_path, id_column="text"), logs.append)[0].id_column == "text"
     prepare_output(job, make_plan(job, quiet))  # an output begun (by an older version) with row indexes
-    assert default_ids(job, logs.append).id_column is None
-    assert default_ids(dataclasses.replace(job, overwrite=True), logs.append).id_column == "id"
+    assert default_ids(job, logs.append)[0].id_column is None
+    assert default_ids(dataclasses.replace(job, overwrite=True), logs.append)[0].id_column == "id"
     pq.write_table(pa.table({"id": ["a", "a", "b", "c"], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
     other = spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o2"))
-    assert default_ids(other, logs.append).id_column is None and "duplicate ids" in logs[-1]
+    assert default_ids(other, logs.append)[0].id_column is None and "duplicate ids" in logs[-1]
 
 
 def test_fewer_shards_than_actors_start_fewer_actors_and_say_so(ray_cluster, pair_dirs, tmp_path):
