@@ -205,6 +205,11 @@ def _token_ids(ids, vocab: int) -> list[int]:
     return [int(t) for t in ids]
 
 
+def _check_max_new_tokens(n) -> None:
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {n!r}")
+
+
 class BatchDecoder:
     """Decodes many sequences together (rows may use different methods and options).
 
@@ -239,8 +244,7 @@ class BatchDecoder:
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one")
         prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
-        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        _check_max_new_tokens(max_new_tokens)
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):
             raise ValueError(f"key {key!r} names a row still decoding: results would be told apart by key")
         stop = Stop.of(stop)
@@ -540,8 +544,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
         raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    _check_max_new_tokens(max_new_tokens)
     bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist")]
     if bad:
         raise ValueError(f"a prompt is a text, token ids or chat messages, got {bad[0]}")
