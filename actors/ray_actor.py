@@ -32,9 +32,9 @@ class PairActor:
     def stats(self) -> dict:
         return self.worker.stats()
 
-    def run_shard(self, shard: str, rows: list[dict]) -> list[dict]:
+    def run_shard(self, shard: str, rows: list[dict], backlog: int = 0) -> list[dict]:
         try:
-            return self.worker.run_shard(shard, rows)
+            return self.worker.run_shard(shard, rows, backlog)
         except BaseException:
             broken = self.worker.scheduler.broken
             if broken is not None:  # this actor can decode nothing more: end its process, which

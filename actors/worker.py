@@ -168,10 +168,12 @@ class ShardWorker:
                     slots.append(("ref", j))
         return reqs, slots
 
-    def run_shard(self, shard: str, rows: list[dict]) -> list[dict]:
+    def run_shard(self, shard: str, rows: list[dict], backlog: int = 0) -> list[dict]:
         """rows: [{"id": ..., "text": ...}] -> ``spec.samples`` result rows per input row, in order
-        (a row's samples together, numbered in ``sample`` when there are several)."""
+        (a row's samples together, numbered in ``sample`` when there are several).  ``backlog``:
+        the input rows the job has still to send this actor (the batch tuner's horizon)."""
         _maybe_die(shard, self.spec.output)
+        self.scheduler.backlog = backlog * self.spec.samples
         n = self.spec.samples
         results = [result_row(r["id"], self.spec.method, sample=k if n > 1 else None) for r in rows for k in range(n)]
         reqs, slots = self._requests(rows, results)

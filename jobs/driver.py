@@ -301,7 +301,8 @@ class _Dispatch:
                 pending.popleft()
                 rows, kept = got or _read_shard(self.spec, self.plan, k)
                 entry = (slot, actor, k, rows, kept, alone)
-                inflight[actor.run_shard.remote(self.plan.shard(k)[0], rows)] = entry
+                backlog = len(pending) * self.plan.shard_size // len(self.actors)  # this actor's share, roughly
+                inflight[actor.run_shard.remote(self.plan.shard(k)[0], rows, backlog)] = entry
                 queue.append(entry)
                 progress = True
 

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import time
+import types
 
 import pyarrow as pa
 import pyarrow.feather as feather
@@ -593,3 +594,28 @@ def test_fewer_shards_than_actors_start_fewer_actors_and_say_so(ray_cluster, pai
     s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=logs.append)
     assert s["rows"] == 3 and len(s["this_run"]["actors"]) == 1
     assert any("1 shard(s) left to decode: starting 1 of 2 actors" in m for m in logs), logs
+
+
+def test_actors_hear_how_many_rows_the_job_still_has_for_them():
+    """The batch tuner explores only while enough rows are left to profit (scheduler.py): each
+    shard sent tells its actor the job's backlog, that actor's share of the shards not yet sent."""
+    from collections import deque
+
+    from dynatree.jobs.driver import _Dispatch
+    from dynatree.jobs.plan import Plan
+
+    calls = []
+
+    class Actor:
+        class run_shard:
+            @staticmethod
+            def remote(shard, rows, backlog):
+                calls.append((shard, backlog))
+                return object()
+
+    d = _Dispatch(dataclasses.replace(build_spec(None, input="x", output="y"), max_inflight_per_actor=2),
+                  Plan(types.SimpleNamespace(num_rows=40), shard_size=4, keep=(), schema=pa.schema([])), None, {}, {}, quiet)
+    d.actors = [Actor(), Actor()]
+    pending = deque((k, ([{"id": str(k), "text": "t"}], None)) for k in range(10))
+    d._feed({}, pending)
+    assert [b for _, b in calls] == [9 * 4 // 2, 8 * 4 // 2, 7 * 4 // 2, 6 * 4 // 2]

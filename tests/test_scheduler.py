@@ -71,7 +71,9 @@ def test_tuner_climbs_to_the_best_size_and_rechecks():
     assert sizes[-40:].count(16) > 30  # settles, with occasional rechecks of the neighbours
     assert {8, 16, 32} <= set(sizes) and 64 not in sizes[-40:]
     t = BatchTuner(max_size=64, start=8, window_s=1.0)
-    assert max(_drive(t, rate.get, available=20)) == 16  # 32 rows could never fill a batch
+    assert max(_drive(t, rate.get, available=20)) == 8  # too few rows left to try 16 and profit from it
+    t = BatchTuner(max_size=64, start=8, window_s=1.0)
+    assert max(_drive(t, rate.get, available=100)) == 16  # 4 x 32 rows are not left
     t = BatchTuner(max_size=4, start=8, window_s=1.0)
     _drive(t, rate.get)
     assert t.best() == 4 and t.size <= 4
@@ -79,6 +81,13 @@ def test_tuner_climbs_to_the_best_size_and_rechecks():
     t.observe(1000, 10.0, t.size - 1, finished=64)  # a partly empty batch measures nothing
     t.observe(1000, 10.0, t.size + 1, finished=64)  # nor rows left over from a larger size
     assert t.rates == {}
+
+
+def test_the_callers_backlog_is_the_tuners_horizon(close_pair):
+    sched = Scheduler(close_pair, None, max_batch=4, threads=1)
+    sched.backlog = 1000
+    sched.submit(_requests(random_prompts(2, seed=5), make_config("ar"), n=3)).result(timeout=60)
+    assert sched.tuner.available >= 1000
 
 
 def _lockstep(tuner: BatchTuner, steps: int, prefill_s: float = 0.05, new_tokens: int = 128):
