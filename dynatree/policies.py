@@ -266,8 +266,11 @@ class DynaTree(NoDraft):
             for u in range(1, len(tree)):  # siblings appear in draft rank order
                 parent = tree.parents[u]
                 if parent in on_path and u not in grafted:
-                    q = math.exp(tree.logp[u] - tree.logp[parent])
-                    self.calib.update(q, u in on_path, rank=rank.get(parent, 0))
+                    # below a node the draft gave probability 0 (a sharp temperature underflows
+                    # it) the path's log-probability is -inf and a child's own q is lost
+                    if tree.logp[parent] > -math.inf:
+                        self.calib.update(math.exp(tree.logp[u] - tree.logp[parent]), u in on_path,
+                                          rank=rank.get(parent, 0))
                     rank[parent] = rank.get(parent, 0) + 1
         if grafted:
             depth = max((d for u, d in enumerate(tree.depths) if u not in grafted), default=0)

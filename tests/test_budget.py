@@ -202,3 +202,22 @@ def test_a_dynatree_with_a_bfloat16_cache_prices_its_nodes_with_a_bfloat16_profi
     policy.attach(pair)
     assert policy.latency is pair.state[("latency", 256, "bfloat16")]
     assert stores and all(s == ("bfloat16",) for s in stores)  # every timed forward ran over bf16 caches
+
+
+def test_calibration_survives_an_accepted_node_the_draft_gave_probability_zero():
+    """At a sharp temperature the draft's lower ranks underflow to probability 0 (log -inf); the
+    target may still accept one, and its children's q cannot be recovered (it was NaN, and the
+    whole batch failed).  The node itself is a q = 0 observation; its children teach nothing."""
+    import math
+
+    from dynatree import make_config
+    from dynatree.policies import DynaTree
+
+    pol = DynaTree(make_config("dynatree"))
+    pol.calib = Calibration()
+    tree = Tree.root_only(0)
+    tree.add(0, 2, math.log(0.9))  # the draft's rank-0 child, rejected
+    a = tree.add(0, 1, -math.inf)  # rank 1, probability 0: accepted
+    tree.add(a, 3, -math.inf)  # below the accepted one
+    pol.observe(2, tree, [0, a, 3])
+    assert sum(map(sum, pol.calib.tested)) == 2 and pol.calib.accepted[1][0] == 1
