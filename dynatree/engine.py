@@ -506,9 +506,14 @@ def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: 
     return decode_batch(pair, [prompt_ids], cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop)[0]
 
 
-def _samples_of(cfg, samples: int) -> list:
-    """One config per sample, each with its own seed (sampling.sample_seed)."""
-    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(check_samples(cfg, samples))]
+def _draws_of(cfg, prompts: int, samples: int) -> list:
+    """One config per draw (``samples`` per prompt, a prompt's together).  Sampling, each draw has
+    its own seed (sampling.sample_seed: the first the config's): draws of distinct prompts that
+    shared a seed shared their noise, and similar prompts came out nearly the same text."""
+    n = check_samples(cfg, samples) * prompts
+    if cfg.temperature <= 0 or cfg.top_k == 1:  # greedy: a seed changes nothing
+        return [cfg] * n
+    return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(n)]
 
 
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
@@ -534,9 +539,10 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     per prompt, in order.  A prompt is a text, token ids, or chat messages ([{"role", "content"}],
     rendered with the tokenizer's chat template, the assistant's turn opened).  ``stop``: a string or strings whose
     appearance in the generated text ends it (the text ends before it); ``stop_token_ids``:
-    tokens that end it like EOS (stops.py).  ``samples``: draws per prompt (sampling only), each
-    with its own seed, the first with the config's; ``samples`` Generations per prompt, a prompt's
-    together, computing the prompt once (prefix caching)."""
+    tokens that end it like EOS (stops.py).  ``samples``: draws per prompt (sampling only);
+    ``samples`` Generations per prompt, a prompt's together, computing the prompt once (prefix
+    caching).  Sampling, every draw has its own seed, the first the config's (each Generation's
+    ``options["seed"]`` reproduces it alone)."""
     if isinstance(prompts, (str, bytes)) or is_chat(prompts):
         raise ValueError("generate_batch takes a list of prompts; for one, use generate (or pass [prompt])")
     prompts = list(prompts)  # (a generator is read once)
@@ -553,7 +559,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
-    cfgs = _samples_of(cfg, samples) * len(ids)
+    cfgs = _draws_of(cfg, len(ids), samples)
     ids = [p for p in ids for _ in range(int(samples))]
     return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(c))
             for c, (toks, reason, metrics) in zip(cfgs, decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens,

@@ -120,15 +120,18 @@ def test_generate_batch_is_generate_per_prompt(close_pair):
 
 def test_generate_batch_samples(close_pair):
     """samples=3: three draws per prompt, a prompt's together; the first is the 1-sample generation,
-    each is ar's draw with the seed its options record, and a prompt's draws differ."""
+    each is ar's draw with the seed its options record, and draws differ (a prompt's, and those
+    of prompts given twice: each draw of a batch has its own seed)."""
     from dynatree import generate_batch
 
     prompts, opts = random_prompts(2, seed=28, lo=40, hi=60), {"temperature": 1.0, "seed": 3}
     gens = generate_batch(close_pair, prompts, "dynatree", opts, max_new_tokens=10, ignore_eos=True, samples=3)
     assert len(gens) == 6
     one = generate_batch(close_pair, prompts, "dynatree", opts, max_new_tokens=10, ignore_eos=True)
-    assert [g.token_ids for g in gens[::3]] == [g.token_ids for g in one]
-    assert [g.options["seed"] for g in gens[:3]] == [g.options["seed"] for g in gens[3:]] and gens[1].options["seed"] != 3
+    assert gens[0].token_ids == one[0].token_ids and gens[0].options["seed"] == 3
+    assert len({g.options["seed"] for g in gens}) == 6  # every draw its own noise, distinct prompts' too
+    twice = generate_batch(close_pair, [prompts[0]] * 2, "ar", opts, max_new_tokens=10, ignore_eos=True)
+    assert twice[0].token_ids == one[0].token_ids and twice[1].token_ids != twice[0].token_ids
     for i, g in enumerate(gens):
         ar = generate_batch(close_pair, [prompts[i // 3]], "ar", {**opts, "seed": g.options["seed"]},
                             max_new_tokens=10, ignore_eos=True)[0]
