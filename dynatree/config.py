@@ -37,6 +37,7 @@ class SamplingConfig:
         return ("greedy",) if self.temperature == 0 else ("sampled", self.temperature, self.top_k, self.top_p)
 
     def __post_init__(self):
+        _check_types(self)
         if not 0 <= self.temperature < math.inf:  # NaN too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -77,6 +78,13 @@ class MethodConfig(SamplingConfig):
                                or self.kv_window <= self.kv_sinks + self.kv_evict):
             raise ValueError(f"kv_window={self.kv_window} must exceed kv_sinks + kv_evict "
                              f"({self.kv_sinks} + {self.kv_evict}), with kv_sinks >= 0 and kv_evict >= 1")
+        method = next((k for k, v in METHODS.items() if v is type(self)), type(self).__name__)
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name, 1) < 1:
+                raise ValueError(f"{method} option {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tau", "threshold"):
+            if not 0 <= getattr(self, name, 0) <= 1:
+                raise ValueError(f"{method} option {name} must be within [0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,10 @@ class SpecConfig(MethodConfig):
         super().__post_init__()
         if self.draft_context < 0:
             raise ValueError(f"draft_context must be >= 0 (0 = the whole text), got {self.draft_context}")
+        if self.lookup < (-1 if isinstance(self, DynaTreeConfig) else 0):
+            raise ValueError("lookup must be >= 0" + (" (or -1: automatic)" if isinstance(self, DynaTreeConfig) else ""))
+        if self.kv_update not in ("gather", "recompute"):
+            raise ValueError("kv_update must be 'gather' or 'recompute'")
 
 
 @dataclass(frozen=True)
@@ -191,6 +203,11 @@ class DySpecConfig(SpecConfig):
     max_depth: int = opt(12, "hard depth cap")
     max_branch: int = opt(8, "most children considered per node")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mode not in ("heap", "threshold"):
+            raise ValueError("dyspec mode must be 'heap' or 'threshold'")
+
 
 WINDOW_FIELDS = ("kv_window", "kv_sinks", "kv_evict")  # MethodConfig's cache window
 
@@ -254,6 +271,24 @@ def _coerce(ftype, raw, name: str):
         raise ValueError(f"option {name}: expected {t.__name__}, got {raw!r}") from None
 
 
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _check_types(cfg) -> None:
+    """A config built directly (not by make_config, which converts) holds each field's type:
+    else a wrong one fails deep in the engine, or a comparison in __post_init__, with a TypeError."""
+    for f in dataclasses.fields(cfg):
+        t, v = _TYPES.get(str(f.type)), getattr(cfg, f.name)
+        if t in (bool, str):
+            ok = isinstance(v, t)
+        elif t in (int, float):  # numpy's numbers too; True is not a count
+            ok = not isinstance(v, bool) and isinstance(v, numbers.Integral if t is int else numbers.Real)
+        else:
+            ok = True
+        if not ok:
+            raise ValueError(f"option {f.name}: expected {t.__name__}, got {v!r}")
+
+
 def _checked(t: type, value, name: str):
     if t is bool:
         ok = isinstance(value, bool)
@@ -282,20 +317,7 @@ def make_config(method: str, options: dict | None = None):
             known = ", ".join(fields) or "(none)"
             raise ValueError(f"method {method!r} has no option {key!r}; its options: {known}")
         kwargs[key] = _coerce(fields[key].type, value, key)
-    cfg = cls(**kwargs)
-    if isinstance(cfg, SpecConfig) and cfg.lookup < (-1 if isinstance(cfg, DynaTreeConfig) else 0):
-        raise ValueError("lookup must be >= 0" + (" (or -1: automatic)" if isinstance(cfg, DynaTreeConfig) else ""))
-    if isinstance(cfg, SpecConfig) and cfg.kv_update not in ("gather", "recompute"):
-        raise ValueError("kv_update must be 'gather' or 'recompute'")
-    if isinstance(cfg, DySpecConfig) and cfg.mode not in ("heap", "threshold"):
-        raise ValueError("dyspec mode must be 'heap' or 'threshold'")
-    for name in _AT_LEAST_ONE:
-        if getattr(cfg, name, 1) < 1:
-            raise ValueError(f"{method} option {name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("tau", "threshold"):
-        if not 0 <= getattr(cfg, name, 0) <= 1:
-            raise ValueError(f"{method} option {name} must be within [0, 1], got {getattr(cfg, name)}")
-    return cfg
+    return cls(**kwargs)  # (its __post_init__ checks the values)
 
 
 def check_samples(cfg, samples) -> int:

@@ -13,7 +13,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
   was useful.
 * ``lookup_tokens``: accepted tokens that came from context lookup (nodes grafted onto the tree,
   lookup.py) rather than from the draft model.
-* ``target_forwards`` includes the prefill; with ``kv_update=gather`` it is iterations + 1.
+* ``target_forwards`` includes the prefill; with ``kv_update=gather`` it is iterations + 1 (plus
+  one per further piece of a prompt longer than a ``kv_window``, prefilled piece by piece).
 * ``draft_time_s`` / ``verify_time_s``: wall time inside drafting (draft forwards and tree
   growth) and inside target verification (forward + accept + cache commit); the rest of
   ``wall_time_s`` is prefill and bookkeeping.

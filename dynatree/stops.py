@@ -35,6 +35,11 @@ class Stop:
         included); a Stop as it is; None if empty."""
         if isinstance(strings, Stop) and token_ids is None:
             return strings
+        if isinstance(strings, Stop):  # with more ids: the Stop's and those
+            extra = cls.of(None, token_ids)
+            strings, token_ids = strings.strings, strings.token_ids + (extra.token_ids if extra else ())
+        if strings is not None and not isinstance(strings, str) and not hasattr(strings, "__iter__"):
+            raise ValueError(f"stop must be a string or strings, got {strings!r}")
         strings = (strings,) if isinstance(strings, str) else tuple(strings or ())
         ids = () if token_ids is None else (token_ids,) if not hasattr(token_ids, "__iter__") else tuple(token_ids)
         try:

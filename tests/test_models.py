@@ -1,6 +1,7 @@
 """Loading pairs from directories, pair checks, the Python API and the CLI."""
 import json
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -71,6 +72,24 @@ def test_bad_options_are_clear_errors():
     for t in ("nan", "inf", float("nan")):
         with pytest.raises(ValueError, match="temperature must be a finite number"):
             make_config("ar", {"temperature": t})
+
+
+def test_configs_built_directly_are_checked_as_make_config_checks():
+    """generate_batch takes a config object, BatchDecoder.add needs one: a bad value fails where
+    it is made, not deep in the engine."""
+    from dynatree.config import ARConfig, DySpecConfig, FixedTreeConfig, LinearConfig
+
+    for build, msg in ((lambda: LinearConfig(k=0), "linear option k must be >= 1"),
+                       (lambda: LinearConfig(lookup=-3), "lookup must be >= 0"),
+                       (lambda: LinearConfig(kv_update="bogus"), "kv_update must be"),
+                       (lambda: FixedTreeConfig(tau=5.0), "fixed_tree option tau must be within"),
+                       (lambda: DySpecConfig(mode="bogus"), "dyspec mode must be"),
+                       (lambda: DySpecConfig(max_branch=0), "max_branch must be >= 1"),
+                       (lambda: ARConfig(temperature="1"), "option temperature: expected float, got '1'"),
+                       (lambda: LinearConfig(k=True), "option k: expected int")):
+        with pytest.raises(ValueError, match=msg):
+            build()
+    assert LinearConfig(k=np.int64(3)).k == 3 and ARConfig(temperature=np.float32(0.5)).temperature == 0.5
 
 
 def test_cli_generate_json(pair_dirs):

@@ -38,6 +38,9 @@ def test_cut_and_validation():
     assert stop.cut("xxcab") == "xx" and stop.cut("xabc") == "x" and stop.cut("none") == "none"
     assert Stop.of("ab").strings == ("ab",) and Stop.of(None, []) is None
     assert Stop.of(None, 5) == Stop.of(None, [np.int64(5)]) == Stop((), (5,)) and Stop.of(stop := Stop(("a",))) is stop
+    assert Stop.of(stop, [5]) == Stop(("a",), (5,))  # a Stop and more ids: both
+    with pytest.raises(ValueError, match="stop must be a string or strings, got 123"):
+        Stop.of(123)
     for bad in (dict(strings=("",)), dict(strings="ab"), dict(token_ids=(-1,)), dict(token_ids=(True,))):
         with pytest.raises(ValueError):
             Stop(**bad)
