@@ -120,6 +120,9 @@ def with_references(chosen, methods) -> list[MethodSpec]:
     return list({m.label: m for m in [r for r in refs if r is not None] + list(chosen)}.values())
 
 
+SWEEP_DEFAULT = ("ar", "dynatree")
+
+
 def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_chars: int = 200) -> tuple[str, list[str]]:
     """(name, first n usable texts).  ``NAME=PATH`` labels a local file; ``wikitext``/``pg19``
     load the hub datasets (WikiText-2 raw test articles; PG-19 test books)."""
@@ -388,7 +391,7 @@ class BenchSpec:
     sweep_tokens: tuple[int, ...] = ()  # T values (methods as given)
     sweep_prompt_len: tuple[int, ...] = ()  # L_max values
     grid: dict = field(default_factory=dict)  # fixed-tree grid: {"depth": [...], "branch": [...], "tau": [...]}
-    sweep_methods: tuple[str, ...] = ("ar", "dynatree")  # methods run in the T / L sweeps
+    sweep_methods: tuple[str, ...] = SWEEP_DEFAULT  # methods run in the T / L sweeps (labels; the default's absent ones are left out)
     batch_sizes: tuple[int, ...] = ()  # B values: throughput per actor with the batched engine
 
     @property
@@ -426,9 +429,15 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     if len(set(names)) < len(names):
         raise ValueError(f"two datasets named {next(n for n in names if names.count(n) > 1)!r}: their rows "
                          "would merge; label them NAME=PATH")
+    if (spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods not in (("all",), SWEEP_DEFAULT):
+        unknown = [m for m in spec.sweep_methods if m not in {m.label for m in spec.methods}]
+        if unknown:
+            raise ValueError(f"--sweep-methods {','.join(unknown)}: not among the methods "
+                             f"({', '.join(m.label for m in spec.methods)}; or 'all')")
     for ds, name, texts in loaded:
         if len(texts) <= spec.warmup:
-            raise ValueError(f"dataset {ds}: {len(texts)} usable prompts, need more than --warmup {spec.warmup}")
+            raise ValueError(f"dataset {ds}: {len(texts)} usable prompts (texts of at least 200 characters), "
+                             f"need more than --warmup {spec.warmup}")
     for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
         base = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
@@ -460,6 +469,7 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     pq.write_table(pa.Table.from_pylist(rows), out / "results.parquet")
     meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
             "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "kernel": pair.kernel,
-            "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0}
+            "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
+            "prompts_used": {name: len(texts) for _, name, texts in loaded}}
     (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
     return out

@@ -145,6 +145,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .check import check_methods, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
+    from .engine import check_window
     from .models import PairError, load_pair
 
     try:
@@ -153,6 +154,8 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
+        for c in cfgs.values():
+            check_window(c, pair.max_context)
     except (PairError, ValueError) as e:
         _fail(str(e))
     room = pair.max_context - max_new_tokens  # as `dynatree run` cuts them
@@ -268,7 +271,7 @@ def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
               help="wikitext, pg19 (hub), a file/dir/glob, or NAME=PATH; repeatable")
 @click.option("--prompt-column", default="text", show_default=True)
 @click.option("--prompts", "n_prompts", default=10, show_default=True, type=click.IntRange(min=1),
-              help="N prompts per dataset")
+              help="N prompts per dataset: its first N texts of at least 200 characters (shorter ones are skipped)")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="first W prompts discarded")
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1), help="L_max")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="T (EOS ignored)")

@@ -55,6 +55,14 @@ class ContextError(ValueError):
     """The prompt leaves no room in the models' context window."""
 
 
+def check_window(cfg, context: int) -> None:
+    """A cache window must fit the models' context with room for a tree (ContextError)."""
+    window = getattr(cfg, "kv_window", 0)
+    if window and window + cfg.kv_evict > context:
+        raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
+                           f"{context}-token context (a draft's tree positions can reach their sum)")
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
@@ -252,11 +260,8 @@ class BatchDecoder:
             stop.check_vocab(self.pair.vocab)
         if stop is not None and stop.strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
-        window = getattr(cfg, "kv_window", 0)
-        if window and window + cfg.kv_evict > self.pair.max_context:
-            raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
-                               f"{self.pair.max_context}-token context (a draft's tree positions can reach their sum)")
-        if not window and len(prompt_ids) >= self.pair.max_context:
+        check_window(cfg, self.pair.max_context)
+        if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
             raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
                                f"window: option kv_window, e.g. {self.pair.max_context // 2})")

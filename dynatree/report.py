@@ -380,8 +380,11 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
     if meta.exists():
         m = json.loads(meta.read_text())
         s = m["spec"]
+        used = m.get("prompts_used") or {}  # a file may hold fewer usable prompts than asked for
+        counts = ", ".join(f"{n} {name}" for name, n in used.items()) + " prompts" if used else \
+            f"{s['prompts']} prompts per dataset"
         md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads; "
-              f"{s['prompts']} prompts per dataset ({s['warmup']} warm-up), T={s['max_new_tokens']}, "
+              f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, "
               f"L_max={s['max_prompt_tokens']}; EOS ignored.\n\n") + md
     path = out / "summary.md"
     path.write_text(md)

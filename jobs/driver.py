@@ -57,18 +57,23 @@ def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, flo
 
 def _init_ray(spec: JobSpec):
     import ray
+    from ray.exceptions import AuthenticationError
 
-    if not ray.is_initialized():
-        if spec.address or os.environ.get("RAY_ADDRESS"):  # RAY_ADDRESS: inside `ray job submit`
-            _probe(spec.address or os.environ["RAY_ADDRESS"])
-            try:
-                ray.init(address=spec.address, log_to_driver=True)
-            except ConnectionError as e:
-                raise JobError(f"cannot reach the Ray cluster at {spec.address or os.environ['RAY_ADDRESS']}: "
-                               f"{e} (if the head uses token authentication, this client needs the same "
-                               "RAY_AUTH_MODE and token)") from e
+    if ray.is_initialized():
+        return ray
+    address = spec.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: inside `ray job submit`
+    try:
+        if address:
+            _probe(address)
+            ray.init(address=spec.address, log_to_driver=True)
         else:
             start_local_ray(log_to_driver=True)
+    except AuthenticationError as e:  # (a token asked for by RAY_AUTH_MODE=token that cannot be read, ...)
+        raise JobError(f"Ray token authentication failed{f' for the cluster at {address}' if address else ''}: "
+                       f"{e}") from e
+    except ConnectionError as e:
+        raise JobError(f"cannot reach the Ray cluster at {address}: {e} (if the head uses token "
+                       "authentication, this client needs the same RAY_AUTH_MODE and token)") from e
     return ray
 
 

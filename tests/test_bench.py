@@ -23,7 +23,7 @@ def bench_args(pair_dirs, tmp_path, prompts: int, new_tokens: int) -> list[str]:
 
 def test_bench_and_report(pair_dirs, tmp_path):
     out = tmp_path / "bench"
-    args = bench_args(pair_dirs, tmp_path, 3, 10) + [
+    args = bench_args(pair_dirs, tmp_path, 10, 10) + [
             "--methods", "ar,linear,fixed=fixed_tree,dynatree,dt_fixed=dynatree,dt_recompute=dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic,hf_prompt_lookup",
             "--option", "dt_fixed.dynamic_breadth=false", "--option", "dt_fixed.dynamic_depth=false",
             "--option", "dt_fixed.history=false", "--option", "dt_recompute.kv_update=recompute",
@@ -42,6 +42,7 @@ def test_bench_and_report(pair_dirs, tmp_path):
     for r in main_rows:
         assert abs(r["speedup"] - r["tokens_per_s"] / ar[r["prompt_id"]]) < 1e-9
     md = (out / "summary.md").read_text()
+    assert "3 tiny prompts (1 warm-up)" in md  # the prompts it had: 3 of the 10 asked for
     for title in ("Main results", "Latency", "Verification efficiency", "Ablation", "KV update",
                   "Peak memory", "Generation length sweep", "Prompt length sweep", "Fixed-tree grid"):
         assert title in md
@@ -156,6 +157,8 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     assert res.exit_code == 1 and "two datasets named 'tiny'" in res.output
     res = CliRunner().invoke(main, base + ["--dataset", f"x={tmp_path / 'missing.parquet'}", "--methods", "ar"])
     assert res.exit_code == 1 and "missing.parquet" in res.output and not (tmp_path / "b" / "results.parquet").exists()
+    res = CliRunner().invoke(main, base + ["--methods", "ar,linear", "--sweep-methods", "linear,lineer", "--sweep-tokens", "4"])
+    assert res.exit_code == 1 and "--sweep-methods lineer: not among the methods (ar, linear" in res.output
 
 
 def test_the_batch_sweep_leaves_out_a_sampled_hf_ar(pair_dirs, tmp_path):

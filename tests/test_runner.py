@@ -619,3 +619,17 @@ def test_actors_hear_how_many_rows_the_job_still_has_for_them():
     pending = deque((k, ([{"id": str(k), "text": "t"}], None)) for k in range(10))
     d._feed({}, pending)
     assert [b for _, b in calls] == [9 * 4 // 2, 8 * 4 // 2, 7 * 4 // 2, 6 * 4 // 2]
+
+
+def test_a_token_ray_cannot_read_is_a_message_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "text": "hello there"}\n')
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}
+    env.pop("RAY_ADDRESS", None)
+    res = subprocess.run([sys.executable, "-m", "dynatree.cli", "run", "--input", str(tmp_path / "in.jsonl"),
+                          "--output", str(tmp_path / "out"), "--max-new-tokens", "2"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Ray token authentication failed" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr

@@ -243,6 +243,9 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
                                     "dw=dynatree,linear", "--option", "dw.kv_window=24", "--option", "dw.kv_evict=4",
                                     "--max-new-tokens", "150"])
     assert res.exit_code != 0 and "give every one" in res.output
+    res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods", "dw=dynatree",
+                                    "--option", "dw.kv_window=200", "--max-new-tokens", "8"])
+    assert res.exit_code == 1 and "exceed the models' 128-token context" in res.output  # a message, no traceback
     # a sampled ar asked for is a reference, under its own label (not merged with plain ar's rows)
     res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods", "ar,dynatree",
                                     "--option", "temperature=0.5", "--max-new-tokens", "8", "--max-prompt-tokens", "20"])
