@@ -131,8 +131,9 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 @click.option("--methods", default="linear,fixed_tree,dynatree,dyspec", show_default=True,
               help="comma-separated methods; LABEL=METHOD runs a method under another name "
                    "(e.g. dyspec_heap=dyspec with --option dyspec_heap.mode=heap)")
-@click.option("--option", "options", multiple=True, metavar="LABEL.KEY=VALUE",
-              help="method option, repeatable, e.g. dynatree.tau=0.01")
+@click.option("--option", "options", multiple=True, metavar="[LABEL.]KEY=VALUE",
+              help="method option, repeatable: LABEL.KEY=VALUE one method's (e.g. dynatree.tau=0.01), "
+                   "KEY=VALUE every method's (e.g. temperature=0.6)")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
               help="prompts keep their last L_max tokens (fewer if the context needs room for the new ones)")
@@ -208,8 +209,8 @@ def _spec_options(f):
         name = fld.metadata.get("flag", fld.name).replace("_", "-")
         parts = [t.strip() for t in fld.type.split("|")]
         kind = "str" if "str" in parts else parts[0]
-        help_ = fld.metadata["help"] + (f" [{fld.default}]" if fld.default not in (None, "", dataclasses.MISSING)
-                                        and kind != "bool" else "")
+        shown = ("on" if fld.default else "off") if kind == "bool" and isinstance(fld.default, bool) else fld.default
+        help_ = fld.metadata["help"] + (f" [{shown}]" if shown not in (None, "", dataclasses.MISSING) else "")
         if kind == "bool":
             f = click.option(f"--{name}/--no-{name}", fld.name, default=None, help=help_)(f)
         elif kind == "dict":

@@ -28,7 +28,7 @@ class SamplingConfig:
     top_k: int = opt(0, "sample only among the k most likely tokens (0 = all)")
     top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens with this much probability")
     seed: int = opt(0, "random seed; the same seed reproduces a sampled generation, whatever the method, "
-                       "budget or batch")
+                       "budget or batch (several prompts or samples: each draw's own seed is derived from it)")
 
     @property
     def sampling_key(self) -> tuple:

@@ -250,7 +250,8 @@ class BatchDecoder:
         if not isinstance(cfg, tuple(METHODS.values())):
             raise ValueError(f"cfg must be a method's config (make_config(method, options)), got {type(cfg).__name__}")
         if make_policy(cfg).needs_draft and self.pair.draft is None:
-            raise ValueError("this method needs a draft model; the pair was loaded without one")
+            raise ValueError("this method needs a draft model; the pair was loaded without one "
+                             "(load_pair(target, draft); on the command line --draft with --target)")
         prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):

@@ -78,8 +78,8 @@ def _init_ray(spec: JobSpec):
 
 
 def start_local_ray(**kw):
-    """A private local Ray cluster on loopback ("local": never attach to a cluster some earlier
-    `ray start` left registered), without the dashboard `dynatree run` does not need."""
+    """A private local Ray cluster advertising loopback ("local": never attach to a cluster some
+    earlier `ray start` left registered), without the dashboard `dynatree run` does not need."""
     import ray
 
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kw)

@@ -59,7 +59,8 @@ class JobSpec:
     keep_columns: tuple | None = _f(None, "input columns copied to every output row, comma-separated "
                                           "(default: all; 'none' for none)")
     target: str | None = _f(None, "target model: hub name or local directory (default: the bundled demo pair)")
-    draft: str | None = _f(None, "draft model: hub name or local directory (default: the bundled demo pair)")
+    draft: str | None = _f(None, "draft model: hub name or local directory (default: the bundled demo pair's, "
+                                 "with no --target; with one, none: only ar runs without a draft)")
     kernel: str = _f("lean", "forward the engine runs: lean (dynatree's CPU kernels), lean-mkl (the same "
                              "forward on torch's GEMMs) or hf (transformers')", choices=KERNELS)
     method: str = _f("dynatree", "decoding method", choices=METHODS)
