@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,19 @@ class Shape:
     scaling: float
 
 
+_warned: set = set()
+
+
+def _warn_once(why: str) -> None:
+    """A float32 CPU model the native kernel cannot serve (no compiler, a DYNATREE_ISA typo) runs
+    several times slower on torch's kernels: say so once per process, on stderr (a job's actor
+    logs reach the driver), unless asked for (DYNATREE_GEMM=0)."""
+    if why not in _warned and "DYNATREE_GEMM=0" not in why:
+        _warned.add(why)
+        print(f"dynatree: the native CPU kernel is unavailable ({why}); float32 CPU models run on torch's "
+              "kernels (slower)", file=sys.stderr, flush=True)
+
+
 def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
     """Why this forward cannot run ``model`` ("" when it can), for the runners' fallback to torch
     and for `dynatree profile` to say."""
@@ -64,6 +78,7 @@ def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
         return f"a {str(model.dtype).replace('torch.', '')} model on {model.device} (the kernel runs float32 on a CPU)"
     lib = native.library(isa)
     if lib is None:
+        _warn_once(native.status(isa))
         return native.status(isa)
     if shape.act not in ACTS:
         return f"its activation {shape.act!r} (the kernel has GELU, ReLU and SwiGLU)"

@@ -111,7 +111,7 @@ def preflight(spec: JobSpec) -> None:
     t, d = (Path(n).expanduser() if n else None for n in names.values())
     if spec.target is None:  # no --target/--draft: the bundled demo pair
         t, d = default_pair_dir() / "target", default_pair_dir() / "draft" if spec.method != "ar" else None
-    _check_window(spec, [p for p in (t, d) if p is not None])
+    _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
     if spec.chat_template and t.is_dir() and not _has_chat_template(t):
         raise JobError(f"--chat-template: the target {spec.target or '(the bundled demo pair)'}'s tokenizer "
@@ -151,15 +151,17 @@ def _check_stop_ids(spec: JobSpec, target: Path | None) -> None:
         raise JobError(f"--stop-token-id {bad[0]} is outside the target's vocabulary (0 .. {vocab - 1})")
 
 
-def _check_window(spec: JobSpec, dirs: list[Path]) -> None:
-    """A cache window the models' context cannot hold fails every row; say so before any work
-    (local models: their config.json; the engine checks hub models, row by row)."""
+def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
+    """A cache window the models' context cannot hold, or a generation that leaves no room for a
+    prompt, fails every row; say so before any work (local models: their config.json; the
+    engine checks hub models, row by row)."""
     cfg = spec.method_config
-    if not getattr(cfg, "kv_window", 0):
-        return
     files = [p / "config.json" for p in dirs if (p / "config.json").is_file()]
     ctx = min((context_len(json.loads(f.read_text())) for f in files), default=None)
-    if ctx is not None and cfg.kv_window + cfg.kv_evict > ctx:
+    if ctx is not None and not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
+        raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in the models' "
+                       f"{ctx}-token context (or generate past it with a cache window: --option kv_window=...)")
+    if ctx is not None and getattr(cfg, "kv_window", 0) and cfg.kv_window + cfg.kv_evict > ctx:
         raise JobError(f"kv_window {cfg.kv_window} + kv_evict {cfg.kv_evict} exceed the models' {ctx}-token "
                        "context (a draft's tree positions can reach their sum)")
 

@@ -91,6 +91,18 @@ def test_variants_that_cannot_run_here_say_so(monkeypatch, tmp_path):
         assert lib is None and "cannot run on this CPU" in why
 
 
+def test_a_model_the_kernel_cannot_serve_for_want_of_a_build_says_so_once(monkeypatch, capsys):
+    from dynatree import cmodel
+
+    monkeypatch.setenv("DYNATREE_ISA", "avx9")  # a typo: the model runs on torch's kernels
+    monkeypatch.setattr(cmodel, "_warned", set())
+    assert not LeanNeoX(neox32(3)).native and not LeanNeoX(neox32(3)).native
+    err = capsys.readouterr().err
+    assert err.count("native CPU kernel is unavailable (unknown DYNATREE_ISA='avx9'") == 1
+    monkeypatch.setenv("DYNATREE_GEMM", "0")  # asked for: nothing to say
+    assert not LeanNeoX(neox32(3)).native and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_gemm_is_right_and_batch_invariant(bias):
     g = torch.Generator().manual_seed(0)

@@ -464,6 +464,8 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, draft=str(pair_dirs / "foreign")), progress=False, log=quiet)
     with pytest.raises(JobError, match="kv_window 120 \\+ kv_evict 16 exceed the models' 128-token context"):
         run_job(spec(pair_dirs, tmp_path, options={"kv_window": 120, "kv_evict": 16}), progress=False, log=quiet)
+    with pytest.raises(JobError, match="--max-new-tokens 128 leaves no room for a prompt in the models' 128-token"):
+        run_job(spec(pair_dirs, tmp_path, max_new_tokens=128), progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
 
