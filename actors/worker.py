@@ -80,7 +80,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
         raise ValueError(f"prompt is not a string ({type(text).__name__})" +
                          (" or a list of {role, content} messages" if chat else hint))
     elif not text.strip():
-        raise ValueError("prompt is empty")
+        raise ValueError("prompt is empty or only whitespace")
     else:
         ids = pair.encode_chat(text) if chat else pair.encode(text)
     if not ids:
@@ -114,7 +114,7 @@ class ShardWorker:
                               load_draft=spec.method != "ar", kernel=spec.kernel)
         self.pair.prefix_cache_bytes = int(spec.prefix_cache_gb * 2**30)
         if spec.chat_template and not self.pair.has_chat_template:
-            raise PairError(f"chat_template is on but the target {spec.target or '(demo pair)'}'s tokenizer has none")
+            raise PairError(f"chat_template is on but the tokenizer of the target ({spec.target or 'the demo pair'}) has none")
         self.startup["load_s"] = time.perf_counter() - t0
         self._warm_up()
         return self.pair

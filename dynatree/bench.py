@@ -65,6 +65,8 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         if item:
             label, _, meth = item.partition("=")
             meth, preset = PRESETS.get(meth or label, (meth or label, {}))
+            if label in specs:
+                raise ValueError(f"--methods names {label!r} twice: give each method its own label (LABEL=METHOD)")
             specs[label] = [meth, dict(preset)]
     if not any(meth == "ar" for meth, _ in specs.values()):
         specs = {"ar": ["ar", {}], **specs}  # speedups need the AR of the same run

@@ -555,7 +555,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if any(isinstance(p, bytes) for p in prompts):
         raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
     if any(isinstance(p, str) and not p.strip() for p in prompts):
-        raise ValueError("prompt is empty (only whitespace)")  # as `dynatree run` treats it
+        raise ValueError("prompt is empty or only whitespace")  # as `dynatree run` treats it
     _check_max_new_tokens(max_new_tokens)
     bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist")]
     if bad:

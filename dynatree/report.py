@@ -114,7 +114,7 @@ def _ablation_table(g: dict, datasets: list, methods: list) -> str | None:
     """Whichever labelled dynatree variants the run contains, fewest mechanisms on first."""
     opts = {m: _options_of(g, datasets, m) for m in methods}
     abl = [m for m in methods if opts[m][0] == "dynatree" and opts[m][1].get("kv_update", "gather") == "gather"]
-    if not abl:
+    if len(abl) < 2:  # one dynatree is no ablation
         return None
 
     def rank(m):

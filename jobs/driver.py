@@ -114,7 +114,7 @@ def preflight(spec: JobSpec) -> None:
     _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
     if spec.chat_template and t.is_dir() and not _has_chat_template(t):
-        raise JobError(f"--chat-template: the target {spec.target or '(the bundled demo pair)'}'s tokenizer "
+        raise JobError(f"--chat-template: the tokenizer of the target ({spec.target or 'the bundled demo pair'}) "
                        "has no chat template")
     if t is None or d is None or not (t.is_dir() and d.is_dir()):
         return

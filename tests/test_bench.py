@@ -157,6 +157,8 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     assert res.exit_code == 1 and "two datasets named 'tiny'" in res.output
     res = CliRunner().invoke(main, base + ["--dataset", f"x={tmp_path / 'missing.parquet'}", "--methods", "ar"])
     assert res.exit_code == 1 and "missing.parquet" in res.output and not (tmp_path / "b" / "results.parquet").exists()
+    res = CliRunner().invoke(main, base + ["--methods", "x=ar,x=dynatree"])
+    assert res.exit_code == 1 and "--methods names 'x' twice" in res.output
     res = CliRunner().invoke(main, base + ["--methods", "ar,linear", "--sweep-methods", "linear,lineer", "--sweep-tokens", "4"])
     assert res.exit_code == 1 and "--sweep-methods lineer: not among the methods (ar, linear" in res.output
 

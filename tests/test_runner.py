@@ -550,11 +550,11 @@ def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp
     write_input(tmp_path, texts=["", "   ", None])
     s = run_job(spec(pair_dirs, tmp_path, num_actors=1), progress=False, log=quiet)
     assert s["errors"] == s["rows"] == 3
-    assert sum(s["error_messages"].values()) == 3 and "prompt is empty" in s["error_messages"]
+    assert sum(s["error_messages"].values()) == 3 and "prompt is empty or only whitespace" in s["error_messages"]
     monkeypatch.setattr(driver, "run_job", lambda *a, **k: s)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o"])
-    assert res.exit_code == 1 and "every row failed (3); the most common error: 'prompt is empty'" in res.output
+    assert res.exit_code == 1 and "every row failed (3); the most common error: 'prompt is empty or only whitespace'" in res.output
     assert f"results: {tmp_path / 'o'}/shards" in res.output  # absolute (`ray job submit` runs elsewhere)
     s2 = dict(s, errors=2)
     monkeypatch.setattr(driver, "run_job", lambda *a, **k: s2)
