@@ -173,7 +173,7 @@ class ShardWorker:
         (a row's samples together, numbered in ``sample`` when there are several).  ``backlog``:
         the input rows the job has still to send this actor (the batch tuner's horizon)."""
         _maybe_die(shard, self.spec.output)
-        self.scheduler.backlog = backlog * self.spec.samples
+        self.scheduler.tell_backlog(backlog * self.spec.samples)
         n = self.spec.samples
         results = [result_row(r["id"], self.spec.method, sample=k if n > 1 else None) for r in rows for k in range(n)]
         reqs, slots = self._requests(rows, results)

@@ -173,7 +173,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.broken: BaseException | None = None  # why the decoding thread ended, if it did
         self.steps = 0
-        self.backlog = 0  # rows the caller will submit later (the job's queue): the tuner's horizon
+        self.backlog: int | None = None  # rows the caller will submit later (tell_backlog): the tuner's horizon
 
     @property
     def batch_size(self) -> int:
@@ -188,6 +188,13 @@ class Scheduler:
             return group.future
         self._enqueue(self._queue, [(group, i, r) for i, r in enumerate(requests)])
         return group.future
+
+    def tell_backlog(self, rows: int) -> None:
+        """The caller has ``rows`` more to submit (the tuner explores only while enough are left).
+        A job's backlog only shrinks, but its calls arrive in any order (a thread each): the
+        smallest told holds."""
+        with self._cond:
+            self.backlog = rows if self.backlog is None else min(self.backlog, rows)
 
     def call(self, fn) -> Future:
         """Run ``fn()`` on the decoding thread before its next step; the Future gives its result
@@ -285,6 +292,6 @@ class Scheduler:
             self.steps += 1
             if self.tuner is not None:
                 self.tuner.observe(dec.tokens - tokens, time.perf_counter() - t0, rows,
-                                   len(dec) + len(self._queue) + self.backlog, len(finished))
+                                   len(dec) + len(self._queue) + (self.backlog or 0), len(finished))
             for (group, i), toks, reason, m in finished:
                 group.resolve(i, (toks, reason, m))
