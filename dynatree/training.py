@@ -171,8 +171,8 @@ def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig =
     for t in texts:
         if total >= cfg.max_chars:
             break
-        kept.append(t)
-        total += len(t)
+        kept.append(t[:cfg.max_chars - total])  # the last document cut to the cap
+        total += len(kept[-1])
     n_held = max(1, int(len(kept) * cfg.heldout_fraction))
     held, train = kept[:n_held], kept[n_held:] or kept
     log(f"corpus: {len(train)} training documents ({total / 1e6:.1f}M chars), {len(held)} held out")
