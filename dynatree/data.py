@@ -26,14 +26,29 @@ _FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc
             ".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt"}
 
 
+def _hidden(path: str, base: str) -> bool:
+    """Whether a file below ``base`` is one that readers skip (pyarrow.dataset, Spark, Hive):
+    any name from ``base`` down starting with '.' or '_' (_SUCCESS, _temporary/, .ipynb_checkpoints/)."""
+    return any(p.startswith((".", "_")) for p in Path(os.path.relpath(path, base)).parts)
+
+
+def input_root(source: str) -> str | None:
+    """The directory a file/directory/glob source reads below (None: one file, or a dataset name)."""
+    if os.path.isdir(source):
+        return source
+    if not os.path.exists(source) and any(c in source for c in "*?["):
+        return source[:min(source.index(c) for c in "*?[" if c in source)].rpartition(os.sep)[0] or "."
+    return None
+
+
 def _files(source: str) -> list[str]:
-    if any(c in source for c in "*?["):
-        files = sorted(glob.glob(source, recursive=True))
-    elif os.path.isdir(source):
+    if os.path.isdir(source):
         files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file()
-                       and p.suffix in _FORMATS)
-    elif os.path.exists(source):
+                       and p.suffix in _FORMATS and not _hidden(str(p), source))
+    elif os.path.exists(source):  # (a name with [ ] in it is a file first, a pattern only if none)
         files = [source]
+    elif any(c in source for c in "*?["):
+        files = sorted(f for f in glob.glob(source, recursive=True) if not _hidden(f, input_root(source)))
     else:
         files = []
     if not files:
@@ -98,7 +113,7 @@ def read_texts(source: str, column: str = "text") -> list:
 # Streaming, planned input: row counts from file metadata, rows read by range on demand.
 
 JSONL_CHECKPOINT_EVERY = 4096  # rows between remembered byte offsets (10M lines -> ~2.5k offsets)
-JSONL_INFER_ROWS = 10000       # leading rows whose values decide a JSONL file's schema
+JSONL_INFER_ROWS = 10000       # rows whose types are inferred together (a JSONL file's schema: all its rows)
 BATCH_ROWS = 1024              # rows decoded per step; bounds what a cursor holds between reads
 _SCAN_BYTES = 4 << 20          # JSONL planning reads this much at a time
 _MAX_CURSORS = 4               # files kept open for sequential reads (a retry may go back a file)
@@ -344,13 +359,36 @@ _CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
 
 
 def _infer_type(values: list) -> pa.DataType:
-    """The pyarrow type of a JSONL column's values; string when they mix types (str and int...)."""
-    if all(v is None for v in values):
-        return pa.string()  # nothing to go on; string takes any later value as text
+    """The pyarrow type of a JSONL column's values (null when all are null); string when they mix
+    types (str and int...)."""
     try:
         return pa.array(values).type
     except _CONVERT_ERRORS:
         return pa.string()
+
+
+def _merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType:
+    """One type for values of types a and b: pyarrow's permissive promotion (int and float ->
+    float, struct keys united, null -> the other); string when there is none (str and int)."""
+    if a.equals(b):
+        return a
+    try:
+        return pa.unify_schemas([pa.schema([("x", a)]), pa.schema([("x", b)])], promote_options="permissive").field(0).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return pa.string()
+
+
+def _infer_schema(rows) -> pa.Schema:
+    """A JSONL file's schema from every row (``rows``: its parsed rows), chunk by chunk: a key,
+    a struct field or a wider type first seen at row 9M is as much the file's as one in row 1
+    (inferred from the first rows alone, they were dropped without a word)."""
+    types: dict[str, pa.DataType] = {}
+    while chunk := list(itertools.islice(rows, JSONL_INFER_ROWS)):
+        for k in dict.fromkeys(k for row in chunk for k in row):
+            t = _infer_type([row.get(k) for row in chunk])
+            types[k] = _merge_types(types[k], t) if k in types else t
+    # a column with no value anywhere: string, which takes any value as text
+    return pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
 
 
 def _truncates(v, t: pa.DataType) -> bool:
@@ -366,10 +404,7 @@ class _JsonlPart(_Part):
         except OSError as e:
             raise InputError(f"cannot read {path}: {e}") from e
         self._every = JSONL_CHECKPOINT_EVERY
-        head = list(itertools.islice(self._lines(0), JSONL_INFER_ROWS))
-        keys = list(dict.fromkeys(k for _, row in head for k in row))
-        types = {k: _infer_type([row.get(k) for _, row in head]) for k in keys}
-        super().__init__(_stat(path, "jsonl", rows), pa.schema(list(types.items())))
+        super().__init__(_stat(path, "jsonl", rows), _infer_schema(row for _, row in self._lines(0)))
 
     def _lines(self, row: int):
         """(line number, parsed row) from `row`, a multiple of the checkpoint interval."""
@@ -418,7 +453,7 @@ class _JsonlPart(_Part):
                 pa.array([v], t)
             except _CONVERT_ERRORS:
                 raise InputError(f"{self.info.path}: line {n}: column {name!r} value {v!r:.80} "
-                                 f"does not fit type {t} (inferred from the first rows)") from None
+                                 f"does not fit type {t} (inferred from the file when the job was planned)") from None
         raise InputError(f"{self.info.path}: lines {lines[0]}-{lines[-1]}: column {name!r} does not fit type {t}")
 
     def locate(self, row: int) -> str:
@@ -500,7 +535,16 @@ class InputSource:
             part = _DatasetPart(*target)
             return cls(source, [part], part.schema, part.meta)
         parts = [_PARTS[_FORMATS[Path(f).suffix]](f) for f in _plan_files(source)]
+        for part in parts:
+            names = part.schema.names
+            if len(set(names)) < len(names):
+                dup = next(n for n in names if names.count(n) > 1)
+                raise InputError(f"{part.info.path}: two columns named {dup!r}; rename one")
         return cls(source, parts, _unify(parts))
+
+    def files_without(self, column: str) -> list[str]:
+        """The input's files with rows but no ``column`` (their rows would read it as null)."""
+        return [p.info.path for p in self._parts if p.info.rows and column not in p.schema.names]
 
     def fingerprint(self) -> dict:
         fp = {"source": self.source, "num_rows": self.num_rows,

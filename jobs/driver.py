@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.data import id_strings
+from dynatree.data import id_strings, input_root
 from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
-from .plan import JobError, Plan, default_ids, finished_shards, make_plan, prepare_output, write_shard
+from .plan import JobError, Plan, as_stored, default_ids, finished_shards, make_plan, prepare_output, write_shard
 from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
@@ -166,6 +166,15 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
                        "context (a draft's tree positions can reach their sum)")
 
 
+def _check_output_outside_input(spec: JobSpec) -> None:
+    """An output below the directory the input reads is read back as input by the next run."""
+    root = input_root(spec.input)
+    out = Path(spec.output).resolve()
+    if root is not None and out.is_relative_to(Path(root).resolve()):
+        raise JobError(f"--output {spec.output} is inside the input's directory {root}: a re-run would read the "
+                       "job's own output as input; write it elsewhere")
+
+
 def _check_devices(spec: JobSpec, resources: dict) -> None:
     if spec.device.startswith("cuda") and resources.get("GPU", 0) <= 0:
         raise JobError(f"--device {spec.device}: the Ray cluster has no GPUs (resources: "
@@ -178,6 +187,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not os.path.isabs(spec.output):  # set by `ray job submit`
         log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
             "in the job's working directory, which Ray manages and may delete; give an absolute path")
+    _check_output_outside_input(spec)
     spec, source = default_ids(spec, log)
     plan = make_plan(spec, log, source)
     preflight(spec)
@@ -217,6 +227,7 @@ def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Tab
     if [r["id"] for r in results] != [r["id"] for r in rows for _ in range(n)]:
         raise JobError("an actor returned rows that do not match its shard's ids")
     table = pa.Table.from_pylist(results, schema=output_schema(n > 1))
+    kept = pa.table({c: as_stored(kept.column(c), plan.schema.field(c).type) for c in plan.keep}) if plan.keep else kept
     if n > 1:  # every sample row carries its prompt's kept columns
         kept = kept.take(pa.array([i for i in range(len(rows)) for _ in range(n)], pa.int64()))
     for c in plan.keep:

@@ -8,12 +8,14 @@ shard file only if it was written by this job for exactly its planned rows.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynatree.data import InputError, InputSource
@@ -103,17 +105,50 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
         cols = source.column_names
         if cols and spec.prompt_column not in cols:  # (an empty input without columns is just empty)
             raise JobError(f"input {spec.input}: no prompt column {spec.prompt_column!r} (columns: {', '.join(cols)})")
+        if spec.id_column and cols and spec.id_column not in cols:
+            raise JobError(f"input {spec.input}: no id column {spec.id_column!r} (columns: {', '.join(cols)})")
+        for col, flag in ((spec.prompt_column, "--prompt-column"), (spec.id_column, "--id-column")):
+            lacking = source.files_without(col) if col and cols else []
+            if lacking:  # its rows would all be null: per-row errors, or a job refused for null ids
+                raise JobError(f"input {spec.input}: {len(lacking)} file(s) have no {flag} {col!r} column: "
+                               f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
         if spec.id_column and cols:
-            if spec.id_column not in cols:
-                raise JobError(f"input {spec.input}: no id column {spec.id_column!r} (columns: {', '.join(cols)})")
             source.check_ids(spec.id_column)
         keep = _kept_columns(spec, source, log)
     except InputError as e:
         raise JobError(str(e)) from e
     schema = output_schema(spec.samples > 1)
     for c in keep:
-        schema = schema.append(source.schema.field(c))
+        field = source.schema.field(c)
+        schema = schema.append(field.with_type(_storable(c, field.type)))
     return Plan(source, spec.shard_size, keep, schema, spec.samples, spec.limit)
+
+
+_PLAIN = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}
+
+
+def _storable(name: str, t: pa.DataType) -> pa.DataType:
+    """The type a kept column has in the output: its own where Parquet stores it and a sample's
+    rows can be repeated from it (take), else the plain type it converts to (views -> large
+    strings/binaries, run-end encoded -> its values); JobError when there is none."""
+    plain = t.value_type if pa.types.is_run_end_encoded(t) else _PLAIN.get(t, t)
+    try:
+        empty = pa.array([], plain)
+        empty.take(pa.array([], pa.int64()))
+        pq.write_table(pa.table({name: empty}), io.BytesIO())
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise JobError(f"input column {name!r} ({t}) cannot be copied to the Parquet output ({e}); leave it out "
+                       "with --keep-columns") from e
+    return plain
+
+
+def as_stored(col: pa.ChunkedArray, t: pa.DataType) -> pa.ChunkedArray:
+    """A kept column in its output type (_storable)."""
+    if col.type.equals(t):
+        return col
+    if pa.types.is_run_end_encoded(col.type):
+        col = pa.chunked_array([pc.run_end_decode(c) for c in col.chunks], col.type.value_type)
+    return col.cast(t)
 
 
 def _manifest(spec: JobSpec, plan: Plan) -> dict:

@@ -160,16 +160,23 @@ def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
         InputSource.open(str(tmp_path / "bad.jsonl"))
     with pytest.raises(InputError, match="line 7"):
         read_table(str(tmp_path / "bad.jsonl"))
-    monkeypatch.setattr(data, "JSONL_INFER_ROWS", 2)  # later lines are checked on read
-    src = InputSource.open(str(tmp_path / "bad.jsonl"))
-    with pytest.raises(InputError, match="line 7"):
-        src.read(0, 6, ["text"])
-    _jsonl(tmp_path / "late.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}, {"n": "three"}, {"n": 1.5}])
-    src = InputSource.open(str(tmp_path / "late.jsonl"))
-    with pytest.raises(InputError, match=r"line 4: column 'n' value 'three'"):
-        src.read(0, 5, ["n"])
-    with pytest.raises(InputError, match=r"line 5: column 'n' value 1.5"):
-        src.read(4, 5, ["n"])
+    monkeypatch.setattr(data, "JSONL_INFER_ROWS", 2)  # types inferred 2 rows at a time, then united
+    with pytest.raises(InputError, match="line 7"):  # every line is read when the job is planned
+        InputSource.open(str(tmp_path / "bad.jsonl"))
+    late = [{"n": 1, "m": {"a": 1}}, {"n": 2}, {"n": 3}, {"n": 1.5, "m": {"a": 2, "b": "x"}}, {"k": "late"}]
+    _jsonl(tmp_path / "late.jsonl", late)
+    src = InputSource.open(str(tmp_path / "late.jsonl"))  # keys, struct fields and wider types seen late count
+    assert src.schema == pa.schema([("n", pa.float64()), ("m", pa.struct([("a", pa.int64()), ("b", pa.string())])),
+                                    ("k", pa.string())])
+    assert src.read(0, 5, ["n", "m", "k"])[0].to_pylist()[3:] == [{"n": 1.5, "m": {"a": 2, "b": "x"}, "k": None},
+                                                                   {"n": None, "m": None, "k": "late"}]
+    _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": "three"}])
+    assert InputSource.open(str(tmp_path / "mixed.jsonl")).read(0, 3, ["n"])[0].column("n").to_pylist() == ["1", "2", "three"]
+    _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}])
+    src = InputSource.open(str(tmp_path / "mixed.jsonl"))
+    _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 2.5}])  # changed after planning (a job refuses it)
+    with pytest.raises(InputError, match=r"line 3: column 'n' value 2.5 does not fit type int64"):
+        src.read(0, 3, ["n"])
 
 
 def test_jsonl_mixed_prompt_column_gives_raw_values(tmp_path):
@@ -268,3 +275,59 @@ def test_shard_ids_are_the_ids_the_duplicate_check_compared(tmp_path):
     rows, _ = _read_shard(spec, plan, 0)
     ids = [r["id"] for r in rows]
     assert len(set(ids)) == 3 and ids == plan.source.id_strings(0, 3, "id")
+
+
+def test_directories_skip_what_other_readers_skip_and_bracketed_names_are_files(tmp_path):
+    """A Spark-style output directory: _temporary/ copies, .ipynb_checkpoints/, _SUCCESS are not
+    input (pyarrow.dataset skips them too); read, they duplicated every row."""
+    d = tmp_path / "spark"
+    for sub in ("", "_temporary/0", ".ipynb_checkpoints"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": ["a", "b"]}), d / sub / "part-0.parquet")
+    (d / "_SUCCESS").write_text("")
+    assert read_texts(str(d)) == ["a", "b"] and read_texts(str(d / "**" / "*.parquet")) == ["a", "b"]
+    odd = tmp_path / "prompts[2024].parquet"  # an existing file, not a pattern
+    pq.write_table(pa.table({"text": ["c"]}), odd)
+    assert read_texts(str(odd)) == ["c"]
+
+
+def test_files_that_cannot_be_read_as_one_input_are_refused_by_name(tmp_path):
+    from dynatree.jobs.plan import JobError, make_plan
+    from dynatree.jobs.spec import build_spec
+
+    dup = tmp_path / "dup.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array([1])], names=["text", "text"]), dup)
+    with pytest.raises(InputError, match="dup.parquet: two columns named 'text'"):
+        InputSource.open(str(dup))
+    d = tmp_path / "mixed"
+    d.mkdir()
+    pq.write_table(pa.table({"id": ["1"], "text": ["a"]}), d / "a.parquet")
+    pq.write_table(pa.table({"id": ["2"], "prompt": ["b"]}), d / "b.parquet")  # no text: every row would fail
+    pq.write_table(pa.table({"other": pa.array([], pa.string())}), d / "c.parquet")  # no rows: nothing to miss
+    spec = build_spec(None, input=str(d), output=str(tmp_path / "out"))
+    with pytest.raises(JobError, match=r"1 file\(s\) have no --prompt-column 'text' column: .*b.parquet"):
+        make_plan(spec, log=lambda *a: None)
+
+
+def test_kept_columns_of_view_and_run_end_types_are_stored_plain(tmp_path):
+    """Parquet stores no run-end encoded column, and a sample's rows cannot be repeated (take) from
+    a string_view one: they go to the output as their plain types (the driver crashed after decoding)."""
+    import pyarrow.compute as pc
+    from dynatree.jobs.driver import _read_shard, _shard_table
+    from dynatree.jobs.plan import make_plan
+    from dynatree.jobs.spec import build_spec
+
+    t = pa.table({"text": ["a b", "c d"], "sv": pa.array(["x", "y"], pa.string_view()),
+                  "ree": pc.run_end_encode(pa.array([7, 7]))})
+    with ipc.new_file(tmp_path / "in.arrow", t.schema) as w:
+        w.write_table(t)
+    spec = build_spec(None, input=str(tmp_path / "in.arrow"), output=str(tmp_path / "out"), samples=2,
+                      options={"temperature": 1.0})
+    plan = make_plan(spec, log=lambda *a: None)
+    assert plan.schema.field("sv").type == pa.large_string() and plan.schema.field("ree").type == pa.int64()
+    rows, kept = _read_shard(spec, plan, 0)
+    from dynatree.actors.worker import result_row
+    results = [result_row(r["id"], "dynatree", sample=k) for r in rows for k in range(2)]
+    out = _shard_table(plan, rows, results, kept)
+    assert out.column("sv").to_pylist() == ["x", "x", "y", "y"] and out.column("ree").to_pylist() == [7] * 4
+    pq.write_table(out, tmp_path / "o.parquet")

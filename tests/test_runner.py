@@ -274,9 +274,8 @@ def test_context_overflow_truncates_or_errors(ray_cluster, pair_dirs, tmp_path):
     rows = read_rows(tmp_path / "out")
     assert rows[0]["error"] is None and rows[0]["prompt_tokens"] == 128 - 20
     assert rows[0]["num_generated_tokens"] <= 20 and rows[0]["matches_ar"] is True
-    run_job(spec(pair_dirs, tmp_path, max_new_tokens=200, num_actors=1, overwrite=True), progress=False, log=quiet)
-    rows = read_rows(tmp_path / "out")
-    assert all("does not fit" in r["error"] for r in rows)
+    with pytest.raises(JobError, match="--max-new-tokens 200 leaves no room"):  # every row would fail: none start
+        run_job(spec(pair_dirs, tmp_path, max_new_tokens=200, num_actors=1, overwrite=True), progress=False, log=quiet)
 
 
 def test_windowed_job_generates_past_the_context(ray_cluster, pair_dirs, tmp_path):
@@ -466,6 +465,11 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, options={"kv_window": 120, "kv_evict": 16}), progress=False, log=quiet)
     with pytest.raises(JobError, match="--max-new-tokens 128 leaves no room for a prompt in the models' 128-token"):
         run_job(spec(pair_dirs, tmp_path, max_new_tokens=128), progress=False, log=quiet)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in.parquet").rename(tmp_path / "in" / "in.parquet")
+    for inp in (tmp_path / "in", tmp_path / "in" / "*.parquet"):
+        with pytest.raises(JobError, match="is inside the input's directory"):
+            run_job(spec(pair_dirs, tmp_path, input=str(inp), output=str(tmp_path / "in" / "out")), progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
 
