@@ -242,6 +242,9 @@ def run(config_file, quiet, **fields):
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True))
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
+    except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
+        _fail(f"{e}; finished shards are kept in {fields.get('output') or 'the output'} and the same command "
+              "resumes")
     except KeyboardInterrupt:  # the shell's code for Ctrl-C, so scripts can tell it from a failure
         click.echo(f"\ninterrupted: finished shards are kept in {fields.get('output') or 'the output'}; "
                    "the same command resumes", err=True)

@@ -32,7 +32,8 @@ from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
-from .plan import JobError, Plan, as_stored, default_ids, finished_shards, make_plan, prepare_output, write_shard
+from .plan import (JobError, Plan, as_stored, default_ids, finished_shards, make_plan, output_lock, prepare_output,
+                   write_shard)
 from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
@@ -191,6 +192,12 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     spec, source = default_ids(spec, log)
     plan = make_plan(spec, log, source)
     preflight(spec)
+    with output_lock(spec.output):
+        return _run_planned(spec, plan, t_start, progress, log)
+
+
+def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log) -> dict:
+    """The job once checked and planned, its output locked: resume, decode, summarize."""
     out = prepare_output(spec, plan)
     startup = {"plan_s": round(time.time() - t_start, 3)}
     done = finished_shards(out, spec, plan)

@@ -8,9 +8,12 @@ shard file only if it was written by this job for exactly its planned rows.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
+import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -236,6 +239,30 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
         raise JobError(f"the input {new['identity']['input']} changed since {out} was started (file sizes, times or "
                        "row counts differ), so its finished shards may not match the rows they were planned "
                        "for; use --overwrite to start again or another --output")
+
+
+@contextlib.contextmanager
+def output_lock(output: str):
+    """Held by the job's driver while it writes ``output``: a second job on the same directory
+    (another config, or the same one twice) would interleave shards with a manifest that is not
+    theirs.  An advisory lock on ``.dynatree.lock`` (flock: released if the driver dies)."""
+    out = Path(output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / ".dynatree.lock", "a+")
+    except OSError as e:
+        raise JobError(f"output directory {out} is not writable: {e}") from e
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise JobError(f"another dynatree job is writing {out} ({f.read().strip() or 'pid unknown'}); "
+                           "wait for it, or choose another --output") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
 
 
 def prepare_output(spec: JobSpec, plan: Plan) -> Path:

@@ -639,3 +639,29 @@ def test_a_token_ray_cannot_read_is_a_message_not_a_traceback(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "Ray token authentication failed" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_a_second_job_on_an_output_being_written_is_refused(pair_dirs, tmp_path):
+    """Two jobs on one --output both "succeeded", leaving one's shards under the other's manifest."""
+    from dynatree.jobs.plan import output_lock
+
+    write_input(tmp_path)
+    with output_lock(str(tmp_path / "out")):  # the first job's driver, mid-run
+        with pytest.raises(JobError, match=f"another dynatree job is writing {tmp_path / 'out'} \\(pid {os.getpid()}"):
+            run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_an_os_error_mid_job_is_a_message_that_says_how_to_go_on(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+    from dynatree.jobs import driver
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(driver, "run_job", full)
+    res = CliRunner().invoke(main, ["run", "--input", "x.parquet", "--output", str(tmp_path / "o")])
+    assert res.exit_code == 1 and "No space left on device; finished shards are kept" in res.output
+    assert isinstance(res.exception, SystemExit)  # no traceback
