@@ -68,8 +68,14 @@ def read_table(source: str) -> pa.Table:
 
 def _datasets_target(source: str) -> tuple[str, str | None, str | None] | None:
     """(name, split, config) when `source` names a `datasets` dataset rather than files."""
-    if os.path.isdir(source) and any((Path(source) / n).exists() for n in ("dataset_info.json", "dataset_dict.json")):
+    def saved(d: str) -> bool:  # a save_to_disk directory
+        return os.path.isdir(d) and any((Path(d) / n).exists() for n in ("dataset_info.json", "dataset_dict.json"))
+
+    if saved(source):
         return source, None, None
+    base, colon, split = source.rpartition(":")
+    if colon and saved(base):  # DIR:SPLIT, a split of a saved DatasetDict
+        return base, split, None
     if os.path.exists(source) or any(c in source for c in "*?["):
         return None
     # A path-like name that does not exist is a missing file, not a hub dataset to download.
@@ -97,8 +103,11 @@ def _load_dataset(name: str, split: str | None, config: str | None = None):
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         raise InputError(f"cannot load dataset {name!r}: {e}") from e
     if isinstance(ds, datasets.DatasetDict):
-        key = split or ("test" if "test" in ds else next(iter(ds)))
-        ds = ds[key]
+        if split is None and len(ds) > 1:  # which one is the user's to say
+            raise InputError(f"{name!r} holds splits {', '.join(ds)}: name one, e.g. {name}:{next(iter(ds))}")
+        if split is not None and split not in ds:
+            raise InputError(f"{name!r} has no split {split!r} (splits: {', '.join(ds)})")
+        ds = ds[split or next(iter(ds))]
     return ds
 
 

@@ -49,6 +49,23 @@ def _progress(total: int):
         return None
 
 
+class _LogProgress:
+    """Progress for a log file (stderr not a terminal: `ray job submit`, nohup) where no bar is
+    drawn: a line every ``every_s`` seconds, so a job of hours is not silent."""
+
+    def __init__(self, total: int, log, every_s: float = 30.0):
+        self.total, self.log, self.every_s, self.done = total, log, every_s, 0
+        self.t0 = self.last = time.time()
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.done += rows
+        now = time.time()
+        if now - self.last >= self.every_s and self.done < self.total:
+            self.last, rate = now, self.done / (now - self.t0)
+            self.log(f"progress: {self.done}/{self.total} rows ({100 * self.done / self.total:.1f}%), "
+                     f"{tokens / (now - self.t0):.1f} tok/s, ~{(self.total - self.done) / rate / 60:.0f} min left")
+
+
 def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, float]:
     gpus = spec.gpus_per_actor
     if gpus is None:
@@ -337,6 +354,7 @@ class _Dispatch:
         inflight: dict = {}  # ref -> (slot, actor, shard number, rows, kept columns, alone)
         total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
         bar = _progress(total) if progress else None
+        lines = _LogProgress(total, self.log) if progress and (bar is None or bar.disable) else None
         t0 = time.time()
         try:
             while pending or inflight:
@@ -356,6 +374,8 @@ class _Dispatch:
                     self.stats["rows_this_run"] += len(results)
                     self.stats["tokens_this_run"] += sum(r["num_generated_tokens"] or 0 for r in results)
                     self.stats["shards_this_run"] += 1
+                    if lines is not None:
+                        lines.update(len(results), self.stats["tokens_this_run"])
                     if bar is not None:
                         bar.update(len(results))
                         bar.set_postfix_str(f"{self.stats['tokens_this_run'] / (time.time() - t0):.1f} tok/s "

@@ -41,6 +41,14 @@ def test_datasets_saved_to_disk(tmp_path):
     assert src.num_rows == 2 and src.files[0].format == "datasets"
     assert src.read(1, 2, ["text"], raw=["text"])[1] == {"text": ["v"]}
     assert src.fingerprint()["dataset"]["fingerprint"]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b", "c"]}),
+                               "test": datasets.Dataset.from_dict({"text": ["t"]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert read_texts(f"{tmp_path / 'dd'}:train") == ["a", "b", "c"] and read_texts(f"{tmp_path / 'dd'}:test") == ["t"]
+    with pytest.raises(InputError, match="holds splits train, test: name one"):  # it took test without a word
+        read_texts(str(tmp_path / "dd"))
+    with pytest.raises(InputError, match="has no split 'dev'"):
+        read_texts(f"{tmp_path / 'dd'}:dev")
 
 
 def test_errors(tmp_path):

@@ -665,3 +665,16 @@ def test_an_os_error_mid_job_is_a_message_that_says_how_to_go_on(tmp_path, monke
     res = CliRunner().invoke(main, ["run", "--input", "x.parquet", "--output", str(tmp_path / "o")])
     assert res.exit_code == 1 and "No space left on device; finished shards are kept" in res.output
     assert isinstance(res.exception, SystemExit)  # no traceback
+
+
+def test_a_job_logging_to_a_file_reports_progress_now_and_then():
+    from dynatree.jobs.driver import _LogProgress
+
+    lines = []
+    p = _LogProgress(100, lines.append, every_s=0.0)
+    p.update(40, 400)
+    p.update(60, 1000)  # the end: the summary says the rest
+    assert len(lines) == 1 and lines[0].startswith("progress: 40/100 rows (40.0%)") and "min left" in lines[0]
+    p = _LogProgress(100, lines.append, every_s=3600.0)
+    p.update(10, 100)
+    assert len(lines) == 1
