@@ -135,9 +135,11 @@ def _json_row(line: str | bytes, path: str, n: int) -> dict:
         row = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({getattr(e, 'msg', e)}{where})") from e
+        lines = "; a .json file is read as JSON Lines, one object per line" if path.endswith(".json") else ""
+        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({getattr(e, 'msg', e)}{where}){lines}") from e
     if not isinstance(row, dict):
-        raise InputError(f"cannot read {path}: line {n}: expected a JSON object, got {type(row).__name__}")
+        lines = " (a .json file is read as JSON Lines, one object per line)" if path.endswith(".json") else ""
+        raise InputError(f"cannot read {path}: line {n}: expected a JSON object, got {type(row).__name__}{lines}")
     return row
 
 
@@ -483,8 +485,10 @@ def _plan_files(source: str) -> list[str]:
     for f in files:
         fmt = _FORMATS.get(Path(f).suffix)
         if fmt is None:
+            hint = {".gz": "decompress it first", ".zst": "decompress it first", ".bz2": "decompress it first",
+                    ".csv": "convert it with pyarrow.csv", ".tsv": "convert it with pyarrow.csv"}.get(Path(f).suffix)
             raise InputError(f"unsupported input file type {Path(f).suffix!r}: {f} (readable: "
-                             f"{', '.join(_FORMATS)}; convert CSV with pyarrow.csv)")
+                             f"{', '.join(_FORMATS)}{'; ' + hint if hint else ''})")
         by_format.setdefault(fmt, []).append(f)
     if len(by_format) > 1:
         main = max(by_format, key=lambda k: len(by_format[k]))
