@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import glob
 import itertools
 import json
@@ -39,6 +40,24 @@ def input_root(source: str) -> str | None:
     if not os.path.exists(source) and any(c in source for c in "*?["):
         return source[:min(source.index(c) for c in "*?[" if c in source)].rpartition(os.sep)[0] or "."
     return None
+
+
+def would_read(source: str, path: str) -> bool:
+    """Whether the file/directory/glob ``source`` would read the file ``path`` (were it there)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(source):
+        return Path(path).is_relative_to(os.path.abspath(source)) and not _hidden(path, source)
+    if os.path.exists(source) or not any(c in source for c in "*?["):
+        return os.path.abspath(source) == path
+
+    def match(pat: list[str], parts: list[str]) -> bool:  # glob's rules: ** any directories, * one name
+        if not pat:
+            return not parts
+        if pat[0] == "**":
+            return any(match(pat[1:], parts[i:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and match(pat[1:], parts[1:])
+
+    return match(Path(os.path.abspath(source)).parts[1:], Path(path).parts[1:]) and not _hidden(path, input_root(source))
 
 
 def _files(source: str) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.data import id_strings, input_root
+from dynatree.data import id_strings, would_read
 from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
@@ -185,11 +185,11 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
 
 
 def _check_output_outside_input(spec: JobSpec) -> None:
-    """An output below the directory the input reads is read back as input by the next run."""
-    root = input_root(spec.input)
+    """An output the input reads (a directory's subdirectory, a matching glob) would be read back
+    as input by the next run."""
     out = Path(spec.output).resolve()
-    if root is not None and out.is_relative_to(Path(root).resolve()):
-        raise JobError(f"--output {spec.output} is inside the input's directory {root}: a re-run would read the "
+    if any(would_read(spec.input, str(out / f)) for f in ("shards/part-000000.parquet", "manifest.json")):
+        raise JobError(f"--output {spec.output} is where the input {spec.input} reads: a re-run would read the "
                        "job's own output as input; write it elsewhere")
 
 

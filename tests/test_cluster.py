@@ -119,7 +119,8 @@ def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
             res = subprocess.run(
                 [str(bindir / "dynatree"), "run", "--input", str(tmp_path / "in.parquet"), "--output",
                  str(tmp_path / "out"), "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
-                 "--address", f"127.0.0.1:{gcs}", "--shard-size", "2", "--quiet", "--device", "cpu", *flags],
+                 "--address", f"127.0.0.1:{gcs}", "--shard-size", "2", "--max-new-tokens", "8", "--quiet",
+                 "--device", "cpu", *flags],
                 env=env, capture_output=True, text=True, timeout=120)
             assert res.returncode != 0 and time.time() - t0 < 60, res.stderr[-2000:]
             assert "cannot place" in res.stderr and expect in res.stderr, res.stderr[-2000:]

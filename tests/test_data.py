@@ -339,3 +339,12 @@ def test_kept_columns_of_view_and_run_end_types_are_stored_plain(tmp_path):
     out = _shard_table(plan, rows, results, kept)
     assert out.column("sv").to_pylist() == ["x", "x", "y", "y"] and out.column("ree").to_pylist() == [7] * 4
     pq.write_table(out, tmp_path / "o.parquet")
+
+
+def test_which_files_an_input_would_read():
+    from dynatree.data import would_read
+
+    assert would_read("/d/*.parquet", "/d/a.parquet") and not would_read("/d/*.parquet", "/d/out/shards/a.parquet")
+    assert would_read("/d/**/*.parquet", "/d/out/shards/a.parquet") and would_read("/d/**/*.parquet", "/d/a.parquet")
+    assert not would_read("/d/**/*.parquet", "/d/_tmp/a.parquet") and not would_read("/d/**/*.parquet", "/e/a.parquet")
+    assert would_read("/d/*/*/*.json", "/d/out/x/manifest.json") and not would_read("/d/[ab].parquet", "/d/c.parquet")

@@ -467,8 +467,8 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, max_new_tokens=128), progress=False, log=quiet)
     (tmp_path / "in").mkdir()
     (tmp_path / "in.parquet").rename(tmp_path / "in" / "in.parquet")
-    for inp in (tmp_path / "in", tmp_path / "in" / "*.parquet"):
-        with pytest.raises(JobError, match="is inside the input's directory"):
+    for inp in (tmp_path / "in", tmp_path / "in" / "**" / "*.parquet"):
+        with pytest.raises(JobError, match="is where the input .* reads"):
             run_job(spec(pair_dirs, tmp_path, input=str(inp), output=str(tmp_path / "in" / "out")), progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
