@@ -521,13 +521,22 @@ def _plan_files(source: str) -> list[str]:
     return files
 
 
+def _decoded(schema: pa.Schema) -> pa.Schema:
+    """Dictionary-encoded columns as their values' type (pandas' categoricals in one file, plain
+    strings in the next: the same column)."""
+    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema])
+
+
 def _unify(parts: list[_Part]) -> pa.Schema:
     schema = parts[0].schema
     for part in parts[1:]:
         if part.schema.equals(schema):
             continue
         try:
-            schema = pa.unify_schemas([schema, part.schema], promote_options="permissive")
+            try:
+                schema = pa.unify_schemas([schema, part.schema], promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                schema = pa.unify_schemas([_decoded(schema), _decoded(part.schema)], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise InputError(f"{part.info.path}: schema does not match the files before it "
                              f"({parts[0].info.path}, ...): {e}") from e

@@ -348,3 +348,10 @@ def test_which_files_an_input_would_read():
     assert would_read("/d/**/*.parquet", "/d/out/shards/a.parquet") and would_read("/d/**/*.parquet", "/d/a.parquet")
     assert not would_read("/d/**/*.parquet", "/d/_tmp/a.parquet") and not would_read("/d/**/*.parquet", "/e/a.parquet")
     assert would_read("/d/*/*/*.json", "/d/out/x/manifest.json") and not would_read("/d/[ab].parquet", "/d/c.parquet")
+
+
+def test_a_categorical_column_in_one_file_and_strings_in_the_next_read_as_one(tmp_path):
+    pq.write_table(pa.table({"text": pa.array(["a", "b"]).dictionary_encode()}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": pa.array(["c"], pa.large_string())}), tmp_path / "b.parquet")
+    src = InputSource.open(str(tmp_path))
+    assert src.schema.field("text").type == pa.large_string() and read_texts(str(tmp_path)) == ["a", "b", "c"]
