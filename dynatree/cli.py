@@ -229,7 +229,9 @@ def _spec_options(f):
 @click.option("--config", "config_file", type=click.Path(), help="job file (YAML or JSON); flags override it")
 @_spec_options
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def run(config_file, quiet, **fields):
+@click.option("--dry-run", is_flag=True, help="check the job and print its plan (rows, shards to do, columns), "
+                                             "without starting Ray or writing anything")
+def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
     from .jobs.driver import JobError, run_job
@@ -239,7 +241,7 @@ def run(config_file, quiet, **fields):
     try:
         fields["options"] = parse_options(fields["options"])
         spec = build_spec(config_file, **fields)
-        summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True))
+        summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True), dry_run=dry_run)
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
@@ -249,6 +251,10 @@ def run(config_file, quiet, **fields):
         click.echo(f"\ninterrupted: finished shards are kept in {fields.get('output') or 'the output'}; "
                    "the same command resumes", err=True)
         sys.exit(130)
+    if dry_run:
+        click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))
+        click.echo(f"{'options':<22} " + " ".join(f"{k}={v}" for k, v in summary["options"].items()))
+        return
     click.echo(format_table(summary))
     out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
     click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")

@@ -18,6 +18,7 @@ the cluster cannot hold fail the job with a message (placement.py), never a sile
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -32,8 +33,8 @@ from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
 from . import placement
-from .plan import (JobError, Plan, as_stored, default_ids, finished_shards, make_plan, output_lock, prepare_output,
-                   write_shard)
+from .plan import (JobError, Plan, as_stored, check_output, default_ids, finished_shards, make_plan, output_lock,
+                   prepare_output, write_shard)
 from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
@@ -199,8 +200,9 @@ def _check_devices(spec: JobSpec, resources: dict) -> None:
                        f"{resources.get('CPU', 0):g} CPU); use --device cpu or auto")
 
 
-def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
-    """Run (or resume) a job; returns the summary.  Raises JobError on fatal problems."""
+def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = False) -> dict:
+    """Run (or resume) a job; returns the summary.  Raises JobError on fatal problems.
+    ``dry_run``: every check a run makes before it starts Ray, nothing written; returns the plan."""
     t_start = time.time()
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not os.path.isabs(spec.output):  # set by `ray job submit`
         log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
@@ -209,6 +211,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print) -> dict:
     spec, source = default_ids(spec, log)
     plan = make_plan(spec, log, source)
     preflight(spec)
+    if dry_run:
+        return _dry_run(spec, plan)
     with output_lock(spec.output):
         return _run_planned(spec, plan, t_start, progress, log)
 
@@ -234,6 +238,21 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
         raise JobError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
                        f"(--fail-on-mismatch); see summary.json")
     return summary
+
+
+def _dry_run(spec: JobSpec, plan: Plan) -> dict:
+    """The plan of a run, checked against what the output holds (read only)."""
+    check_output(spec, plan)
+    out = Path(spec.output)
+    done = finished_shards(out, spec, plan) if (out / "shards").is_dir() and not spec.overwrite else set()
+    todo = [k for k in range(plan.num_shards) if k not in done]
+    rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
+    return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),
+            "id_column": spec.id_column or "(row index)", "kept_columns": list(plan.keep),
+            "output": os.path.abspath(spec.output), "shards": plan.num_shards, "shards_done": len(done),
+            "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples, "method": spec.method,
+            "options": dataclasses.asdict(spec.method_config), "batch_size": spec.batch_size,
+            "overwrite": spec.overwrite}
 
 
 def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table]:

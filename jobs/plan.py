@@ -265,20 +265,17 @@ def output_lock(output: str):
         yield
 
 
-def prepare_output(spec: JobSpec, plan: Plan) -> Path:
-    out = Path(spec.output)
-    try:
-        (out / "shards").mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise JobError(f"output directory {out} is not writable: {e}") from e
-    path, manifest = out / "manifest.json", _manifest(spec, plan)
+def check_output(spec: JobSpec, plan: Plan) -> dict:
+    """What this job may do with ``spec.output`` (read only): JobError where it must not (files
+    dynatree did not write, another job's shards); else the manifest it will write."""
+    out, manifest = Path(spec.output), _manifest(spec, plan)
+    if not (out / "shards").is_dir():
+        return manifest
     _refuse_foreign(out)
+    path = out / "manifest.json"
     if spec.overwrite:
-        _clear(out)
-    elif path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
+        return manifest
+    if path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
         old = json.loads(path.read_text())
         _refuse_change(out, old, manifest)
         _refuse_strays(out, plan)
@@ -289,6 +286,22 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
             raise JobError(f"{out} already holds this job; pass --resume to continue it or --overwrite")
     elif _has_shards(out):
         raise JobError(f"{out}/shards has files but no manifest; refusing to mix outputs (use --overwrite)")
+    return manifest
+
+
+def prepare_output(spec: JobSpec, plan: Plan) -> Path:
+    out = Path(spec.output)
+    try:
+        (out / "shards").mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise JobError(f"output directory {out} is not writable: {e}") from e
+    manifest = check_output(spec, plan)
+    if spec.overwrite:
+        _clear(out)
+    path = out / "manifest.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, path)

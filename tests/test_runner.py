@@ -69,6 +69,13 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     shards = tmp_path / "out" / "shards"
     before = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
     os.remove(shards / "part-000001.parquet")  # as if the driver died while it was in flight
+    manifest = (tmp_path / "out" / "manifest.json").read_bytes()
+    plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
+    assert (plan["shards"], plan["shards_done"], plan["rows_to_decode"]) == (3, 2, 4)
+    assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest and len(os.listdir(shards)) == 2
+    with pytest.raises(JobError, match="different config .*max_new_tokens"):  # what a run would refuse
+        run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet,
+                dry_run=True)
     summary = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
     assert summary["this_run"]["shards_this_run"] == 1 and summary["rows"] == len(PROMPTS)
     after = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
@@ -678,3 +685,17 @@ def test_a_job_logging_to_a_file_reports_progress_now_and_then():
     p = _LogProgress(100, lines.append, every_s=3600.0)
     p.update(10, 100)
     assert len(lines) == 1
+
+
+def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    write_input(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"),
+                                    "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--max-new-tokens", "8", "--shard-size", "4", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "rows_to_decode         12" in res.output and "shards                 3" in res.output
+    assert not (tmp_path / "out").exists()
