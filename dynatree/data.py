@@ -27,10 +27,13 @@ _FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc
             ".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt"}
 
 
-def _hidden(path: str, base: str) -> bool:
+def _hidden(path: str, base: str, pattern: str = "") -> bool:
     """Whether a file below ``base`` is one that readers skip (pyarrow.dataset, Spark, Hive):
-    any name from ``base`` down starting with '.' or '_' (_SUCCESS, _temporary/, .ipynb_checkpoints/)."""
-    return any(p.startswith((".", "_")) for p in Path(os.path.relpath(path, base)).parts)
+    any name from ``base`` down starting with '.' or '_' (_SUCCESS, _temporary/, .ipynb_checkpoints/)
+    that a glob ``pattern`` does not ask for by a part starting the same way (``_c*``)."""
+    asked = [p for p in Path(pattern).parts if p.startswith((".", "_"))]
+    return any(c.startswith((".", "_")) and not any(p[0] == c[0] and fnmatch.fnmatchcase(c, p) for p in asked)
+               for c in Path(os.path.relpath(path, base)).parts)
 
 
 def input_root(source: str) -> str | None:
@@ -57,7 +60,8 @@ def would_read(source: str, path: str) -> bool:
             return any(match(pat[1:], parts[i:]) for i in range(len(parts) + 1))
         return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and match(pat[1:], parts[1:])
 
-    return match(Path(os.path.abspath(source)).parts[1:], Path(path).parts[1:]) and not _hidden(path, input_root(source))
+    return (match(Path(os.path.abspath(source)).parts[1:], Path(path).parts[1:])
+            and not _hidden(path, input_root(source), source))
 
 
 def _files(source: str) -> list[str]:
@@ -67,7 +71,7 @@ def _files(source: str) -> list[str]:
     elif os.path.exists(source):  # (a name with [ ] in it is a file first, a pattern only if none)
         files = [source]
     elif any(c in source for c in "*?["):
-        files = sorted(f for f in glob.glob(source, recursive=True) if not _hidden(f, input_root(source)))
+        files = sorted(f for f in glob.glob(source, recursive=True) if not _hidden(f, input_root(source), source))
     else:
         files = []
     if not files:

@@ -294,6 +294,7 @@ def test_directories_skip_what_other_readers_skip_and_bracketed_names_are_files(
         pq.write_table(pa.table({"text": ["a", "b"]}), d / sub / "part-0.parquet")
     (d / "_SUCCESS").write_text("")
     assert read_texts(str(d)) == ["a", "b"] and read_texts(str(d / "**" / "*.parquet")) == ["a", "b"]
+    assert read_texts(str(d / "_temp*" / "*" / "*.parquet")) == ["a", "b"]  # asked for by name: read
     odd = tmp_path / "prompts[2024].parquet"  # an existing file, not a pattern
     pq.write_table(pa.table({"text": ["c"]}), odd)
     assert read_texts(str(odd)) == ["c"]
