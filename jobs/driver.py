@@ -248,7 +248,7 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     todo = [k for k in range(plan.num_shards) if k not in done]
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
     return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),
-            "id_column": spec.id_column or "(row index)", "kept_columns": list(plan.keep),
+            "id_column": spec.id_column or "(row index)", "kept_columns": plan.kept_names,
             "output": os.path.abspath(spec.output), "shards": plan.num_shards, "shards_done": len(done),
             "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples, "method": spec.method,
             "options": dataclasses.asdict(spec.method_config), "batch_size": spec.batch_size,
@@ -262,7 +262,8 @@ def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table
     cols = list(dict.fromkeys([spec.prompt_column, *id_col, *plan.keep]))
     table, raw = plan.source.read(s, e, cols, raw=[spec.prompt_column])
     ids = id_strings(table.column(spec.id_column)) if spec.id_column else [str(i) for i in range(s, e)]
-    return [{"id": i, "text": t} for i, t in zip(ids, raw[spec.prompt_column])], table.select(list(plan.keep))
+    kept = table.select(list(plan.keep)).rename_columns(plan.kept_names)
+    return [{"id": i, "text": t} for i, t in zip(ids, raw[spec.prompt_column])], kept
 
 
 def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Table) -> pa.Table:
@@ -270,10 +271,11 @@ def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Tab
     if [r["id"] for r in results] != [r["id"] for r in rows for _ in range(n)]:
         raise JobError("an actor returned rows that do not match its shard's ids")
     table = pa.Table.from_pylist(results, schema=output_schema(n > 1))
-    kept = pa.table({c: as_stored(kept.column(c), plan.schema.field(c).type) for c in plan.keep}) if plan.keep else kept
+    names = plan.kept_names
+    kept = pa.table({c: as_stored(kept.column(c), plan.schema.field(c).type) for c in names}) if names else kept
     if n > 1:  # every sample row carries its prompt's kept columns
         kept = kept.take(pa.array([i for i in range(len(rows)) for _ in range(n)], pa.int64()))
-    for c in plan.keep:
+    for c in names:
         table = table.append_column(plan.schema.field(c), kept.column(c))
     return table
 

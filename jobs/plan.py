@@ -42,6 +42,13 @@ class Plan:
     schema: pa.Schema  # the output rows' schema: result columns, then the kept ones
     samples: int = 1  # output rows per input row (JobSpec.samples)
     limit: int | None = None  # only the input's first rows (JobSpec.limit)
+    renamed: tuple = ()  # (input column, its name in the output) where they differ
+
+    @property
+    def kept_names(self) -> list[str]:
+        """The kept columns' names in the output, in ``keep``'s order."""
+        names = dict(self.renamed)
+        return [names.get(c, c) for c in self.keep]
 
     @property
     def rows(self) -> int:
@@ -58,7 +65,23 @@ class Plan:
         return f"part-{k:06d}", s, min(s + self.shard_size, self.rows)
 
 
-def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
+INPUT_ID = "input_id"  # the output's name for an input `id` column that is not the row id
+
+
+def _begun_columns(spec: JobSpec) -> list | None:
+    """The output columns of a job begun in ``spec.output`` that this run resumes (None: none)."""
+    out = Path(spec.output)
+    path = out / "manifest.json"
+    if spec.overwrite or not path.is_file() or not (out / "shards").is_dir() or not _has_shards(out):
+        return None
+    try:
+        return json.loads(path.read_text()).get("columns")
+    except (OSError, ValueError):
+        return None  # prepare_output says what is wrong with it
+
+
+def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, ...], tuple]:
+    """The input columns copied to the output, and those renamed there ((input, output) pairs)."""
     result_cols = set(output_schema(spec.samples > 1).names)
     if spec.keep_columns is not None:
         missing = [c for c in spec.keep_columns if c not in source.column_names]
@@ -68,12 +91,19 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[str, ...]:
         clash = [c for c in spec.keep_columns if c in result_cols]
         if clash:
             raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
-        return tuple(dict.fromkeys(spec.keep_columns))  # (a Python caller may repeat one)
-    skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column]
+        return tuple(dict.fromkeys(spec.keep_columns)), ()  # (a Python caller may repeat one)
+    # an `id` that is not the row id (duplicates, nulls, --id-column another) is the user's key to
+    # join on -- unless an output begun without it resumes (its shards and new ones form one dataset)
+    begun = _begun_columns(spec)
+    renamed = (("id", INPUT_ID),) if "id" in source.column_names and spec.id_column != "id" \
+        and INPUT_ID not in source.column_names and (begun is None or INPUT_ID in begun) else ()
+    if renamed:
+        log(f"input column id copied as {INPUT_ID} (the output's id is the row id)")
+    skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column and not (renamed and c == "id")]
     if skipped:
         hint = " (--id-column id makes it the row id)" if "id" in skipped else ""
         log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name{hint}")
-    return tuple(c for c in source.column_names if c not in result_cols)
+    return tuple(c for c in source.column_names if c not in result_cols or (renamed and c == "id")), renamed
 
 
 def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
@@ -117,14 +147,14 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
                                f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
         if spec.id_column and cols:
             source.check_ids(spec.id_column)
-        keep = _kept_columns(spec, source, log)
+        keep, renamed = _kept_columns(spec, source, log)
     except InputError as e:
         raise JobError(str(e)) from e
     schema = output_schema(spec.samples > 1)
     for c in keep:
         field = source.schema.field(c)
-        schema = schema.append(field.with_type(_storable(c, field.type)))
-    return Plan(source, spec.shard_size, keep, schema, spec.samples, spec.limit)
+        schema = schema.append(field.with_name(dict(renamed).get(c, c)).with_type(_storable(c, field.type)))
+    return Plan(source, spec.shard_size, keep, schema, spec.samples, spec.limit, renamed)
 
 
 _PLAIN = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}

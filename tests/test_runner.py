@@ -598,7 +598,17 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     assert default_ids(dataclasses.replace(job, overwrite=True), logs.append)[0].id_column == "id"
     pq.write_table(pa.table({"id": ["a", "a", "b", "c"], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
     other = spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o2"))
-    assert default_ids(other, logs.append)[0].id_column is None and "duplicate ids" in logs[-1]
+    other, source = default_ids(other, logs.append)
+    assert other.id_column is None and "duplicate ids" in logs[-1]
+    plan = make_plan(other, logs.append, source)  # the user's ids are still there to join on
+    assert plan.kept_names == ["input_id", "text"] and "copied as input_id" in logs[-1]
+    from dynatree.jobs.driver import _read_shard
+    assert _read_shard(other, plan, 0)[1].column("input_id").to_pylist() == ["a", "a", "b", "c"]
+    out = tmp_path / "o2"
+    (out / "shards").mkdir(parents=True)
+    (out / "shards" / "part-000000.parquet").write_bytes(b"")
+    (out / "manifest.json").write_text(json.dumps({"columns": ["id", "text"]}))  # begun without it: resumes so
+    assert make_plan(other, quiet, source).kept_names == ["text"]
 
 
 def test_fewer_shards_than_actors_start_fewer_actors_and_say_so(ray_cluster, pair_dirs, tmp_path):
