@@ -6,7 +6,7 @@ from importlib import import_module
 
 __version__ = "0.1.0"
 _WHERE = {"METHODS": "config", "make_config": "config", "parse_options": "config",
-          "BatchDecoder": "engine", "ContextError": "engine", "Generation": "engine", "decode": "engine",
+          "BatchDecoder": "engine", "ContextError": "config", "Generation": "engine", "decode": "engine",
           "decode_batch": "engine", "generate": "engine", "generate_batch": "engine",
           "ModelPair": "models", "PairError": "models", "load_pair": "models", "pair_from_models": "models",
           "Stop": "stops"}

@@ -146,7 +146,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .check import check_methods, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
-    from .engine import check_window
+    from .config import check_window
     from .models import PairError, load_pair
 
     try:
@@ -245,8 +245,8 @@ def run(config_file, quiet, dry_run, **fields):
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
-        _fail(f"{e}; finished shards are kept in {fields.get('output') or 'the output'} and the same command "
-              "resumes")
+        _fail(str(e) if dry_run else f"{e}; finished shards are kept in {fields.get('output') or 'the output'} "
+                                     "and the same command resumes")
     except KeyboardInterrupt:  # the shell's code for Ctrl-C, so scripts can tell it from a failure
         click.echo(f"\ninterrupted: finished shards are kept in {fields.get('output') or 'the output'}; "
                    "the same command resumes", err=True)

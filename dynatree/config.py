@@ -320,6 +320,18 @@ def make_config(method: str, options: dict | None = None):
     return cls(**kwargs)  # (its __post_init__ checks the values)
 
 
+class ContextError(ValueError):
+    """The prompt leaves no room in the models' context window."""
+
+
+def check_window(cfg, context: int) -> None:
+    """A cache window must fit the models' context with room for a tree (ContextError)."""
+    window = getattr(cfg, "kv_window", 0)
+    if window and window + cfg.kv_evict > context:
+        raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
+                           f"{context}-token context (a draft's tree positions can reach their sum)")
+
+
 def check_samples(cfg, samples) -> int:
     """``samples`` draws per prompt under ``cfg`` (a job's --samples, generate_batch's samples): a
     whole number >= 1, and above 1 only when sampling draws differ (ValueError otherwise)."""

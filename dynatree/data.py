@@ -36,22 +36,29 @@ def _hidden(path: str, base: str, pattern: str = "") -> bool:
                for c in Path(os.path.relpath(path, base)).parts)
 
 
+def _is_pattern(source: str) -> bool:
+    """A glob, not a path: it has wildcards and no file of that name exists (``prompts[2024].parquet``)."""
+    return not os.path.exists(source) and any(c in source for c in "*?[")
+
+
 def input_root(source: str) -> str | None:
     """The directory a file/directory/glob source reads below (None: one file, or a dataset name)."""
     if os.path.isdir(source):
         return source
-    if not os.path.exists(source) and any(c in source for c in "*?["):
-        return source[:min(source.index(c) for c in "*?[" if c in source)].rpartition(os.sep)[0] or "."
+    if _is_pattern(source):
+        head = source[:min(source.index(c) for c in "*?[" if c in source)].rpartition(os.sep)[0]
+        return head or (os.sep if source.startswith(os.sep) else ".")
     return None
 
 
 def would_read(source: str, path: str) -> bool:
     """Whether the file/directory/glob ``source`` would read the file ``path`` (were it there)."""
-    path = os.path.abspath(path)
+    path = os.path.realpath(path)
     if os.path.isdir(source):
-        return Path(path).is_relative_to(os.path.abspath(source)) and not _hidden(path, source)
-    if os.path.exists(source) or not any(c in source for c in "*?["):
-        return os.path.abspath(source) == path
+        return Path(path).is_relative_to(os.path.realpath(source)) and not _hidden(path, os.path.realpath(source))
+    if not _is_pattern(source):
+        return os.path.realpath(source) == path
+    source = os.path.join(os.path.realpath(input_root(source)), os.path.relpath(source, input_root(source)))
 
     def match(pat: list[str], parts: list[str]) -> bool:  # glob's rules: ** any directories, * one name
         if not pat:
@@ -70,7 +77,7 @@ def _files(source: str) -> list[str]:
                        and p.suffix in _FORMATS and not _hidden(str(p), source))
     elif os.path.exists(source):  # (a name with [ ] in it is a file first, a pattern only if none)
         files = [source]
-    elif any(c in source for c in "*?["):
+    elif _is_pattern(source):
         files = sorted(f for f in glob.glob(source, recursive=True) if not _hidden(f, input_root(source), source))
     else:
         files = []
@@ -99,7 +106,7 @@ def _datasets_target(source: str) -> tuple[str, str | None, str | None] | None:
     base, colon, split = source.rpartition(":")
     if colon and saved(base):  # DIR:SPLIT, a split of a saved DatasetDict
         return base, split, None
-    if os.path.exists(source) or any(c in source for c in "*?["):
+    if os.path.exists(source) or _is_pattern(source):
         return None
     # A path-like name that does not exist is a missing file, not a hub dataset to download.
     if Path(source).suffix in _FORMATS or os.sep in source.rstrip(os.sep) and not source.count("/") == 1:
@@ -406,6 +413,8 @@ def _merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType:
     float, struct keys united, null -> the other); string when there is none (str and int)."""
     if a.equals(b):
         return a
+    if pa.uint64() in (a, b) and pa.types.is_integer(a) and pa.types.is_integer(b):
+        return pa.string()  # ids past 2**63 beside signed ones: no integer type holds both (pyarrow picks int64)
     try:
         return pa.unify_schemas([pa.schema([("x", a)]), pa.schema([("x", b)])], promote_options="permissive").field(0).type
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):

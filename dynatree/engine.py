@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import METHODS, ARConfig, SpecConfig, check_samples, make_config
+from .config import METHODS, ARConfig, ContextError, SpecConfig, check_samples, check_window, make_config
 from .drafting import Drafter, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -49,18 +49,6 @@ from .sampling import Sampler, choose_each, head, in_head, sample_seed
 from .stops import Stop, text_of
 from .runtime import KeyMask, Seq
 from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
-
-
-class ContextError(ValueError):
-    """The prompt leaves no room in the models' context window."""
-
-
-def check_window(cfg, context: int) -> None:
-    """A cache window must fit the models' context with room for a tree (ContextError)."""
-    window = getattr(cfg, "kv_window", 0)
-    if window and window + cfg.kv_evict > context:
-        raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
-                           f"{context}-token context (a draft's tree positions can reach their sum)")
 
 
 @dataclass

@@ -52,7 +52,8 @@ def _progress(total: int):
 
 class _LogProgress:
     """Progress for a log file (stderr not a terminal: `ray job submit`, nohup) where no bar is
-    drawn: a line every ``every_s`` seconds, so a job of hours is not silent."""
+    drawn: a line when a shard finishes at least ``every_s`` seconds after the last line, so a
+    job of hours is not silent."""
 
     def __init__(self, total: int, log, every_s: float = 30.0):
         self.total, self.log, self.every_s, self.done = total, log, every_s, 0
@@ -61,7 +62,7 @@ class _LogProgress:
     def update(self, rows: int, tokens: int) -> None:
         self.done += rows
         now = time.time()
-        if now - self.last >= self.every_s and self.done < self.total:
+        if now - self.last >= self.every_s and self.done < self.total and now > self.t0:
             self.last, rate = now, self.done / (now - self.t0)
             self.log(f"progress: {self.done}/{self.total} rows ({100 * self.done / self.total:.1f}%), "
                      f"{tokens / (now - self.t0):.1f} tok/s, ~{(self.total - self.done) / rate / 60:.0f} min left")
@@ -76,7 +77,9 @@ def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, flo
 
 def _init_ray(spec: JobSpec):
     import ray
-    from ray.exceptions import AuthenticationError
+
+    # (Ray >= 2.52, with token authentication; an empty tuple catches nothing on older ones)
+    AuthenticationError = getattr(ray.exceptions, "AuthenticationError", ())  # noqa: N806
 
     if ray.is_initialized():
         return ray
@@ -174,15 +177,20 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     """A cache window the models' context cannot hold, or a generation that leaves no room for a
     prompt, fails every row; say so before any work (local models: their config.json; the
     engine checks hub models, row by row)."""
+    from dynatree.config import ContextError, check_window
+
     cfg = spec.method_config
     files = [p / "config.json" for p in dirs if (p / "config.json").is_file()]
     ctx = min((context_len(json.loads(f.read_text())) for f in files), default=None)
-    if ctx is not None and not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
+    if ctx is None:
+        return
+    if not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
         raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in the models' "
                        f"{ctx}-token context (or generate past it with a cache window: --option kv_window=...)")
-    if ctx is not None and getattr(cfg, "kv_window", 0) and cfg.kv_window + cfg.kv_evict > ctx:
-        raise JobError(f"kv_window {cfg.kv_window} + kv_evict {cfg.kv_evict} exceed the models' {ctx}-token "
-                       "context (a draft's tree positions can reach their sum)")
+    try:
+        check_window(cfg, ctx)
+    except ContextError as e:
+        raise JobError(str(e)) from None
 
 
 def _check_output_outside_input(spec: JobSpec) -> None:

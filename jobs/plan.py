@@ -3,8 +3,9 @@
 Nothing here holds the prompts: shards are row ranges ``[k * shard_size, ...)`` of the input
 (data.InputSource reads them on demand), the manifest holds the job identity, the input's
 fingerprint and the shard count, and a shard file carries in its Parquet metadata the identity
-and the range it covers.  So planning a 10M-row job reads file footers, and a resume trusts a
-shard file only if it was written by this job for exactly its planned rows.
+and the range it covers.  So planning a 10M-row job reads file footers (JSONL: every line once,
+for its schema), and a resume trusts a shard file only if it was written by this job for exactly
+its planned rows, with the columns this run writes.
 """
 from __future__ import annotations
 
@@ -68,16 +69,30 @@ class Plan:
 INPUT_ID = "input_id"  # the output's name for an input `id` column that is not the row id
 
 
-def _begun_columns(spec: JobSpec) -> list | None:
-    """The output columns of a job begun in ``spec.output`` that this run resumes (None: none)."""
-    out = Path(spec.output)
+def read_manifest(out: Path) -> dict | None:
+    """The manifest of a job begun in ``out`` (None: none); JobError when it cannot be read."""
     path = out / "manifest.json"
-    if spec.overwrite or not path.is_file() or not (out / "shards").is_dir() or not _has_shards(out):
+    if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text()).get("columns")
-    except (OSError, ValueError):
-        return None  # prepare_output says what is wrong with it
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise JobError(f"{path} cannot be read ({e}); use --overwrite to start again or another --output") from e
+
+
+def _begun_schema(spec: JobSpec) -> pa.Schema | None:
+    """The schema of the shards a job begun in ``spec.output`` wrote, when this run resumes it
+    (None: nothing to resume) -- read from a shard, so outputs whose manifest predates its
+    column list count too."""
+    shards = Path(spec.output) / "shards"
+    if spec.overwrite or not shards.is_dir():
+        return None
+    for p in sorted(shards.glob("part-*.parquet")):
+        try:
+            return pq.read_schema(p)
+        except (OSError, pa.ArrowInvalid):
+            continue  # a damaged shard is redone: another tells
+    return None
 
 
 def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, ...], tuple]:
@@ -94,9 +109,9 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         return tuple(dict.fromkeys(spec.keep_columns)), ()  # (a Python caller may repeat one)
     # an `id` that is not the row id (duplicates, nulls, --id-column another) is the user's key to
     # join on -- unless an output begun without it resumes (its shards and new ones form one dataset)
-    begun = _begun_columns(spec)
+    begun = _begun_schema(spec)
     renamed = (("id", INPUT_ID),) if "id" in source.column_names and spec.id_column != "id" \
-        and INPUT_ID not in source.column_names and (begun is None or INPUT_ID in begun) else ()
+        and INPUT_ID not in source.column_names and (begun is None or INPUT_ID in begun.names) else ()
     if renamed:
         log(f"input column id copied as {INPUT_ID} (the output's id is the row id)")
     skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column and not (renamed and c == "id")]
@@ -113,14 +128,13 @@ def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
     make_plan, so the input is opened and its ids checked once), or None."""
     if spec.id_column is not None:
         return spec, None
-    manifest = Path(spec.output) / "manifest.json"
     try:
         source = InputSource.open(spec.input)
-        if "id" not in source.column_names or (not spec.overwrite and manifest.exists() and json.loads(
-                manifest.read_text()).get("identity", {}).get("id_column", "id") is None):
+        begun = None if spec.overwrite else read_manifest(Path(spec.output))
+        if "id" not in source.column_names or (begun and begun.get("identity", {}).get("id_column", "id") is None):
             return spec, source
-    except (InputError, OSError, ValueError):
-        return spec, None  # make_plan (the input) or prepare_output (the manifest) says what is wrong
+    except (InputError, OSError, ValueError, JobError):
+        return spec, None  # make_plan (the input) or check_output (the manifest) says what is wrong
     try:
         source.check_ids("id")
     except InputError as e:
@@ -258,17 +272,32 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
                          != json.dumps(before.get(k), default=str))
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
-    if "columns" in old and old["columns"] != new["columns"]:  # older manifests lack it
-        raise JobError(f"{out} was written with other output columns (another dynatree version?); its shards "
-                       "and new ones would not form one dataset; use --overwrite to start again or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it
         raise JobError(f"the models' files changed since {out} was started (sizes or times differ: retrained or "
                        "replaced in place?), so its finished shards may come from other weights; use --overwrite "
                        "to start again or another --output")
     if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True):
         raise JobError(f"the input {new['identity']['input']} changed since {out} was started (file sizes, times or "
-                       "row counts differ), so its finished shards may not match the rows they were planned "
+                       "row counts differ -- or this dynatree version reads another set of its files: it skips "
+                       "'.'/'_' entries), so its finished shards may not match the rows they were planned "
                        "for; use --overwrite to start again or another --output")
+
+
+def _refuse_other_schema(out: Path, spec: JobSpec, plan: Plan) -> None:
+    """Shards of other columns or column types (another dynatree version read the input
+    differently) and new ones would not read as one dataset."""
+    begun = _begun_schema(spec)
+    if begun is None:
+        return
+    buf = io.BytesIO()  # this run's schema as Parquet reads it back (list<item> -> list<element>, ...)
+    pq.write_table(plan.schema.empty_table(), buf)
+    written = pq.read_schema(pa.BufferReader(buf.getvalue()))
+    was, now = [(f.name, str(f.type)) for f in begun], [(f.name, str(f.type)) for f in written]
+    if was != now:
+        diff = [f"{n}: {t}" for n, t in now if (n, t) not in was] + [f"no {n}" for n, _ in was if n not in dict(now)]
+        raise JobError(f"{out} was written with other output columns ({', '.join(diff[:4])} in this run; another "
+                       "dynatree version?): its shards and new ones would not read as one dataset; use --overwrite "
+                       "to start again or another --output")
 
 
 @contextlib.contextmanager
@@ -302,12 +331,12 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
     if not (out / "shards").is_dir():
         return manifest
     _refuse_foreign(out)
-    path = out / "manifest.json"
     if spec.overwrite:
         return manifest
-    if path.exists() and _has_shards(out):  # an identity is pinned only once a shard exists
-        old = json.loads(path.read_text())
+    old = read_manifest(out)
+    if old is not None and _has_shards(out):  # an identity is pinned only once a shard exists
         _refuse_change(out, old, manifest)
+        _refuse_other_schema(out, spec, plan)
         _refuse_strays(out, plan)
         # shards an older version wrote carry the hash of its spelling of the paths: still this job's
         aliases = set(old.get("aliases", [])) | {old.get("identity_hash")}

@@ -349,6 +349,24 @@ def test_which_files_an_input_would_read():
     assert would_read("/d/**/*.parquet", "/d/out/shards/a.parquet") and would_read("/d/**/*.parquet", "/d/a.parquet")
     assert not would_read("/d/**/*.parquet", "/d/_tmp/a.parquet") and not would_read("/d/**/*.parquet", "/e/a.parquet")
     assert would_read("/d/*/*/*.json", "/d/out/x/manifest.json") and not would_read("/d/[ab].parquet", "/d/c.parquet")
+    assert data.input_root("/*.jsonl") == "/" and not data._hidden("/a.jsonl", "/", "/*.jsonl")  # a glob at the root
+
+
+def test_an_output_through_a_symlink_is_still_where_the_input_reads(tmp_path):
+    from dynatree.data import would_read
+
+    (tmp_path / "real" / "in").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert would_read(str(tmp_path / "link" / "in"), str(tmp_path / "real" / "in" / "out" / "manifest.json"))
+    assert would_read(str(tmp_path / "real" / "in"), str(tmp_path / "link" / "in" / "out" / "manifest.json"))
+    assert would_read(str(tmp_path / "link" / "**" / "*.json"), str(tmp_path / "real" / "in" / "manifest.json"))
+
+
+def test_jsonl_ids_past_two_to_the_63_beside_small_ones_are_kept_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "JSONL_INFER_ROWS", 1)
+    _jsonl(tmp_path / "u.jsonl", [{"n": 1}, {"n": 2**64 - 1}, {"n": -3}])
+    src = InputSource.open(str(tmp_path / "u.jsonl"))
+    assert src.read(0, 3, ["n"])[0].column("n").to_pylist() == ["1", str(2**64 - 1), "-3"]  # pyarrow chose int64
 
 
 def test_a_categorical_column_in_one_file_and_strings_in_the_next_read_as_one(tmp_path):
