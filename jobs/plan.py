@@ -369,8 +369,7 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
 
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
     """Shard numbers whose file this job wrote for exactly its planned range (footers only)."""
-    manifest = out / "manifest.json"
-    idents = {spec.identity_hash(), *(json.loads(manifest.read_text()).get("aliases", []) if manifest.exists() else [])}
+    idents = {spec.identity_hash(), *(read_manifest(out) or {}).get("aliases", [])}
     done = set()
     for p in (out / "shards").glob("part-*.parquet"):
         try:
