@@ -58,7 +58,9 @@ def would_read(source: str, path: str) -> bool:
         return Path(path).is_relative_to(os.path.realpath(source)) and not _hidden(path, os.path.realpath(source))
     if not _is_pattern(source):
         return os.path.realpath(source) == path
-    source = os.path.join(os.path.realpath(input_root(source)), os.path.relpath(source, input_root(source)))
+    root = input_root(source)
+    real_root = os.path.realpath(root)
+    source = os.path.join(real_root, os.path.relpath(source, root))
 
     def match(pat: list[str], parts: list[str]) -> bool:  # glob's rules: ** any directories, * one name
         if not pat:
@@ -67,8 +69,7 @@ def would_read(source: str, path: str) -> bool:
             return any(match(pat[1:], parts[i:]) for i in range(len(parts) + 1))
         return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and match(pat[1:], parts[1:])
 
-    return (match(Path(os.path.abspath(source)).parts[1:], Path(path).parts[1:])
-            and not _hidden(path, input_root(source), source))
+    return match(Path(source).parts[1:], Path(path).parts[1:]) and not _hidden(path, real_root, source)
 
 
 def _files(source: str) -> list[str]:
@@ -78,7 +79,8 @@ def _files(source: str) -> list[str]:
     elif os.path.exists(source):  # (a name with [ ] in it is a file first, a pattern only if none)
         files = [source]
     elif _is_pattern(source):
-        files = sorted(f for f in glob.glob(source, recursive=True) if not _hidden(f, input_root(source), source))
+        root = input_root(source)
+        files = sorted(f for f in glob.glob(source, recursive=True) if not _hidden(f, root, source))
     else:
         files = []
     if not files:
@@ -160,16 +162,20 @@ _WS = np.zeros(256, dtype=bool)
 _WS[[9, 10, 13, 32]] = True    # the whitespace JSON allows around a value
 
 
+def _json_hint(path: str) -> str:
+    return " (a .json file is read as JSON Lines, one object per line)" if path.endswith(".json") else ""
+
+
 def _json_row(line: str | bytes, path: str, n: int) -> dict:
     try:
         row = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        lines = "; a .json file is read as JSON Lines, one object per line" if path.endswith(".json") else ""
-        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({getattr(e, 'msg', e)}{where}){lines}") from e
+        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({getattr(e, 'msg', e)}{where})"
+                         f"{_json_hint(path)}") from e
     if not isinstance(row, dict):
-        lines = " (a .json file is read as JSON Lines, one object per line)" if path.endswith(".json") else ""
-        raise InputError(f"cannot read {path}: line {n}: expected a JSON object, got {type(row).__name__}{lines}")
+        raise InputError(f"cannot read {path}: line {n}: expected a JSON object, got {type(row).__name__}"
+                         f"{_json_hint(path)}")
     return row
 
 
