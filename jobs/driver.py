@@ -229,8 +229,7 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     """The job once checked and planned, its output locked: resume, decode, summarize."""
     out = prepare_output(spec, plan)
     startup = {"plan_s": round(time.time() - t_start, 3)}
-    done = finished_shards(out, spec, plan)
-    todo = [k for k in range(plan.num_shards) if k not in done]
+    done, todo = _progress_of(out, spec, plan)
     if done:
         log(f"resuming: {len(done)} of {plan.num_shards} shards already done")
     if plan.num_shards == 0:
@@ -248,12 +247,17 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     return summary
 
 
+def _progress_of(out: Path, spec: JobSpec, plan: Plan) -> tuple[set[int], list[int]]:
+    """(shards finished, shards to do) of the job in ``out`` (--overwrite: none finished)."""
+    done = finished_shards(out, spec, plan) if (out / "shards").is_dir() and not spec.overwrite else set()
+    return done, [k for k in range(plan.num_shards) if k not in done]
+
+
 def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     """The plan of a run, checked against what the output holds (read only)."""
     check_output(spec, plan)
     out = Path(spec.output)
-    done = finished_shards(out, spec, plan) if (out / "shards").is_dir() and not spec.overwrite else set()
-    todo = [k for k in range(plan.num_shards) if k not in done]
+    done, todo = _progress_of(out, spec, plan)
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
     return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),
             "id_column": spec.id_column or "(row index)", "kept_columns": plan.kept_names,
