@@ -114,11 +114,12 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         and INPUT_ID not in source.column_names and (begun is None or INPUT_ID in begun.names) else ()
     if renamed:
         log(f"input column id copied as {INPUT_ID} (the output's id is the row id)")
-    skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column and not (renamed and c == "id")]
+    names = dict(renamed)
+    skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column and c not in names]
     if skipped:
         hint = " (--id-column id makes it the row id)" if "id" in skipped else ""
         log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name{hint}")
-    return tuple(c for c in source.column_names if c not in result_cols or (renamed and c == "id")), renamed
+    return tuple(c for c in source.column_names if c not in result_cols or c in names), renamed
 
 
 def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
