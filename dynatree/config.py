@@ -332,12 +332,17 @@ def check_window(cfg, context: int) -> None:
                            f"{context}-token context (a draft's tree positions can reach their sum)")
 
 
+def draws_differ(cfg) -> bool:
+    """Whether two draws under ``cfg`` can differ: sampling (temperature > 0) among more than one token."""
+    return cfg.temperature > 0 and cfg.top_k != 1
+
+
 def check_samples(cfg, samples) -> int:
     """``samples`` draws per prompt under ``cfg`` (a job's --samples, generate_batch's samples): a
     whole number >= 1, and above 1 only when sampling draws differ (ValueError otherwise)."""
     if not isinstance(samples, numbers.Integral) or isinstance(samples, bool) or samples < 1:
         raise ValueError(f"samples must be a whole number >= 1, got {samples!r}")
-    if samples > 1 and (cfg.temperature <= 0 or cfg.top_k == 1):
+    if samples > 1 and not draws_differ(cfg):
         raise ValueError(f"samples={samples} needs sampling (option temperature > 0, top_k not 1): otherwise "
                          "every sample of a prompt would be the same")
     return int(samples)

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import METHODS, ARConfig, ContextError, SpecConfig, check_samples, check_window, make_config
+from .config import (METHODS, ARConfig, ContextError, SpecConfig, check_samples, check_window, draws_differ,
+                     make_config)
 from .drafting import Drafter, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -505,7 +506,7 @@ def _draws_of(cfg, prompts: int, samples: int) -> list:
     its own seed (sampling.sample_seed: the first the config's): draws of distinct prompts that
     shared a seed shared their noise, and similar prompts came out nearly the same text."""
     n = check_samples(cfg, samples) * prompts
-    if cfg.temperature <= 0 or cfg.top_k == 1:  # greedy: a seed changes nothing
+    if not draws_differ(cfg):  # greedy: a seed changes nothing
         return [cfg] * n
     return [replace(cfg, seed=sample_seed(cfg.seed, k)) for k in range(n)]
 
