@@ -252,10 +252,13 @@ METHODS: dict[str, type] = {
 }
 
 
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # a field's annotation (a string) -> its type
+
+
 def _coerce(ftype, raw, name: str):
     """An option's value as its field's type: parsed from a string (the CLI), or checked (a job
     file, the Python API) -- a count must be a whole number, a float a real number."""
-    t = ftype if isinstance(ftype, type) else {"int": int, "float": float, "bool": bool, "str": str}.get(str(ftype), str)
+    t = ftype if isinstance(ftype, type) else _TYPES.get(str(ftype), str)
     if not isinstance(raw, str):
         return _checked(t, raw, name)
     if t is bool:
@@ -269,9 +272,6 @@ def _coerce(ftype, raw, name: str):
         return t(raw)
     except ValueError:
         raise ValueError(f"option {name}: expected {t.__name__}, got {raw!r}") from None
-
-
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 def _check_types(cfg) -> None:
