@@ -200,6 +200,9 @@ class PrefixStore:
             path.append(node := child)
         if len(path) < blocks:  # the new blocks, in one segment
             lo, hi = len(path) * BLOCK, blocks * BLOCK
+            if cache.shared is not None and lo < cache.shared.length:
+                # a lazy copy left these slots unwritten (the chain was evicted since): fill them
+                cache.shared.materialize(cache)
             seg = Segment([l.keys[0, :, lo:hi].clone() for l in cache.layers],
                           [l.values[0, :, lo:hi].clone() for l in cache.layers])
             self.bytes += seg.nbytes

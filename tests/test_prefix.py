@@ -73,6 +73,28 @@ def test_the_least_recently_used_chain_leaves_first_with_its_descendants():
     assert prefill_shared(store, None, [(BufferCache(2, 128), c)])[0] == [64]
 
 
+def test_a_lazily_shared_chain_evicted_before_it_is_stored_again_is_stored_from_its_keys():
+    """The native kernel's copy leaves the shared slots of a row's own cache unwritten; when the
+    chain is evicted before the row stores it again, the store must take the segment's keys, not
+    those slots (it stored uninitialised memory, which every later prompt copied)."""
+    store = PrefixStore(2 * block_bytes())  # room for one chain of two blocks
+    a = list(range(70))
+    remember(store, [(filled(a), a), (filled(a), a)])
+    row = BufferCache(2, 128)
+    assert prefill_shared(store, None, [(row, a)], lazy=True)[0] == [64]
+    for layer in row.layers:  # what new_empty may hold in the slots the kernel reads from the segment
+        layer.keys[0, :, :64] = float("nan")
+        layer.values[0, :, :64] = float("nan")
+    c = [50] * 70
+    remember(store, [(filled(c), c), (filled(c), c)])  # evicts a's chain
+    assert prefill_shared(store, None, [(BufferCache(2, 128), a)])[0] == [0]
+    remember(store, [(row, a)])  # a seen again: stored from the row
+    again = BufferCache(2, 128)
+    assert prefill_shared(store, None, [(again, a)])[0] == [64]
+    assert torch.equal(again.layers[1].keys[0, :, :64], filled(a).layers[1].keys[0, :, :64])
+    assert torch.equal(again.layers[0].values[0, :, :64], filled(a).layers[0].values[0, :, :64])
+
+
 def test_off_means_no_store():
     assert prefill_shared(None, None, [(BufferCache(2, 8), [1, 2])]) == ([0], [0])
     pair = pair_from_models(tiny_neox(1), None, None, eos_token_id=EOS)
