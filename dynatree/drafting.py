@@ -54,6 +54,11 @@ class DraftCall:
     depths: tuple | list = (0,)
 
 
+class DraftVocabError(ValueError):
+    """A committed token the draft has no embedding for (a target vocabulary wider than its
+    draft's, e.g. padded): the engine goes on without drafts for that row (_Row.retire_drafter)."""
+
+
 class Drafter:
     """A sequence's draft state.  ``root`` and ``expand`` are generators: each yields one
     :class:`DraftCall` and receives its runtime.Output, so several sequences' levels can share one
@@ -87,11 +92,10 @@ class Drafter:
         self.pending.extend(tokens)
 
     def _in_vocab(self, tokens: list[int]) -> None:
-        """A target wider than its draft may choose an id the draft cannot embed: say so here (on
+        """A target wider than its draft may choose an id the draft cannot embed: caught here (on
         a GPU the embedding lookup would be a device-side assert that ends the process)."""
         if tokens and max(tokens) >= self.vocab:
-            raise ValueError(f"token id {max(tokens)} is outside the draft's vocabulary ({self.vocab} tokens): "
-                             "the target chose an id the draft cannot read")
+            raise DraftVocabError(f"token id {max(tokens)} is outside the draft's vocabulary ({self.vocab} tokens)")
 
     def _feed(self, tokens: list[int], k: int = 0, perturb=None):
         """One draft forward over committed ``tokens`` into the cache (the Output's top-k of the

@@ -38,7 +38,7 @@ import torch
 
 from .config import (METHODS, ARConfig, ContextError, SpecConfig, check_samples, check_window, draws_differ,
                      make_config)
-from .drafting import Drafter, drive
+from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
@@ -129,6 +129,7 @@ class _Row:
         self.capacity = (held if self.window is None else min(held, self.window.size)) + budget + 8
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
+        self.draft_spent = (0.0, 0, 0.0)  # a retired drafter's seconds, forwards, forward seconds
         self.index: NgramIndex | None = None
         self.out: list[int] = []
         self.reason: str | None = None
@@ -140,6 +141,12 @@ class _Row:
         self.target_forwards = 0
         self.last_n = 1  # tokens this row put in the last target forward
         self.budgeted = getattr(self.policy, "latency", None) is not None  # under the hardware budget
+
+    def retire_drafter(self) -> None:
+        """The row holds a token its draft cannot embed (a target vocabulary wider than the
+        draft's): it goes on without drafts, every iteration a root alone -- `ar`'s tokens."""
+        d, self.drafter = self.drafter, None
+        self.draft_spent = (d.seconds, d.forwards, d.forward_seconds)
 
     def stop_after(self, tok: int) -> str | None:
         """Commit one token; the finish reason if it ends the sequence."""
@@ -170,12 +177,13 @@ class _Row:
 
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter
+        seconds, forwards, forward_seconds = (d.seconds, d.forwards, d.forward_seconds) if d else self.draft_spent
         return finish(self.tally, prompt_tokens=len(self.prompt), new_tokens=len(self.out),
                       cached_prompt_tokens=self.cached_tokens,
                       wall=time.perf_counter() - self.t_start if self.max_new_tokens > 0 else 0.0, ttft=self.ttft,
-                      prefill=self.ttft, draft_time=d.seconds if d else 0.0, verify_time=self.verify_time,
-                      target_forwards=self.target_forwards, draft_forwards=d.forwards if d else 0, device=dev,
-                      forward_time=self.forward_time + (d.forward_seconds if d else 0.0),
+                      prefill=self.ttft, draft_time=seconds, verify_time=self.verify_time,
+                      target_forwards=self.target_forwards, draft_forwards=forwards, device=dev,
+                      forward_time=self.forward_time + forward_seconds,
                       cache_bytes=self.cache.nbytes + (d.cache.nbytes if d else 0))
 
 
@@ -312,7 +320,10 @@ class BatchDecoder:
             if r.policy.needs_draft and r.reason is None:
                 r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler,
                                     self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype, r.cfg.draft_context)
-                r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
+                try:
+                    r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
+                except DraftVocabError:
+                    r.retire_drafter()
             r.index = NgramIndex(r.prompt + r.out) if r.lookup else None
         drafting = [r for r in rows if r.drafter is not None]
         for r, held in zip(drafting, self._prefixes(drafting, "draft")[0]):
@@ -424,7 +435,10 @@ class BatchDecoder:
         r.evict()
         s.commit_time = time.perf_counter() - t0  # (on CUDA the gathers may still run: _iterate waits)
         if r.drafter is not None:
-            r.drafter.commit([s.order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
+            try:
+                r.drafter.commit([s.order[u] for u in path_nodes], new_tokens)  # drafter knows pre-BFS ids
+            except DraftVocabError:
+                r.retire_drafter()
         accepted = len(path_nodes) - 1
         r.policy.observe(accepted, tree, path_nodes)
         if s.chain:
