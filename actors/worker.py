@@ -203,8 +203,10 @@ class ShardWorker:
 
 def _maybe_die(shard: str, output: str) -> None:
     """Test-only fault injection (``DYNATREE_FAULT_INJECTION``): the process exits as an OOM kill
-    or a lost node would end it."""
+    or a lost node would end it, or stalls as a stuck one would."""
     faults = json.loads(os.environ.get(FAULTS_ENV) or "{}")
+    if faults.get("stall_on_shard") == shard:  # a slow or stuck actor (seconds)
+        time.sleep(faults.get("stall_s", 5.0))
     if faults.get("die_always_on_shard") == shard:
         os._exit(1)
     if faults.get("die_once_on_shard") == shard:

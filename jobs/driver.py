@@ -40,6 +40,8 @@ from .summary import summarize, write_summary
 
 __all__ = ["JobError", "run_job"]
 
+QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
+
 
 def _progress(total: int):
     try:
@@ -388,12 +390,15 @@ class _Dispatch:
         total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
         bar = _progress(total) if progress else None
         lines = _LogProgress(total, self.log) if progress and (bar is None or bar.disable) else None
-        t0 = time.time()
+        t0 = quiet_since = time.time()
         try:
             while pending or inflight:
                 self._feed(inflight, pending)
-                done, _ = ray.wait(list(inflight), num_returns=1)
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=QUIET_S)
+                if not done:
+                    self._say_quiet(inflight, time.time() - quiet_since)
                 for ref in done:
+                    quiet_since = time.time()
                     slot, actor, k, rows, kept, alone = inflight.pop(ref)
                     try:
                         results = ray.get(ref)
@@ -416,6 +421,15 @@ class _Dispatch:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _say_quiet(self, inflight: dict, quiet_s: float) -> None:
+        """No shard finished for a while: say what is in flight where (a hung actor must not look
+        like a slow one for hours; a long shard may just be long)."""
+        where = ", ".join(f"{self.plan.shard(k)[0]} ({len(rows)} rows) on actor {slot}"
+                          for slot, _, k, rows, _, _ in sorted(inflight.values(), key=lambda v: (v[0], v[2])))
+        self.log(f"no shard finished in the last {quiet_s / 60:.0f} min; in flight: {where} "
+                 f"(each row decodes up to --max-new-tokens {self.spec.max_new_tokens}; if this repeats with "
+                 "no progress, the actors' logs say why)")
 
     def _retry(self, k: int, rows, kept, err, pending: deque, alone: bool) -> None:
         """A failed shard goes back to the front of the queue; only a failure while it ran alone

@@ -119,6 +119,19 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
     assert "part-000002.parquet" not in done and "part-000000.parquet" in done
 
 
+def test_a_stalled_actor_is_reported_not_waited_on_silently(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+    from dynatree.jobs import driver
+
+    write_input(tmp_path)
+    faults(monkeypatch, stall_on_shard="part-000001", stall_s=4.0)
+    monkeypatch.setattr(driver, "QUIET_S", 1.0)
+    said = []
+    run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=said.append)
+    quiet = [m for m in said if m.startswith("no shard finished in the last")]
+    assert quiet and "part-000001" in quiet[0] and "on actor" in quiet[0]
+    assert len(read_rows(tmp_path / "out")) == len(PROMPTS)
+
+
 @pytest.mark.parametrize("method,batch_size", [("ar", 3), ("dynatree", 5), ("linear", "auto")])
 def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_size):
     write_input(tmp_path)
