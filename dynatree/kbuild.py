@@ -61,6 +61,9 @@ def source_hash() -> str:
     return hashlib.sha256("\0".join(src.read_text() for src in SOURCES + HEADERS).encode()).hexdigest()[:16]
 
 
+COMPILE_TIMEOUT_S = 600  # a build takes 10-40 s
+
+
 def _compile(cc: str, flags: list[str], out: str) -> str | None:
     """Compile the objects side by side (one compiler each: the first job on a machine waits for
     the build) and link them into ``out``; the compiler's errors, or None."""
@@ -68,10 +71,18 @@ def _compile(cc: str, flags: list[str], out: str) -> str | None:
         objs = [str(Path(work) / f"{i}-{src.stem}.o") for i, (src, _) in enumerate(OBJECTS)]
         procs = [subprocess.Popen([cc, *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True)
                  for (src, extra), obj in zip(OBJECTS, objs)]
-        errors = [p.communicate()[1] for p in procs]
-        if any(p.returncode for p in procs):
-            return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
-        link = subprocess.run([cc, *flags, *objs, "-o", out, "-lm"], capture_output=True, text=True)
+        try:  # (a hung compiler would hold the build lock every other process waits on)
+            errors = [p.communicate(timeout=COMPILE_TIMEOUT_S)[1] for p in procs]
+            if any(p.returncode for p in procs):
+                return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
+            link = subprocess.run([cc, *flags, *objs, "-o", out, "-lm"], capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"no result after {COMPILE_TIMEOUT_S} s"
+        finally:
+            for p in procs:
+                p.kill()  # (no-op for a finished one)
+                p.wait()
         return (link.stderr.strip() or f"link: exit status {link.returncode}") if link.returncode else None
 
 

@@ -252,6 +252,13 @@ def test_build_fallbacks(monkeypatch, tmp_path):
     lib, why = native._build()
     assert lib is None and "failed" in why
     assert not list(tmp_path.glob("*.so"))  # no half-written object left behind
+    hung = tmp_path / "hung-cc"  # answers --version, then never finishes a compile
+    hung.write_text('#!/bin/sh\n[ "$1" = --version ] && echo hung 1.0 && exit 0\nexec sleep 60\n')
+    hung.chmod(0o755)
+    monkeypatch.setenv("CC", str(hung))
+    monkeypatch.setattr(kbuild, "COMPILE_TIMEOUT_S", 1)
+    lib, why = native._build()
+    assert lib is None and "no result after 1 s" in why
 
 
 def test_lean_falls_back_to_torch_without_the_library(monkeypatch):
