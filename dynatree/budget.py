@@ -49,7 +49,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,17 +358,15 @@ def _disk_path(pair, params) -> Path | None:
         if not name or not Path(name).is_dir():
             return None
         files += model_files(name)
-    from . import native
-    cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "") \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
+    from . import kbuild, native
+    cpu = kbuild.cpuinfo("model name")
     device = str(pair.device)
     if pair.device.type == "cuda":  # a GPU's times are its model's, whatever CPU sits beside it
         device += " " + torch.cuda.get_device_name(pair.device)
     blob = json.dumps([files, cpu, os.cpu_count(), torch.get_num_threads(), pair.kernel, device,
                        str(pair.dtype), (native.variant(), native.source_hash()) if pair.kernel == "lean" else None, params,
                        torch.__version__, PROFILE_VERSION])
-    cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
-    return cache / "profiles" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+    return kbuild.cache_dir() / "profiles" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
 
 
 def _save(path: Path, data: dict) -> None:

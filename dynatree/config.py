@@ -68,6 +68,16 @@ class MethodConfig(SamplingConfig):
                                    "few-shot examples): the common beginning is computed once and copied, in "
                                    "blocks of 32 tokens; the same tokens on the native kernel (prefix.py)")
 
+    @property
+    def node_budget(self) -> int:
+        """The most drafted nodes a tree may hold (the room a row's caches keep beyond its text)."""
+        return 0
+
+    @property
+    def lookup_length(self) -> int:
+        """Tokens of context lookup grafted onto a tree (0: off)."""
+        return 0
+
     def __post_init__(self):
         super().__post_init__()
         if self.kv_window < 0:
@@ -108,6 +118,10 @@ class SpecConfig(MethodConfig):
                                   "draft_context tokens instead of catching up on all of them.  Changes proposals, "
                                   "never the output (0 = the whole text)")
 
+    @property
+    def lookup_length(self) -> int:
+        return self.lookup
+
     def __post_init__(self):
         super().__post_init__()
         if self.draft_context < 0:
@@ -124,6 +138,10 @@ class LinearConfig(SpecConfig):
 
     k: int = opt(5, "draft tokens per iteration")
 
+    @property
+    def node_budget(self) -> int:
+        return self.k
+
 
 @dataclass(frozen=True)
 class FixedTreeConfig(SpecConfig):
@@ -133,6 +151,10 @@ class FixedTreeConfig(SpecConfig):
     branch: int = opt(2, "children per expanded node B")
     tau: float = opt(0.02, "prune nodes whose cumulative draft probability is below tau")
     max_nodes: int = opt(256, "node budget N_max (drafted nodes, root excluded)")
+
+    @property
+    def node_budget(self) -> int:
+        return self.max_nodes
 
 
 @dataclass(frozen=True)
@@ -170,6 +192,10 @@ class DynaTreeConfig(SpecConfig):
         return self.hw_budget == "auto"
 
     @property
+    def node_budget(self) -> int:
+        return self.max_nodes
+
+    @property
     def lookup_length(self) -> int:
         """The lookup length in effect: ``lookup``, or for -1 8 under the budget and 0 without it
         (unbudgeted, a copy is grafted whole however rarely it is right: a loss when sampling)."""
@@ -202,6 +228,10 @@ class DySpecConfig(SpecConfig):
     threshold: float = opt(0.03, "value threshold for the threshold mode (DySpec suggests about 1/m)")
     max_depth: int = opt(12, "hard depth cap")
     max_branch: int = opt(8, "most children considered per node")
+
+    @property
+    def node_budget(self) -> int:
+        return self.budget
 
     def __post_init__(self):
         super().__post_init__()
@@ -252,13 +282,16 @@ METHODS: dict[str, type] = {
 }
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # a field's annotation (a string) -> its type
+# a dataclass field's annotation (a string, or each part of "str | None") -> its type: the configs'
+# and the job spec's (jobs/spec.py) checks read this one map
+ANNOTATION_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "tuple": tuple,
+                    "None": type(None)}
 
 
 def _coerce(ftype, raw, name: str):
     """An option's value as its field's type: parsed from a string (the CLI), or checked (a job
     file, the Python API) -- a count must be a whole number, a float a real number."""
-    t = ftype if isinstance(ftype, type) else _TYPES.get(str(ftype), str)
+    t = ftype if isinstance(ftype, type) else ANNOTATION_TYPES.get(str(ftype), str)
     if not isinstance(raw, str):
         return _checked(t, raw, name)
     if t is bool:
@@ -278,7 +311,7 @@ def _check_types(cfg) -> None:
     """A config built directly (not by make_config, which converts) holds each field's type:
     else a wrong one fails deep in the engine, or a comparison in __post_init__, with a TypeError."""
     for f in dataclasses.fields(cfg):
-        t, v = _TYPES.get(str(f.type)), getattr(cfg, f.name)
+        t, v = ANNOTATION_TYPES.get(str(f.type)), getattr(cfg, f.name)
         if t in (bool, str):
             ok = isinstance(v, t)
         elif t in (int, float):  # numpy's numbers too; True is not a count

@@ -33,7 +33,7 @@ from .tree import Tree, long_tensor
 
 
 def _inference(fn):
-    """torch.inference_mode() for calls from outside the engine, and nothing inside it (engine.decode
+    """torch.inference_mode() for calls from outside the engine, and nothing inside it (BatchDecoder.step
     runs in inference mode already; entering a context costs ~10 us, a few times per iteration)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

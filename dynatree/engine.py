@@ -95,7 +95,7 @@ def commit_target(model, cache, path: list[int], path_tokens: list[int], prefix_
         return 0
     # The seed's rollback + rebuild: crop to the prefix and run the accepted tokens again.
     cache.truncate(prefix_len)
-    model(input_ids=long_tensor(path_tokens, model.device)[None], past_key_values=cache, use_cache=True)
+    model.forward([Seq(long_tensor(path_tokens, model.device), cache, keep=1)])
     return 1
 
 
@@ -122,9 +122,9 @@ class _Row:
         self.sampler = Sampler.from_config(cfg)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
-        self.lookup = getattr(cfg, "lookup_length", getattr(cfg, "lookup", 0))
+        self.lookup = cfg.lookup_length
         self.lookup_stats = pair.state.setdefault(("lookup", *cfg.sampling_key), LookupStats()) if self.lookup else None
-        budget = max(getattr(cfg, "max_nodes", 0), getattr(cfg, "budget", 0), getattr(cfg, "k", 0), 1)
+        budget = max(cfg.node_budget, 1)
         held = len(prompt) + max_new_tokens  # at most the window's size with a window
         self.capacity = (held if self.window is None else min(held, self.window.size)) + budget + 8
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
@@ -135,7 +135,7 @@ class _Row:
         self.reason: str | None = None
         self.tally = Tally()
         self.t_start = time.perf_counter()
-        self.ttft = self.verify_time = self.forward_time = 0.0
+        self.ttft = self.verify_time = self.forward_time = self.prefill_time = 0.0
         self.cached_tokens = 0  # prompt tokens whose keys/values came from prefix caching (prefix.py)
         self.again = again  # more rows with this prompt follow (BatchDecoder.add)
         self.target_forwards = 0
@@ -181,7 +181,7 @@ class _Row:
         return finish(self.tally, prompt_tokens=len(self.prompt), new_tokens=len(self.out),
                       cached_prompt_tokens=self.cached_tokens,
                       wall=time.perf_counter() - self.t_start if self.max_new_tokens > 0 else 0.0, ttft=self.ttft,
-                      prefill=self.ttft, draft_time=seconds, verify_time=self.verify_time,
+                      prefill=self.prefill_time, draft_time=seconds, verify_time=self.verify_time,
                       target_forwards=self.target_forwards, draft_forwards=forwards, device=dev,
                       forward_time=self.forward_time + forward_seconds,
                       cache_bytes=self.cache.nbytes + (d.cache.nbytes if d else 0))
@@ -314,6 +314,7 @@ class BatchDecoder:
         dt = time.perf_counter() - t0
         for r, o in zip(rows, outs):
             r.forward_time += dt
+            r.prefill_time = dt
             r.stop_after(o.choice[-1])
             self.tokens += 1
             r.ttft = time.perf_counter() - r.t_start
@@ -398,7 +399,7 @@ class BatchDecoder:
             if r.sampler is not None:
                 r.sampler.at(len(r.out))  # the root's next token is this generated index
             # what the budget prices its nodes against: the batch's other tokens, and this cache
-            r.policy.batch = (total - r.last_n, len(rows), self.governor.scale, s.prefix_len)
+            batch = (total - r.last_n, len(rows), self.governor.scale, s.prefix_len)
             max_depth = r.max_depth(s.prefix_len)
             s.chain, s.match, hint = [], 0, ()
             skip = probe and r.budgeted
@@ -406,7 +407,7 @@ class BatchDecoder:
                 s.chain, s.match = r.index.propose(min(r.lookup, max_depth))
                 hint = r.lookup_stats.values(s.match, len(s.chain))
             if r.drafter is not None and not skip:
-                jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], max_depth, hint)))
+                jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], max_depth, hint, batch)))
             steps.append(s)
         trees = iter(drive(jobs))
         for s in steps:

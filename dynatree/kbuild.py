@@ -30,14 +30,20 @@ VARIANTS = {  # DYNATREE_ISA -> the flags that select it (csrc/vec.h picks the b
     "avx2": ["-march=x86-64-v3"],
     "generic": ["-march=native", "-DDT_GENERIC"],
 }
-def _cpu_flags() -> str:
+def cpuinfo(*keys: str) -> str:
+    """The first /proc/cpuinfo line starting with one of ``keys`` (platform.processor() without one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
     return platform.processor()
+
+
+def cache_dir() -> Path:
+    """Where built kernels and budget profiles are kept: ``$DYNATREE_CACHE`` or ~/.cache/dynatree."""
+    return Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
 
 
 def variant() -> str:
@@ -47,13 +53,13 @@ def variant() -> str:
 
 def variants_here() -> list[str]:
     """The variants this CPU can run (``avx2`` needs an x86 CPU with AVX2 and FMA)."""
-    flags = _cpu_flags().split()
+    flags = cpuinfo("flags", "Features").split()
     return ["native"] + (["avx2"] if _X86 and {"avx2", "fma"} <= set(flags) else []) + ["generic"]
 
 
 def has_avx512() -> bool:
     """Whether this CPU runs AVX-512 (torch's MKL then does, whatever variant the kernel is built as)."""
-    return _X86 and "avx512f" in _cpu_flags().split()
+    return _X86 and "avx512f" in cpuinfo("flags", "Features").split()
 
 
 def source_hash() -> str:
@@ -104,9 +110,9 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    parts = [source_hash(), version, " ".join(flags), platform.machine(), _cpu_flags()]
+    parts = [source_hash(), version, " ".join(flags), platform.machine(), cpuinfo("flags", "Features")]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
+    cache = cache_dir()
     lib_path = cache / f"libdtgemm-{key}.so"
     if lib_path.exists():
         return lib_path, ""

@@ -6,9 +6,10 @@ costs ~2 ms through transformers, which is what decides whether a tree level pay
 runs the same math as ``GPTNeoXForCausalLM`` in a plain function (gpt-fast style): one fused
 QKV matmul, partial rotary from a precomputed table, SDPA, parallel or sequential residual.
 
-It is a drop-in for the engine: ``LeanNeoX(model)(input_ids=, attention_mask=, position_ids=,
-past_key_values=BufferCache, logits_to_keep=)`` returns an object with ``.logits``; it shares
-the model's parameters (no copy).  Tests check logits against transformers in float64 for
+It is a runner (runtime.py): the engine calls ``forward([Seq, ...])`` and gets one
+``runtime.Output`` per sequence; ``LeanNeoX(model)(input_ids=, attention_mask=, position_ids=,
+past_key_values=BufferCache, logits_to_keep=)`` is the same forward in transformers' terms (the
+budget's profile, tests).  It shares the model's parameters (no copy).  Tests check logits against transformers in float64 for
 prefill, cached steps and tree masks.  Llama-family models take packed.py; other
 architectures, transformers' forward (models.HFRunner).
 

@@ -5,7 +5,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 * ``tokens_per_iteration`` (L-bar): tokens committed by iterations / iterations.  The first
   token comes from the prefill pass and is not counted here.
 * ``avg_path_length`` (l-bar): mean number of *drafted* tokens accepted per iteration (the
-  bonus token excluded), so L-bar = l-bar + 1 except where the budget truncates a commit.
+  bonus token excluded), so L-bar = l-bar + 1 except where a stop rule or the token limit
+  truncates a commit.
 * ``acceptance_rate``: accepted drafted tokens / tree depth, summed over iterations — the
   fraction of the deepest drafted path that was committed.  It never exceeds 1: the paper's
   figures above 100% count the bonus token as accepted; ours does not.
@@ -15,6 +16,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
   lookup.py) rather than from the draft model.
 * ``target_forwards`` includes the prefill; with ``kv_update=gather`` it is iterations + 1 (plus
   one per further piece of a prompt longer than a ``kv_window``, prefilled piece by piece).
+* ``prefill_time_s``: wall time of the target prefill the prompt took part in (rows that join
+  together share one); ``ttft_s`` adds the time the row waited to join a batch.
 * ``draft_time_s`` / ``verify_time_s``: wall time inside drafting (draft forwards and tree
   growth) and inside target verification (forward + accept + cache commit); the rest of
   ``wall_time_s`` is prefill and bookkeeping.

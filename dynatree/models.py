@@ -196,7 +196,7 @@ def _context_len(model) -> int:
     return context_len(model.config)
 
 
-def _same_tokenizer(a, b) -> str | None:
+def tokenizer_difference(a, b) -> str | None:
     """None when equal, else a one-line reason."""
     va, vb = a.get_vocab(), b.get_vocab()
     if len(va) != len(vb):
@@ -230,7 +230,7 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
     if kernel not in KERNELS:
         raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if tokenizer is not None and draft_tokenizer is not None:
-        reason = _same_tokenizer(tokenizer, draft_tokenizer)
+        reason = tokenizer_difference(tokenizer, draft_tokenizer)
         if reason:
             raise PairError(f"target and draft do not share a tokenizer: {reason}")
     wt = _logit_width(target)

@@ -1,12 +1,12 @@
 """The CPU kernels of ``csrc/``: built on first use with the machine's C compiler, loaded with
-ctypes, used by lean.py (the whole GPT-NeoX forward), drafting/engine (argmax, top-k) and
-kvcache (keep) for float32 CPU tensors.
+ctypes, used by cmodel.py (the whole forward of GPT-NeoX and Llama-family models), runtime and
+sampling (argmax, top-k, Gumbel noise) and kvcache (keep) for float32 CPU tensors.
 
 Why a kernel of our own: on a CPU the verify forward of a small model is a stream over its
 weights.  A tree of 16 tokens should cost what one token costs, but MKL and oneDNN pay 1.5-2x
 for 16 rows (measured on this project's host; ``dynatree profile`` prints the table).  The
 kernel reads each packed weight tile once per 12 rows and is *batch invariant*: a row's output
-is bitwise the same whatever else is in the batch.  ``csrc/neox.c`` builds a whole GPT-NeoX
+is bitwise the same whatever else is in the batch.  ``csrc/neox.c`` builds a whole decoder
 forward on it whose attention is batch invariant too, so a tree verification scores each node
 exactly as an AR step would.
 

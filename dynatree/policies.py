@@ -142,11 +142,15 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
     return tree
 
 
+# What a tree's nodes are priced against (budget.Latency.view): the batch's other rows' tokens,
+# its rows, the Governor's scale and this row's cache length (None: the profile's).
+ALONE = (0, 1, 1.0, None)
+
+
 class NoDraft:
     """``ar``: the tree is just the root, so each iteration is one plain target step."""
 
     needs_draft = False
-    batch: tuple = (0, 1, 1.0, None)  # (other rows' tokens, rows, Governor scale, cache length): set by the engine
 
     def attach(self, pair) -> None:
         """Called once per generation with the pair (policies that measure the device use it)."""
@@ -155,7 +159,7 @@ class NoDraft:
         """Grow one sequence's tree alone."""
         return run(drafter, self.grow(drafter, root_token, max_depth, hint))
 
-    def grow(self, drafter, root_token: int, max_depth: int, hint=()):
+    def grow(self, drafter, root_token: int, max_depth: int, hint=(), batch=ALONE):
         """A generator that yields the draft forwards it needs (drafting.DraftCall) and returns the
         tree, so that drafting.drive can pack several sequences' levels into one forward."""
         return Tree.root_only(root_token)
@@ -175,7 +179,7 @@ class Linear(NoDraft):
     def __init__(self, cfg: LinearConfig):
         self.cfg = cfg
 
-    def grow(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=(), batch=ALONE):
         k = min(self.cfg.k, max_depth)
         return grow_levels(drafter, root_token, max_depth=k, max_nodes=k, kmax=1,
                            n_children=lambda u, c: 1, expandable=lambda t, v: True,
@@ -192,7 +196,6 @@ class DynaTree(NoDraft):
         self.d0 = cfg.d0
         self.tau_h = cfg.tau_h
         self.window: deque[float] = deque(maxlen=cfg.window)
-        self.adjustments = 0
         self.calib = self.latency = None
         self.held: list[tuple[int, int]] = []  # calibration cells of the last tree's nodes (Calibration.hold)
 
@@ -226,7 +229,7 @@ class DynaTree(NoDraft):
         c = self.cfg
         return d < c.d_max and p >= c.rho_stop and (d < self.d0 or p >= c.rho_deep)
 
-    def grow(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=(), batch=ALONE):
         c = self.cfg
         depth_cap = c.d_max if c.dynamic_depth else self.d0
         if self.latency is not None:
@@ -234,7 +237,7 @@ class DynaTree(NoDraft):
             return grow_budgeted(drafter, root_token, max_depth=min(depth_cap, max_depth),
                                  max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
                                  n_children=self._branching, gate=self._gate, tau=c.tau,
-                                 lat=self.latency.view(*self.batch), calib=self.calib, hint=hint,
+                                 lat=self.latency.view(*batch), calib=self.calib, hint=hint,
                                  held=self.held)
         return grow_levels(drafter, root_token, max_depth=min(depth_cap, max_depth),
                            max_nodes=c.max_nodes, kmax=c.b_max if c.dynamic_breadth else c.b_mid,
@@ -292,7 +295,6 @@ class DynaTree(NoDraft):
             self.tau_h = min(round(self.tau_h + 0.05, 4), 0.99)
         else:
             return
-        self.adjustments += 1
         self.window.clear()
 
 
@@ -317,7 +319,7 @@ class DySpecThreshold(NoDraft):
     def __init__(self, cfg: DySpecConfig):
         self.cfg = cfg
 
-    def grow(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=(), batch=ALONE):
         c = self.cfg
         return grow_levels(drafter, root_token, max_depth=min(c.max_depth, max_depth),
                            max_nodes=c.budget, kmax=c.max_branch,
@@ -341,7 +343,7 @@ class DySpecHeap(NoDraft):
     def __init__(self, cfg: DySpecConfig):
         self.cfg = cfg
 
-    def grow(self, drafter, root_token, max_depth, hint=()):
+    def grow(self, drafter, root_token, max_depth, hint=(), batch=ALONE):
         c = self.cfg
         tree = Tree.root_only(root_token)
         max_depth = min(c.max_depth, max_depth)

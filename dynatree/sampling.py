@@ -100,8 +100,7 @@ class Sampler:
 
     @classmethod
     def from_config(cls, cfg) -> "Sampler | None":
-        t = getattr(cfg, "temperature", 0.0)
-        return cls(t, cfg.top_k, cfg.top_p, cfg.seed) if t > 0 else None
+        return cls(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed) if cfg.temperature > 0 else None
 
     def at(self, base: int) -> None:
         """The next token to commit has index ``base``; noise of earlier indices is dropped."""

@@ -145,9 +145,9 @@ def preflight(spec: JobSpec) -> None:
     tj, dj = t / "tokenizer.json", d / "tokenizer.json"
     if tj.exists() and dj.exists() and tj.read_bytes() == dj.read_bytes():
         return  # the common case, without importing transformers in the driver
-    from dynatree.models import PairError, _same_tokenizer, load_tokenizer
+    from dynatree.models import PairError, tokenizer_difference, load_tokenizer
     try:
-        reason = _same_tokenizer(load_tokenizer(str(t)), load_tokenizer(str(d)))
+        reason = tokenizer_difference(load_tokenizer(str(t)), load_tokenizer(str(d)))
     except PairError:
         return  # e.g. a draft directory without tokenizer files: the actor trusts the target's
     if reason:

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import KERNELS, METHODS, check_samples, make_config
+from dynatree.config import ANNOTATION_TYPES, KERNELS, METHODS, check_samples, make_config
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -195,9 +195,6 @@ class JobSpec:
         return dataclasses.asdict(self)
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "tuple": tuple, "None": type(None)}
-
-
 def _is(value, t: type) -> bool:
     if isinstance(value, bool) and t is not bool:  # YAML's true/yes is no number
         return False
@@ -209,7 +206,7 @@ def _type_problems(spec: JobSpec) -> list[str]:
     out = []
     for f in dataclasses.fields(spec):
         value, names = getattr(spec, f.name), [t.strip() for t in str(f.type).split("|")]
-        if not any(_is(value, _TYPES[t]) for t in names):
+        if not any(_is(value, ANNOTATION_TYPES[t]) for t in names):
             out.append(f"{f.name} must be {' or '.join(n for n in names if n != 'None')}, got {value!r}")
     return out
 

@@ -9,7 +9,11 @@ from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from dynatree.metrics import output_schema
 
 
 def _versions() -> dict:
@@ -23,27 +27,38 @@ def _versions() -> dict:
 
 
 class _Moments:
-    """Mean and sample standard deviation without keeping the values (corpora are large)."""
+    """Mean and sample standard deviation merged shard by shard without keeping the values
+    (corpora are large): Chan et al.'s pairwise update, which does not cancel as a sum of squares
+    minus n * mean^2 does."""
 
     def __init__(self):
-        self.n, self.total, self.squares = 0, 0.0, 0.0
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
 
-    def add(self, v) -> None:
-        if v is not None:
-            self.n, self.total, self.squares = self.n + 1, self.total + v, self.squares + v * v
+    def add(self, values: pa.Array) -> None:
+        values = pc.drop_null(values)
+        n = len(values)
+        if not n:
+            return
+        mean, m2 = pc.mean(values).as_py(), pc.variance(values, ddof=0).as_py() * n
+        delta, total = mean - self.mean, self.n + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.n = total
 
     def as_dict(self) -> dict:
         if not self.n:
             return {"mean": None, "std": None, "n": 0}
-        mean = self.total / self.n
-        var = max(self.squares - self.n * mean * mean, 0.0) / (self.n - 1) if self.n > 1 else 0.0
-        return {"mean": mean, "std": math.sqrt(var), "n": self.n}
+        var = max(self.m2, 0.0) / (self.n - 1) if self.n > 1 else 0.0
+        return {"mean": self.mean, "std": math.sqrt(var), "n": self.n}
 
 
 _COLUMNS = ["id", "sample", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
             "acceptance_rate", "lookup_tokens", "ttft_s", "tpot_s", "ar_tokens_per_s", "matches_ar",
             "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens"]
 _MOMENTS = ("tokens_per_s", "tokens_per_iteration", "acceptance_rate", "ttft_s", "tpot_s")
+_SUMS = {"tokens": "num_generated_tokens", "lookup": "lookup_tokens", "prompt": "prompt_tokens",
+         "cached": "cached_prompt_tokens"}
+assert set(_COLUMNS) <= set(output_schema(sampled=True).names), "summary columns the output no longer has"
 
 
 def shard_files(out: Path) -> list[Path]:
@@ -58,37 +73,43 @@ def read_rows(out: Path) -> list[dict]:
     return rows
 
 
+def _counts(values: pa.ChunkedArray) -> list[tuple]:
+    """(value, count) of the non-null values, in order of first appearance."""
+    return [(v["values"], v["counts"]) for v in pc.value_counts(pc.drop_null(values)).to_pylist()]
+
+
+def _total(table: pa.Table, name: str) -> int:
+    return (pc.sum(table[name]).as_py() or 0) if name in table.column_names else 0
+
+
 def _tally(out: Path, sampled: bool = False) -> dict:
-    t = {"rows": 0, "errors": 0, "tokens": 0, "lookup": 0, "checked": 0, "mismatched": [], "mismatches": 0,
-         "prompt": 0, "cached": 0, "reasons": Counter(), "error_kinds": Counter(), "speedup": _Moments(),
-         **{k: _Moments() for k in _MOMENTS}}
+    t = {"rows": 0, "errors": 0, "checked": 0, "mismatched": [], "mismatches": 0, "reasons": Counter(),
+         "error_kinds": Counter(), "speedup": _Moments(), **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
         have = set(pq.read_schema(f).names) - (set() if sampled else {"sample"})  # an older version's shard
         # may lack newer columns; a 1-sample job's "sample" is an input column
-        for r in pq.read_table(f, columns=[c for c in _COLUMNS if c in have]).to_pylist():
-            t["rows"] += 1
-            if r["finish_reason"]:
-                t["reasons"][r["finish_reason"]] += 1
-            if r["error"] is not None:
-                t["errors"] += 1
-                if r["error"] in t["error_kinds"] or len(t["error_kinds"]) < 10:
-                    t["error_kinds"][r["error"]] += 1
-                continue
-            t["tokens"] += r["num_generated_tokens"] or 0
-            t["lookup"] += r["lookup_tokens"] or 0
-            t["prompt"] += r.get("prompt_tokens") or 0
-            t["cached"] += r.get("cached_prompt_tokens") or 0
-            for k in _MOMENTS:
-                t[k].add(r[k])
-            if r["matches_ar"] is not None:
-                t["checked"] += 1
-                if r["ar_tokens_per_s"] and r["tokens_per_s"]:
-                    t["speedup"].add(r["tokens_per_s"] / r["ar_tokens_per_s"])
-                if not r["matches_ar"]:
-                    t["mismatches"] += 1
-                    if len(t["mismatched"]) < 50:
-                        t["mismatched"].append({k: r[k] for k in ("id", "sample", "first_divergence",
-                                                                  "divergence_margin") if k in r})
+        table = pq.read_table(f, columns=[c for c in _COLUMNS if c in have])
+        t["rows"] += table.num_rows
+        t["reasons"].update({r: n for r, n in _counts(table["finish_reason"]) if r})
+        failed = pc.is_valid(table["error"])
+        for kind, n in _counts(table["error"]):
+            if kind in t["error_kinds"] or len(t["error_kinds"]) < 10:
+                t["error_kinds"][kind] += n
+        t["errors"] += pc.sum(failed).as_py() or 0
+        ok = table.filter(pc.invert(failed))
+        for key, name in _SUMS.items():
+            t[key] += _total(ok, name)
+        for k in _MOMENTS:
+            t[k].add(ok[k])
+        checked = ok.filter(pc.is_valid(ok["matches_ar"]))
+        t["checked"] += checked.num_rows
+        timed = checked.filter(pc.and_(pc.fill_null(pc.not_equal(checked["ar_tokens_per_s"], 0), False),
+                                       pc.fill_null(pc.not_equal(checked["tokens_per_s"], 0), False)))
+        t["speedup"].add(pc.divide(timed["tokens_per_s"], timed["ar_tokens_per_s"]))
+        wrong = checked.filter(pc.invert(checked["matches_ar"]))
+        t["mismatches"] += wrong.num_rows
+        keep = [c for c in ("id", "sample", "first_divergence", "divergence_margin") if c in wrong.column_names]
+        t["mismatched"].extend(wrong.select(keep).slice(0, 50 - len(t["mismatched"])).to_pylist())
     return t
 
 

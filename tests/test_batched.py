@@ -1,6 +1,7 @@
 """The batched engine (engine.BatchDecoder): every method, many sequences per forward, each row
 exactly what it gets alone -- with per-row stopping."""
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -224,3 +225,16 @@ def test_drafts_that_sat_out_iterations_restart_and_tokens_stay_ars(close_pair, 
     refs = [decode(close_pair, p, make_config("ar", opts), max_new_tokens=40, ignore_eos=True)[0] for p in prompts]
     assert [g[0] for g in got] == refs
     assert sum(restarts) >= 4 * 4, restarts  # every row, most of its ~6 drafted iterations
+
+
+def test_prefill_time_is_the_prefill_and_ttft_adds_the_wait_to_join(close_pair):
+    dec = BatchDecoder(close_pair)
+    dec.add([5, 6, 7], make_config("ar"), max_new_tokens=4, key="a")
+    dec.step()
+    dec.add([8, 9, 10, 11], make_config("dynatree"), max_new_tokens=4, key="b")
+    time.sleep(0.05)  # waiting to join: in ttft_s, not in prefill_time_s
+    done = {}
+    while dec:
+        done.update({key: m for key, _, _, m in dec.step()})
+    m = done["b"]
+    assert 0 < m.prefill_time_s and m.ttft_s >= m.prefill_time_s + 0.05

@@ -741,3 +741,43 @@ def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):
     (out / "manifest.json").write_text("{not json")
     with pytest.raises(JobError, match="manifest.json cannot be read"):
         check_output(job, plan)
+
+
+def test_the_summary_counts_every_row_of_every_shard(tmp_path):
+    """summary.json's counts and moments against the same computed row by row in Python."""
+    import statistics
+
+    from dynatree.jobs.summary import summarize
+    from dynatree.metrics import output_schema, result_row
+
+    rows = []
+    for i in range(23):
+        r = result_row(f"r{i}", "dynatree", error="too long" if i % 7 == 3 else None)
+        if r["error"] is None:
+            r.update(finish_reason="length" if i % 2 else "eos", num_generated_tokens=10 + i, lookup_tokens=i % 3,
+                     prompt_tokens=50, cached_prompt_tokens=32 if i % 4 == 0 else 0, tokens_per_s=1e6 + i * 0.25,
+                     tokens_per_iteration=1 + i / 10, acceptance_rate=None if i == 5 else i / 30, ttft_s=0.01 * i,
+                     tpot_s=0.002, matches_ar=None if i % 5 == 0 else i != 8, ar_tokens_per_s=0.0 if i == 9 else 5e5,
+                     first_divergence=3 if i == 8 else None)
+        rows.append(r)
+    (tmp_path / "shards").mkdir()
+    for k, part in enumerate((rows[:10], rows[10:], [])):
+        pq.write_table(pa.Table.from_pylist(part, schema=output_schema()), tmp_path / "shards" / f"part-{k:06d}.parquet")
+    s = summarize(tmp_path, types.SimpleNamespace(to_dict=dict, samples=1), {})
+    ok = [r for r in rows if r["error"] is None]
+    checked = [r for r in ok if r["matches_ar"] is not None]
+    assert (s["rows"], s["errors"], s["error_messages"]) == (23, 3, {"too long": 3})
+    assert s["generated_tokens"] == sum(r["num_generated_tokens"] for r in ok)
+    assert (s["lookup_tokens"], s["cached_prompt_tokens"]) == (sum(r["lookup_tokens"] for r in ok),
+                                                               sum(r["cached_prompt_tokens"] for r in ok))
+    assert s["finish_reasons"] == {"eos": 11, "error": 3, "length": 9}
+    for name, key in (("tokens_per_s_per_prompt", "tokens_per_s"), ("acceptance_rate", "acceptance_rate")):
+        vals = [r[key] for r in ok if r[key] is not None]
+        assert s[name]["n"] == len(vals) and s[name]["mean"] == pytest.approx(statistics.fmean(vals), rel=1e-12)
+        assert s[name]["std"] == pytest.approx(statistics.stdev(vals), rel=1e-9)  # (1e6 + small: no cancellation)
+    speedups = [r["tokens_per_s"] / r["ar_tokens_per_s"] for r in checked if r["ar_tokens_per_s"]]
+    assert s["speedup_vs_ar"]["n"] == len(speedups)
+    assert s["speedup_vs_ar"]["mean"] == pytest.approx(statistics.fmean(speedups))
+    eq = s["equivalence"]
+    assert (eq["checked"], eq["mismatches"]) == (len(checked), 1)
+    assert eq["mismatched_rows"] == [{"id": "r8", "first_divergence": 3, "divergence_margin": None}]

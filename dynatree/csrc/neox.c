@@ -27,6 +27,7 @@
  * Parameters come as an array of pointers (see enum); weights are dt_gemm-packed.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -286,6 +287,16 @@ static void argmax_rows(const float *logits, long n, long V, long stride, long *
 static void softmax_topk_rows(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
 static void perturb_row(float *x, long V, float inv_temp, const float *g);
 
+/* A forward's scratch, or a message and an abort: a NULL used later would be a silent segfault. */
+static void *must_alloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "dynatree native kernel: out of memory allocating %zu bytes of forward scratch\n", bytes);
+        abort();
+    }
+    return p;
+}
+
 int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
                      const float *embed, const float *const *head, const long *ids, long n, const long *pos,
                      const float *cos_t, const float *sin_t, const dt_seq *seqs, long nseq, float *logits,
@@ -293,11 +304,11 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     long d = dims[D_MODEL], ff = dims[FF], hd = dims[HEAD_DIM], kept = 0, most = 0, span = 0;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= dims[EMBED_ROWS]) return 1;
-    rowmap rm = {seqs, nseq, malloc(sizeof(long) * (size_t)n), malloc(sizeof(long) * (size_t)n),
-                 malloc(sizeof(long) * (size_t)nseq)};
-    long *keep_rows = malloc(sizeof(long) * (size_t)n);
-    const float **noise = malloc(sizeof(float *) * (size_t)n); /* per kept row, NULL: plain logits */
-    float *inv_temp = malloc(sizeof(float) * (size_t)n);
+    rowmap rm = {seqs, nseq, must_alloc(sizeof(long) * (size_t)n), must_alloc(sizeof(long) * (size_t)n),
+                 must_alloc(sizeof(long) * (size_t)nseq)};
+    long *keep_rows = must_alloc(sizeof(long) * (size_t)n);
+    const float **noise = must_alloc(sizeof(float *) * (size_t)n); /* per kept row, NULL: plain logits */
+    float *inv_temp = must_alloc(sizeof(float) * (size_t)n);
     for (long q = 0, i = 0; q < nseq; q++) {
         rm.start[q] = i;
         long tr = seqs[q].rows * (dims[HEADS] / dims[KV_HEADS]); /* rows of its attention tasks */
@@ -316,9 +327,11 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
 #pragma omp parallel num_threads(threads)
     {
         float *h = work, *h2 = h + n * d, *a = h2 + n * d, *z = a + n * d, *scratch = z + n * fc1_width(dims);
-        attn_scratch w = {malloc(sizeof(float) * (size_t)span), malloc(sizeof(float) * (size_t)(most * 2 * hd)),
-                          malloc(sizeof(float) * (size_t)most), malloc(sizeof(long) * (size_t)most),
-                          malloc(sizeof(long) * (size_t)most), malloc(sizeof(long) * (size_t)(KEY_BLOCK_BYTES / 4))};
+        attn_scratch w = {must_alloc(sizeof(float) * (size_t)span),
+                          must_alloc(sizeof(float) * (size_t)(most * 2 * hd)),
+                          must_alloc(sizeof(float) * (size_t)most), must_alloc(sizeof(long) * (size_t)most),
+                          must_alloc(sizeof(long) * (size_t)most),
+                          must_alloc(sizeof(long) * (size_t)(KEY_BLOCK_BYTES / 4))};
 #pragma omp for schedule(static)
         for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
         for (long l = 0; l < nlayers; l++) {
@@ -443,7 +456,10 @@ static void perturb_row(float *x, long V, float inv_temp, const float *g) {
         vf p = ld(x + j) * bc(inv_temp);
         st(x + j, p + ld(g + j));
     }
-    for (; j < V; j++) x[j] = x[j] * inv_temp + g[j];
+    for (; j < V; j++) {
+        float p = x[j] * inv_temp; /* two statements, as above: clang ignores the attribute but */
+        x[j] = p + g[j];           /* contracts only within one (its default fp-contract=on) */
+    }
 }
 
 /* Gumbel noise for sampling (dynatree/sampling.py has the same in torch for machines without this
