@@ -234,7 +234,7 @@ def _spec_options(f):
 def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
-    from .jobs.driver import JobError, run_job
+    from .jobs.driver import JobError, Terminated, run_job
     from .jobs.spec import SpecError, build_spec
     from .jobs.summary import format_table
 
@@ -247,10 +247,11 @@ def run(config_file, quiet, dry_run, **fields):
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
         _fail(str(e) if dry_run else f"{e}; finished shards are kept in {fields.get('output') or 'the output'} "
                                      "and the same command resumes")
-    except KeyboardInterrupt:  # the shell's code for Ctrl-C, so scripts can tell it from a failure
-        click.echo(f"\ninterrupted: finished shards are kept in {fields.get('output') or 'the output'}; "
+    except KeyboardInterrupt as e:  # the shell's codes for Ctrl-C and SIGTERM, so scripts can tell them from a failure
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        click.echo(f"\n{how}: finished shards are kept in {fields.get('output') or 'the output'}; "
                    "the same command resumes", err=True)
-        sys.exit(130)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
     if dry_run:
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))
         click.echo(f"{'options':<22} " + " ".join(f"{k}={v}" for k, v in summary["options"].items()))

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -98,7 +100,23 @@ def _init_ray(spec: JobSpec):
     except ConnectionError as e:
         raise JobError(f"cannot reach the Ray cluster at {address}: {e} (if the head uses token "
                        "authentication, this client needs the same RAY_AUTH_MODE and token)") from e
+    _end_on_sigterm()
     return ray
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`ray job stop`, systemd, Kubernetes, Slurm): the job ends as Ctrl-C ends it."""
+
+
+def _end_on_sigterm() -> None:
+    """Once Ray is up: its driver answers SIGTERM with a native stack dump and no cleanup; a job
+    ends as on Ctrl-C instead (actors released, the resume message).  Main thread only (Python
+    delivers signals there)."""
+    if threading.current_thread() is threading.main_thread():
+        def terminated(_signum, _frame):
+            raise Terminated()
+
+        signal.signal(signal.SIGTERM, terminated)
 
 
 def start_local_ray(**kw):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,9 +128,12 @@ def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
             assert "Traceback" not in res.stderr
 
 
-def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
-    """SIGKILL the driver (and the local cluster it started) while batched actors are busy; the
-    re-run finishes with every id exactly once, every row equal to ar.  (Rows long enough that
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path, sig):
+    """SIGKILL the driver (and the local cluster it started) while batched actors are busy, or
+    SIGTERM it alone (`ray job stop`, a scheduler): the re-run finishes with every id exactly
+    once, every row equal to ar.  SIGTERM ends the job as Ctrl-C does: exit 143, the resume
+    message, no native stack dump, the Ray processes it started gone.  (Rows long enough that
     the job outlasts a poll on a fast host: at 40 tokens a Zen 5 finished all 12 shards before
     the kill landed.)"""
     n = 32
@@ -141,7 +145,7 @@ def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
            "--max-new-tokens", "120", "--ignore-eos", "--num-actors", "1", "--cpus-per-actor", "1",
            "--verify-fraction", "1", "--device", "cpu", "--quiet"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     shards = tmp_path / "out" / "shards"
     deadline = time.time() + 240
@@ -149,8 +153,17 @@ def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path):
         while not (shards.exists() and len(list(shards.glob("part-*.parquet"))) >= 2):
             assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
             time.sleep(0.05)
+        if sig == signal.SIGTERM:
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 143 and "terminated (SIGTERM): finished shards are kept" in err, err[-2000:]
+            assert "SIGTERM received" not in err
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+            assert sig == signal.SIGKILL, "Ray processes outlived a driver ended by SIGTERM"
+        except ProcessLookupError:  # none left in its process group
+            pass
         proc.wait(timeout=60)
     assert len(list(shards.glob("part-*.parquet"))) < n // 2
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
