@@ -97,6 +97,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
 
 class ShardWorker:
     def __init__(self, spec, threads: int | None = None):
+        _maybe_die("", spec.output, starting=True)
         self.spec, self.cfg = spec, spec.method_config
         self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
         self.startup: dict = {}
@@ -135,7 +136,7 @@ class ShardWorker:
     def ready(self) -> dict:
         p = self.pair
         return {"pid": os.getpid(), "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
-                "context": p.max_context, "vocab": p.vocab, "threads": self.threads,
+                "context": p.max_context, "vocab": p.vocab, "threads": self.threads, "forward": p.forward_in_use(),
                 "startup": self.startup}
 
     def stats(self) -> dict:
@@ -201,10 +202,14 @@ class ShardWorker:
         return results
 
 
-def _maybe_die(shard: str, output: str) -> None:
+def _maybe_die(shard: str, output: str, starting: bool = False) -> None:
     """Test-only fault injection (``DYNATREE_FAULT_INJECTION``): the process exits as an OOM kill
     or a lost node would end it, or stalls as a stuck one would."""
     faults = json.loads(os.environ.get(FAULTS_ENV) or "{}")
+    if starting:  # a replacement actor that never gets ready (its node lost, no room for it)
+        if faults.get("never_ready_after_death") and list(Path(output).glob(".fault-*")):
+            time.sleep(3600)
+        return
     if faults.get("stall_on_shard") == shard:  # a slow or stuck actor (seconds)
         time.sleep(faults.get("stall_s", 5.0))
     if faults.get("die_always_on_shard") == shard:

@@ -67,8 +67,10 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             meth, preset = PRESETS.get(meth or label, (meth or label, {}))
             if label in specs:
                 raise ValueError(f"--methods names {label!r} twice: give each method its own label (LABEL=METHOD)")
+            if label == "ar" and meth != "ar":
+                raise ValueError(f"--methods ar={meth}: the label ar names the ar every method is compared with")
             specs[label] = [meth, dict(preset)]
-    if not any(meth == "ar" for meth, _ in specs.values()):
+    if "ar" not in specs:
         specs = {"ar": ["ar", {}], **specs}  # speedups need the AR of the same run
     sampling_keys = {f.name for f in dataclasses.fields(SamplingConfig)}
     shared, own = {}, {}
@@ -78,6 +80,9 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             shared[key] = value
         elif label not in specs:
             raise ValueError(f"--option {key}: {label!r} is not in --methods")
+        elif label == "ar":  # (options given to every method reach it: the sampled methods' reference)
+            raise ValueError(f"--option {key}: ar is the reference every method is compared with; give a "
+                             f"configured ar a label of its own (e.g. --methods ar_2=ar --option ar_2.{opt}=...)")
         else:
             own.setdefault(label, {})[opt] = value
     for key in shared:
@@ -250,45 +255,61 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     """Run every method on every prompt (prompt-major, so drift hits all methods alike).  Rows
     are compared with their reference ``ar`` (the same sampling and cache window; not transformers'
     sampled peers); ``speedup`` is against plain ``ar``, ``speedup_ref`` against the reference."""
-    rows = []
+    rows: list[dict] = []
     setting = dict(setting or {})
     methods = with_references(methods, methods)  # each reference runs before the rows it checks
     refs = {ms.label: reference(ms, methods) for ms in methods}
-    for pi, prompt in enumerate(prompts):
-        got = {}
-        for ms in methods:
-            pair.forget_prefixes()  # every method prefills the prompt itself
-            with PeakRSS(pair.device) as mem:
-                if ms.method in HF_METHODS:
-                    toks, m = run_hf(pair, ms.method, prompt, max_new_tokens, ms.options)
-                else:
-                    toks, _, met = decode(pair, prompt, make_config(ms.method, ms.options),
-                                          max_new_tokens=max_new_tokens, ignore_eos=True)
-                    m = met.as_dict()
-            got[ms.label] = toks
-            ref = refs[ms.label]
-            # transformers' peers sample with torch's RNG: no ar reference draws their samples
-            sampled = ms.method in HF_METHODS and ms.options.get("temperature", 0) > 0
-            diff = first_difference(got[ref.label], toks) if ref is not None and not sampled else None
-            rows.append({
-                "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
-                "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
-                "setting": json.dumps(setting, sort_keys=True), "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens,
-                **{f.name: m.get(f.name) for f in dataclasses.fields(Metrics)},  # one source: the dataclass
-                "prompt_tokens": len(prompt), "peak_memory_mb": mem.peak_mb,
-                "ref_method": ref.label if ref is not None else None,
-                "matches_ar": None if sampled or ref is None else diff is None, "first_divergence": diff,
-            })
-        log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
-            + ("  (warm-up)" if pi < warmup else ""))
-    # per-row speedup against the AR of the same prompt, dataset and setting
+    pi = 0
+    try:
+        for pi, prompt in enumerate(prompts):
+            _prompt_rows(pair, dataset, pi, prompt, methods, refs, warmup, max_new_tokens, max_prompt_tokens,
+                         setting, rows)
+            log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
+                + ("  (warm-up)" if pi < warmup else ""))
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: what the finished prompts measured goes with it
+        e.partial_rows = _speedups([r for r in rows if r["prompt_id"] < pi])
+        raise
+    return _speedups(rows)
+
+
+def _speedups(rows: list[dict]) -> list[dict]:
+    """Each row's speedup against the AR of the same prompt, dataset and setting."""
     tps = {(r["prompt_id"], r["method"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         for col, base in (("speedup", tps.get((r["prompt_id"], "ar"))),
                           ("speedup_ref", tps.get((r["prompt_id"], r["ref_method"])))):
             r[col] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
     return rows
+
+
+def _prompt_rows(pair, dataset, pi, prompt, methods, refs, warmup, max_new_tokens, max_prompt_tokens, setting,
+                 rows: list[dict]) -> None:
+    """Every method on one prompt, a row each appended to ``rows``."""
+    got = {}
+    for ms in methods:
+        pair.forget_prefixes()  # every method prefills the prompt itself
+        with PeakRSS(pair.device) as mem:
+            if ms.method in HF_METHODS:
+                toks, m = run_hf(pair, ms.method, prompt, max_new_tokens, ms.options)
+            else:
+                toks, _, met = decode(pair, prompt, make_config(ms.method, ms.options),
+                                      max_new_tokens=max_new_tokens, ignore_eos=True)
+                m = met.as_dict()
+        got[ms.label] = toks
+        ref = refs[ms.label]
+        # transformers' peers sample with torch's RNG: no ar reference draws their samples
+        sampled = ms.method in HF_METHODS and ms.options.get("temperature", 0) > 0
+        diff = first_difference(got[ref.label], toks) if ref is not None and not sampled else None
+        rows.append({
+            "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
+            "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
+            "setting": json.dumps(setting, sort_keys=True), "max_new_tokens": max_new_tokens,
+            "max_prompt_tokens": max_prompt_tokens,
+            **{f.name: m.get(f.name) for f in dataclasses.fields(Metrics)},  # one source: the dataclass
+            "prompt_tokens": len(prompt), "peak_memory_mb": mem.peak_mb,
+            "ref_method": ref.label if ref is not None else None,
+            "matches_ar": None if sampled or ref is None else diff is None, "first_divergence": diff,
+        })
 
 
 @torch.inference_mode()
@@ -416,9 +437,6 @@ def grid_methods(grid: dict) -> list[MethodSpec]:
 
 
 def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if spec.hf_peers and not hasattr(pair.target, "generate"):
         raise ValueError("transformers' peers (hf_*) call transformers' generate: load the pair with "
                          "load_pair(..., transformers_models=True) or kernel='hf'")
@@ -426,6 +444,39 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     t0 = time.time()
+    try:
+        loaded = _measure(pair, spec, rows, log)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: keep what was measured (a whole bench can take hours)
+        rows += getattr(e, "partial_rows", [])
+        _write(out, pair, spec, rows, t0, None, interrupted=True, log=log)
+        raise
+    return _write(out, pair, spec, rows, t0, loaded, log=log)
+
+
+def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: float, loaded, interrupted: bool = False,
+           log=print) -> Path:
+    """results.parquet (every row's columns: a sweep's rows have more than a batch's) and bench.json;
+    an earlier bench's files in ``out`` go (its plots would sit beside the new tables)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if (out / "results.parquet").exists():
+        log(f"replacing the earlier bench results in {out}")
+    for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *out.glob("*.png")]:
+        old.unlink(missing_ok=True)
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows]), out / "results.parquet")
+    meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
+            "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "kernel": pair.kernel,
+            "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
+            "prompts_used": {name: len(texts) for _, name, texts in loaded} if loaded else None,
+            "interrupted": interrupted}
+    (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
+    return out
+
+
+def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> list:
+    """Every measurement of the bench, appended to ``rows`` as it is made; returns the prompts."""
     loaded = [(ds, *load_bench_prompts(ds, spec.prompt_column, spec.prompts)) for ds in spec.datasets]  # all first:
     names = [name for _, name, _ in loaded]  # a bad one fails before any measurement
     if len(set(names)) < len(names):
@@ -442,12 +493,10 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
                              f"need more than --warmup {spec.warmup}")
     for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
-        base = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
-        log(f"{name}: {len(base)} prompts ({spec.warmup} warm-up), L_max={spec.max_prompt_tokens}, T={spec.max_new_tokens}")
-        if spec.batch_sizes:
-            base = base[spec.warmup:]  # the batch sweep warms each (B, method) up itself
+        full = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
+        log(f"{name}: {len(full)} prompts ({spec.warmup} warm-up), L_max={spec.max_prompt_tokens}, T={spec.max_new_tokens}")
         if not spec.batch_sizes:  # with batch sizes, B = 1 is the one-at-a-time measurement
-            rows += bench_rows(pair, name, base, list(spec.methods), warmup=spec.warmup,
+            rows += bench_rows(pair, name, full, list(spec.methods), warmup=spec.warmup,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens,
                                setting={"sweep": "main"}, log=log)
         sweep_ms = with_references([m for m in spec.methods if m.label in spec.sweep_methods
@@ -455,23 +504,17 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
         # the main setting has warmed every method up: the sweeps measure every prompt they run
         skip, warm = (spec.warmup, 0) if not spec.batch_sizes else (0, spec.warmup)
         for t in spec.sweep_tokens:
-            rows += bench_rows(pair, name, base[skip:], sweep_ms, warmup=warm, max_new_tokens=t,
+            rows += bench_rows(pair, name, full[skip:], sweep_ms, warmup=warm, max_new_tokens=t,
                                max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "tokens", "T": t}, log=log)
         for lmax in spec.sweep_prompt_len:
             ps = [truncate_prompt(e, lmax) for e in enc[skip:]]
             rows += bench_rows(pair, name, ps, sweep_ms, warmup=warm, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=lmax, setting={"sweep": "prompt_len", "L": lmax}, log=log)
-        if spec.batch_sizes:
-            rows += batch_rows(pair, name, base, list(spec.methods), spec.batch_sizes,
+        if spec.batch_sizes:  # (the batch sweep warms each (B, method) up itself)
+            rows += batch_rows(pair, name, full[spec.warmup:], list(spec.methods), spec.batch_sizes,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens, log=log)
         if spec.grid:
-            rows += bench_rows(pair, name, base, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
+            rows += bench_rows(pair, name, full, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
                                warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "grid"}, log=log)
-    pq.write_table(pa.Table.from_pylist(rows), out / "results.parquet")
-    meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
-            "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "kernel": pair.kernel,
-            "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
-            "prompts_used": {name: len(texts) for _, name, texts in loaded}}
-    (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
-    return out
+    return loaded

@@ -234,7 +234,8 @@ def _spec_options(f):
 def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
-    from .jobs.driver import JobError, Terminated, run_job
+    from .jobs.driver import ClusterLost, JobError, run_job
+    from .signals import Terminated
     from .jobs.spec import SpecError, build_spec
     from .jobs.summary import format_table
 
@@ -242,6 +243,10 @@ def run(config_file, quiet, dry_run, **fields):
         fields["options"] = parse_options(fields["options"])
         spec = build_spec(config_file, **fields)
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True), dry_run=dry_run)
+    except ClusterLost as e:  # Ray's shutdown would wait a minute for the lost head, then abort
+        click.echo(f"Error: {e}", err=True)
+        sys.stderr.flush()
+        os._exit(1)
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
@@ -273,6 +278,8 @@ def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
         raise click.BadParameter(f"{s!r} is not a comma-separated list of whole numbers", param_hint=flag) from None
     if any(x < lo for x in out):
         raise click.BadParameter(f"{s!r}: every value must be >= {lo}", param_hint=flag)
+    if len(set(out)) < len(out):  # (two rows of one setting would be compared as different ones)
+        raise click.BadParameter(f"{s!r} names a value twice", param_hint=flag)
     return out
 
 
@@ -307,6 +314,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
     from .bench import BenchSpec, parse_methods, run_bench
     from .data import InputError
+    from .signals import Terminated, end_on_sigterm
     from .models import PairError, load_pair
     from .report import report
 
@@ -325,9 +333,15 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
                          batch_sizes=_int_list(batch_sizes, "--batch-sizes"))
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel, transformers_models=spec.hf_peers)
+        end_on_sigterm()
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:
         _fail(str(e))
+    except KeyboardInterrupt as e:
+        click.echo(f"\n{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}: the prompts "
+                   f"measured so far are in {out_dir}/results.parquet (`dynatree report {out_dir}` tables them)",
+                   err=True)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
     md, pngs = report(out)
     click.echo(md.read_text())
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
@@ -423,7 +437,7 @@ def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int, k
             continue
         ms = _profile_model(runner, n, (1, 16), repeats, kv_dtype)
         base = base or (n, ms)
-        grow = "" if base[0] == n else (f"  (+{ms[1] - base[1][1]:.2f} / +{ms[16] - base[1][16]:.2f} ms over "
+        grow = "" if base[0] == n else (f"  ({ms[1] - base[1][1]:+.2f} / {ms[16] - base[1][16]:+.2f} ms over "
                                        f"{base[0]} cached: the longer cache's share "
                                        f"{(ms[1] - base[1][1]) / ms[1]:.0%} / {(ms[16] - base[1][16]) / ms[16]:.0%})")
         click.echo(f"cached {n:>5}: target 1 token {ms[1]:6.2f} ms, 16 tokens {ms[16]:6.2f} ms{grow}")
@@ -438,8 +452,12 @@ def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: in
     mkl = type(pair.runner("target"))(pair.target, gemm=False)  # the same architecture's torch path
     ref = _profile_model(mkl, prefix, (1, 4, 16, 64), repeats, kv_dtype)
     ratios = {f"{n} token{'s' if n > 1 else ''}": native_ms[n] / ref[n] for n in ref}
+    shown = "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(ref.items()))
     if prefill:
-        ratios[f"{prefill}-token prefill"] = native_prefill / time_prefill(mkl, prefill, repeats, kv_dtype)
+        mkl_prefill = time_prefill(mkl, prefill, repeats, kv_dtype)
+        ratios[f"{prefill}-token prefill"] = native_prefill / mkl_prefill
+        shown += f"  (prefill of {prefill} tokens: {mkl_prefill:.1f} ms)"
+    click.echo("lean-mkl target" + shown)  # (the times the ratios below divide by, measured in this run)
     slower = [k for k, r in ratios.items() if r > 1.0]
     click.echo("target, native ÷ lean-mkl time: " + ", ".join(f"{k} {r:.2f}x" for k, r in ratios.items())
                + (f" -- native is SLOWER than MKL at {', '.join(slower)} on this CPU" if slower else ""))

@@ -128,6 +128,21 @@ class ModelPair:
             self.state[key] = run
         return self.state[key]
 
+    def forward_in_use(self, which: str = "target") -> str:
+        """What runs ``which`` model's forward, for logs and summaries: dynatree's native kernel
+        (and its instruction set), torch's ops (and why not the native kernel) or transformers'."""
+        run = self.runner(which)
+        if run is None:
+            return "none"
+        if getattr(run, "native", False):
+            from . import native
+
+            return f"native kernel ({native.library().dt_isa().decode()})"
+        why = getattr(run, "refusal", None)
+        if why is None:  # HFRunner
+            return "transformers' forward"
+        return f"torch ops (not the native kernel: {why})" if why else "torch ops"
+
     def window(self, cfg, which: str = "target"):
         """The kvcache.Window of a method config's ``kv_window`` for ``"target"`` or ``"draft"``
         (None when the window is off); built once per model and setting."""

@@ -21,9 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
+import socket
 import sys
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dynatree.data import id_strings, would_read
+from dynatree.signals import end_on_sigterm
 from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 
@@ -40,9 +40,10 @@ from .plan import (JobError, Plan, as_stored, check_output, default_ids, finishe
 from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
-__all__ = ["JobError", "run_job"]
+__all__ = ["ClusterLost", "JobError", "run_job"]
 
 QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
+RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
 
 
 def _progress(total: int):
@@ -100,28 +101,21 @@ def _init_ray(spec: JobSpec):
     except ConnectionError as e:
         raise JobError(f"cannot reach the Ray cluster at {address}: {e} (if the head uses token "
                        "authentication, this client needs the same RAY_AUTH_MODE and token)") from e
-    _end_on_sigterm()
+    end_on_sigterm()
     return ray
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`ray job stop`, systemd, Kubernetes, Slurm): the job ends as Ctrl-C ends it."""
+class ClusterLost(JobError):
+    """The Ray cluster's head went away mid-job: the process ends at once after saying so (Ray's
+    client would otherwise wait for it, then exit with its own fatal error)."""
 
 
-def _end_on_sigterm() -> None:
-    """Once Ray is up: its driver answers SIGTERM with a native stack dump and no cleanup; a job
-    ends as on Ctrl-C instead (actors released, the resume message).  Main thread only (Python
-    delivers signals there)."""
-    if threading.current_thread() is threading.main_thread():
-        def terminated(_signum, _frame):
-            raise Terminated()
-
-        signal.signal(signal.SIGTERM, terminated)
 
 
 def start_local_ray(**kw):
-    """A private local Ray cluster advertising loopback ("local": never attach to a cluster some
-    earlier `ray start` left registered), without the dashboard `dynatree run` does not need."""
+    """A private local Ray cluster ("local": never attach to a cluster some earlier `ray start` left
+    registered), without the dashboard `dynatree run` does not need.  (It asks for loopback; Ray
+    2.60 still advertises the routable address: README, *Running on a Ray cluster*.)"""
     import ray
 
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kw)
@@ -319,6 +313,7 @@ class _Dispatch:
         self.spec, self.plan, self.out, self.stats, self.startup, self.log = spec, plan, out, stats, startup, log
         self.attempts: dict[int, int] = {}  # failures while running alone
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
+        self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
         self.failed: list[str] = []
 
     def _start(self, ray, n: int) -> None:
@@ -343,8 +338,10 @@ class _Dispatch:
                                      what="actor")
         self.startup["actors_ready_s"] = round(time.time() - t0, 3)
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
+        self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
         self.log(f"{n} actor(s) ready: {infos[0]['device']}, {infos[0]['dtype']}, {cpus:g} CPU / {gpus:g} GPU "
-                 f"each, context {infos[0]['context']}, batch size {spec.batch_size}")
+                 f"each, context {infos[0]['context']}, batch size {spec.batch_size}; target forward: "
+                 f"{infos[0]['forward']}")
 
     def run(self, todo: list[int], progress: bool) -> None:
         t0 = time.time()
@@ -352,6 +349,9 @@ class _Dispatch:
         resources = ray.cluster_resources()
         _check_devices(self.spec, resources)
         n, self.cpus, self.gpus = _actor_shape(self.spec, resources)
+        if not self.gpus and self.spec.dtype == "float16":
+            self.log("warning: --dtype float16 on CPU actors runs torch's slow float16 kernels (~18x slower than "
+                     "float32 measured on a 2-core EPYC); use --dtype float32 on CPUs")
         self.memory = self.spec.memory_per_actor * 1e9 if self.spec.memory_per_actor else None  # bytes
         try:
             n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)
@@ -365,12 +365,16 @@ class _Dispatch:
         try:
             self._start(ray, min(n, len(todo)))
             self._loop(ray, deque((k, None) for k in todo), progress)
-            self.stats["actors"] = ray.get([a.stats.remote() for a in self.actors], timeout=30)
+            self.stats["actors"] = ray.get([a.stats.remote() for a in self.actors if a is not None], timeout=30)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
+        except ClusterLost:
+            self.actors, self.pg = [], None  # nothing left to release, and asking would wait for the head
+            raise
         finally:
             for a in self.actors:
-                ray.kill(a)
+                if a is not None:
+                    ray.kill(a)
             if self.pg is not None:
                 placement.release(self.pg)
         if self.failed:
@@ -387,7 +391,7 @@ class _Dispatch:
             progress = False
             for slot, actor in enumerate(self.actors):
                 queue = mine[slot]
-                if not pending or len(queue) >= self.spec.inflight_shards or any(v[5] for v in queue):
+                if actor is None or not pending or len(queue) >= self.spec.inflight_shards or any(v[5] for v in queue):
                     continue
                 k, got = pending[0]
                 alone = k in self.suspects
@@ -396,7 +400,7 @@ class _Dispatch:
                 pending.popleft()
                 rows, kept = got or _read_shard(self.spec, self.plan, k)
                 entry = (slot, actor, k, rows, kept, alone)
-                backlog = len(pending) * self.plan.shard_size // len(self.actors)  # this actor's share, roughly
+                backlog = len(pending) * self.plan.shard_size // self.alive  # this actor's share, roughly
                 inflight[actor.run_shard.remote(self.plan.shard(k)[0], rows, backlog)] = entry
                 queue.append(entry)
                 progress = True
@@ -412,18 +416,25 @@ class _Dispatch:
         try:
             while pending or inflight:
                 self._feed(inflight, pending)
-                done, _ = ray.wait(list(inflight), num_returns=1, timeout=QUIET_S)
-                if not done:
+                wait_s = RESTART_POLL_S if self.restarts else QUIET_S
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+                self._check_restarts(ray, inflight, pending)
+                if not done and not self.restarts:
                     self._say_quiet(inflight, time.time() - quiet_since)
                 for ref in done:
                     quiet_since = time.time()
+                    if ref not in inflight:  # its actor's replacement was given up just now: requeued
+                        continue
                     slot, actor, k, rows, kept, alone = inflight.pop(ref)
                     try:
                         results = ray.get(ref)
                     except (RayActorError, RayTaskError) as err:
+                        if isinstance(err, RayActorError):
+                            self._check_cluster(ray)
                         self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
-                            self.actors[slot] = self.start_actor(slot)  # once, in its bundle
+                            self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
+                            self.restarts[slot] = (new.ready.remote(), time.time() + self.spec.ready_timeout_s)
                         continue
                     self.suspects.discard(k)
                     write_shard(self.out, self.spec, self.plan, k, _shard_table(self.plan, rows, results, kept))
@@ -439,6 +450,44 @@ class _Dispatch:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _check_cluster(self, ray) -> None:
+        """An actor died: if the cluster's head is gone too, say that (every actor "dies" with it,
+        and Ray's client would end the process a minute later with only its own message)."""
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise ClusterLost(f"lost the Ray cluster: its head (GCS at {host}:{port}) does not answer "
+                              f"({e.strerror or e}); finished shards are kept in {self.out}/shards — restart the "
+                              "head and re-run the same command to resume") from None
+
+    @property
+    def alive(self) -> int:
+        return sum(a is not None for a in self.actors)
+
+    def _check_restarts(self, ray, inflight: dict, pending: deque) -> None:
+        """A replacement actor not ready by --ready-timeout-s (its node lost, the cluster full) is
+        given up: its shards go back to the queue for the others (a dead node's bundle can wait for
+        room forever while the other actors sit idle).  One that started, or died (its shards'
+        failures restart it again, counted against them), is no longer watched."""
+        for slot, (ref, deadline) in list(self.restarts.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self.restarts[slot]
+                continue
+            if time.time() <= deadline:
+                continue
+            del self.restarts[slot]
+            why = f"was not ready after --ready-timeout-s {self.spec.ready_timeout_s:g} s (its node lost, or no room)"
+            actor, self.actors[slot] = self.actors[slot], None
+            for ref_, entry in [(r, e) for r, e in inflight.items() if e[0] == slot]:
+                del inflight[ref_]
+                pending.appendleft((entry[2], (entry[3], entry[4])))
+            ray.kill(actor)
+            if not self.alive:
+                raise JobError(f"actor {slot}'s replacement {why}, and no other actor is left; finished shards are "
+                               f"kept in {self.out}/shards — re-run to resume")
+            self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
 
     def _say_quiet(self, inflight: dict, quiet_s: float) -> None:
         """No shard finished for a while: say what is in flight where (a hung actor must not look

@@ -99,9 +99,15 @@ def test_bench_batch_sizes(pair_dirs, tmp_path):
     against batch-1 ar (float64, so transformers' batched generate agrees too)."""
     out = tmp_path / "batch"
     res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 6) + [
-        "--methods", "ar,linear,dynatree,hf_ar", "--batch-sizes", "1,2,3", "--out", str(out)])
+        "--methods", "ar,linear,dynatree,hf_ar", "--batch-sizes", "1,2,3", "--sweep-tokens", "4", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    rows = pq.read_table(out / "results.parquet").to_pylist()
+    table = pq.read_table(out / "results.parquet")
+    sweep = [r for r in table.to_pylist() if json.loads(r["setting"])["sweep"] == "tokens"]
+    rows = [r for r in table.to_pylist() if r not in sweep]
+    # every row keeps its columns (a batch row's and a sweep row's differ), one warm-up prompt each
+    assert {"rows_matching_ar", "ttft_s"} <= set(table.column_names)
+    assert sorted((r["method"], r["warmup"]) for r in sweep) == [(m, w) for m in ("ar", "dynatree")
+                                                               for w in (False, False, True)]
     assert {(json.loads(r["setting"])["B"], r["method"]) for r in rows} == {
         (b, m) for b in (1, 2, 3) for m in ("ar", "linear", "dynatree", "hf_ar")}
     for r in rows:
@@ -159,6 +165,12 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     assert res.exit_code == 1 and "missing.parquet" in res.output and not (tmp_path / "b" / "results.parquet").exists()
     res = CliRunner().invoke(main, base + ["--methods", "x=ar,x=dynatree"])
     assert res.exit_code == 1 and "--methods names 'x' twice" in res.output
+    res = CliRunner().invoke(main, base + ["--methods", "ar=dynatree,linear"])
+    assert res.exit_code == 1 and "the label ar names the ar every method is compared with" in res.output
+    res = CliRunner().invoke(main, base + ["--methods", "ar,dynatree", "--option", "ar.kv_window=128"])
+    assert res.exit_code == 1 and "give a configured ar a label of its own" in res.output
+    res = CliRunner().invoke(main, base + ["--batch-sizes", "1,1"])
+    assert res.exit_code == 2 and "names a value twice" in res.output
     res = CliRunner().invoke(main, base + ["--methods", "ar,linear", "--sweep-methods", "linear,lineer", "--sweep-tokens", "4"])
     assert res.exit_code == 1 and "--sweep-methods lineer: not among the methods (ar, linear" in res.output
 
@@ -182,3 +194,28 @@ def test_the_main_table_divides_by_each_methods_own_ar_reference():
           "dyn": [row(150.0, "ar")], "hf_ar": [row(20.0)]}
     assert [_ref_speedup(gd, m) for m in gd] == [1.0, 1.0, 1.5, 1.5, 0.2]
     assert "| dts | 75.0 ± 0.0 | 1.50× | yes (1) |" in _results_table({"d": gd}, ["d"], list(gd))
+
+
+def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM mid-bench: results.parquet holds every whole prompt measured (and what an
+    earlier bench left in the directory is gone), bench.json says it was interrupted; exit 130."""
+    import dynatree.bench
+
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "sweep_tokens.png").write_text("an earlier bench's plot")
+    real, calls = dynatree.bench.decode, []
+
+    def decode(*a, **k):  # the 7th decode: prompt 2's first (prompt-major, 3 methods), after two whole prompts
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(dynatree.bench, "decode", decode)
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 4, 4) + ["--methods", "ar,linear,dynatree",
+                                                                            "--out", str(out)])
+    assert res.exit_code == 130 and "the prompts measured so far are in" in res.output, res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert sorted({r["prompt_id"] for r in rows}) == [0, 1] and len(rows) == 6
+    assert json.loads((out / "bench.json").read_text())["interrupted"] and not (out / "sweep_tokens.png").exists()

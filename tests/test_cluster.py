@@ -28,6 +28,8 @@ def test_cluster_yaml_is_a_valid_ray_up_config():
     assert cfg["provider"]["type"] == "local"
     assert any("RAY_AUTH_MODE=token" in c for c in cfg["head_start_ray_commands"])
     assert any("--dashboard-host=127.0.0.1" in c for c in cfg["head_start_ray_commands"])
+    prepared = prepare_config(cfg)  # the checkout is mounted without what git ignores (.venv: GBs)
+    assert ".gitignore" in prepared["rsync_filter"] and ".venv" in prepared["rsync_exclude"]
 
 
 def free_port() -> int:

@@ -119,6 +119,20 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
     assert "part-000002.parquet" not in done and "part-000000.parquet" in done
 
 
+def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+    """An actor dies and its replacement never becomes ready (its node was lost and no other has
+    room): after --ready-timeout-s its shards go to the actors left, and the job finishes."""
+    texts = PROMPTS * 3  # shards enough that the replacement is given some while it starts
+    write_input(tmp_path, texts)
+    faults(monkeypatch, die_once_on_shard="part-000001", never_ready_after_death=True)
+    said = []
+    s = run_job(spec(pair_dirs, tmp_path, ready_timeout_s=8, verify_fraction=0.0), progress=False, log=said.append)
+    assert any("replacement was not ready after --ready-timeout-s 8 s" in m and "going on with 1 actor" in m
+               for m in said), said
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(len(texts)))
+    assert s["errors"] == 0
+
+
 def test_a_stalled_actor_is_reported_not_waited_on_silently(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     from dynatree.jobs import driver
 
@@ -503,6 +517,8 @@ def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
     s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0, memory_per_actor=0.5),
                 progress=False, log=quiet)
     assert s["rows"] == len(PROMPTS) and s["startup"]["actors_ready_s"] > 0
+    # what ran the forward, and why not the native kernel (a float64 model)
+    assert s["this_run"]["forward"].startswith("torch ops (not the native kernel: a float64 model on cpu")
 
 
 def test_the_driver_imports_neither_torch_nor_transformers():
@@ -549,6 +565,31 @@ def test_templated_prompts_share_their_prefix_in_a_job(ray_cluster, pair_dirs, t
                        prefix_cache_gb=0.0, overwrite=True), progress=False, log=quiet)
     assert off["cached_prompt_tokens"] == 0
     assert [r["generated_token_ids"] for r in read_rows(tmp_path / "out")] == [r["generated_token_ids"] for r in rows]
+
+
+def test_a_lost_head_is_named_at_once(tmp_path):
+    """Actors "die" with a lost head: the driver checks the GCS and ends with a message saying so,
+    at once (Ray's client would wait a minute, then abort with its own fatal error)."""
+    import socket
+    import subprocess
+    import sys
+
+    from dynatree.jobs import driver
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once closed
+    dispatch = driver._Dispatch.__new__(driver._Dispatch)
+    dispatch.out = tmp_path
+    ray = types.SimpleNamespace(get_runtime_context=lambda: types.SimpleNamespace(gcs_address=f"127.0.0.1:{port}"))
+    with pytest.raises(driver.ClusterLost, match=f"lost the Ray cluster: its head \\(GCS at 127.0.0.1:{port}\\)"):
+        dispatch._check_cluster(ray)
+    code = ("import sys; from dynatree.jobs import driver\n"
+            "def lost(*a, **k): raise driver.ClusterLost('lost the Ray cluster: ...')\n"
+            "driver.run_job = lost\n"
+            f"from dynatree.cli import main; main(['run', '--input', 'x.parquet', '--output', {str(tmp_path / 'o')!r}])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and res.stderr.strip().endswith("Error: lost the Ray cluster: ..."), res.stderr[-2000:]
 
 
 def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
