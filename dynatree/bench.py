@@ -487,10 +487,15 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> list:
         if unknown:
             raise ValueError(f"--sweep-methods {','.join(unknown)}: not among the methods "
                              f"({', '.join(m.label for m in spec.methods)}; or 'all')")
+    if ((spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods == SWEEP_DEFAULT
+            and not any(m.label == "dynatree" for m in spec.methods)):
+        log("note: the sweeps run ar and dynatree by default, and --methods has no dynatree: they run ar "
+            "alone (choose others with --sweep-methods)")
     for ds, name, texts in loaded:
         if len(texts) <= spec.warmup:
-            raise ValueError(f"dataset {ds}: {len(texts)} usable prompts (texts of at least 200 characters), "
-                             f"need more than --warmup {spec.warmup}")
+            had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
+                   f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
+            raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
     for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
         full = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]

@@ -41,6 +41,11 @@ def cpuinfo(*keys: str) -> str:
     return platform.processor()
 
 
+def cpu_flags() -> str:
+    """The CPU's feature flags line (the variants it runs, part of the build's cache key)."""
+    return cpuinfo("flags", "Features")
+
+
 def cache_dir() -> Path:
     """Where built kernels and budget profiles are kept: ``$DYNATREE_CACHE`` or ~/.cache/dynatree."""
     return Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
@@ -53,13 +58,13 @@ def variant() -> str:
 
 def variants_here() -> list[str]:
     """The variants this CPU can run (``avx2`` needs an x86 CPU with AVX2 and FMA)."""
-    flags = cpuinfo("flags", "Features").split()
+    flags = cpu_flags().split()
     return ["native"] + (["avx2"] if _X86 and {"avx2", "fma"} <= set(flags) else []) + ["generic"]
 
 
 def has_avx512() -> bool:
     """Whether this CPU runs AVX-512 (torch's MKL then does, whatever variant the kernel is built as)."""
-    return _X86 and "avx512f" in cpuinfo("flags", "Features").split()
+    return _X86 and "avx512f" in cpu_flags().split()
 
 
 def source_hash() -> str:
@@ -110,7 +115,7 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    parts = [source_hash(), version, " ".join(flags), platform.machine(), cpuinfo("flags", "Features")]
+    parts = [source_hash(), version, " ".join(flags), platform.machine(), cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = cache_dir()
     lib_path = cache / f"libdtgemm-{key}.so"

@@ -85,7 +85,7 @@ def test_variants_that_cannot_run_here_say_so(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
     lib, why = native._build("avx9")
     assert lib is None and "unknown DYNATREE_ISA='avx9'" in why
-    monkeypatch.setattr(kbuild, "_cpu_flags", lambda: "flags: fpu sse sse2")  # an x86 CPU without AVX2
+    monkeypatch.setattr(kbuild, "cpu_flags", lambda: "flags: fpu sse sse2")  # an x86 CPU without AVX2
     if kbuild._X86:
         lib, why = native._build("avx2")
         assert lib is None and "cannot run on this CPU" in why
