@@ -374,3 +374,23 @@ def test_a_categorical_column_in_one_file_and_strings_in_the_next_read_as_one(tm
     pq.write_table(pa.table({"text": pa.array(["c"], pa.large_string())}), tmp_path / "b.parquet")
     src = InputSource.open(str(tmp_path))
     assert src.schema.field("text").type == pa.large_string() and read_texts(str(tmp_path)) == ["a", "b", "c"]
+
+
+def test_a_jsonl_schema_is_inferred_once_per_file_version(tmp_path, monkeypatch):
+    """Inferring reads every line: a dry run, resume or re-run of the same file takes it from the
+    cache; a changed file (or one rewritten to the same size) is inferred again."""
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    calls = []
+    infer = data._infer_schema
+    monkeypatch.setattr(data, "_infer_schema", lambda rows: calls.append(1) or infer(rows))
+    path = tmp_path / "r.jsonl"
+    _jsonl(path, [{"id": i, "text": f"row {i}"} for i in range(5)])
+    first = InputSource.open(str(path)).schema
+    assert InputSource.open(str(path)).schema == first and len(calls) == 1
+    _jsonl(path, [{"id": i, "text": f"row {i}", "n": 1.5} for i in range(5)])  # a new column
+    assert "n" in InputSource.open(str(path)).schema.names and len(calls) == 2
+    text = path.read_text()
+    stat = path.stat()
+    path.write_text(text.replace('"n": 1.5', '"n": "x"'))  # same size, same mtime: the contents tell
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert InputSource.open(str(path)).schema.field("n").type == pa.string() and len(calls) == 3
