@@ -81,7 +81,8 @@ def _latency_table(g: dict, datasets: list, methods: list) -> str:
         for d in datasets:
             rs = g[d].get(m, [])
             cells += [_ms([r["ttft_s"] * 1e3 if r["ttft_s"] is not None else None for r in rs]),
-                      _ms([r["tpot_s"] * 1e3 if r["tpot_s"] is not None else None for r in rs])]
+                      _ms([r["tpot_s"] * 1e3 if r["tpot_s"] is not None and (r.get("new_tokens") or 0) > 1
+                           else None for r in rs])]  # (one new token has no time per output token)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
