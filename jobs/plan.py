@@ -103,10 +103,13 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         if missing:
             raise JobError(f"--keep-columns: no column(s) {', '.join(missing)} in {spec.input} "
                            f"(columns: {', '.join(source.column_names)})")
-        clash = [c for c in spec.keep_columns if c in result_cols]
+        # an `id` that is not the row id is kept as input_id, as when every column is kept
+        renamed = (("id", INPUT_ID),) if "id" in spec.keep_columns and spec.id_column != "id" \
+            and INPUT_ID not in spec.keep_columns else ()
+        clash = [c for c in spec.keep_columns if c in result_cols and c not in dict(renamed)]
         if clash:
             raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
-        return tuple(dict.fromkeys(spec.keep_columns)), ()  # (a Python caller may repeat one)
+        return tuple(dict.fromkeys(spec.keep_columns)), renamed  # (a Python caller may repeat one)
     # an `id` that is not the row id (duplicates, nulls, --id-column another) is the user's key to
     # join on -- unless an output begun without it resumes (its shards and new ones form one dataset)
     begun = _begun_schema(spec)

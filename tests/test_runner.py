@@ -658,6 +658,10 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     assert plan.kept_names == ["input_id", "text"] and "copied as input_id" in logs[-1]
     from dynatree.jobs.driver import _read_shard
     assert _read_shard(other, plan, 0)[1].column("input_id").to_pylist() == ["a", "a", "b", "c"]
+    named = dataclasses.replace(other, keep_columns=("id",))  # asked for by name: the same input_id
+    named_plan = make_plan(named, quiet, source)
+    assert named_plan.kept_names == ["input_id"]
+    assert _read_shard(named, named_plan, 0)[1].column("input_id").to_pylist() == ["a", "a", "b", "c"]
     out = tmp_path / "o2"
     (out / "shards").mkdir(parents=True)
     pq.write_table(pa.table({"id": ["0"], "text": ["t"]}), out / "shards" / "part-000000.parquet")  # begun without it:
