@@ -44,6 +44,7 @@ __all__ = ["ClusterLost", "JobError", "run_job"]
 
 QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
 RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
+HEALTH_S = 20.0  # while no shard finishes: how often the head is checked (Ray's client gives up on it after 60 s)
 
 
 def _progress(total: int):
@@ -412,17 +413,11 @@ class _Dispatch:
         total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
         bar = _progress(total) if progress else None
         lines = _LogProgress(total, self.log) if progress and (bar is None or bar.disable) else None
-        t0 = quiet_since = time.time()
+        t0 = self.last_done = self.said_at = time.time()
         try:
             while pending or inflight:
                 self._feed(inflight, pending)
-                wait_s = RESTART_POLL_S if self.restarts else QUIET_S
-                done, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
-                self._check_restarts(ray, inflight, pending)
-                if not done and not self.restarts:
-                    self._say_quiet(inflight, time.time() - quiet_since)
-                for ref in done:
-                    quiet_since = time.time()
+                for ref in self._wait(ray, inflight, pending):
                     if ref not in inflight:  # its actor's replacement was given up just now: requeued
                         continue
                     slot, actor, k, rows, kept, alone = inflight.pop(ref)
@@ -451,10 +446,31 @@ class _Dispatch:
             if bar is not None:
                 bar.close()
 
+    def _wait(self, ray, inflight: dict, pending: deque) -> list:
+        """Finished shards' refs (at most one); while none finishes, the replacement actors'
+        deadlines, the head's health and, every QUIET_S without a finished shard, what is in
+        flight are checked."""
+        wait_s = RESTART_POLL_S if self.restarts else min(HEALTH_S, QUIET_S)
+        done, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+        self._check_restarts(ray, inflight, pending)
+        now = time.time()
+        if done:
+            self.last_done = now
+        else:
+            self._check_cluster(ray)
+            if min(now - self.last_done, now - self.said_at) >= QUIET_S:
+                self.said_at = now
+                self._say_quiet(inflight, now - self.last_done)
+        return done
+
     def _check_cluster(self, ray) -> None:
-        """An actor died: if the cluster's head is gone too, say that (every actor "dies" with it,
-        and Ray's client would end the process a minute later with only its own message)."""
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        """After an actor death or a quiet spell: if the cluster's head is gone, say that (every
+        actor "dies" with it, and Ray's client would end the process a minute later with only its
+        own message)."""
+        try:
+            host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        except Exception:  # noqa: BLE001 - (a ray:// client has no GCS address of its own to check)
+            return
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
         except OSError as e:
