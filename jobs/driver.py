@@ -338,6 +338,8 @@ class _Dispatch:
         infos = placement.wait_ready([a.ready.remote() for a in self.actors], timeout_s=spec.ready_timeout_s,
                                      what="actor")
         self.startup["actors_ready_s"] = round(time.time() - t0, 3)
+        # a replacement loads what the first actors loaded: far slower means it cannot be placed
+        self.replace_timeout_s = min(spec.ready_timeout_s, max(120.0, 5 * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
         self.log(f"{n} actor(s) ready: {infos[0]['device']}, {infos[0]['dtype']}, {cpus:g} CPU / {gpus:g} GPU "
@@ -429,7 +431,7 @@ class _Dispatch:
                         self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
                             self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
-                            self.restarts[slot] = (new.ready.remote(), time.time() + self.spec.ready_timeout_s)
+                            self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
                         continue
                     self.suspects.discard(k)
                     write_shard(self.out, self.spec, self.plan, k, _shard_table(self.plan, rows, results, kept))
@@ -483,7 +485,7 @@ class _Dispatch:
         return sum(a is not None for a in self.actors)
 
     def _check_restarts(self, ray, inflight: dict, pending: deque) -> None:
-        """A replacement actor not ready by --ready-timeout-s (its node lost, the cluster full) is
+        """A replacement actor not ready in time (replace_timeout_s: its node lost, the cluster full) is
         given up: its shards go back to the queue for the others (a dead node's bundle can wait for
         room forever while the other actors sit idle).  One that started, or died (its shards'
         failures restart it again, counted against them), is no longer watched."""
@@ -494,7 +496,8 @@ class _Dispatch:
             if time.time() <= deadline:
                 continue
             del self.restarts[slot]
-            why = f"was not ready after --ready-timeout-s {self.spec.ready_timeout_s:g} s (its node lost, or no room)"
+            why = (f"was not ready after {self.replace_timeout_s:.0f} s (5x the first actors' start-up, at least 2 min, "
+                   "at most --ready-timeout-s: its node lost, or no room)")
             actor, self.actors[slot] = self.actors[slot], None
             for ref_, entry in [(r, e) for r, e in inflight.items() if e[0] == slot]:
                 del inflight[ref_]

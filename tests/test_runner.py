@@ -121,13 +121,13 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
 
 def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     """An actor dies and its replacement never becomes ready (its node was lost and no other has
-    room): after --ready-timeout-s its shards go to the actors left, and the job finishes."""
+    room): after its deadline (at most --ready-timeout-s) its shards go to the actors left."""
     texts = PROMPTS * 3  # shards enough that the replacement is given some while it starts
     write_input(tmp_path, texts)
     faults(monkeypatch, die_once_on_shard="part-000001", never_ready_after_death=True)
     said = []
     s = run_job(spec(pair_dirs, tmp_path, ready_timeout_s=8, verify_fraction=0.0), progress=False, log=said.append)
-    assert any("replacement was not ready after --ready-timeout-s 8 s" in m and "going on with 1 actor" in m
+    assert any("replacement was not ready after 8 s" in m and "going on with 1 actor" in m
                for m in said), said
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(len(texts)))
     assert s["errors"] == 0
