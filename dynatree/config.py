@@ -19,6 +19,9 @@ def opt(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+MIN_TEMPERATURE = 1e-6  # the smallest sampling temperature: below, scores / temperature overflow float32
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Options shared by every method: temperature 0 is greedy, anything above samples."""
@@ -40,6 +43,8 @@ class SamplingConfig:
         _check_types(self)
         if not 0 <= self.temperature < math.inf:  # NaN too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / temperature would overflow float32
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
         if not 0 < self.top_p <= 1:

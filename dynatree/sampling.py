@@ -129,6 +129,7 @@ class Sampler:
             srt, idx = x.sort(dim=-1, descending=True)
             sp = srt.softmax(-1)
             drop = sp.cumsum(-1) - sp >= self.top_p  # the mass before this token already reaches top_p
+            drop[:, 0] = False  # the likeliest always stays (a top_p below float32's least reads as 0)
             x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), -torch.inf)
         return x
 

@@ -244,3 +244,27 @@ def test_low_precision_logits_are_scored_in_float32(dtype):
     want = (logits[0].float() / 0.8 + torch.stack([s.noise(j, width) for j in range(n)])).argmax(-1).tolist()
     out = with_heads(logits.clone(), argmax=True, perturb=Perturb(1 / 0.8, lambda w: [s.noise(j, w) for j in range(n)]))
     assert out.choice == want
+
+
+def test_extreme_but_valid_settings_sample_like_ar_or_are_refused(close_pair):
+    """A top_p below float32's least positive value kept no token at all (every row drew id 0, and
+    speculative methods crashed): the likeliest token always stays.  A temperature so small that
+    scores / temperature overflow float32 is refused, naming the least allowed."""
+    x = torch.randn(3, 50)
+    assert (Sampler(0.8, 0, 1e-46, 1).warp(x).isfinite().sum(-1) == 1).all()
+    prompt = random_prompts(1, seed=21, lo=4, hi=4)[0]
+    o = {"temperature": 0.8, "top_p": 1e-46, "seed": 3}
+    greedy = decode(close_pair, prompt, make_config("ar"), max_new_tokens=6, ignore_eos=True)[0]
+    for method in ("ar", "dynatree", "linear"):
+        assert decode(close_pair, prompt, make_config(method, o), max_new_tokens=6, ignore_eos=True)[0] == greedy
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy. or at least 1e-06"):
+        make_config("dynatree", {"temperature": 1e-38})
+
+
+def test_a_context_shorter_than_the_budgets_profile_still_decodes():
+    """The hardware budget profiles forwards of up to 64 tokens after 256 cached ones; a model with
+    a 64-token context made that a negative-length prefix (a crash before the first token)."""
+    target = tiny_neox(1, max_pos=64)
+    pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=None)
+    ar = decode(pair, [5, 6, 7], make_config("ar"), max_new_tokens=8)[0]
+    assert decode(pair, [5, 6, 7], make_config("dynatree"), max_new_tokens=8)[0] == ar
