@@ -125,8 +125,8 @@ class _Row:
         self.lookup = cfg.lookup_length
         self.lookup_stats = pair.state.setdefault(("lookup", *cfg.sampling_key), LookupStats()) if self.lookup else None
         budget = max(cfg.node_budget, 1)
-        held = len(prompt) + max_new_tokens  # at most the window's size with a window
-        self.capacity = (held if self.window is None else min(held, self.window.size)) + budget + 8
+        held = len(prompt) + max_new_tokens  # at most the context, or with a window the window's size
+        self.capacity = min(held, pair.max_context if self.window is None else self.window.size) + budget + 8
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
         self.draft_spent = (0.0, 0, 0.0)  # a retired drafter's seconds, forwards, forward seconds

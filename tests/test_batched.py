@@ -238,3 +238,10 @@ def test_prefill_time_is_the_prefill_and_ttft_adds_the_wait_to_join(close_pair):
         done.update({key: m for key, _, _, m in dec.step()})
     m = done["b"]
     assert 0 < m.prefill_time_s and m.ttft_s >= m.prefill_time_s + 0.05
+
+
+def test_a_huge_max_new_tokens_allocates_the_context_not_the_request(close_pair):
+    """Rows stop at the context anyway: max_new_tokens=10**9 allocated caches for 10**9 tokens
+    (a memory error, or hundreds of GB reserved), now the context's."""
+    toks, reason, m = decode(close_pair, [5, 6, 7], make_config("dynatree"), max_new_tokens=10**9, ignore_eos=True)
+    assert reason == "context" and len(toks) == close_pair.max_context - 3 and m.kv_cache_mb < 10
