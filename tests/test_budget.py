@@ -221,3 +221,14 @@ def test_calibration_survives_an_accepted_node_the_draft_gave_probability_zero()
     tree.add(a, 3, -math.inf)  # below the accepted one
     pol.observe(2, tree, [0, a, 3])
     assert sum(map(sum, pol.calib.tested)) == 2 and pol.calib.accepted[1][0] == 1
+
+
+def test_a_profile_spike_is_capped_by_the_larger_sizes():
+    """A size timed while the machine was busy must not price trees off for good (seen: a cached
+    8-token forward at 49 ms beside 1.9 ms for 12 tokens kept every tree at zero nodes)."""
+    from dynatree.budget import _envelope
+
+    spiked = {1: 0.84, 2: 0.91, 4: 0.92, 8: 49.3, 12: 1.9, 16: 2.76, 32: 8.6, 64: 19.0}
+    assert _envelope(spiked) == {**spiked, 8: 1.9} and list(_envelope(spiked)) == sorted(spiked)
+    assert _envelope({1: 1.0, 4: 3.0, 16: 1.5}) == {1: 1.0, 4: 1.5, 16: 1.5}
+    assert _envelope({1: 1.06, 2: 0.98, 4: 1.07}) == {1: 1.06, 2: 0.98, 4: 1.07}  # noise stays
