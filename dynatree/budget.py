@@ -338,8 +338,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if key in pair.state and not fresh:
         return pair.state[key]
     # a context too short for the largest forwards: the sizes that fit (the model extrapolates)
-    sizes = tuple(n for n in sizes if n < pair.max_context // 2) or (1,)
-    widths = tuple(n for n in widths if n < pair.max_context // 2) or (1,)
+    sizes = tuple(n for n in sizes if n + 1 < pair.max_context) or (1,)
+    widths = tuple(n for n in widths if n + 1 < pair.max_context) or (1,)
     prefix_len = max(0, min(prefix_len, pair.max_context - max(sizes) - 1))
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
