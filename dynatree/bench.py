@@ -259,15 +259,16 @@ def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     setting = dict(setting or {})
     methods = with_references(methods, methods)  # each reference runs before the rows it checks
     refs = {ms.label: reference(ms, methods) for ms in methods}
-    pi = 0
+    done = 0  # prompts every method finished
     try:
         for pi, prompt in enumerate(prompts):
             _prompt_rows(pair, dataset, pi, prompt, methods, refs, warmup, max_new_tokens, max_prompt_tokens,
                          setting, rows)
+            done = pi + 1
             log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
                 + ("  (warm-up)" if pi < warmup else ""))
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: what the finished prompts measured goes with it
-        e.partial_rows = _speedups([r for r in rows if r["prompt_id"] < pi])
+        e.partial_rows = _speedups([r for r in rows if r["prompt_id"] < done])
         raise
     return _speedups(rows)
 
@@ -448,7 +449,9 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
         loaded = _measure(pair, spec, rows, log)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: keep what was measured (a whole bench can take hours)
         rows += getattr(e, "partial_rows", [])
-        _write(out, pair, spec, rows, t0, None, interrupted=True, log=log)
+        if rows:  # (with nothing measured, an earlier bench's results stay)
+            _write(out, pair, spec, rows, t0, None, interrupted=True, log=log)
+        e.saved = bool(rows)
         raise
     return _write(out, pair, spec, rows, t0, loaded, log=log)
 
@@ -462,7 +465,8 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
 
     if (out / "results.parquet").exists():
         log(f"replacing the earlier bench results in {out}")
-    for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *out.glob("*.png")]:
+    plots = [p for pat in ("throughput.png", "batch.png", "grid_*.png", "sweep_*.png") for p in out.glob(pat)]
+    for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *plots]:  # (report's names only)
         old.unlink(missing_ok=True)
     names = list(dict.fromkeys(k for r in rows for k in r))
     pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows]), out / "results.parquet")

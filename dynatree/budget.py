@@ -76,6 +76,7 @@ class LatencyModel:
     verify_extra_ms: float = 0.0
     draft_extra_ms: float = 0.0
     ema: float = 0.1
+    measured: dict | None = None  # the tables as timed (the ones above may have a spike smoothed: _envelope)
 
     def __post_init__(self):
         # dense lookups for the sizes trees use: the budget asks for hundreds of values per iteration
@@ -338,8 +339,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if key in pair.state and not fresh:
         return pair.state[key]
     # a context too short for the largest forwards: the sizes that fit (the model extrapolates)
-    sizes = tuple(n for n in sizes if n + 1 < pair.max_context) or (1,)
-    widths = tuple(n for n in widths if n + 1 < pair.max_context) or (1,)
+    sizes = tuple(n for n in sizes if n + 1 < pair.max_context) or (1, 2)  # (two points: a slope)
+    widths = tuple(n for n in widths if n + 1 < pair.max_context) or (1, 2)
     prefix_len = max(0, min(prefix_len, pair.max_context - max(sizes) - 1))
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
@@ -358,8 +359,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
                   "long_ms": _profile_model(target, long_at, sizes, repeats, kv_dtype) if long_at else None}
         if path:
             _save(path, tables)
-    tables = {k: _envelope(v) if v else v for k, v in tables.items()}
-    lm = LatencyModel(**tables, short_at=prefix_len, long_at=long_at)
+    lm = LatencyModel(**{k: _envelope(v) if v else v for k, v in tables.items()}, short_at=prefix_len,
+                      long_at=long_at, measured=tables)
     pair.state[key] = lm
     return lm
 

@@ -235,10 +235,11 @@ def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
     from .jobs.driver import ClusterLost, JobError, run_job
-    from .signals import Terminated
+    from .signals import ask, interrupted
     from .jobs.spec import SpecError, build_spec
     from .jobs.summary import format_table
 
+    ask()  # SIGTERM ends the job as Ctrl-C does, once Ray is up
     try:
         fields["options"] = parse_options(fields["options"])
         spec = build_spec(config_file, **fields)
@@ -252,11 +253,11 @@ def run(config_file, quiet, dry_run, **fields):
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
         _fail(str(e) if dry_run else f"{e}; finished shards are kept in {fields.get('output') or 'the output'} "
                                      "and the same command resumes")
-    except KeyboardInterrupt as e:  # the shell's codes for Ctrl-C and SIGTERM, so scripts can tell them from a failure
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+    except KeyboardInterrupt as e:
+        how, code = interrupted(e)
         click.echo(f"\n{how}: finished shards are kept in {fields.get('output') or 'the output'}; "
                    "the same command resumes", err=True)
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+        sys.exit(code)
     if dry_run:
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))
         click.echo(f"{'options':<22} " + " ".join(f"{k}={v}" for k, v in summary["options"].items()))
@@ -314,7 +315,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
     from .bench import BenchSpec, parse_methods, run_bench
     from .data import InputError
-    from .signals import Terminated, end_on_sigterm
+    from .signals import end_on_sigterm, interrupted
     from .models import PairError, load_pair
     from .report import report
 
@@ -338,10 +339,11 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     except (PairError, InputError, ValueError) as e:
         _fail(str(e))
     except KeyboardInterrupt as e:
-        click.echo(f"\n{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}: the prompts "
-                   f"measured so far are in {out_dir}/results.parquet (`dynatree report {out_dir}` tables them)",
-                   err=True)
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+        how, code = interrupted(e)
+        saved = (f"the prompts measured so far are in {out_dir}/results.parquet (`dynatree report {out_dir}` "
+                 "tables them)" if getattr(e, "saved", False) else "nothing was measured yet; nothing written")
+        click.echo(f"\n{how}: {saved}", err=True)
+        sys.exit(code)
     md, pngs = report(out)
     click.echo(md.read_text())
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
@@ -401,14 +403,15 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
                    f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)")
         if why:
             click.echo(f"{name}: not on dynatree's kernel: {why}")
-    for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
+    measured = lat.measured or {"verify_ms": lat.verify_ms, "draft_ms": lat.draft_ms}  # as timed
+    for name, table in (("target", measured["verify_ms"]), ("draft", measured["draft_ms"])):
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
     peak = native.fma_peak(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
     if peak:
         click.echo(f"FMA peak of this variant, measured: {peak:.1f} GFLOP/s on {torch.get_num_threads()} threads")
-    for name, table in (("target", lat.verify_ms), ("draft", lat.draft_ms)):
+    for name, table in (("target", measured["verify_ms"]), ("draft", measured["draft_ms"])):
         lo, hi = (16, 64) if name == "target" else (4, 16)
         ms = (table[hi] - table[lo]) / (hi - lo)
         flops = 2 * matmul_params(pair.runner(name))
@@ -420,7 +423,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     if prefill:
         click.echo(f"target prefill of {prefill} tokens: {native_prefill:.1f} ms")
     if getattr(runner, "native", False):
-        _against_mkl(pair, lat.verify_ms, native_prefill, prefill, prefix, repeats, kv_dtype)
+        _against_mkl(pair, measured["verify_ms"], native_prefill, prefill, prefix, repeats, kv_dtype)
     if cache_lengths:
         _cache_sweep(runner, lengths, pair.max_context, repeats, kv_dtype)
 

@@ -441,7 +441,7 @@ def _infer_schema(rows) -> pa.Schema:
     return pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
 
 
-SCHEMA_CACHE_VERSION = 1  # raise when _infer_schema would infer differently
+SCHEMA_CACHE_VERSION = 1  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
 
 
 def _cached_schema(info: InputFile, infer) -> pa.Schema:
@@ -450,7 +450,7 @@ def _cached_schema(info: InputFile, infer) -> pa.Schema:
     a dry run, a resume or a re-run reads the same unchanged file again."""
     from .kbuild import cache_dir
 
-    key = [os.path.abspath(info.path), info.size, info.mtime_ns, info.rows, SCHEMA_CACHE_VERSION]
+    key = [os.path.abspath(info.path), info.size, info.mtime_ns, info.rows, SCHEMA_CACHE_VERSION, pa.__version__]
     h = hashlib.sha256(json.dumps(key).encode())
     with open(info.path, "rb") as f:
         h.update(f.read(1 << 16))

@@ -45,6 +45,7 @@ __all__ = ["ClusterLost", "JobError", "run_job"]
 QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
 RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
 HEALTH_S = 20.0  # while no shard finishes: how often the head is checked (Ray's client gives up on it after 60 s)
+HEAD_LOST_S = 40.0  # a head not answering this long (and no actor death to confirm it) is lost
 
 
 def _progress(total: int):
@@ -102,15 +103,13 @@ def _init_ray(spec: JobSpec):
     except ConnectionError as e:
         raise JobError(f"cannot reach the Ray cluster at {address}: {e} (if the head uses token "
                        "authentication, this client needs the same RAY_AUTH_MODE and token)") from e
-    end_on_sigterm()
+    end_on_sigterm(only_if_asked=True)
     return ray
 
 
 class ClusterLost(JobError):
     """The Ray cluster's head went away mid-job: the process ends at once after saying so (Ray's
     client would otherwise wait for it, then exit with its own fatal error)."""
-
-
 
 
 def start_local_ray(**kw):
@@ -315,6 +314,7 @@ class _Dispatch:
         self.attempts: dict[int, int] = {}  # failures while running alone
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
+        self.head_down_since: float | None = None  # first failed check of the head in a row
         self.failed: list[str] = []
 
     def _start(self, ray, n: int) -> None:
@@ -368,7 +368,8 @@ class _Dispatch:
         try:
             self._start(ray, min(n, len(todo)))
             self._loop(ray, deque((k, None) for k in todo), progress)
-            self.stats["actors"] = ray.get([a.stats.remote() for a in self.actors if a is not None], timeout=30)
+            self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
+                                            if a is not None and slot not in self.restarts], timeout=30)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
         except ClusterLost:
@@ -427,7 +428,7 @@ class _Dispatch:
                         results = ray.get(ref)
                     except (RayActorError, RayTaskError) as err:
                         if isinstance(err, RayActorError):
-                            self._check_cluster(ray)
+                            self._check_cluster(ray, actor_died=True)
                         self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
                             self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
@@ -465,17 +466,23 @@ class _Dispatch:
                 self._say_quiet(inflight, now - self.last_done)
         return done
 
-    def _check_cluster(self, ray) -> None:
+    def _check_cluster(self, ray, actor_died: bool = False) -> None:
         """After an actor death or a quiet spell: if the cluster's head is gone, say that (every
         actor "dies" with it, and Ray's client would end the process a minute later with only its
-        own message)."""
+        own message).  A head that does not answer during a quiet spell is lost only after
+        HEAD_LOST_S of it (a network blip, a busy head); with an actor dead too, at once."""
         try:
             host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
         except Exception:  # noqa: BLE001 - (a ray:// client has no GCS address of its own to check)
             return
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
+            self.head_down_since = None
         except OSError as e:
+            now = time.time()
+            self.head_down_since = self.head_down_since or now
+            if not actor_died and now - self.head_down_since < HEAD_LOST_S:
+                return
             raise ClusterLost(f"lost the Ray cluster: its head (GCS at {host}:{port}) does not answer "
                               f"({e.strerror or e}); finished shards are kept in {self.out}/shards — restart the "
                               "head and re-run the same command to resume") from None

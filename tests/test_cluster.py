@@ -163,10 +163,11 @@ def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path, sig):
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
-            assert sig == signal.SIGKILL, "Ray processes outlived a driver ended by SIGTERM"
+            outlived = True
         except ProcessLookupError:  # none left in its process group
-            pass
+            outlived = False
         proc.wait(timeout=60)
+    assert sig == signal.SIGKILL or not outlived, "Ray processes outlived a driver ended by SIGTERM"
     assert len(list(shards.glob("part-*.parquet"))) < n // 2
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

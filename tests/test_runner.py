@@ -580,10 +580,15 @@ def test_a_lost_head_is_named_at_once(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens there once closed
     dispatch = driver._Dispatch.__new__(driver._Dispatch)
-    dispatch.out = tmp_path
+    dispatch.out, dispatch.head_down_since = tmp_path, None
     ray = types.SimpleNamespace(get_runtime_context=lambda: types.SimpleNamespace(gcs_address=f"127.0.0.1:{port}"))
+    dispatch._check_cluster(ray)  # a quiet spell's first failed check: a blip, maybe
+    dispatch.head_down_since -= driver.HEAD_LOST_S  # still down HEAD_LOST_S later: lost
     with pytest.raises(driver.ClusterLost, match=f"lost the Ray cluster: its head \\(GCS at 127.0.0.1:{port}\\)"):
         dispatch._check_cluster(ray)
+    dispatch.head_down_since = None
+    with pytest.raises(driver.ClusterLost):  # an actor death with the head not answering: at once
+        dispatch._check_cluster(ray, actor_died=True)
     code = ("import sys; from dynatree.jobs import driver\n"
             "def lost(*a, **k): raise driver.ClusterLost('lost the Ray cluster: ...')\n"
             "driver.run_job = lost\n"
@@ -792,8 +797,10 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     """summary.json's counts and moments against the same computed row by row in Python."""
     import statistics
 
-    from dynatree.jobs.summary import summarize
+    from dynatree.jobs.summary import _COLUMNS, summarize
     from dynatree.metrics import output_schema, result_row
+
+    assert set(_COLUMNS) <= set(output_schema(sampled=True).names)  # the summary reads the output's columns
 
     rows = []
     for i in range(23):
