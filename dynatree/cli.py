@@ -396,11 +396,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     if getattr(runner, "native", False):
         click.echo(f"native kernel: {native.status()}")
     for name in ("target", "draft"):
-        run = pair.runner(name)
-        why = getattr(run, "refusal", None)
-        if why is None and run is not None and not hasattr(run, "native"):  # models.HFRunner
-            why = ("--kernel hf asks for transformers' forward" if pair.kernel == "hf" else
-                   f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)")
+        why = pair.not_native(name)
         if why:
             click.echo(f"{name}: not on dynatree's kernel: {why}")
     measured = lat.measured or {"verify_ms": lat.verify_ms, "draft_ms": lat.draft_ms}  # as timed

@@ -128,6 +128,16 @@ class ModelPair:
             self.state[key] = run
         return self.state[key]
 
+    def not_native(self, which: str = "target") -> str:
+        """Why ``which`` model's forward is not dynatree's native kernel ("" when it is, or no model)."""
+        run = self.runner(which)
+        if run is None or getattr(run, "native", False):
+            return ""
+        if hasattr(run, "native"):  # dynatree's forward on torch's ops
+            return run.refusal
+        return ("--kernel hf asks for transformers' forward" if self.kernel == "hf" else  # models.HFRunner
+                f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)")
+
     def forward_in_use(self, which: str = "target") -> str:
         """What runs ``which`` model's forward, for logs and summaries: dynatree's native kernel
         (and its instruction set), torch's ops (and why not the native kernel) or transformers'."""
@@ -138,10 +148,8 @@ class ModelPair:
             from . import native
 
             return f"native kernel ({native.library().dt_isa().decode()})"
-        why = getattr(run, "refusal", None)
-        if why is None:  # HFRunner
-            return "transformers' forward"
-        return f"torch ops (not the native kernel: {why})" if why else "torch ops"
+        why = self.not_native(which)
+        return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
 
     def window(self, cfg, which: str = "target"):
         """The kvcache.Window of a method config's ``kv_window`` for ``"target"`` or ``"draft"``
