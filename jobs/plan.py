@@ -95,6 +95,13 @@ def _begun_schema(spec: JobSpec) -> pa.Schema | None:
     return None
 
 
+def _id_renamed(spec: JobSpec, columns) -> tuple:
+    """((id, input_id),) when the kept ``columns`` hold an `id` that is not the row id (duplicates,
+    nulls, --id-column another) and no input_id of their own: the user's key to join on, under a
+    name the output's result column `id` leaves free; () otherwise."""
+    return (("id", INPUT_ID),) if "id" in columns and spec.id_column != "id" and INPUT_ID not in columns else ()
+
+
 def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, ...], tuple]:
     """The input columns copied to the output, and those renamed there ((input, output) pairs)."""
     result_cols = set(output_schema(spec.samples > 1).names)
@@ -103,18 +110,14 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         if missing:
             raise JobError(f"--keep-columns: no column(s) {', '.join(missing)} in {spec.input} "
                            f"(columns: {', '.join(source.column_names)})")
-        # an `id` that is not the row id is kept as input_id, as when every column is kept
-        renamed = (("id", INPUT_ID),) if "id" in spec.keep_columns and spec.id_column != "id" \
-            and INPUT_ID not in spec.keep_columns else ()
+        renamed = _id_renamed(spec, spec.keep_columns)  # as when every column is kept
         clash = [c for c in spec.keep_columns if c in result_cols and c not in dict(renamed)]
         if clash:
             raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
         return tuple(dict.fromkeys(spec.keep_columns)), renamed  # (a Python caller may repeat one)
-    # an `id` that is not the row id (duplicates, nulls, --id-column another) is the user's key to
-    # join on -- unless an output begun without it resumes (its shards and new ones form one dataset)
+    # -- unless an output begun without input_id resumes (its shards and new ones form one dataset)
     begun = _begun_schema(spec)
-    renamed = (("id", INPUT_ID),) if "id" in source.column_names and spec.id_column != "id" \
-        and INPUT_ID not in source.column_names and (begun is None or INPUT_ID in begun.names) else ()
+    renamed = _id_renamed(spec, source.column_names) if begun is None or INPUT_ID in begun.names else ()
     if renamed:
         log(f"input column id copied as {INPUT_ID} (the output's id is the row id)")
     names = dict(renamed)
