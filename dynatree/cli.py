@@ -382,12 +382,12 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         click.echo(f"--prefill {prefill}: the models' context is {pair.max_context} tokens; timing a prefill of "
                    f"{pair.max_context - 1}", err=True)
         prefill = pair.max_context - 1
-    if prefix > pair.max_context - 65:
-        click.echo(f"--prefix {prefix} leaves no room for a 64-token forward in the {pair.max_context}-token "
-                   f"context: timing at {pair.max_context - 65}", err=True)
-        prefix = pair.max_context - 65
     lat = run_profile(pair, prefix_len=prefix, widths=(1, 2, 4, 8, 16), repeats=repeats, fresh=True,
                       kv_dtype=kv_dtype)
+    if lat.short_at != prefix:  # the budget's profile keeps its largest forward inside the context
+        click.echo(f"--prefix {prefix} leaves no room for a {max(lat.verify_ms)}-token forward in the "
+                   f"{pair.max_context}-token context: timing at {lat.short_at}", err=True)
+        prefix = lat.short_at
     cache = "" if kv_dtype == "model" else f" (keys and values stored as {kv_dtype})"
     click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, {prefix} cached tokens{cache}; ms per forward "
@@ -408,7 +408,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
     if peak:
         click.echo(f"FMA peak of this variant, measured: {peak:.1f} GFLOP/s on {torch.get_num_threads()} threads")
     for name, table in (("target", measured["verify_ms"]), ("draft", measured["draft_ms"])):
-        lo, hi = (16, 64) if name == "target" else (4, 16)
+        lo, hi = _slope_sizes(table, (16, 64) if name == "target" else (4, 16))
         ms = (table[hi] - table[lo]) / (hi - lo)
         flops = 2 * matmul_params(pair.runner(name))
         rate = flops / ms / 1e6 if ms > 0 else float("inf")
@@ -422,6 +422,12 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         _against_mkl(pair, measured["verify_ms"], native_prefill, prefill, prefix, repeats, kv_dtype)
     if cache_lengths:
         _cache_sweep(runner, lengths, pair.max_context, repeats, kv_dtype)
+
+
+def _slope_sizes(table: dict, wanted: tuple[int, int]) -> tuple[int, int]:
+    """The two sizes the per-extra-token cost is read between: ``wanted`` when both were timed,
+    else the two largest (a short context leaves out the large forwards)."""
+    return wanted if set(wanted) <= set(table) else tuple(sorted(table)[-2:])
 
 
 def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int, kv_dtype: str) -> None:
@@ -449,7 +455,7 @@ def _against_mkl(pair, native_ms: dict, native_prefill, prefill: int, prefix: in
     from . import kbuild
     from .budget import _profile_model, time_prefill
     mkl = type(pair.runner("target"))(pair.target, gemm=False)  # the same architecture's torch path
-    ref = _profile_model(mkl, prefix, (1, 4, 16, 64), repeats, kv_dtype)
+    ref = _profile_model(mkl, prefix, [n for n in (1, 4, 16, 64) if n in native_ms], repeats, kv_dtype)
     ratios = {f"{n} token{'s' if n > 1 else ''}": native_ms[n] / ref[n] for n in ref}
     shown = "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(ref.items()))
     if prefill:

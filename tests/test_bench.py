@@ -4,6 +4,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dynatree.cli import main
 
@@ -92,6 +93,22 @@ def test_profile_command(pair_dirs):
     assert "target: not on dynatree's kernel: --kernel hf asks for transformers' forward" in lines
     assert any(line.startswith("target ") and "64:" in line for line in lines)
     assert any(line.startswith("draft ") and "16:" in line for line in lines)
+
+
+def test_profile_command_on_a_context_too_short_for_its_largest_forwards(pair_dirs, tmp_path):
+    """A 48-token context: no 64-token forward and no 256-token prefix -- the command times what
+    fits, says so, and reads the per-token cost between the largest sizes it timed."""
+    for name in ("target", "draft"):
+        m = AutoModelForCausalLM.from_pretrained(pair_dirs / name)
+        m.config.max_position_embeddings = 48
+        m.save_pretrained(tmp_path / name)
+        AutoTokenizer.from_pretrained(pair_dirs / name).save_pretrained(tmp_path / name)
+    res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--draft",
+                                    str(tmp_path / "draft"), "--device", "cpu", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    assert "leaves no room for a 32-token forward in the 48-token context: timing at 15" in res.output
+    assert "ms per extra token at 16-32 tokens" in res.output
+    assert "target prefill of 47 tokens" in res.output
 
 
 def test_bench_batch_sizes(pair_dirs, tmp_path):
