@@ -147,6 +147,7 @@ class _Row:
         draft's): it goes on without drafts, every iteration a root alone -- `ar`'s tokens."""
         d, self.drafter = self.drafter, None
         self.draft_spent = (d.seconds, d.forwards, d.forward_seconds)
+        self.budgeted = False  # nothing left to price: its iterations are not the Governor's to weigh
 
     def stop_after(self, tok: int) -> str | None:
         """Commit one token; the finish reason if it ends the sequence."""

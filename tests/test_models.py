@@ -144,6 +144,28 @@ def test_a_token_the_draft_cannot_read_ends_that_rows_drafting_only():
     assert all(outs[i][2].draft_forwards > 0 for i in narrow)
 
 
+def test_rows_that_lost_their_draft_leave_the_batched_budget():
+    """Rows whose first token the draft cannot embed go on as `ar`; the batch's Governor, which
+    weighs drafted against plain iterations, has no budgeted row left to probe or observe."""
+    from dynatree import decode, make_config, pair_from_models
+    from dynatree.engine import BatchDecoder
+    target, draft = tiny_neox(1, vocab=48), tiny_neox(2, vocab=40)
+    with torch.no_grad():  # every position's final hidden state is all ones, and only id 45 scores it
+        target.gpt_neox.final_layer_norm.weight.zero_()
+        target.gpt_neox.final_layer_norm.bias.fill_(1.0)
+        target.lm_head.weight.zero_()
+        target.lm_head.weight[45] = 1.0
+    pair = pair_from_models(target, draft, None, eos_token_id=None)
+    dec = BatchDecoder(pair)
+    for i, p in enumerate(random_prompts(4, seed=5, lo=3, hi=8, vocab=40)):
+        dec.add(p, make_config("dynatree"), max_new_tokens=6, key=i)
+    done = {}
+    while dec:
+        done.update({key: out for key, out, *_ in dec.step()})
+    assert done == {i: [45] * 6 for i in range(4)}
+    assert dec.governor.iteration == 0 and dec.governor.ar_rate is None
+
+
 def test_generate_needs_at_least_one_new_token():
     from dynatree import pair_from_models
     pair = pair_from_models(tiny_neox(1, vocab=48), None, None, eos_token_id=None)
