@@ -7,7 +7,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
-from dynatree import data
+from dynatree import data, jsonl, parts
 from dynatree.data import InputError, InputSource, read_table, read_texts
 
 
@@ -70,7 +70,7 @@ def _shards(src, size, columns, raw=()):
 
 @pytest.mark.parametrize("row_group_size", [7, None])  # several groups; one group (pyarrow's default)
 def test_parquet_sequential_shards_match_read_table(tmp_path, monkeypatch, row_group_size):
-    monkeypatch.setattr(data, "BATCH_ROWS", 5)  # shards straddle decoded batches
+    monkeypatch.setattr(parts, "BATCH_ROWS", 5)  # shards straddle decoded batches
     t = pa.table({"key": [f"k{i}" for i in range(50)], "text": [f"t{i}" * (i % 4) for i in range(50)],
                   "n": list(range(50))})
     pq.write_table(t, tmp_path / "a.parquet", row_group_size=row_group_size)
@@ -79,8 +79,8 @@ def test_parquet_sequential_shards_match_read_table(tmp_path, monkeypatch, row_g
     assert src.files[0].format == "parquet" and os.path.isabs(src.files[0].path)
     whole = pq.read_table(tmp_path / "a.parquet")  # pyarrow itself: an oracle independent of the reader
     starts = []
-    batches = data._ParquetPart.batches
-    monkeypatch.setattr(data._ParquetPart, "batches", lambda self, row, cols: starts.append(row) or batches(self, row, cols))
+    batches = parts.ParquetPart.batches
+    monkeypatch.setattr(parts.ParquetPart, "batches", lambda self, row, cols: starts.append(row) or batches(self, row, cols))
     for k, (part, raw) in enumerate(_shards(src, 8, ["key", "text"], raw=["text"])):
         assert part.equals(whole.slice(8 * k, 8).select(["key", "text"]))
         assert raw["text"] == whole.column("text").to_pylist()[8 * k:8 * k + 8]
@@ -140,17 +140,17 @@ def _jsonl(path, rows, blank_every=0):
 
 
 def test_jsonl_ranges_across_checkpoints(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "JSONL_CHECKPOINT_EVERY", 4)
-    monkeypatch.setattr(data, "BATCH_ROWS", 3)
-    monkeypatch.setattr(data, "_SCAN_BYTES", 64)  # lines straddle planning chunks
+    monkeypatch.setattr(jsonl, "JSONL_CHECKPOINT_EVERY", 4)
+    monkeypatch.setattr(parts, "BATCH_ROWS", 3)
+    monkeypatch.setattr(jsonl, "_SCAN_BYTES", 64)  # lines straddle planning chunks
     rows = [{"id": i, "text": f"row {i}"} for i in range(37)]
     _jsonl(tmp_path / "r.jsonl", rows, blank_every=5)
     with open(tmp_path / "r.jsonl", "a") as f:
         f.write(json.dumps({"id": 37, "text": "last, no newline"}))
     rows.append({"id": 37, "text": "last, no newline"})
     starts = []
-    batches = data._JsonlPart.batches
-    monkeypatch.setattr(data._JsonlPart, "batches", lambda self, row, cols: starts.append(row) or batches(self, row, cols))
+    batches = jsonl.JsonlPart.batches
+    monkeypatch.setattr(jsonl.JsonlPart, "batches", lambda self, row, cols: starts.append(row) or batches(self, row, cols))
     src = InputSource.open(str(tmp_path / "r.jsonl"))
     assert src.num_rows == 38 and src.schema == pa.schema([("id", pa.int64()), ("text", pa.string())])
     assert len(src._parts[0]._marks) == 10  # a checkpoint per 4 rows, not an offset per line
@@ -168,7 +168,7 @@ def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
         InputSource.open(str(tmp_path / "bad.jsonl"))
     with pytest.raises(InputError, match="line 7"):
         read_table(str(tmp_path / "bad.jsonl"))
-    monkeypatch.setattr(data, "JSONL_INFER_ROWS", 2)  # types inferred 2 rows at a time, then united
+    monkeypatch.setattr(jsonl, "JSONL_INFER_ROWS", 2)  # types inferred 2 rows at a time, then united
     with pytest.raises(InputError, match="line 7"):  # every line is read when the job is planned
         InputSource.open(str(tmp_path / "bad.jsonl"))
     late = [{"n": 1, "m": {"a": 1}}, {"n": 2}, {"n": 3}, {"n": 1.5, "m": {"a": 2, "b": "x"}}, {"k": "late"}]
@@ -261,7 +261,7 @@ def test_check_ids(tmp_path, monkeypatch):
     pq.write_table(pa.table({"key": [1, 2, None]}), tmp_path / "n.parquet")
     with pytest.raises(InputError, match=r"n.parquet: id column 'key' is null at row 2"):
         InputSource.open(str(tmp_path / "n.parquet")).check_ids("key")
-    monkeypatch.setattr(data, "JSONL_CHECKPOINT_EVERY", 2)
+    monkeypatch.setattr(jsonl, "JSONL_CHECKPOINT_EVERY", 2)
     _jsonl(tmp_path / "n.jsonl", [{"id": i} for i in range(5)] + [{"text": "no id"}], blank_every=2)
     with pytest.raises(InputError, match=r"n.jsonl: id column 'id' is null at line 9"):
         InputSource.open(str(tmp_path / "n.jsonl")).check_ids("id", chunk=4)
@@ -363,7 +363,7 @@ def test_an_output_through_a_symlink_is_still_where_the_input_reads(tmp_path):
 
 
 def test_jsonl_ids_past_two_to_the_63_beside_small_ones_are_kept_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "JSONL_INFER_ROWS", 1)
+    monkeypatch.setattr(jsonl, "JSONL_INFER_ROWS", 1)
     _jsonl(tmp_path / "u.jsonl", [{"n": 1}, {"n": 2**64 - 1}, {"n": -3}])
     src = InputSource.open(str(tmp_path / "u.jsonl"))
     assert src.read(0, 3, ["n"])[0].column("n").to_pylist() == ["1", str(2**64 - 1), "-3"]  # pyarrow chose int64
@@ -381,8 +381,8 @@ def test_a_jsonl_schema_is_inferred_once_per_file_version(tmp_path, monkeypatch)
     cache; a changed file (or one rewritten to the same size) is inferred again."""
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
     calls = []
-    infer = data._infer_schema
-    monkeypatch.setattr(data, "_infer_schema", lambda rows: calls.append(1) or infer(rows))
+    infer = jsonl._infer_schema
+    monkeypatch.setattr(jsonl, "_infer_schema", lambda rows: calls.append(1) or infer(rows))
     path = tmp_path / "r.jsonl"
     _jsonl(path, [{"id": i, "text": f"row {i}"} for i in range(5)])
     first = InputSource.open(str(path)).schema

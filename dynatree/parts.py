@@ -1,0 +1,182 @@
+"""One input file each (Parquet, Arrow IPC, plain text; JSONL in jsonl.py): its row count from
+file metadata, rows by range through a forward cursor.  data.InputSource joins them into a job's
+input."""
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+
+class InputError(ValueError):
+    """The input cannot be read, or lacks the requested column."""
+
+
+BATCH_ROWS = 1024  # rows decoded per step; bounds what a cursor holds between reads
+CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str          # absolute (for a hub dataset: its name)
+    format: str        # "parquet" | "arrow" | "jsonl" | "txt" | "datasets"
+    rows: int
+    size: int          # bytes (0 for datasets)
+    mtime_ns: int      # (0 for datasets)
+
+
+class Part:
+    """One input file.  Sequential range reads advance a forward cursor instead of re-decoding
+    from the file start; between reads the cursor holds at most one undelivered batch."""
+
+    def __init__(self, info: InputFile, schema: pa.Schema):
+        self.info, self.schema = info, schema.remove_metadata()
+        self._it = self._cur = self._cols = None
+        self._pos = 0
+
+    def anchor(self, row: int) -> int:
+        """The nearest row <= `row` that batches() can start from without decoding earlier rows."""
+        return 0
+
+    def batches(self, row: int, columns: list[str]):
+        """Items (len(), .slice(offset, length)) from `row`, an anchor(), to the end of the file."""
+        raise NotImplementedError
+
+    def convert(self, items: list, columns: list[str], raw: Sequence[str]) -> tuple[pa.Table, dict]:
+        table = pa.Table.from_batches(items)
+        return table, {c: table.column(c).to_pylist() for c in raw if c in columns}
+
+    def read(self, lo: int, hi: int, need: list[str], raw: Sequence[str]) -> tuple[pa.Table, dict]:
+        """Rows [lo, hi) of this file in its own types; `raw` values as Python objects."""
+        cols = [c for c in need if c in self.schema.names]
+        if not cols or lo >= hi:
+            return pa.table({}), {}
+        return self.convert(self._take(lo, hi, cols), cols, raw)
+
+    def _take(self, start: int, end: int, columns: list[str]) -> list:
+        anchor = self.anchor(start)
+        buffered_end = self._pos + (len(self._cur) if self._cur is not None else 0)
+        # Restart when going back, when the columns change, or when a later anchor is cheaper
+        # to reach than decoding forward from where the cursor stands.
+        if self._it is None or columns != self._cols or start < self._pos or anchor > buffered_end:
+            self.close()
+            self._it, self._pos, self._cols = self.batches(anchor, columns), anchor, columns
+        out = []
+        while self._pos < end:
+            if self._cur is None:
+                self._cur = next(self._it, None)
+                if self._cur is None:
+                    self.close()
+                    raise InputError(f"{self.info.path}: ended at row {self._pos}, planned {self.info.rows} "
+                                     "rows (was the file changed while the job ran?)")
+            n = len(self._cur)
+            lo, hi = max(start - self._pos, 0), min(end - self._pos, n)
+            if lo < hi:
+                out.append(self._cur.slice(lo, hi - lo))
+            if self._pos + n > end:
+                break
+            self._pos, self._cur = self._pos + n, None
+        return out
+
+    def close(self) -> None:
+        if hasattr(self._it, "close"):
+            self._it.close()
+        self._it = self._cur = self._cols = None
+        self._pos = 0
+
+    def locate(self, row: int) -> str:
+        return f"row {row}"
+
+
+def stat(path: str, fmt: str, rows: int) -> InputFile:
+    st = os.stat(path)
+    return InputFile(path, fmt, rows, st.st_size, st.st_mtime_ns)
+
+
+class ParquetPart(Part):
+    def __init__(self, path: str):
+        try:
+            pf = pq.ParquetFile(path)
+            meta, schema = pf.metadata, pf.schema_arrow
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"cannot read {path}: {e}") from e
+        sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        self._starts = [0, *itertools.accumulate(sizes)][:-1]
+        super().__init__(stat(path, "parquet", meta.num_rows), schema)
+
+    def anchor(self, row: int) -> int:
+        return self._starts[bisect.bisect_right(self._starts, row) - 1] if self._starts else 0
+
+    def batches(self, row: int, columns: list[str]):
+        # Without pre_buffer and with a read buffer, a column chunk is streamed page by page:
+        # pyarrow's default reads a whole column chunk, which for a 1Mi-row group is the file.
+        pf = pq.ParquetFile(self.info.path, pre_buffer=False, buffer_size=1 << 20)
+        group = bisect.bisect_right(self._starts, row) - 1
+        return pf.iter_batches(batch_size=BATCH_ROWS, columns=columns,
+                               row_groups=range(group, len(self._starts)), use_threads=False)
+
+
+class ArrowPart(Part):
+    def __init__(self, path: str):
+        try:
+            with pa.memory_map(path) as src:  # zero-copy: counting rows touches only batch headers
+                try:
+                    reader, self._stream = ipc.open_file(src), False
+                    sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+                except pa.ArrowInvalid:
+                    src.seek(0)
+                    reader, self._stream = ipc.open_stream(src), True
+                    sizes = [b.num_rows for b in reader]
+                schema = reader.schema
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"cannot read {path}: {e}") from e
+        self._starts = [0, *itertools.accumulate(sizes)][:-1]
+        super().__init__(stat(path, "arrow", sum(sizes)), schema)
+
+    def anchor(self, row: int) -> int:
+        if self._stream or not self._starts:
+            return 0
+        return self._starts[bisect.bisect_right(self._starts, row) - 1]
+
+    def batches(self, row: int, columns: list[str]):
+        # A plain file (not a memory map) so pages already delivered do not stay resident.
+        options = ipc.IpcReadOptions(included_fields=[self.schema.get_field_index(c) for c in columns])
+        with pa.OSFile(self.info.path) as src:
+            if self._stream:
+                yield from ipc.open_stream(src, options=options)
+                return
+            reader = ipc.open_file(src, options=options)
+            for i in range(bisect.bisect_right(self._starts, row) - 1, reader.num_record_batches):
+                yield reader.get_batch(i)
+
+
+class TextPart(Part):
+    """A plain-text file is one row: ``text`` (its contents) and ``file`` (its path, so output rows
+    can be traced back to their files).  A file that is not UTF-8 is that row's problem, not the
+    job's: its raw value is the bytes (the worker's per-row error), its text null."""
+
+    def __init__(self, path: str):
+        super().__init__(stat(path, "txt", 1), pa.schema([("text", pa.string()), ("file", pa.string())]))
+
+    def read(self, lo, hi, need, raw):
+        cols = [c for c in need if c in self.schema.names]
+        if not cols or lo >= hi:
+            return pa.table({}), {}
+        values, raws = {"file": [self.info.path]}, {"file": [self.info.path]}
+        if "text" in cols:
+            try:
+                data = Path(self.info.path).read_bytes()
+            except OSError as e:
+                raise InputError(f"cannot read {self.info.path}: {e}") from e
+            try:
+                values["text"] = raws["text"] = [data.decode("utf-8")]
+            except UnicodeDecodeError:
+                values["text"], raws["text"] = [None], [data]
+        return pa.table({c: values[c] for c in cols}), {c: raws[c] for c in raw if c in cols}
