@@ -97,7 +97,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
 
 class ShardWorker:
     def __init__(self, spec, threads: int | None = None):
-        _maybe_die("", spec.output, starting=True)
+        _fault_at_start(spec.output)
         self.spec, self.cfg = spec, spec.method_config
         self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
         self.startup: dict = {}
@@ -173,7 +173,7 @@ class ShardWorker:
         """rows: [{"id": ..., "text": ...}] -> ``spec.samples`` result rows per input row, in order
         (a row's samples together, numbered in ``sample`` when there are several).  ``backlog``:
         the input rows the job has still to send this actor (the batch tuner's horizon)."""
-        _maybe_die(shard, self.spec.output)
+        _fault_on_shard(shard, self.spec.output)
         self.scheduler.tell_backlog(backlog * self.spec.samples)
         n = self.spec.samples
         results = [result_row(r["id"], self.spec.method, sample=k if n > 1 else None) for r in rows for k in range(n)]
@@ -202,14 +202,20 @@ class ShardWorker:
         return results
 
 
-def _maybe_die(shard: str, output: str, starting: bool = False) -> None:
-    """Test-only fault injection (``DYNATREE_FAULT_INJECTION``): the process exits as an OOM kill
-    or a lost node would end it, or stalls as a stuck one would."""
-    faults = json.loads(os.environ.get(FAULTS_ENV) or "{}")
-    if starting:  # a replacement actor that never gets ready (its node lost, no room for it)
-        if faults.get("never_ready_after_death") and list(Path(output).glob(".fault-*")):
-            time.sleep(3600)
-        return
+def _faults() -> dict:
+    """Test-only fault injection (``DYNATREE_FAULT_INJECTION``, JSON): the process exits as an
+    OOM kill or a lost node would end it, or stalls as a stuck one would."""
+    return json.loads(os.environ.get(FAULTS_ENV) or "{}")
+
+
+def _fault_at_start(output: str) -> None:
+    """A replacement actor that never gets ready (its node lost, no room for it)."""
+    if _faults().get("never_ready_after_death") and list(Path(output).glob(".fault-*")):
+        time.sleep(3600)
+
+
+def _fault_on_shard(shard: str, output: str) -> None:
+    faults = _faults()
     if faults.get("stall_on_shard") == shard:  # a slow or stuck actor (seconds)
         time.sleep(faults.get("stall_s", 5.0))
     if faults.get("die_always_on_shard") == shard:
