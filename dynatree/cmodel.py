@@ -59,6 +59,11 @@ class Shape:
 _warned: set = set()
 
 
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as the C forward reads it, dense and row-major (a copy only when it is not)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def _warn_once(why: str) -> None:
     """A float32 CPU model the native kernel cannot serve (no compiler, a DYNATREE_ISA typo) runs
     several times slower on torch's kernels: say so once per process, on stderr (a job's actor
@@ -99,6 +104,12 @@ class NativeForward:
         """embed: (V, d); cos, sin: (max_pos, rot) float32 rotary tables; final_norm: (weight,
         bias or None); lm_head: (V, d).  Keeps references to every tensor whose address it holds."""
         self.lib, self.shape = lib, shape
+        # the C code reads these as row-major memory: a strided view is copied (a tied embedding is
+        # the lm_head's matrix, which models.cpu_layout stores transposed for MKL)
+        embed, cos, sin = _rows(embed), _rows(cos), _rows(sin)
+        final_norm = tuple(map(_rows, final_norm))
+        layers = [dataclasses.replace(layer, norm1=tuple(map(_rows, layer.norm1)), norm2=tuple(map(_rows, layer.norm2)),
+                                      q_norm=_rows(layer.q_norm), k_norm=_rows(layer.k_norm)) for layer in layers]
         mats = [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)]
         self.weight_format = fmt = native.weight_format(mats)
         head = native.PackedLinear(lm_head, None, fmt, lib)

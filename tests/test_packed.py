@@ -242,3 +242,36 @@ def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
     for family in ("llama", "qwen2"):  # qwen2: the LM head tied to the embedding is still multiplied
         assert matmul_params(llama32(family, 12)) == layers * (d * (heads + 2 * kv) * hd + heads * hd * d
                                                                + 3 * d * ff) + 100 * d
+
+
+@pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("family", ["neox", "llama"])
+def test_a_tied_embedding_loaded_from_disk_reaches_the_c_forward_dense(family, pair_dirs, tmp_path):
+    """An LM head that is the embedding matrix (Qwen2.5-0.5B, many small models), loaded as a user
+    loads it: models.cpu_layout stores Linear weights transposed for MKL, which made the shared
+    embedding a strided view that the C forward read as row-major -- wrong logits, and `ar` wrong
+    with every method, so no check against `ar` could see it."""
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from dynatree import load_pair
+    from dynatree.check import reference_logits
+
+    tok = AutoTokenizer.from_pretrained(pair_dirs / "target")
+    torch.manual_seed(0)
+    if family == "neox":
+        cfg = GPTNeoXConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=True)
+        model = GPTNeoXForCausalLM(cfg).eval()
+    else:
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          tie_word_embeddings=True)
+        model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    pair = load_pair(tmp_path, None, device="cpu", dtype="float32")
+    assert pair.runner("target").native
+    prompt, steps = [5, 9, 11, 40, 2, 7], [17, 23, 4]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt + steps])).logits[0, -1]
+    assert torch.allclose(reference_logits(pair, prompt, steps), want, atol=1e-4)
