@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .check import first_difference, truncate_prompt
+from .check import first_difference, prompt_budget, truncate_prompt
 from .config import ARConfig, ar_reference, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics
@@ -472,6 +472,8 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
     pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows]), out / "results.parquet")
     meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
             "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "kernel": pair.kernel,
+            "forward": {w: pair.forward_in_use(w) for w in ("target", "draft") if pair.runner(w) is not None},
+            "max_prompt_tokens_kept": _prompt_budgets(pair, spec)[spec.max_prompt_tokens, spec.max_new_tokens] if rows else None,
             "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
             "prompts_used": {name: len(texts) for _, name, texts in loaded} if loaded else None,
             "interrupted": interrupted}
@@ -500,30 +502,45 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> list:
             had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
                    f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
+    keep = _prompt_budgets(pair, spec)  # (before any measurement: a T that fills the context fails here)
+    lmax = keep[spec.max_prompt_tokens, spec.max_new_tokens]
     for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
-        full = [truncate_prompt(e, spec.max_prompt_tokens) for e in enc]
-        log(f"{name}: {len(full)} prompts ({spec.warmup} warm-up), L_max={spec.max_prompt_tokens}, T={spec.max_new_tokens}")
+        full = [truncate_prompt(e, lmax) for e in enc]
+        cut = f" (cut from {spec.max_prompt_tokens}: the {pair.max_context}-token context holds the new tokens too)"
+        log(f"{name}: {len(full)} prompts ({spec.warmup} warm-up), L_max={lmax}"
+            f"{cut if lmax < spec.max_prompt_tokens else ''}, T={spec.max_new_tokens}")
         if not spec.batch_sizes:  # with batch sizes, B = 1 is the one-at-a-time measurement
             rows += bench_rows(pair, name, full, list(spec.methods), warmup=spec.warmup,
-                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens,
+                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=lmax,
                                setting={"sweep": "main"}, log=log)
         sweep_ms = with_references([m for m in spec.methods if m.label in spec.sweep_methods
                                     or spec.sweep_methods == ("all",)], spec.methods)
         # the main setting has warmed every method up: the sweeps measure every prompt they run
         skip, warm = (spec.warmup, 0) if not spec.batch_sizes else (0, spec.warmup)
         for t in spec.sweep_tokens:
-            rows += bench_rows(pair, name, full[skip:], sweep_ms, warmup=warm, max_new_tokens=t,
-                               max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "tokens", "T": t}, log=log)
-        for lmax in spec.sweep_prompt_len:
-            ps = [truncate_prompt(e, lmax) for e in enc[skip:]]
-            rows += bench_rows(pair, name, ps, sweep_ms, warmup=warm, max_new_tokens=spec.max_new_tokens,
-                               max_prompt_tokens=lmax, setting={"sweep": "prompt_len", "L": lmax}, log=log)
+            lt = keep[spec.max_prompt_tokens, t]
+            rows += bench_rows(pair, name, [truncate_prompt(e, lt) for e in enc[skip:]], sweep_ms, warmup=warm,
+                               max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, log=log)
+        for lp in spec.sweep_prompt_len:
+            ll = keep[lp, spec.max_new_tokens]
+            rows += bench_rows(pair, name, [truncate_prompt(e, ll) for e in enc[skip:]], sweep_ms, warmup=warm,
+                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=ll,
+                               setting={"sweep": "prompt_len", "L": lp}, log=log)
         if spec.batch_sizes:  # (the batch sweep warms each (B, method) up itself)
             rows += batch_rows(pair, name, full[spec.warmup:], list(spec.methods), spec.batch_sizes,
-                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=spec.max_prompt_tokens, log=log)
+                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=lmax, log=log)
         if spec.grid:
             rows += bench_rows(pair, name, full, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
                                warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
-                               max_prompt_tokens=spec.max_prompt_tokens, setting={"sweep": "grid"}, log=log)
+                               max_prompt_tokens=lmax, setting={"sweep": "grid"}, log=log)
     return loaded
+
+
+def _prompt_budgets(pair: ModelPair, spec: BenchSpec) -> dict[tuple[int, int], int]:
+    """(L_max, T) -> the prompt tokens kept for every setting the bench measures (check.prompt_budget:
+    fewer where the context must hold the T new tokens; transformers' peers have no cache window)."""
+    cfgs = [None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods]
+    settings = {(spec.max_prompt_tokens, t) for t in (spec.max_new_tokens, *spec.sweep_tokens)}
+    settings |= {(lp, spec.max_new_tokens) for lp in spec.sweep_prompt_len}
+    return {(lp, t): prompt_budget(pair.max_context, cfgs, lp, t) for lp, t in settings}

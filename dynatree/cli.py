@@ -106,8 +106,12 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                         pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
     except (PairError, ValueError) as e:
         _fail(str(e))
+    forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
+    if not as_json:
+        click.echo(f"target forward: {forward}", err=True)
     for gen, result in zip(gens, results):
         if as_json:
+            result["forward"] = forward
             click.echo(json.dumps(result))
             continue
         click.echo(gen.text)
@@ -143,7 +147,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
           max_new_tokens, max_prompt_tokens, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     _threads(threads)
-    from .check import check_methods, truncate_prompt
+    from .check import check_methods, prompt_budget, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
     from .config import check_window
@@ -159,10 +163,10 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             check_window(c, pair.max_context)
     except (PairError, ValueError) as e:
         _fail(str(e))
-    room = pair.max_context - max_new_tokens  # as `dynatree run` cuts them
-    if room < 1 and not all(getattr(c, "kv_window", 0) for c in cfgs.values()):
-        _fail(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {pair.max_context}-token "
-              "context (methods with a cache window, option kv_window, can generate past it; give every one)")
+    try:
+        keep = prompt_budget(pair.max_context, list(cfgs.values()), max_prompt_tokens, max_new_tokens)
+    except ValueError as e:
+        _fail(str(e))
     summary = []
     for path in prompt_files:
         try:
@@ -177,9 +181,9 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             texts = [t for i, t in enumerate(texts) if i not in skip]
         if not texts:
             _fail(f"{path}: no prompts to check")
-        prompts = [truncate_prompt(pair.encode(t), min(max_prompt_tokens, room) if room > 0 else max_prompt_tokens)
-                   for t in texts]
-        rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens, plain=room > 0,
+        prompts = [truncate_prompt(pair.encode(t), keep) for t in texts]
+        rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
+                             plain=pair.max_context - max_new_tokens > 0,
                              progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
         for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
             rs = [r for r in rows if r["method"] == label]
@@ -292,7 +296,8 @@ def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
 @click.option("--prompts", "n_prompts", default=10, show_default=True, type=click.IntRange(min=1),
               help="N prompts per dataset: its first N texts of at least 200 characters (shorter ones are skipped)")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="first W prompts discarded")
-@click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1), help="L_max")
+@click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
+              help="L_max: prompts keep their last L_max tokens (fewer if the context needs room for the T new ones)")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="T (EOS ignored)")
 @click.option("--methods", default="ar,linear,fixed_tree,dynatree,dyspec,hf_ar,hf_assisted,hf_assisted_heuristic,hf_prompt_lookup",
               show_default=True, help="LABEL=METHOD runs a method under another name")

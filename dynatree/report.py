@@ -388,9 +388,13 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
         used = m.get("prompts_used") or {}  # a file may hold fewer usable prompts than asked for
         counts = ", ".join(f"{n} {name}" for name, n in used.items()) + " prompts" if used else \
             f"{s['prompts']} prompts per dataset"
-        md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads; "
-              f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, "
-              f"L_max={s['max_prompt_tokens']}; EOS ignored.\n\n") + md
+        kept = m.get("max_prompt_tokens_kept") or s["max_prompt_tokens"]
+        lmax = f"{kept} (of {s['max_prompt_tokens']}: the context holds the new tokens too)" \
+            if kept < s["max_prompt_tokens"] else kept
+        forward = "".join(f"; {w}: {f}" for w, f in (m.get("forward") or {}).items())
+        md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads, "
+              f"kernel {m.get('kernel', 'lean')}{forward}; "
+              f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, L_max={lmax}; EOS ignored.\n\n") + md
     path = out / "summary.md"
     path.write_text(md)
     return path, plots(rows, out)

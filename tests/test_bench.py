@@ -83,6 +83,29 @@ def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
     assert bad.exit_code != 0 and "nonsense" in bad.output
 
 
+def test_bench_cuts_prompts_to_leave_the_context_room_for_the_new_tokens(pair_dirs, tmp_path):
+    """A 128-token context, T = 120 and a sweep at T = 124: prompts keep 8 and 4 tokens, as
+    `dynatree check` and `run` cut them, and every row generates all T tokens (it generated what
+    was left of the context, under a summary naming the asked-for T); T = 128 is refused before
+    any measurement.  The summary names the kernel and the forward that ran."""
+    out = tmp_path / "cut"
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 120) + [
+        "--methods", "ar,dynatree", "--sweep-tokens", "124", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "L_max=8 (cut from 16: the 128-token context holds the new tokens too), T=120" in res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    main_rows = [r for r in rows if json.loads(r["setting"])["sweep"] == "main"]
+    sweep = [r for r in rows if json.loads(r["setting"])["sweep"] == "tokens"]
+    assert main_rows and all(r["prompt_tokens"] == 8 and r["new_tokens"] == 120 for r in main_rows)
+    assert sweep and all(r["prompt_tokens"] == 4 and r["new_tokens"] == 124 for r in sweep)
+    summary = (out / "summary.md").read_text()
+    assert "T=120, L_max=8 (of 16: the context holds the new tokens too)" in summary
+    assert "kernel lean; target: torch ops (not the native kernel" in summary  # float64 runs on torch
+    bad = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 128) + ["--out", str(tmp_path / "full")])
+    assert bad.exit_code != 0 and "leaves no room for a prompt in the 128-token context" in bad.output
+    assert not (tmp_path / "full" / "results.parquet").exists()
+
+
 def test_profile_command(pair_dirs):
     res = CliRunner().invoke(main, ["profile", "--target", str(pair_dirs / "target"), "--draft",
                                     str(pair_dirs / "draft"), "--device", "cpu", "--prefix", "16",

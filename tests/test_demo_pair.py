@@ -63,3 +63,6 @@ def test_cli_generate_without_model_flags():
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["matches_ar"] is True and len(out["token_ids"]) <= 12
+    from dynatree import native
+    if native.library() is not None:  # what ran, not only what was asked for (the demo pair: the native kernel)
+        assert out["forward"].startswith("native kernel (")
