@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -32,6 +33,17 @@ def _threads(n: int | None) -> None:
 @click.version_option(package_name="dynatree")
 def main() -> None:
     """Exact tree speculative decoding (DynaTree, DySpec) for batch generation."""
+    warnings.formatwarning = _short_warning
+
+
+_default_format = warnings.formatwarning
+
+
+def _short_warning(message, category, filename, lineno, line=None) -> str:
+    """dynatree's own warnings as one line for a command-line user (others as Python prints them)."""
+    if Path(filename).resolve().is_relative_to(Path(__file__).resolve().parent):
+        return f"warning: {message}\n"
+    return _default_format(message, category, filename, lineno, line)
 
 
 def _pair_options(f):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -317,6 +318,10 @@ def load_tokenizer(name_or_path: str):
         raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
 
 
+FLOAT16_ON_CPU = ("dtype float16 on a CPU runs torch's slow float16 kernels (~18x slower than float32, measured "
+                  "on a 2-core EPYC, and never the native kernel): use float32 on CPUs")
+
+
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
               device: str = "auto", dtype: str = "float32", attn_implementation: str = "sdpa",
               load_draft: bool = True, kernel: str = "lean", transformers_models: bool = False) -> ModelPair:
@@ -340,6 +345,8 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         if problem:
             raise PairError(f"{role} {name}: {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if dt == torch.float16 and dev.type == "cpu":
+        warnings.warn(FLOAT16_ON_CPU, stacklevel=2)
     tok = load_tokenizer(str(target))
     lean = kernel != "hf" and not transformers_models
     tmodel = load_model(str(target), dev, dt, attn_implementation, lean)

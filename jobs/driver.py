@@ -33,6 +33,7 @@ from dynatree.data import id_strings, would_read
 from dynatree.signals import end_on_sigterm
 from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
+from dynatree.models import FLOAT16_ON_CPU
 
 from . import placement
 from .plan import (JobError, Plan, as_stored, check_output, default_ids, finished_shards, make_plan, output_lock,
@@ -353,8 +354,7 @@ class _Dispatch:
         _check_devices(self.spec, resources)
         n, self.cpus, self.gpus = _actor_shape(self.spec, resources)
         if not self.gpus and self.spec.dtype == "float16":
-            self.log("warning: --dtype float16 on CPU actors runs torch's slow float16 kernels (~18x slower than "
-                     "float32 measured on a 2-core EPYC); use --dtype float32 on CPUs")
+            self.log(f"warning: CPU actors: {FLOAT16_ON_CPU}")
         self.memory = self.spec.memory_per_actor * 1e9 if self.spec.memory_per_actor else None  # bytes
         try:
             n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)

@@ -237,3 +237,13 @@ def test_cli_generate_check_ar_says_where_and_how_close(pair_dirs, monkeypatch):
     assert out["matches_ar"] is False and out["first_divergence"] == 4 and out["divergence_margin"] > 0
     res = CliRunner().invoke(main, args)
     assert "matches_ar=False (first difference at token 4, target top-2 logit margin there" in res.output
+
+
+def test_float16_on_a_cpu_warns_at_load_and_in_one_line_on_the_command_line(pair_dirs):
+    """torch's float16 CPU kernels are ~18x slower than float32 and the native kernel never runs
+    them: loading says so (a user's trial found it only by its speed)."""
+    with pytest.warns(UserWarning, match="float16 on a CPU runs torch's slow float16 kernels"):
+        load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", dtype="float16")
+    from dynatree import cli  # (pytest takes warnings over; the command line's format is checked alone)
+    assert cli._short_warning("slow", UserWarning, cli.__file__, 1) == "warning: slow\n"
+    assert "UserWarning: slow\n" in cli._short_warning("slow", UserWarning, pytest.__file__, 1)
