@@ -73,15 +73,15 @@ def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = 
 
 def prompt_budget(context: int, cfgs, max_prompt_tokens: int, max_new_tokens: int) -> int:
     """The prompt tokens a check or bench keeps: ``max_prompt_tokens``, fewer where the
-    ``context``-token window must hold the new tokens too (as `dynatree run` cuts prompts) -- unless
-    every method in ``cfgs`` has a cache window (kv_window) and so generates past the context.
-    ValueError when the new tokens alone fill the context."""
+    ``context``-token window must hold the new tokens too (as `dynatree run` cuts prompts).  When
+    the new tokens alone fill the context, all of them if every method in ``cfgs`` has a cache
+    window (kv_window: it generates past the context), else a ValueError."""
+    if context - max_new_tokens > 0:
+        return min(max_prompt_tokens, context - max_new_tokens)
     if cfgs and all(getattr(c, "kv_window", 0) for c in cfgs):
         return max_prompt_tokens
-    if context - max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {context}-token "
-                         "context (methods with a cache window, option kv_window, can generate past it; give every one)")
-    return min(max_prompt_tokens, context - max_new_tokens)
+    raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {context}-token "
+                     "context (methods with a cache window, option kv_window, can generate past it; give every one)")
 
 
 def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, max_new_tokens: int,

@@ -11,6 +11,10 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+# (here, not in models.py, so that the job driver, which imports no torch, says the same)
+FLOAT16_ON_CPU = ("dtype float16 on a CPU runs torch's slow float16 kernels (~18x slower than float32, measured "
+                  "on a 2-core EPYC, and never the native kernel): use float32 on CPUs")
+
 
 KV_DTYPES = ("model", "bfloat16")  # MethodConfig.kv_dtype: the model's dtype, or a torch dtype's name
 

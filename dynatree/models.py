@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import KERNELS
+from .config import FLOAT16_ON_CPU, KERNELS
 from .names import context_len, default_pair_dir, model_problem
 from .runtime import KeyMask, forward_each, with_heads
 
@@ -316,10 +316,6 @@ def load_tokenizer(name_or_path: str):
         return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
         raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
-
-
-FLOAT16_ON_CPU = ("dtype float16 on a CPU runs torch's slow float16 kernels (~18x slower than float32, measured "
-                  "on a 2-core EPYC, and never the native kernel): use float32 on CPUs")
 
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,

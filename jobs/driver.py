@@ -33,7 +33,7 @@ from dynatree.data import id_strings, would_read
 from dynatree.signals import end_on_sigterm
 from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
-from dynatree.models import FLOAT16_ON_CPU
+from dynatree.config import FLOAT16_ON_CPU
 
 from . import placement
 from .plan import (JobError, Plan, as_stored, check_output, default_ids, finished_shards, make_plan, output_lock,
