@@ -70,6 +70,33 @@ class HFRunner:
         return forward_each(self, seqs, **heads)
 
 
+PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
+
+
+@torch.inference_mode()
+def _probed(run, model, which: str):
+    """``run``, a native forward, if its logits over a fixed 12-token prompt agree with the same
+    forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation orders
+    differ by ~1e-6), else that torch forward, with a warning.  Why: the native kernel is
+    checked against torch by the tests on the shapes they build; on a model they never saw, a
+    kernel bug (a tied embedding read with the wrong strides was one) makes ``ar`` wrong too, and
+    no check against ``ar`` could see it."""
+    from .kvcache import new_cache
+    from .runtime import Seq
+
+    twin = type(run)(model, gemm=False)
+    ids = torch.randint(0, model.config.vocab_size, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0))
+    native_logits, torch_logits = (r.forward([Seq(ids, new_cache(r, PROBE_TOKENS + 1))])[0].logits.float()
+                                   for r in (run, twin))
+    gap, scale = (native_logits - torch_logits).abs().max().item(), max(1.0, torch_logits.abs().max().item())
+    if gap <= PROBE_RTOL * scale:
+        return run
+    twin.refusal = (f"its logits differed from torch's by {gap:.3g} on a probe prompt (a native-kernel bug: "
+                    "please report it)")
+    warnings.warn(f"the {which} model runs on torch's ops, not the native kernel: {twin.refusal}", stacklevel=3)
+    return twin
+
+
 @dataclass
 class ModelPair:
     target: torch.nn.Module
@@ -126,7 +153,7 @@ class ModelPair:
             if not isinstance(run, LeanNeoX):  # Llama-family models pack too; others run transformers'
                 run = (PackedRunner(run, gemm=self.kernel == "lean") if self.kernel != "hf" and packed.supports(run)
                        else HFRunner(run))
-            self.state[key] = run
+            self.state[key] = _probed(run, model, which) if getattr(run, "native", False) else run
         return self.state[key]
 
     def not_native(self, which: str = "target") -> str:

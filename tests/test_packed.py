@@ -244,34 +244,63 @@ def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
                                                                + 3 * d * ff) + 100 * d
 
 
+def tied_model(family: str, vocab: int):
+    """A float32 model whose LM head is its embedding matrix, as Qwen2.5-0.5B and many small ones."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    if family == "neox":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=128,
+                                                max_position_embeddings=128, tie_word_embeddings=True)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        tie_word_embeddings=True)).eval()
+
+
+def saved(model, pair_dirs, path):
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(pair_dirs / "target").save_pretrained(path)
+    return path
+
+
+PROMPT, STEPS = [5, 9, 11, 40, 2, 7], [17, 23, 4]
+
+
 @pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("family", ["neox", "llama"])
 def test_a_tied_embedding_loaded_from_disk_reaches_the_c_forward_dense(family, pair_dirs, tmp_path):
-    """An LM head that is the embedding matrix (Qwen2.5-0.5B, many small models), loaded as a user
-    loads it: models.cpu_layout stores Linear weights transposed for MKL, which made the shared
-    embedding a strided view that the C forward read as row-major -- wrong logits, and `ar` wrong
-    with every method, so no check against `ar` could see it."""
-    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
-
+    """An LM head that is the embedding matrix, loaded as a user loads it: models.cpu_layout
+    stores Linear weights transposed for MKL, which made the shared embedding a strided view that
+    the C forward read as row-major -- wrong logits, and `ar` wrong with every method, so no check
+    against `ar` could see it."""
     from dynatree import load_pair
     from dynatree.check import reference_logits
 
-    tok = AutoTokenizer.from_pretrained(pair_dirs / "target")
-    torch.manual_seed(0)
-    if family == "neox":
-        cfg = GPTNeoXConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=True)
-        model = GPTNeoXForCausalLM(cfg).eval()
-    else:
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          tie_word_embeddings=True)
-        model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    pair = load_pair(tmp_path, None, device="cpu", dtype="float32")
+    model = tied_model(family, 300)
+    pair = load_pair(saved(model, pair_dirs, tmp_path), None, device="cpu", dtype="float32")
     assert pair.runner("target").native
-    prompt, steps = [5, 9, 11, 40, 2, 7], [17, 23, 4]
     with torch.no_grad():
-        want = model(torch.tensor([prompt + steps])).logits[0, -1]
-    assert torch.allclose(reference_logits(pair, prompt, steps), want, atol=1e-4)
+        want = model(torch.tensor([PROMPT + STEPS])).logits[0, -1]
+    assert torch.allclose(reference_logits(pair, PROMPT, STEPS), want, atol=1e-4)
+
+
+@pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
+def test_a_native_forward_that_disagrees_with_torch_on_the_load_probe_is_not_used(pair_dirs, tmp_path, monkeypatch):
+    """The load-time probe (models._probed), on the bug above put back: the runner falls back to
+    the same forward on torch's ops, says why, and the logits are transformers' again."""
+    from dynatree import cmodel, load_pair
+    from dynatree.check import reference_logits
+
+    monkeypatch.setattr(cmodel, "_rows", lambda t: t)  # a strided embedding handed to C as it is
+    model = tied_model("llama", 300)
+    pair = load_pair(saved(model, pair_dirs, tmp_path), None, device="cpu", dtype="float32")
+    with pytest.warns(UserWarning, match="the target model runs on torch's ops, not the native kernel: its logits "
+                                         "differed from torch's"):
+        run = pair.runner("target")
+    assert not run.native and "on a probe prompt" in pair.not_native("target")
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT + STEPS])).logits[0, -1]
+    assert torch.allclose(reference_logits(pair, PROMPT, STEPS), want, atol=1e-4)
