@@ -19,7 +19,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import torch
 
 from dynatree import budget
 from dynatree.check import divergence, truncate_prompt
-from dynatree.config import ar_reference
+from dynatree.config import FLOAT16_ON_CPU, ar_reference
 from dynatree.metrics import fill_row, result_row
 from dynatree.models import PairError, load_pair
 from dynatree.jobs.spec import FAULTS_ENV
@@ -111,8 +113,10 @@ class ShardWorker:
 
     def _load(self):
         spec, t0 = self.spec, time.perf_counter()
-        self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
-                              load_draft=spec.method != "ar", kernel=spec.kernel)
+        with warnings.catch_warnings():  # the driver said it once for the job, not once per actor
+            warnings.filterwarnings("ignore", message=re.escape(FLOAT16_ON_CPU))
+            self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
+                                  load_draft=spec.method != "ar", kernel=spec.kernel)
         self.pair.prefix_cache_bytes = int(spec.prefix_cache_gb * 2**30)
         if spec.chat_template and not self.pair.has_chat_template:
             raise PairError(f"chat_template is on but the tokenizer of the target ({spec.target or 'the demo pair'}) has none")

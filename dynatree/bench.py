@@ -446,18 +446,18 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     rows: list[dict] = []
     t0 = time.time()
     try:
-        loaded = _measure(pair, spec, rows, log)
+        loaded, kept = _measure(pair, spec, rows, log)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: keep what was measured (a whole bench can take hours)
         rows += getattr(e, "partial_rows", [])
         if rows:  # (with nothing measured, an earlier bench's results stay)
             _write(out, pair, spec, rows, t0, None, interrupted=True, log=log)
         e.saved = bool(rows)
         raise
-    return _write(out, pair, spec, rows, t0, loaded, log=log)
+    return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept)
 
 
 def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: float, loaded, interrupted: bool = False,
-           log=print) -> Path:
+           log=print, kept: int | None = None) -> Path:
     """results.parquet (every row's columns: a sweep's rows have more than a batch's) and bench.json;
     an earlier bench's files in ``out`` go (its plots would sit beside the new tables)."""
     import pyarrow as pa
@@ -473,7 +473,7 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
     meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
             "pair": pair.names, "device": str(pair.device), "dtype": str(pair.dtype).replace("torch.", ""), "kernel": pair.kernel,
             "forward": {w: pair.forward_in_use(w) for w in ("target", "draft") if pair.runner(w) is not None},
-            "max_prompt_tokens_kept": _prompt_budgets(pair, spec)[spec.max_prompt_tokens, spec.max_new_tokens] if rows else None,
+            "max_prompt_tokens_kept": kept,
             "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
             "prompts_used": {name: len(texts) for _, name, texts in loaded} if loaded else None,
             "interrupted": interrupted}
@@ -481,8 +481,9 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
     return out
 
 
-def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> list:
-    """Every measurement of the bench, appended to ``rows`` as it is made; returns the prompts."""
+def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[list, int]:
+    """Every measurement of the bench, appended to ``rows`` as it is made; returns the prompts and
+    the prompt tokens the main setting kept."""
     loaded = [(ds, *load_bench_prompts(ds, spec.prompt_column, spec.prompts)) for ds in spec.datasets]  # all first:
     names = [name for _, name, _ in loaded]  # a bad one fails before any measurement
     if len(set(names)) < len(names):
@@ -520,6 +521,8 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> list:
         skip, warm = (spec.warmup, 0) if not spec.batch_sizes else (0, spec.warmup)
         for t in spec.sweep_tokens:
             lt = keep[spec.max_prompt_tokens, t]
+            if lt < lmax:
+                log(f"{name}: sweep T={t}: prompts cut to {lt} tokens (the context holds the new tokens too)")
             rows += bench_rows(pair, name, [truncate_prompt(e, lt) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, log=log)
         for lp in spec.sweep_prompt_len:
@@ -534,7 +537,7 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> list:
             rows += bench_rows(pair, name, full, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
                                warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=lmax, setting={"sweep": "grid"}, log=log)
-    return loaded
+    return loaded, lmax
 
 
 def _prompt_budgets(pair: ModelPair, spec: BenchSpec) -> dict[tuple[int, int], int]:
@@ -543,4 +546,10 @@ def _prompt_budgets(pair: ModelPair, spec: BenchSpec) -> dict[tuple[int, int], i
     cfgs = [None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods]
     settings = {(spec.max_prompt_tokens, t) for t in (spec.max_new_tokens, *spec.sweep_tokens)}
     settings |= {(lp, spec.max_new_tokens) for lp in spec.sweep_prompt_len}
-    return {(lp, t): prompt_budget(pair.max_context, cfgs, lp, t) for lp, t in settings}
+    keep = {(lp, t): prompt_budget(pair.max_context, cfgs, lp, t) for lp, t in settings}
+    over = [lp for lp in spec.sweep_prompt_len if keep[lp, spec.max_new_tokens] < lp]
+    if over:  # (cut, two values would measure the same prompts as different points)
+        raise ValueError(f"--sweep-prompt-len {','.join(map(str, over))}: the {pair.max_context}-token context "
+                         f"holds {keep[over[0], spec.max_new_tokens]} prompt tokens beside T={spec.max_new_tokens}; "
+                         "sweep lengths up to that")
+    return keep

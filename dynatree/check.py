@@ -73,9 +73,11 @@ def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = 
 
 def prompt_budget(context: int, cfgs, max_prompt_tokens: int, max_new_tokens: int) -> int:
     """The prompt tokens a check or bench keeps: ``max_prompt_tokens``, fewer where the
-    ``context``-token window must hold the new tokens too (as `dynatree run` cuts prompts).  When
-    the new tokens alone fill the context, all of them if every method in ``cfgs`` has a cache
-    window (kv_window: it generates past the context), else a ValueError."""
+    ``context``-token window must hold the new tokens too, so that plain ``ar`` runs beside the
+    methods.  When the new tokens alone fill the context, ``max_prompt_tokens`` if every method in
+    ``cfgs`` has a cache window (kv_window: it generates past the context), else a ValueError.
+    (A job cuts a windowed method's prompts only to ``max_prompt_tokens``: it compares each row
+    with its windowed ``ar``, never plain ``ar``; actors/worker.prompt_ids.)"""
     if context - max_new_tokens > 0:
         return min(max_prompt_tokens, context - max_new_tokens)
     if cfgs and all(getattr(c, "kv_window", 0) for c in cfgs):

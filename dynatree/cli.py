@@ -369,7 +369,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
 @main.command()
 @_pair_options
 @click.option("--prefix", default=256, show_default=True, type=click.IntRange(min=0),
-              help="cached tokens before the timed forwards (at most the context minus 65)")
+              help="cached tokens before the timed forwards (at most the context less the largest forward timed, less 1)")
 @click.option("--prefill", default=300, show_default=True, type=click.IntRange(min=0),
               help="prompt tokens of the timed prefill (0: skip; less than the context)")
 @click.option("--repeats", default=9, show_default=True, type=click.IntRange(min=1),

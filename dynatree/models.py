@@ -269,8 +269,12 @@ def cpu_layout(model) -> None:
     layout for the few-row inputs of decoding and tree verification (measured on this project's
     CPU: a 512x2048 layer at 16 rows, 1.1 ms -> 0.23 ms).  GPUs don't need it.
     """
+    # a Linear tied to an embedding (an LM head sharing its matrix) keeps the embedding's row layout:
+    # transposed, the lookup's rows would be strided and the native kernel would need a dense copy
+    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and mod.weight.is_contiguous():
+        if (isinstance(mod, torch.nn.Linear) and mod.weight.is_contiguous()
+                and mod.weight.data_ptr() not in embedded):
             mod.weight.data = mod.weight.data.t().contiguous().t()
 
 

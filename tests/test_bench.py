@@ -104,6 +104,10 @@ def test_bench_cuts_prompts_to_leave_the_context_room_for_the_new_tokens(pair_di
     bad = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 128) + ["--out", str(tmp_path / "full")])
     assert bad.exit_code != 0 and "leaves no room for a prompt in the 128-token context" in bad.output
     assert not (tmp_path / "full" / "results.parquet").exists()
+    # a prompt-length sweep point past what the context holds would measure the cut prompts again
+    over = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 120) + ["--sweep-prompt-len", "4,12",
+                                                                               "--out", str(tmp_path / "over")])
+    assert over.exit_code != 0 and "--sweep-prompt-len 12: the 128-token context holds 8 prompt tokens" in over.output
 
 
 def test_profile_command(pair_dirs):

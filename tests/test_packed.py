@@ -273,9 +273,10 @@ PROMPT, STEPS = [5, 9, 11, 40, 2, 7], [17, 23, 4]
 @pytest.mark.parametrize("family", ["neox", "llama"])
 def test_a_tied_embedding_loaded_from_disk_reaches_the_c_forward_dense(family, pair_dirs, tmp_path):
     """An LM head that is the embedding matrix, loaded as a user loads it: models.cpu_layout
-    stores Linear weights transposed for MKL, which made the shared embedding a strided view that
+    stored Linear weights transposed for MKL, which made the shared embedding a strided view that
     the C forward read as row-major -- wrong logits, and `ar` wrong with every method, so no check
-    against `ar` could see it."""
+    against `ar` could see it.  (Now a tied weight keeps its rows, and cmodel._rows copies any
+    strided table the C code would read.)"""
     from dynatree import load_pair
     from dynatree.check import reference_logits
 
@@ -294,7 +295,8 @@ def test_a_native_forward_that_disagrees_with_torch_on_the_load_probe_is_not_use
     from dynatree import cmodel, load_pair
     from dynatree.check import reference_logits
 
-    monkeypatch.setattr(cmodel, "_rows", lambda t: t)  # a strided embedding handed to C as it is
+    # the old bug, put back: the C forward handed its 2-D tables (embedding, rotary) as strided views
+    monkeypatch.setattr(cmodel, "_rows", lambda t: t if t is None or t.dim() < 2 else t.t().contiguous().t())
     model = tied_model("llama", 300)
     pair = load_pair(saved(model, pair_dirs, tmp_path), None, device="cpu", dtype="float32")
     with pytest.warns(UserWarning, match="the target model runs on torch's ops, not the native kernel: its logits "

@@ -27,7 +27,7 @@
 #define RMAX (DT_NREG >= 32 ? 12 : 6) /* rows per pass */
 #define PREFETCH_BYTES 8192 /* ahead of the tile row being read: the hardware prefetcher alone
                                left 12-16 rows 1.5x slower (AVX-512 host); 8 KiB instead of 2 cut
-                               one-pass (1-12 row) GEMMs 15-20% on Zen 5, AVX-512 and AVX2 builds */
+                               one-pass GEMMs (1-12 rows AVX-512, 1-6 AVX2) 15-20% on Zen 5 */
 
 /* Weights come as float32 or, when every weight of the model is exactly representable in it
  * (a bf16 or fp16 checkpoint loaded as float32), as 16-bit bfloat16 or IEEE half: half the bytes
@@ -111,8 +111,9 @@ int dt_tile_width(void) { return TW; }
  * same bits.  Why: 512-bit widening is costly on Zen 4; same-process A/B of the target's four
  * GEMMs there: 6-8% faster from 13 to 300 rows.  Not for AVX2 or 128-bit builds (no gain
  * measured, and 2-9% slower at two passes), nor for K < 256 (a draft's small tiles: slower).
- * The second pass prefetches the thread's next tile (KERN's nxt): with two or more passes the
- * first then finds its weights in L2 -- 13-18 rows' GEMMs 17-26% faster on Zen 5 (AVX-512).
+ * The second pass prefetches the next tile (KERN's nxt; at the end of a thread's share of the
+ * tiles, another thread's first, one wasted tile): with two or more passes the first pass then
+ * finds its weights in L2 -- 13-18 rows' GEMMs 17-26% faster on Zen 5 (AVX-512).
  * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
 #define WIDEN_ONCE (DT_W == 16)
 void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
