@@ -574,11 +574,11 @@ def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shap
             _fail(f"shape {s!r}: hidden must be divisible by heads")
         return ModelShape(layers, hidden, heads)
 
-    cfg = TrainConfig(vocab_size=vocab_size, target=shape(target_shape), draft=shape(draft_shape),
-                      seq_len=seq_len, batch_size=batch_size, context=context,
-                      target_minutes=target_minutes, draft_minutes=draft_minutes, lr=lr,
-                      max_chars=max_chars, bf16=bf16, seed=seed)
     try:
+        cfg = TrainConfig(vocab_size=vocab_size, target=shape(target_shape), draft=shape(draft_shape),
+                          seq_len=seq_len, batch_size=batch_size, context=context,
+                          target_minutes=target_minutes, draft_minutes=draft_minutes, lr=lr,
+                          max_chars=max_chars, bf16=bf16, seed=seed)
         train_pair(corpus, column, out_dir, cfg, log=lambda m: click.echo(m, err=True))
     except (InputError, ValueError) as e:
         _fail(str(e))

@@ -29,6 +29,9 @@ class ModelShape:
     heads: int
 
 
+MIN_VOCAB = 260
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     vocab_size: int = 4096
@@ -45,6 +48,24 @@ class TrainConfig:
     max_chars: int = 40_000_000
     bf16: bool = True  # bf16 autocast: about 2x faster on CPUs with AMX
     seed: int = 0
+
+    def __post_init__(self):  # checked before the corpus is read: a bad value must not cost a training run
+        for name in ("batch_size", "seq_len", "context", "max_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len > self.context:
+            raise ValueError(f"seq_len {self.seq_len} is longer than the models' context {self.context} "
+                             "(max_position_embeddings): train on windows that fit")
+        if self.vocab_size < MIN_VOCAB:
+            raise ValueError(f"vocab_size {self.vocab_size}: a byte-level BPE needs at least {MIN_VOCAB} "
+                             "(256 bytes, EOS, and merges)")
+        if not (self.target_minutes > 0 and self.draft_minutes > 0):
+            raise ValueError("target_minutes and draft_minutes must be positive (0 would save untrained models)")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        for shape in (self.target, self.draft):
+            if min(shape.layers, shape.hidden, shape.heads) < 1 or shape.hidden % shape.heads:
+                raise ValueError(f"shape {shape}: positive sizes, hidden divisible by heads")
 
 
 def neox(shape: ModelShape, cfg: TrainConfig, tokenizer):
@@ -89,9 +110,10 @@ def _lr(base: float, elapsed: float, budget: float, step: int, warmup: int = 30)
 @torch.no_grad()
 def heldout_loss(model, stream: torch.Tensor, seq_len: int, bf16: bool, max_windows: int = 64) -> float:
     model.eval()
-    n = min((stream.shape[0] - 1) // seq_len, max_windows)
-    if n == 0:
+    seq_len = min(seq_len, stream.shape[0] - 1)  # (as top1_agreement)
+    if seq_len < 1:
         return float("nan")
+    n = min((stream.shape[0] - 1) // seq_len, max_windows)
     x = stream[: n * seq_len].view(n, seq_len)
     y = stream[1: n * seq_len + 1].view(n, seq_len)
     losses = []
@@ -106,6 +128,9 @@ def heldout_loss(model, stream: torch.Tensor, seq_len: int, bf16: bool, max_wind
 @torch.no_grad()
 def top1_agreement(target, draft, stream: torch.Tensor, seq_len: int, max_windows: int = 32) -> float:
     target.eval(), draft.eval()
+    seq_len = min(seq_len, stream.shape[0] - 1)  # a held-out text shorter than one window: one shorter window
+    if seq_len < 1:
+        return float("nan")
     n = min((stream.shape[0] - 1) // seq_len, max_windows)
     x = stream[: n * seq_len].view(n, seq_len)
     a = target(input_ids=x).logits.argmax(-1)
@@ -146,7 +171,7 @@ def train_model(model, stream, cfg: TrainConfig, minutes: float, *, teacher=None
         tokens += x.numel()
         ema = ce.item() if ema is None else 0.98 * ema + 0.02 * ce.item()
         if step % 25 == 0:
-            log(f"[{label}] step {step} {elapsed / 60:5.1f}/{minutes:.1f} min  loss {ema:.3f}"
+            log(f"[{label}] step {step} {elapsed / 60:5.2f}/{minutes:.2f} min  loss {ema:.3f}"
                 + (f"  kl {kl_ema:.3f}" if kl_ema is not None else ""))
     model.eval()
     out = {"steps": step, "tokens": tokens, "minutes": round((time.perf_counter() - start) / 60, 2),
@@ -154,6 +179,21 @@ def train_model(model, stream, cfg: TrainConfig, minutes: float, *, teacher=None
     if kl_ema is not None:
         out["final_kl_ema"] = kl_ema
     return out
+
+
+def split_heldout(docs: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(held out, training): the first documents up to ``fraction`` of the characters, the last
+    of them cut where the fraction ends -- never the training text itself (with one document, or
+    a few long ones, whole documents would hold out far more or far less than ``fraction``)."""
+    need = max(1, int(sum(map(len, docs)) * fraction))
+    held: list[str] = []
+    for i, d in enumerate(docs):
+        if len(d) >= need:
+            rest = d[need:]
+            return held + [d[:need]], ([rest] if rest.strip() else []) + docs[i + 1:]
+        held.append(d)
+        need -= len(d)
+    return held, []
 
 
 def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
@@ -173,9 +213,9 @@ def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig =
             break
         kept.append(t[:cfg.max_chars - total])  # the last document cut to the cap
         total += len(kept[-1])
-    n_held = max(1, int(len(kept) * cfg.heldout_fraction))
-    held, train = kept[:n_held], kept[n_held:] or kept
-    log(f"corpus: {len(train)} training documents ({total / 1e6:.1f}M chars), {len(held)} held out")
+    held, train = split_heldout(kept, cfg.heldout_fraction)
+    log(f"corpus: {len(train)} training documents ({total / 1e6:.1f}M chars), {len(held)} held out "
+        f"({sum(map(len, held)) / max(total, 1):.1%} of the characters)")
 
     t0 = time.perf_counter()
     tokenizer = train_bpe_tokenizer(train, cfg.vocab_size)
