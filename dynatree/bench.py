@@ -465,7 +465,9 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
 
     if (out / "results.parquet").exists():
         log(f"replacing the earlier bench results in {out}")
-    plots = [p for pat in ("throughput.png", "batch.png", "grid_*.png", "sweep_*.png") for p in out.glob(pat)]
+    from .report import PLOTS
+
+    plots = [p for pat in PLOTS for p in out.glob(pat)]
     for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *plots]:  # (report's names only)
         old.unlink(missing_ok=True)
     names = list(dict.fromkeys(k for r in rows for k in r))

@@ -531,16 +531,18 @@ def build(isas):
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 def report_cmd(out_dir):
     """Rebuild summary.md and PNG plots from a bench directory's results.parquet."""
-    from .report import report
+    from .report import NothingMeasured, report
 
     if not (Path(out_dir) / "results.parquet").is_file():
         _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet)")
     try:
         md, pngs = report(out_dir)
+    except NothingMeasured as e:
+        _fail(f"{out_dir}: {e}")
     except (OSError, ValueError, KeyError) as e:  # a damaged or foreign results.parquet / bench.json
         _fail(f"{out_dir}: cannot read its bench results ({type(e).__name__}: {e})")
     click.echo(md.read_text())
-    click.echo(f"wrote {md}, " + ", ".join(str(p) for p in pngs))
+    click.echo(f"wrote {', '.join(map(str, [md, *pngs]))}")
 
 
 @main.command("train-pair")

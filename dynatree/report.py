@@ -20,6 +20,11 @@ def _ms(vals, fmt="{:.1f}") -> str:
     return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(sd)}"
 
 
+def _sd(vals) -> float:
+    vals = [v for v in vals if v is not None]
+    return statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+
 def _mean(vals):
     vals = [v for v in vals if v is not None]
     return statistics.fmean(vals) if vals else None
@@ -279,8 +284,7 @@ def _throughput_plot(rows: list[dict], out: Path, plt) -> Path | None:
     for k, d in enumerate(datasets):
         xs = [i + k * width for i in range(len(methods))]
         tps = [_mean([r["tokens_per_s"] for r in g[d].get(m, [])]) or 0 for m in methods]
-        sds = [statistics.stdev([r["tokens_per_s"] for r in g[d].get(m, [])]) if len(g[d].get(m, [])) > 1 else 0
-               for m in methods]
+        sds = [_sd([r["tokens_per_s"] for r in g[d].get(m, [])]) for m in methods]
         sps = [_ref_speedup(g[d], m) or 0 for m in methods]
         axes[0].bar(xs, tps, width, yerr=sds, label=d, capsize=2)
         axes[1].bar(xs, sps, width, label=d)
@@ -377,14 +381,29 @@ def _sweep_plots(rows: list[dict], out: Path, plt) -> list[Path]:
     return made
 
 
+PLOTS = ("throughput.png", "batch.png", "grid_*.png", "sweep_*.png")  # the file names plots() writes
+
+
+class NothingMeasured(ValueError):
+    """A bench directory whose results hold warm-up rows only."""
+
+
 def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
     out = Path(out_dir)
     rows = _load(out)
+    if not any(not r["warmup"] for r in rows):
+        raise NothingMeasured("no measured prompts in its results, only warm-up ones (was the bench stopped "
+                              "during its warm-up?): nothing to tabulate")
     md = tables(rows)
     meta = out / "bench.json"
     if meta.exists():
         m = json.loads(meta.read_text())
         s = m["spec"]
+        if m.get("interrupted"):
+            have = {r["dataset"] for r in rows if not r["warmup"]}
+            md = (f"**Interrupted**: the bench was stopped before the end; the tables hold the prompts every "
+                  f"method finished ({sum(not r['warmup'] for r in rows)} measured rows, from "
+                  f"{', '.join(sorted(have))}).\n\n") + md
         used = m.get("prompts_used") or {}  # a file may hold fewer usable prompts than asked for
         counts = ", ".join(f"{n} {name}" for name, n in used.items()) + " prompts" if used else \
             f"{s['prompts']} prompts per dataset"
@@ -397,4 +416,6 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
               f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, L_max={lmax}; EOS ignored.\n\n") + md
     path = out / "summary.md"
     path.write_text(md)
+    for old in [p for pat in PLOTS for p in out.glob(pat)]:  # a plot this run does not redraw would be stale
+        old.unlink()
     return path, plots(rows, out)

@@ -263,3 +263,27 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path,
     rows = pq.read_table(out / "results.parquet").to_pylist()
     assert sorted({r["prompt_id"] for r in rows}) == [0, 1] and len(rows) == 6
     assert json.loads((out / "bench.json").read_text())["interrupted"] and not (out / "sweep_tokens.png").exists()
+    # report on it says it was interrupted; on one stopped in its warm-up (prompt 0 alone), it refuses
+    rep = CliRunner().invoke(main, ["report", str(out)])
+    assert rep.exit_code == 0 and "**Interrupted**: the bench was stopped before the end" in rep.output
+    warm = out / "warm"
+    warm.mkdir()
+    pq.write_table(pa.Table.from_pylist([r for r in rows if r["warmup"]]), warm / "results.parquet")
+    (warm / "throughput.png").write_text("an earlier report's plot")
+    rep = CliRunner().invoke(main, ["report", str(warm)])
+    assert rep.exit_code != 0 and "no measured prompts in its results, only warm-up ones" in rep.output
+
+
+def test_report_redraws_only_what_the_results_hold(pair_dirs, tmp_path):
+    """A plot an earlier report drew that this one does not (a sweep since dropped) is removed, and
+    a missing tokens/s (a row that failed to time) leaves its bar's spread out instead of crashing."""
+    out = tmp_path / "r"
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 4) + ["--methods", "ar,linear", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(out / "results.parquet").to_pylist()
+    table[-1]["tokens_per_s"] = None
+    pq.write_table(pa.Table.from_pylist(table), out / "results.parquet")
+    (out / "sweep_tokens.png").write_text("stale")
+    rep = CliRunner().invoke(main, ["report", str(out)])
+    assert rep.exit_code == 0, rep.output
+    assert not (out / "sweep_tokens.png").exists() and (out / "throughput.png").exists()
