@@ -72,18 +72,16 @@ def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = 
 
 
 def prompt_budget(context: int, cfgs, max_prompt_tokens: int, max_new_tokens: int) -> int:
-    """The prompt tokens a check or bench keeps: ``max_prompt_tokens``, fewer where the
-    ``context``-token window must hold the new tokens too, so that plain ``ar`` runs beside the
-    methods.  When the new tokens alone fill the context, ``max_prompt_tokens`` if every method in
-    ``cfgs`` has a cache window (kv_window: it generates past the context), else a ValueError.
-    (A job cuts a windowed method's prompts only to ``max_prompt_tokens``: it compares each row
-    with its windowed ``ar``, never plain ``ar``; actors/worker.prompt_ids.)"""
-    if context - max_new_tokens > 0:
-        return min(max_prompt_tokens, context - max_new_tokens)
+    """The prompt tokens a check or bench keeps, as a job keeps them (actors/worker.prompt_ids):
+    ``max_prompt_tokens`` when every method in ``cfgs`` has a cache window (kv_window: it decodes
+    past the context), else fewer where the ``context``-token window must hold the new tokens too
+    (a ValueError when they alone fill it)."""
     if cfgs and all(getattr(c, "kv_window", 0) for c in cfgs):
         return max_prompt_tokens
-    raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {context}-token "
-                     "context (methods with a cache window, option kv_window, can generate past it; give every one)")
+    if context - max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {context}-token "
+                         "context (methods with a cache window, option kv_window, can generate past it; give every one)")
+    return min(max_prompt_tokens, context - max_new_tokens)
 
 
 def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, max_new_tokens: int,
@@ -92,8 +90,8 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
     methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.  An
     ``ar`` method is a reference: decoded once, under its reference label (``ar_t0.5``, ...).
-    ``plain``: also plain greedy ``ar`` (not when the generation outgrows the context: methods
-    with a cache window can, it cannot).
+    ``plain``: also plain greedy ``ar`` on every prompt whose generation fits the context (methods
+    with a cache window decode past it; it cannot).
     """
     from .config import ARConfig, ar_reference, reference_label
     from .engine import decode
@@ -119,7 +117,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
                 rows.append({**refs[cfg][1], "method": label})
             return refs[cfg][0]
 
-        if plain:
+        if plain and len(prompt) + max_new_tokens <= pair.max_context:
             ar(ARConfig())
         for label, cfg in methods.items():
             ref = ar(ar_reference(cfg), label if isinstance(cfg, ARConfig) else None)

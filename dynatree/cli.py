@@ -195,7 +195,6 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             _fail(f"{path}: no prompts to check")
         prompts = [truncate_prompt(pair.encode(t), keep) for t in texts]
         rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
-                             plain=pair.max_context - max_new_tokens > 0,
                              progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
         for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
             rs = [r for r in rows if r["method"] == label]

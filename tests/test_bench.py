@@ -104,6 +104,12 @@ def test_bench_cuts_prompts_to_leave_the_context_room_for_the_new_tokens(pair_di
     bad = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 128) + ["--out", str(tmp_path / "full")])
     assert bad.exit_code != 0 and "leaves no room for a prompt in the 128-token context" in bad.output
     assert not (tmp_path / "full" / "results.parquet").exists()
+    # every method windowed (options without a label reach every method): prompts keep L_max, as in a job
+    win = tmp_path / "win"
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 120) + [
+        "--methods", "ar,dynatree", "--option", "kv_window=24", "--option", "kv_evict=4", "--out", str(win)])
+    assert res.exit_code == 0, res.output
+    assert {r["prompt_tokens"] for r in pq.read_table(win / "results.parquet").to_pylist()} == {16}
     # a prompt-length sweep point past what the context holds would measure the cut prompts again
     over = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 120) + ["--sweep-prompt-len", "4,12",
                                                                                "--out", str(tmp_path / "over")])
