@@ -94,6 +94,11 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         if meth in HF_METHODS:
             if own.get(label):
                 raise ValueError(f"{label}: transformers peers take no options of their own")
+            other = [k for k in shared if k not in sampling_keys]
+            if other:  # (they would run without it, beside methods that run with it)
+                raise ValueError(f"--option {other[0]} (given to every method) does not apply to transformers' "
+                                 f"peer {label}: give it to the methods by label (LABEL.{other[0]}=...) or "
+                                 "leave the peers out")
             given = {k: v for k, v in shared.items() if k in sampling_keys}
             cfg = make_config("ar", given)  # the same parsing and checks as the engine's methods
             opts = {k: getattr(cfg, k) for k in given}
@@ -425,7 +430,9 @@ class BenchSpec:
         return any(m.method in HF_METHODS for m in self.methods)
 
 
-def grid_methods(grid: dict) -> list[MethodSpec]:
+def grid_methods(grid: dict, shared: dict | None = None) -> list[MethodSpec]:
+    """The fixed-tree grid's methods, each with the options given to every method (``shared``:
+    sampling, cache window... as ``ar`` got them) besides its own."""
     import itertools
 
     keys = [k for k in ("depth", "branch", "tau") if grid.get(k)]
@@ -433,7 +440,7 @@ def grid_methods(grid: dict) -> list[MethodSpec]:
     for combo in itertools.product(*(grid[k] for k in keys)):
         opts = dict(zip(keys, combo))
         label = "fixed_tree[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]"
-        out.append(MethodSpec(label, "fixed_tree", opts))
+        out.append(MethodSpec(label, "fixed_tree", {**(shared or {}), **opts}))
     return out
 
 
@@ -536,7 +543,8 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             rows += batch_rows(pair, name, full[spec.warmup:], list(spec.methods), spec.batch_sizes,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=lmax, log=log)
         if spec.grid:
-            rows += bench_rows(pair, name, full, [MethodSpec("ar", "ar")] + grid_methods(spec.grid),
+            ar = next(m for m in spec.methods if m.label == "ar")  # (with the options given to every method)
+            rows += bench_rows(pair, name, full, [ar] + grid_methods(spec.grid, ar.options),
                                warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=lmax, setting={"sweep": "grid"}, log=log)
     return loaded, lmax

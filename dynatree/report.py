@@ -411,6 +411,8 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
         lmax = f"{kept} (of {s['max_prompt_tokens']}: the context holds the new tokens too)" \
             if kept < s["max_prompt_tokens"] else kept
         forward = "".join(f"; {w}: {f}" for w, f in (m.get("forward") or {}).items())
+        shared = next((x["options"] for x in s["methods"] if x["label"] == "ar"), None)  # options given to all
+        forward += f"; options given to every method, `ar` included: {json.dumps(shared, sort_keys=True)}" if shared else ""
         md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads, "
               f"kernel {m.get('kernel', 'lean')}{forward}; "
               f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, L_max={lmax}; EOS ignored.\n\n") + md

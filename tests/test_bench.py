@@ -293,3 +293,21 @@ def test_report_redraws_only_what_the_results_hold(pair_dirs, tmp_path):
     rep = CliRunner().invoke(main, ["report", str(out)])
     assert rep.exit_code == 0, rep.output
     assert not (out / "sweep_tokens.png").exists() and (out / "throughput.png").exists()
+
+
+def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_refuse_a_window(pair_dirs, tmp_path):
+    """A bare --option configures every method, `ar` included: the fixed-tree grid's `ar` and trees
+    get it too (they ran plain beside a configured `ar`), the summary says it, and transformers'
+    peers, which have no cache window, refuse one instead of running without it."""
+    out = tmp_path / "g"
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 6) + [
+        "--methods", "ar,linear", "--option", "kv_window=24", "--option", "kv_evict=4", "--grid-depth", "2",
+        "--grid-branch", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    grid = [r for r in pq.read_table(out / "results.parquet").to_pylist() if json.loads(r["setting"])["sweep"] == "grid"]
+    assert grid and all(json.loads(r["options"])["kv_window"] == 24 for r in grid)
+    assert 'options given to every method, `ar` included: {"kv_evict": 4, "kv_window": 24}' in \
+        (out / "summary.md").read_text()
+    bad = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 6) + [
+        "--methods", "ar,hf_ar", "--option", "kv_window=100", "--out", str(tmp_path / "p")])
+    assert bad.exit_code != 0 and "--option kv_window (given to every method) does not apply" in bad.output
