@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import first_difference, prompt_budget, truncate_prompt
-from .config import ARConfig, ar_reference, make_config, reference_label
+from .config import ARConfig, ar_reference, check_window, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics
 from .models import ModelPair
@@ -512,6 +512,12 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
                    f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
+    for m in spec.methods:  # a window the context cannot hold fails here, not after the methods before it ran
+        if m.method not in HF_METHODS:
+            try:
+                check_window(make_config(m.method, m.options), pair.max_context)
+            except ValueError as e:
+                raise ValueError(f"{m.label}: {e} (--option {m.label}.kv_window=N)") from None
     keep = _prompt_budgets(pair, spec)  # (before any measurement: a T that fills the context fails here)
     lmax = keep[spec.max_prompt_tokens, spec.max_new_tokens]
     for ds, name, texts in loaded:

@@ -171,8 +171,11 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
-        for c in cfgs.values():
-            check_window(c, pair.max_context)
+        for label, c in cfgs.items():
+            try:
+                check_window(c, pair.max_context)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e} (--option {label}.kv_window=N)") from None
     except (PairError, ValueError) as e:
         _fail(str(e))
     try:

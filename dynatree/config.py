@@ -371,7 +371,8 @@ def check_window(cfg, context: int) -> None:
     window = getattr(cfg, "kv_window", 0)
     if window and window + cfg.kv_evict > context:
         raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
-                           f"{context}-token context (a draft's tree positions can reach their sum)")
+                           f"{context}-token context (a draft's tree positions can reach their sum): give "
+                           f"kv_window at most {context - cfg.kv_evict}")
 
 
 def draws_differ(cfg) -> bool:
