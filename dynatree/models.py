@@ -85,9 +85,9 @@ def _probed(run, model, which: str):
     from .runtime import Seq
 
     twin = type(run)(model, gemm=False)
-    ids = torch.randint(0, model.config.vocab_size, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0))
-    native_logits, torch_logits = (r.forward([Seq(ids, new_cache(r, PROBE_TOKENS + 1))])[0].logits.float()
-                                   for r in (run, twin))
+    n = max(1, min(PROBE_TOKENS, _context_len(model) - 1))
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    native_logits, torch_logits = (r.forward([Seq(ids, new_cache(r, n + 1))])[0].logits.float() for r in (run, twin))
     gap, scale = (native_logits - torch_logits).abs().max().item(), max(1.0, torch_logits.abs().max().item())
     if gap <= PROBE_RTOL * scale:
         return run
