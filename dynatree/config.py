@@ -93,10 +93,6 @@ class MethodConfig(SamplingConfig):
             raise ValueError("kv_window must be >= 0 (0 = off)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in ("kv_sinks", "kv_evict")}
-        if not self.kv_window and (self.kv_sinks, self.kv_evict) != (defaults["kv_sinks"], defaults["kv_evict"]):
-            raise ValueError(f"kv_sinks={self.kv_sinks}, kv_evict={self.kv_evict}: these shape a cache window and "
-                             "do nothing without one; give kv_window too")
         if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1
                                or self.kv_window <= self.kv_sinks + self.kv_evict):
             raise ValueError(f"kv_window={self.kv_window} must exceed kv_sinks + kv_evict "

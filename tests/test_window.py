@@ -254,12 +254,3 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
                                     "--option", "temperature=0.5", "--max-new-tokens", "8", "--max-prompt-tokens", "20"])
     table = {ln.split()[1]: ln.split()[2:4] for ln in res.output.splitlines() if "p.parquet" in ln and "/" not in ln.split()[1]}
     assert table == {m: ["2", "2"] for m in ("ar", "ar_t0.5", "dynatree")}, res.output
-
-
-def test_window_shape_options_without_a_window_are_refused():
-    """kv_sinks / kv_evict do nothing without kv_window: a user who set them meant a window."""
-    from dynatree import make_config
-    for bad in ({"kv_sinks": 900}, {"kv_evict": 4}, {"kv_sinks": -3}):
-        with pytest.raises(ValueError, match="do nothing without one; give kv_window too"):
-            make_config("dynatree", bad)
-    assert make_config("dynatree", {"kv_window": 64, "kv_evict": 4}).kv_evict == 4
