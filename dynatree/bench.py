@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import first_difference, prompt_budget, truncate_prompt
-from .config import ARConfig, ar_reference, check_window, make_config, reference_label
+from .config import ARConfig, ar_reference, check_windows, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics
 from .models import ModelPair
@@ -94,8 +94,9 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         if meth in HF_METHODS:
             if own.get(label):
                 raise ValueError(f"{label}: transformers peers take no options of their own")
-            other = [k for k in shared if k not in sampling_keys]
-            if other:  # (they would run without it, beside methods that run with it)
+            ar_keys = {f.name for f in dataclasses.fields(ARConfig)}
+            other = [k for k in shared if k in ar_keys and k not in sampling_keys]  # they would run without it
+            if other:
                 raise ValueError(f"--option {other[0]} (given to every method) does not apply to transformers' "
                                  f"peer {label}: give it to the methods by label (LABEL.{other[0]}=...) or "
                                  "leave the peers out")
@@ -431,8 +432,8 @@ class BenchSpec:
 
 
 def grid_methods(grid: dict, shared: dict | None = None) -> list[MethodSpec]:
-    """The fixed-tree grid's methods, each with the options given to every method (``shared``:
-    sampling, cache window... as ``ar`` got them) besides its own."""
+    """The fixed-tree grid's methods, each with its own options and ``shared``: the options given to
+    every method that ``ar`` takes too (sampling, cache window), so the grid's ``ar`` is the run's."""
     import itertools
 
     keys = [k for k in ("depth", "branch", "tau") if grid.get(k)]
@@ -457,7 +458,7 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: keep what was measured (a whole bench can take hours)
         rows += getattr(e, "partial_rows", [])
         if rows:  # (with nothing measured, an earlier bench's results stay)
-            _write(out, pair, spec, rows, t0, None, interrupted=True, log=log)
+            _write(out, pair, spec, rows, t0, None, interrupted=True, log=log, kept=getattr(e, "kept", None))
         e.saved = bool(rows)
         raise
     return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept)
@@ -512,14 +513,21 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
                    f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
-    for m in spec.methods:  # a window the context cannot hold fails here, not after the methods before it ran
-        if m.method not in HF_METHODS:
-            try:
-                check_window(make_config(m.method, m.options), pair.max_context)
-            except ValueError as e:
-                raise ValueError(f"{m.label}: {e} (--option {m.label}.kv_window=N)") from None
+    # a window the context cannot hold fails here, not after the methods before it ran
+    check_windows({m.label: make_config(m.method, m.options) for m in spec.methods if m.method not in HF_METHODS},
+                  pair.max_context)
     keep = _prompt_budgets(pair, spec)  # (before any measurement: a T that fills the context fails here)
     lmax = keep[spec.max_prompt_tokens, spec.max_new_tokens]
+    try:
+        _measure_all(pair, spec, rows, log, loaded, keep, lmax)
+    except KeyboardInterrupt as e:
+        e.kept = lmax  # (an interrupted bench's summary names the prompt length it measured)
+        raise
+    return loaded, lmax
+
+
+def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded, keep: dict, lmax: int) -> None:
+    """Every setting of every dataset, appended to ``rows`` as measured (``keep``: _prompt_budgets)."""
     for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
         full = [truncate_prompt(e, lmax) for e in enc]
@@ -536,7 +544,7 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
         skip, warm = (spec.warmup, 0) if not spec.batch_sizes else (0, spec.warmup)
         for t in spec.sweep_tokens:
             lt = keep[spec.max_prompt_tokens, t]
-            if lt < lmax:
+            if lt < spec.max_prompt_tokens:
                 log(f"{name}: sweep T={t}: prompts cut to {lt} tokens (the context holds the new tokens too)")
             rows += bench_rows(pair, name, [truncate_prompt(e, lt) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, log=log)
@@ -553,7 +561,6 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             rows += bench_rows(pair, name, full, [ar] + grid_methods(spec.grid, ar.options),
                                warmup=spec.warmup, max_new_tokens=spec.max_new_tokens,
                                max_prompt_tokens=lmax, setting={"sweep": "grid"}, log=log)
-    return loaded, lmax
 
 
 def _prompt_budgets(pair: ModelPair, spec: BenchSpec) -> dict[tuple[int, int], int]:

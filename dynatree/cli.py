@@ -162,7 +162,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .check import check_methods, prompt_budget, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
-    from .config import check_window
+    from .config import check_windows
     from .models import PairError, load_pair
 
     try:
@@ -171,11 +171,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
-        for label, c in cfgs.items():
-            try:
-                check_window(c, pair.max_context)
-            except ValueError as e:
-                raise ValueError(f"{label}: {e} (--option {label}.kv_window=N)") from None
+        check_windows(cfgs, pair.max_context)
     except (PairError, ValueError) as e:
         _fail(str(e))
     try:
@@ -574,9 +570,7 @@ def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shap
             layers, hidden, heads = (int(x) for x in s.split(","))
         except ValueError:
             _fail(f"shape {s!r} is not layers,hidden,heads")
-        if hidden % heads:
-            _fail(f"shape {s!r}: hidden must be divisible by heads")
-        return ModelShape(layers, hidden, heads)
+        return ModelShape(layers, hidden, heads)  # (TrainConfig checks the sizes)
 
     try:
         cfg = TrainConfig(vocab_size=vocab_size, target=shape(target_shape), draft=shape(draft_shape),

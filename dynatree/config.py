@@ -370,9 +370,21 @@ def check_window(cfg, context: int) -> None:
     """A cache window must fit the models' context with room for a tree (ContextError)."""
     window = getattr(cfg, "kv_window", 0)
     if window and window + cfg.kv_evict > context:
+        most = context - cfg.kv_evict
+        fix = (f"give kv_window at most {most}" if most > cfg.kv_sinks + cfg.kv_evict else
+               "lower kv_evict and kv_window together (the window must exceed kv_sinks + kv_evict)")
         raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
-                           f"{context}-token context (a draft's tree positions can reach their sum): give "
-                           f"kv_window at most {context - cfg.kv_evict}")
+                           f"{context}-token context (a draft's tree positions can reach their sum): {fix}")
+
+
+def check_windows(cfgs: dict, context: int) -> None:
+    """check_window for each labelled method config of a check or bench, the error naming the
+    option to set: ``LABEL.kv_window``, or the bare option for ``ar`` (which a label cannot configure)."""
+    for label, cfg in cfgs.items():
+        try:
+            check_window(cfg, context)
+        except ContextError as e:
+            raise ContextError(f"{label}: {e} (--option {'' if label == 'ar' else label + '.'}kv_window=N)") from None
 
 
 def draws_differ(cfg) -> bool:

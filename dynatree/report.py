@@ -14,10 +14,7 @@ def _load(out: Path) -> list[dict]:
 
 def _ms(vals, fmt="{:.1f}") -> str:
     vals = [v for v in vals if v is not None]
-    if not vals:
-        return "-"
-    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-    return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(sd)}"
+    return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(_sd(vals))}" if vals else "-"
 
 
 def _sd(vals) -> float:
@@ -412,7 +409,8 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
             if kept < s["max_prompt_tokens"] else kept
         forward = "".join(f"; {w}: {f}" for w, f in (m.get("forward") or {}).items())
         shared = next((x["options"] for x in s["methods"] if x["label"] == "ar"), None)  # options given to all
-        forward += f"; options given to every method, `ar` included: {json.dumps(shared, sort_keys=True)}" if shared else ""
+        forward += f"; options given to every method (as `ar` takes them): {json.dumps(shared, sort_keys=True)}" \
+            if shared else ""
         md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads, "
               f"kernel {m.get('kernel', 'lean')}{forward}; "
               f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, L_max={lmax}; EOS ignored.\n\n") + md

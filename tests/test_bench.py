@@ -268,7 +268,8 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path,
     assert res.exit_code == 130 and "the prompts measured so far are in" in res.output, res.output
     rows = pq.read_table(out / "results.parquet").to_pylist()
     assert sorted({r["prompt_id"] for r in rows}) == [0, 1] and len(rows) == 6
-    assert json.loads((out / "bench.json").read_text())["interrupted"] and not (out / "sweep_tokens.png").exists()
+    meta = json.loads((out / "bench.json").read_text())
+    assert meta["interrupted"] and meta["max_prompt_tokens_kept"] == 16 and not (out / "sweep_tokens.png").exists()
     # report on it says it was interrupted; on one stopped in its warm-up (prompt 0 alone), it refuses
     rep = CliRunner().invoke(main, ["report", str(out)])
     assert rep.exit_code == 0 and "**Interrupted**: the bench was stopped before the end" in rep.output
@@ -306,8 +307,10 @@ def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_re
     assert res.exit_code == 0, res.output
     grid = [r for r in pq.read_table(out / "results.parquet").to_pylist() if json.loads(r["setting"])["sweep"] == "grid"]
     assert grid and all(json.loads(r["options"])["kv_window"] == 24 for r in grid)
-    assert 'options given to every method, `ar` included: {"kv_evict": 4, "kv_window": 24}' in \
+    assert 'options given to every method (as `ar` takes them): {"kv_evict": 4, "kv_window": 24}' in \
         (out / "summary.md").read_text()
     bad = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 6) + [
         "--methods", "ar,hf_ar", "--option", "kv_window=100", "--out", str(tmp_path / "p")])
     assert bad.exit_code != 0 and "--option kv_window (given to every method) does not apply" in bad.output
+    from dynatree.bench import parse_methods  # an option ar does not take either is no reason to refuse them
+    assert [m.options for m in parse_methods("ar,linear,hf_ar", ["k=4"])] == [{}, {"k": 4}, {}]

@@ -58,6 +58,9 @@ def test_bad_training_settings_fail_before_any_work(tmp_path):
     res = CliRunner().invoke(main, ["train-pair", "--corpus", str(tmp_path / "none.parquet"), "--out",
                                     str(tmp_path / "o"), "--batch-size", "0"])
     assert res.exit_code != 0 and "batch_size must be at least 1" in res.output
+    res = CliRunner().invoke(main, ["train-pair", "--corpus", str(tmp_path / "none.parquet"), "--out",
+                                    str(tmp_path / "o"), "--target-shape", "2,64,0"])
+    assert res.exit_code != 0 and "hidden divisible by heads" in res.output and res.exception.__class__ is SystemExit
 
 
 def test_a_heldout_text_shorter_than_one_window_is_scored_on_a_shorter_one(tmp_path):

@@ -248,7 +248,9 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
     res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods", "dw=dynatree",
                                     "--option", "dw.kv_window=200", "--max-new-tokens", "8"])
     assert res.exit_code == 1 and "exceed the models' 128-token context" in res.output  # a message, no traceback
-    assert "dw: kv_window 200" in res.output and "give kv_window at most 64 (--option dw.kv_window=N)" in res.output
+    assert "dw: kv_window 200" in res.output and "(--option dw.kv_window=N)" in res.output
+    # (64 = 128 - kv_evict would not exceed kv_sinks + kv_evict: the hint says to lower both)
+    assert "lower kv_evict and kv_window together" in res.output
     # a sampled ar asked for is a reference, under its own label (not merged with plain ar's rows)
     res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods", "ar,dynatree",
                                     "--option", "temperature=0.5", "--max-new-tokens", "8", "--max-prompt-tokens", "20"])
