@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dynatree import budget
-from dynatree.check import divergence, truncate_prompt
+from dynatree.check import divergence, prompt_budget, truncate_prompt
 from dynatree.config import FLOAT16_ON_CPU, ar_reference
 from dynatree.metrics import fill_row, result_row
 from dynatree.models import PairError, load_pair
@@ -87,14 +87,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
         ids = pair.encode_chat(text) if chat else pair.encode(text)
     if not ids:
         raise ValueError("prompt has no tokens")
-    if windowed:
-        keep = max_prompt_tokens
-    else:
-        room = pair.max_context - max_new_tokens
-        if room < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the {pair.max_context}-token context")
-        keep = min(room, max_prompt_tokens or room)
-    return truncate_prompt(ids, keep, chat)
+    return truncate_prompt(ids, prompt_budget(pair.max_context, windowed, max_prompt_tokens, max_new_tokens), chat)
 
 
 class ShardWorker:

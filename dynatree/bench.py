@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .check import first_difference, prompt_budget, truncate_prompt
+from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
 from .config import ARConfig, ar_reference, check_windows, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics
@@ -513,10 +513,10 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
                    f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
+    cfgs = {m.label: None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     # a window the context cannot hold fails here, not after the methods before it ran
-    check_windows({m.label: make_config(m.method, m.options) for m in spec.methods if m.method not in HF_METHODS},
-                  pair.max_context)
-    keep = _prompt_budgets(pair, spec)  # (before any measurement: a T that fills the context fails here)
+    check_windows({label: c for label, c in cfgs.items() if c is not None}, pair.max_context)
+    keep = _prompt_budgets(pair, spec, all_windowed(cfgs.values()))  # (a T that fills the context fails here)
     lmax = keep[spec.max_prompt_tokens, spec.max_new_tokens]
     try:
         _measure_all(pair, spec, rows, log, loaded, keep, lmax)
@@ -563,13 +563,12 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
                                max_prompt_tokens=lmax, setting={"sweep": "grid"}, log=log)
 
 
-def _prompt_budgets(pair: ModelPair, spec: BenchSpec) -> dict[tuple[int, int], int]:
+def _prompt_budgets(pair: ModelPair, spec: BenchSpec, windowed: bool) -> dict[tuple[int, int], int]:
     """(L_max, T) -> the prompt tokens kept for every setting the bench measures (check.prompt_budget:
-    fewer where the context must hold the T new tokens; transformers' peers have no cache window)."""
-    cfgs = [None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods]
+    fewer where the context must hold the T new tokens, unless every method is ``windowed``)."""
     settings = {(spec.max_prompt_tokens, t) for t in (spec.max_new_tokens, *spec.sweep_tokens)}
     settings |= {(lp, spec.max_new_tokens) for lp in spec.sweep_prompt_len}
-    keep = {(lp, t): prompt_budget(pair.max_context, cfgs, lp, t) for lp, t in settings}
+    keep = {(lp, t): prompt_budget(pair.max_context, windowed, lp, t) for lp, t in settings}
     over = [lp for lp in spec.sweep_prompt_len if keep[lp, spec.max_new_tokens] < lp]
     if over:  # (cut, two values would measure the same prompts as different points)
         raise ValueError(f"--sweep-prompt-len {','.join(map(str, over))}: the {pair.max_context}-token context "

@@ -71,27 +71,36 @@ def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = 
     return ids
 
 
-def prompt_budget(context: int, cfgs, max_prompt_tokens: int, max_new_tokens: int) -> int:
-    """The prompt tokens a check or bench keeps, as a job keeps them (actors/worker.prompt_ids):
-    ``max_prompt_tokens`` when every method in ``cfgs`` has a cache window (kv_window: it decodes
-    past the context), else fewer where the ``context``-token window must hold the new tokens too
-    (a ValueError when they alone fill it)."""
-    if cfgs and all(getattr(c, "kv_window", 0) for c in cfgs):
+def all_windowed(cfgs) -> bool:
+    """Whether every method config in ``cfgs`` (None: one without options, a transformers peer)
+    has a cache window (kv_window), and so decodes past the context."""
+    cfgs = list(cfgs)
+    return bool(cfgs) and all(getattr(c, "kv_window", 0) for c in cfgs)
+
+
+def prompt_budget(context: int, windowed: bool, max_prompt_tokens: int | None, max_new_tokens: int) -> int | None:
+    """The prompt tokens kept (None: all) -- by a job's rows (actors/worker.prompt_ids), a check and
+    a bench: ``max_prompt_tokens`` for ``windowed`` methods (all_windowed: they decode past the
+    context), else fewer where the ``context``-token window must hold the new tokens too (a
+    ValueError when they alone fill it)."""
+    if windowed:
         return max_prompt_tokens
-    if context - max_new_tokens < 1:
+    room = context - max_new_tokens
+    if room < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the {context}-token "
-                         "context (methods with a cache window, option kv_window, can generate past it; give every one)")
-    return min(max_prompt_tokens, context - max_new_tokens)
+                         "context (the generation does not fit beside one; methods with a cache window, option "
+                         "kv_window, can generate past it; give every one)")
+    return min(room, max_prompt_tokens or room)
 
 
 def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, max_new_tokens: int,
-                  ignore_eos: bool = True, progress=None, plain: bool = True) -> list[dict]:
+                  ignore_eos: bool = True, progress=None) -> list[dict]:
     """Decode every prompt with ``ar`` and each method; one row per (prompt, method).
 
     methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.  An
     ``ar`` method is a reference: decoded once, under its reference label (``ar_t0.5``, ...).
-    ``plain``: also plain greedy ``ar`` on every prompt whose generation fits the context (methods
-    with a cache window decode past it; it cannot).
+    Plain greedy ``ar`` runs too on every prompt whose generation fits the context (methods with a
+    cache window decode past it; it cannot).
     """
     from .config import ARConfig, ar_reference, reference_label
     from .engine import decode
@@ -117,7 +126,7 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
                 rows.append({**refs[cfg][1], "method": label})
             return refs[cfg][0]
 
-        if plain and len(prompt) + max_new_tokens <= pair.max_context:
+        if len(prompt) + max_new_tokens <= pair.max_context:
             ar(ARConfig())
         for label, cfg in methods.items():
             ref = ar(ar_reference(cfg), label if isinstance(cfg, ARConfig) else None)

@@ -159,7 +159,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
           max_new_tokens, max_prompt_tokens, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     _threads(threads)
-    from .check import check_methods, prompt_budget, truncate_prompt
+    from .check import all_windowed, check_methods, prompt_budget, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
     from .config import check_windows
@@ -175,7 +175,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     except (PairError, ValueError) as e:
         _fail(str(e))
     try:
-        keep = prompt_budget(pair.max_context, list(cfgs.values()), max_prompt_tokens, max_new_tokens)
+        keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
     except ValueError as e:
         _fail(str(e))
     summary = []

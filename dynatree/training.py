@@ -107,15 +107,24 @@ def _lr(base: float, elapsed: float, budget: float, step: int, warmup: int = 30)
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _windows(stream: torch.Tensor, seq_len: int, max_windows: int):
+    """(inputs, next-token labels), each (n, L): up to ``max_windows`` consecutive windows of the
+    held-out stream -- one shorter window when it is shorter than ``seq_len``; (None, None) when it
+    has under two tokens."""
+    seq_len = min(seq_len, stream.shape[0] - 1)
+    if seq_len < 1:
+        return None, None
+    n = min((stream.shape[0] - 1) // seq_len, max_windows)
+    return stream[: n * seq_len].view(n, seq_len), stream[1: n * seq_len + 1].view(n, seq_len)
+
+
 @torch.no_grad()
 def heldout_loss(model, stream: torch.Tensor, seq_len: int, bf16: bool, max_windows: int = 64) -> float:
     model.eval()
-    seq_len = min(seq_len, stream.shape[0] - 1)  # (as top1_agreement)
-    if seq_len < 1:
+    x, y = _windows(stream, seq_len, max_windows)
+    if x is None:
         return float("nan")
-    n = min((stream.shape[0] - 1) // seq_len, max_windows)
-    x = stream[: n * seq_len].view(n, seq_len)
-    y = stream[1: n * seq_len + 1].view(n, seq_len)
+    n = x.shape[0]
     losses = []
     for i in range(0, n, 8):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -128,11 +137,9 @@ def heldout_loss(model, stream: torch.Tensor, seq_len: int, bf16: bool, max_wind
 @torch.no_grad()
 def top1_agreement(target, draft, stream: torch.Tensor, seq_len: int, max_windows: int = 32) -> float:
     target.eval(), draft.eval()
-    seq_len = min(seq_len, stream.shape[0] - 1)  # a held-out text shorter than one window: one shorter window
-    if seq_len < 1:
+    x, _ = _windows(stream, seq_len, max_windows)
+    if x is None:
         return float("nan")
-    n = min((stream.shape[0] - 1) // seq_len, max_windows)
-    x = stream[: n * seq_len].view(n, seq_len)
     a = target(input_ids=x).logits.argmax(-1)
     b = draft(input_ids=x).logits.argmax(-1)
     return float((a == b).float().mean())
