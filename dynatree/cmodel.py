@@ -29,7 +29,8 @@ ACTS = {"gelu": 1, "relu": 2, "swiglu": 3}  # csrc/neox.c's ACT_*
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer's weights as csrc/neox.c takes them (Linear weights (out, in), nn.Linear's)."""
+    """One layer's weights as csrc/neox.c takes them (Linear weights (out, in), nn.Linear's; a fused
+    matrix may come as a list of its row blocks, see native.PackedLinear)."""
 
     norm1: tuple  # (weight, bias or None)
     norm2: tuple
@@ -110,7 +111,7 @@ class NativeForward:
         final_norm = tuple(map(_rows, final_norm))
         layers = [dataclasses.replace(layer, norm1=tuple(map(_rows, layer.norm1)), norm2=tuple(map(_rows, layer.norm2)),
                                       q_norm=_rows(layer.q_norm), k_norm=_rows(layer.k_norm)) for layer in layers]
-        mats = [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)]
+        mats = [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)]  # (or row blocks)
         self.weight_format = fmt = native.weight_format(mats)
         head = native.PackedLinear(lm_head, None, fmt, lib)
         self.n_vocab, self.vocab_pad = head.n_out, head.n_pad

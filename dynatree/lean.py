@@ -118,8 +118,9 @@ class LeanNeoX(cmodel.Runner):
         H, hd = self.heads, self.head_dim
         order = torch.arange(3 * H * hd).view(H, 3, hd).transpose(0, 1).reshape(-1)  # new row -> NeoX row
 
-        def qkv(m):
-            return m.weight[order], (m.bias[order] if m.bias is not None else None)
+        def qkv(m):  # the weight as row blocks (views), packed without a permuted copy of it
+            blocks = [m.weight[(h * 3 + s) * hd:(h * 3 + s + 1) * hd] for s in range(3) for h in range(H)]
+            return blocks, (m.bias[order] if m.bias is not None else None)
 
         layers = [cmodel.Layer((l.input_layernorm.weight, l.input_layernorm.bias),
                                (l.post_attention_layernorm.weight, l.post_attention_layernorm.bias),

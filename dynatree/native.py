@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import weakref
 
 import torch
@@ -139,46 +140,76 @@ FORMATS = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 
 
 def weight_format(weights) -> int:
-    """The narrowest dt_gemm format holding every one of ``weights`` exactly: 1 (bfloat16, e.g. a
-    bf16 checkpoint loaded as float32), 2 (half, an fp16 checkpoint), else 0 (float32).
-    ``DYNATREE_WEIGHTS16=0`` keeps float32."""
+    """The narrowest dt_gemm format holding every one of ``weights`` (matrices, or lists of a
+    matrix's row blocks) exactly: 1 (bfloat16, e.g. a bf16 checkpoint loaded as float32), 2 (half,
+    an fp16 checkpoint), else 0 (float32).  ``DYNATREE_WEIGHTS16=0`` keeps float32."""
     if os.environ.get("DYNATREE_WEIGHTS16", "1") == "0":
         return 0
+    flat = [b for w in weights for b in _blocks(w)]
     for fmt in (1, 2):
-        if all(fmt in _exact_in(w) for w in weights):
+        if all(_exact_in(w, fmt) for w in flat):
             return fmt
     return 0
 
 
-_EXACT: dict = {}  # id(tensor) -> (weak reference, its version, formats)
+_EXACT: dict = {}  # id(tensor) -> (weak reference, its version, {format: holds it exactly})
+_CHUNK = 1 << 20  # elements per piece of the half-precision check
 
 
-def _exact_in(w: torch.Tensor) -> tuple:
-    """The 16-bit formats that hold every value of ``w`` exactly, remembered per tensor until it
-    changes or dies (the memory check and the packing both ask, over every matrix of a model)."""
+def _exact_in(w: torch.Tensor, fmt: int) -> bool:
+    """Whether 16-bit format ``fmt`` holds every value of ``w`` exactly.  A view is answered for
+    the tensor it views (a superset of its values), and the answer remembered per tensor until it
+    changes or dies: the memory check and the packing both ask, over every matrix of a model.
+    Both checks read the weights once and allocate at most _CHUNK elements: a model of a billion
+    weights would otherwise fault in gigabytes of temporaries (seconds, on a VM)."""
+    w = w if w._base is None else w._base
     key, got = id(w), _EXACT.get(id(w))
     version = None if w.is_inference() else w._version  # inference tensors keep no version count
     if got is None or got[0]() is not w or got[1] != version or version is None:
-        formats = tuple(f for f in (1, 2) if torch.equal(w.detach().to(FORMATS[f]).float(), w.detach().float()))
-        got = _EXACT[key] = (weakref.ref(w, lambda _: _EXACT.pop(key, None)), version, formats)
-    return got[2]
+        got = _EXACT[key] = (weakref.ref(w, lambda _: _EXACT.pop(key, None)), version, {})
+    if fmt not in got[2]:
+        got[2][fmt] = _bf16_exact(w) if fmt == 1 else _f16_exact(w)
+    return got[2][fmt]
+
+
+def _flat(w: torch.Tensor) -> torch.Tensor:
+    """``w``'s values as a 1-D float32 tensor, a view where its storage is dense in some order."""
+    w = w.detach()
+    dense = w if w.is_contiguous() else w.t() if w.dim() == 2 and w.t().is_contiguous() else w.contiguous()
+    return dense.float().reshape(-1)
+
+
+def _bf16_exact(w: torch.Tensor) -> bool:
+    """A float32 is a bfloat16 exactly when its low 16 bits are zero."""
+    halves = _flat(w).view(torch.int16)  # (2n,): each float's low half first on a little-endian CPU
+    low = halves[0::2] if sys.byteorder == "little" else halves[1::2]
+    return not bool(low.any())
+
+
+def _f16_exact(w: torch.Tensor) -> bool:
+    flat = _flat(w)
+    return all(torch.equal(x.to(torch.float16).float(), x) for x in flat.split(_CHUNK))
+
+
+def _blocks(weight) -> list[torch.Tensor]:
+    return [weight] if isinstance(weight, torch.Tensor) else list(weight)
 
 
 class PackedLinear:
     """``y = x W^T + b`` through dt_gemm, over a packed copy of W made once (in format ``fmt``,
-    which must hold W exactly: see weight_format)."""
+    which must hold W exactly: see weight_format).  ``weight``: W, (N, K), or a list of its row
+    blocks (n_i, K) in order -- a fused matrix (q, k, v) packed without first copying it whole."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: int = 0, lib: ctypes.CDLL | None = None):
+    def __init__(self, weight, bias: torch.Tensor | None, fmt: int = 0, lib: ctypes.CDLL | None = None):
         lib = lib or library()
         assert lib is not None, status()
         self.lib, self.fmt = lib, fmt
         tw = lib.dt_tile_width()
-        n_out, n_in = weight.shape  # (N, K), nn.Linear's convention
+        blocks = _blocks(weight)
+        n_in, n_out = blocks[0].shape[1], sum(b.shape[0] for b in blocks)  # K, N
         self.n_in, self.n_out = n_in, n_out
         self.n_pad = -(-n_out // tw) * tw
-        w = torch.zeros(n_in, self.n_pad, dtype=FORMATS[fmt])
-        w[:, :n_out] = weight.detach().t()
-        self.packed = w.view(n_in, self.n_pad // tw, tw).transpose(0, 1).contiguous()  # (N/TW, K, TW)
+        self.packed = _pack(blocks, n_in, self.n_pad, tw, FORMATS[fmt])  # (N/TW, K, TW)
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(self.n_pad, dtype=torch.float32)
@@ -195,6 +226,21 @@ class PackedLinear:
         if self.n_pad != self.n_out:
             y = y[:, :self.n_out]
         return y.view(*lead, self.n_out)
+
+
+@torch.no_grad()
+def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: torch.dtype) -> torch.Tensor:
+    """The row blocks of W (N, K) stacked and packed into (n_pad/TW, K, TW) tiles of ``dtype``
+    (columns N..n_pad zero) by one strided copy, from W itself when it is one block of whole tiles
+    (either layout: plain, or models.cpu_layout's (K, N)), else from a float32 (K, n_pad) copy of
+    this one matrix."""
+    cols = [b.detach().t() for b in blocks]  # (K, n_i) each
+    n_out = sum(c.shape[1] for c in cols)
+    if n_pad > n_out:
+        cols.append(torch.zeros(n_in, n_pad - n_out, dtype=cols[0].dtype))
+    wt = cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)  # (K, n_pad)
+    packed = torch.empty(n_pad // tw, n_in, tw, dtype=dtype)
+    return packed.copy_(wt.unflatten(1, (n_pad // tw, tw)).transpose(0, 1))
 
 
 def _cpu_lib(x: torch.Tensor):

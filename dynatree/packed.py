@@ -115,11 +115,11 @@ def _native_forward(model, lib, shape: cmodel.Shape) -> cmodel.NativeForward:
     into another; the rotary table precomputed by the model's own rotary embedding."""
     core = model.model
 
-    def cat(*mods):  # -> (weight, bias or None) of the fused matrix
+    def cat(*mods):  # -> (weight as row blocks, bias or None) of the fused matrix
         biases = [m.bias for m in mods if m.bias is not None]
         if biases and len(biases) != len(mods):
             raise ValueError("some of the fused projections have biases and some do not")
-        return torch.cat([m.weight for m in mods]), torch.cat(biases) if biases else None
+        return [m.weight for m in mods], torch.cat(biases) if biases else None
 
     layers = []
     for layer in core.layers:

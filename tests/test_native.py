@@ -368,6 +368,40 @@ def test_weight_format_is_the_narrowest_exact_one(monkeypatch):
     assert native.weight_format([w.bfloat16().float()]) == 0
 
 
+def test_weight_format_reads_any_layout_and_every_chunk(monkeypatch):
+    """The checks read a matrix in its storage order (models.cpu_layout keeps Linear weights as
+    (in, out)), answer a view (a fused matrix's row block) for the tensor it views, and the half
+    check, which goes a chunk at a time, sees a value in the last chunk."""
+    monkeypatch.setattr(native, "_CHUNK", 7)
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(24, 16, generator=g)
+    for fmt, dtype in ((1, torch.bfloat16), (2, torch.float16)):
+        exact = base.to(dtype).float()
+        stored_t = exact.t().contiguous().t()  # (24, 16) over (16, 24) storage
+        assert native.weight_format([stored_t]) == fmt and native.weight_format([[stored_t[:5], stored_t[5:]]]) == fmt
+        odd = exact.clone()
+        odd[-1, -1] += odd[-1, -1].abs().clamp(min=1e-3) * 2**-20  # the last element: no 16-bit format holds it
+        assert native.weight_format([odd]) == 0 and native.weight_format([odd[:3]]) == 0  # a view of it: asked of odd
+
+
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_a_matrix_packs_the_same_from_its_row_blocks_in_either_layout(fmt):
+    """A fused matrix given as row blocks (NeoX's q/k/v per head, Llama's q, k, v) packs to the
+    same tiles as the matrix itself, padded or not, plain or stored transposed."""
+    tw = native.library().dt_tile_width()
+    g = torch.Generator().manual_seed(10)
+    for n in (3 * tw, 3 * tw - 5):
+        w = torch.randn(n, 40, generator=g).bfloat16().float()
+        ref = native.PackedLinear(w, None, fmt)
+        cuts = [0, 5, tw + 3, n]  # blocks that do not line up with the tiles
+        for layout in (w, w.t().contiguous().t()):
+            blocks = [layout[a:b] for a, b in zip(cuts, cuts[1:])]
+            got = native.PackedLinear(blocks, None, fmt)
+            assert got.n_out == n and torch.equal(got.packed, ref.packed)
+        x = torch.randn(3, 40, generator=g)
+        torch.testing.assert_close(ref(x).double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_a_16_bit_checkpoint_packs_in_half_the_bytes(monkeypatch):
     """The packed copy's budget (a quarter of the machine's memory) counts 2 bytes a weight where
     a 16-bit format holds every matrix exactly: a bf16 checkpoint twice the size still packs."""
