@@ -35,7 +35,7 @@ from dynatree.names import context_len, default_pair_dir, model_problem
 from dynatree.metrics import output_schema
 from dynatree.config import FLOAT16_ON_CPU
 
-from . import placement
+from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, default_ids, finished_shards, make_plan, output_lock,
                    prepare_output, write_shard)
 from .spec import FAULTS_ENV, JobSpec
@@ -145,9 +145,7 @@ def preflight(spec: JobSpec) -> None:
         problem = model_problem(name) if name else None
         if problem:
             raise JobError(f"{flag} {name}: {problem}")
-    t, d = (Path(n).expanduser() if n else None for n in names.values())
-    if spec.target is None:  # no --target/--draft: the bundled demo pair
-        t, d = default_pair_dir() / "target", default_pair_dir() / "draft" if spec.method != "ar" else None
+    t, d = _model_dirs(spec)
     _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
     if spec.chat_template and t.is_dir() and not _has_chat_template(t):
@@ -165,6 +163,27 @@ def preflight(spec: JobSpec) -> None:
         return  # e.g. a draft directory without tokenizer files: the actor trusts the target's
     if reason:
         raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
+
+
+def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:
+    """The target's and the draft's paths as given (None: no draft; the bundled demo pair's
+    without --target)."""
+    if spec.target is None:
+        return default_pair_dir() / "target", default_pair_dir() / "draft" if spec.method != "ar" else None
+    draft = spec.draft if spec.method != "ar" else None
+    return Path(spec.target).expanduser(), Path(draft).expanduser() if draft else None
+
+
+def _context(dirs: list[Path]) -> int | None:
+    """The smallest context of the local models' config.json files (None: none to read)."""
+    files = [p / "config.json" for p in dirs if (p / "config.json").is_file()]
+    return min((context_len(json.loads(f.read_text())) for f in files), default=None)
+
+
+def _footprint(spec: JobSpec) -> footprint.Footprint | None:
+    """A CPU actor's memory for this job, where every model it loads is a local checkpoint."""
+    dirs = [p for p in _model_dirs(spec) if p is not None]
+    return footprint.estimate(spec, dirs, _context(dirs)) if all(p.is_dir() for p in dirs) else None
 
 
 def _has_chat_template(model_dir: Path) -> bool:
@@ -195,8 +214,7 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     from dynatree.config import ContextError, check_window
 
     cfg = spec.method_config
-    files = [p / "config.json" for p in dirs if (p / "config.json").is_file()]
-    ctx = min((context_len(json.loads(f.read_text())) for f in files), default=None)
+    ctx = _context(dirs)
     if ctx is None:
         return
     if not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
@@ -312,6 +330,7 @@ class _Dispatch:
 
     def __init__(self, spec: JobSpec, plan: Plan, out: Path, stats: dict, startup: dict, log):
         self.spec, self.plan, self.out, self.stats, self.startup, self.log = spec, plan, out, stats, startup, log
+        self.actor_spec = spec  # what the actors get: the spec, auto's batch capped by memory (_fit_memory)
         self.attempts: dict[int, int] = {}  # failures while running alone
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
@@ -321,7 +340,7 @@ class _Dispatch:
     def _start(self, ray, n: int) -> None:
         from dynatree.actors.ray_actor import PairActor
 
-        spec, cpus, gpus = self.spec, self.cpus, self.gpus
+        spec, cpus, gpus = self.actor_spec, self.cpus, self.gpus
         t0 = time.time()
         self.pg = placement.reserve(n, cpus, gpus, memory=self.memory, timeout_s=spec.placement_timeout_s, log=self.log)
         self.startup["placement_s"] = round(time.time() - t0, 3)
@@ -360,6 +379,7 @@ class _Dispatch:
             n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
+        n, self.actor_spec = self._fit_memory(ray, n)
         self.startup["cluster_s"] = round(time.time() - t0, 3)
         self.actors, self.pg = [], None
         if len(todo) < n:
@@ -384,6 +404,17 @@ class _Dispatch:
         if self.failed:
             raise JobError(f"shard(s) failed after {self.spec.max_retries} retries: {', '.join(sorted(self.failed))}; "
                            f"finished shards are kept in {self.out}/shards — re-run to retry the rest")
+
+    def _fit_memory(self, ray, n: int) -> tuple[int, JobSpec]:
+        """CPU actors with no --memory-per-actor: as many as the nodes' memory holds, and auto's
+        batch capped so that its caches fit (jobs/footprint.py); the spec the actors get."""
+        fp = None if self.gpus or self.memory else _footprint(self.spec)
+        if fp is None:
+            return n, self.spec
+        n, cap, notes = footprint.fit(fp, ray.nodes(), n, self.cpus, self.spec)
+        for note in notes:
+            self.log(note)
+        return n, dataclasses.replace(self.spec, max_batch_size=cap) if cap else self.spec
 
     def _feed(self, inflight: dict, pending: deque) -> None:
         """Top up the actors' queues one shard per actor per round, so a short job is spread

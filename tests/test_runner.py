@@ -159,6 +159,27 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     assert all(r["ar_tokens_per_s"] is None for r in read_rows(tmp_path / "out"))
 
 
+def test_actors_and_auto_batch_follow_the_memory_estimate(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+    """Models whose actors the node's memory cannot hold two of (made so by a process footprint of
+    60% of the node): one actor starts where the CPUs hold two, auto's batch is capped, both said."""
+    import ray
+    from dynatree.jobs import footprint
+
+    node = ray.nodes()[0]["Resources"]
+    free = footprint.HEADROOM * (node["memory"] + node["object_store_memory"])
+    monkeypatch.setattr(footprint, "RUNTIME_BYTES", int(0.6 * free))
+    # each of the two models' caches 0.4 / 7 of the node a row: room for 3.5 rows beside the process
+    monkeypatch.setattr(footprint, "_model", lambda *a: (0, 0, int(0.4 * free / 7)))
+    write_input(tmp_path)
+    said = []
+    s = run_job(spec(pair_dirs, tmp_path, num_actors=None, prefix_cache_gb=0.0, verify_fraction=0.0), progress=False,
+                log=said.append)
+    text = "\n".join(map(str, said))
+    assert "starting 1 actor(s), not the 2 the CPUs hold" in text and "auto capped at 3 row(s)" in text
+    assert "1 actor(s) ready" in text and s["rows"] == len(PROMPTS)
+    assert max(a["batch_size"] for a in s["this_run"]["actors"]) <= 3
+
+
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
     recs = [{"key": f"j{i}", "text": t} for i, t in enumerate(PROMPTS[:5])]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
