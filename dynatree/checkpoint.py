@@ -18,20 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .names import SKIP, safetensors_files as files
+
 ACTS = {"gelu": nn.GELU, "relu": nn.ReLU}  # transformers' ACT2FN["gelu"] is F.gelu (exact erf), as nn.GELU()
 
-
-def files(path: str) -> list[Path]:
-    """The safetensors files transformers would read: the index's shards, else model.safetensors."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError):
-            return []
-        return [p / f for f in shards]
-    return [p / "model.safetensors"] if (p / "model.safetensors").is_file() else []
 
 
 def readable(path: str) -> bool:
@@ -128,7 +118,6 @@ class NeoXWeights(nn.Module):
                         "pair with kernel='hf' or transformers_models=True to run transformers' forward")
 
 
-SKIP = (".inv_freq", ".masked_bias", ".attention.bias")  # buffers older transformers saved; recomputed
 
 
 def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:

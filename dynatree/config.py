@@ -251,6 +251,14 @@ class DySpecConfig(SpecConfig):
 WINDOW_FIELDS = ("kv_window", "kv_sinks", "kv_evict")  # MethodConfig's cache window
 
 
+def cache_rows(cfg, held: int, context: int) -> int:
+    """The slots a row's key/value caches are allocated with: the ``held`` tokens of its text (prompt
+    and generation; at most the ``context``, or with a cache window the window), and room for a tree
+    (the engine, and the job driver's memory estimate, jobs/footprint.py)."""
+    window = getattr(cfg, "kv_window", 0)
+    return min(held, window or context) + max(cfg.node_budget, 1) + 8
+
+
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingConfig's
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingConfig)}
 _WINDOW_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MethodConfig)}
@@ -282,6 +290,10 @@ def reference_label(ref: ARConfig) -> str:
 
 
 KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)
+# model types dynatree's C forward runs (lean.py: GPT-NeoX; packed.py: the Llama family)
+NATIVE_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
+# parameter bytes for which the torch path keeps a oneDNN-packed float32 copy (lean.can_pack)
+MKL_PACK_BYTES = (32 * 2**20, 2 * 2**30)
 METHODS: dict[str, type] = {
     "ar": ARConfig,
     "linear": LinearConfig,

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import (METHODS, ARConfig, ContextError, SpecConfig, check_samples, check_window, draws_differ,
+from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window, draws_differ,
                      make_config)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
@@ -124,9 +124,7 @@ class _Row:
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = cfg.lookup_length
         self.lookup_stats = pair.state.setdefault(("lookup", *cfg.sampling_key), LookupStats()) if self.lookup else None
-        budget = max(cfg.node_budget, 1)
-        held = len(prompt) + max_new_tokens  # at most the context, or with a window the window's size
-        self.capacity = min(held, pair.max_context if self.window is None else self.window.size) + budget + 8
+        self.capacity = cache_rows(cfg, len(prompt) + max_new_tokens, pair.max_context)
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
         self.draft_spent = (0.0, 0, 0.0)  # a retired drafter's seconds, forwards, forward seconds

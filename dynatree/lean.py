@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cmodel, native
+from .config import MKL_PACK_BYTES
 from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 
@@ -35,7 +36,7 @@ def can_pack(model) -> bool:
     memory-bound (a 10 MB draft stays in cache and gets slower packed) yet small enough to keep a
     second copy (the 1-row path keeps the plain weights, which are faster there)."""
     n_bytes = native.param_bytes(model)
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and 32 * 2**20 <= n_bytes <= 2 * 2**30
+    return (model.device.type == "cpu" and model.dtype == torch.float32 and MKL_PACK_BYTES[0] <= n_bytes <= MKL_PACK_BYTES[1]
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

@@ -7,6 +7,7 @@ here in seconds.  Light on purpose (the job driver imports it: no torch, no tran
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -117,3 +118,19 @@ def model_files(name: str | None, role: str = "target") -> list | None:
         return None
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir())
             if f.suffix in (".json", ".safetensors", ".bin")]
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors files transformers would read: the index's shards, else model.safetensors."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError):
+            return []
+        return [p / f for f in shards]
+    return [p / "model.safetensors"] if (p / "model.safetensors").is_file() else []
+
+
+SKIP = (".inv_freq", ".masked_bias", ".attention.bias")  # buffers older transformers saved; recomputed

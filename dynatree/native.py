@@ -145,9 +145,9 @@ def weight_format(weights) -> int:
     an fp16 checkpoint), else 0 (float32).  ``DYNATREE_WEIGHTS16=0`` keeps float32."""
     if os.environ.get("DYNATREE_WEIGHTS16", "1") == "0":
         return 0
-    flat = [b for w in weights for b in _blocks(w)]
-    for fmt in (1, 2):
-        if all(_exact_in(w, fmt) for w in flat):
+    bases = {id(t): t for w in weights for b in _blocks(w) for t in [b if b._base is None else b._base]}
+    for fmt in (1, 2):  # (each tensor once: a fused matrix's blocks are views of one)
+        if all(_exact_in(w, fmt) for w in bases.values()):
             return fmt
     return 0
 
@@ -164,8 +164,9 @@ def _exact_in(w: torch.Tensor, fmt: int) -> bool:
     weights would otherwise fault in gigabytes of temporaries (seconds, on a VM)."""
     w = w if w._base is None else w._base
     key, got = id(w), _EXACT.get(id(w))
-    version = None if w.is_inference() else w._version  # inference tensors keep no version count
-    if got is None or got[0]() is not w or got[1] != version or version is None:
+    # in-place edits bump the version (inference tensors keep none); `.data =` moves the address
+    version = (None if w.is_inference() else w._version, w.data_ptr())
+    if got is None or got[0]() is not w or got[1] != version or version[0] is None:
         got = _EXACT[key] = (weakref.ref(w, lambda _: _EXACT.pop(key, None)), version, {})
     if fmt not in got[2]:
         got[2][fmt] = _bf16_exact(w) if fmt == 1 else _f16_exact(w)
@@ -232,13 +233,17 @@ class PackedLinear:
 def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: torch.dtype) -> torch.Tensor:
     """The row blocks of W (N, K) stacked and packed into (n_pad/TW, K, TW) tiles of ``dtype``
     (columns N..n_pad zero) by one strided copy, from W itself when it is one block of whole tiles
-    (either layout: plain, or models.cpu_layout's (K, N)), else from a float32 (K, n_pad) copy of
-    this one matrix."""
+    (either layout: plain, or models.cpu_layout's (K, N)), else from a (K, n_pad) copy of this one
+    matrix in the packed dtype."""
     cols = [b.detach().t() for b in blocks]  # (K, n_i) each
-    n_out = sum(c.shape[1] for c in cols)
-    if n_pad > n_out:
-        cols.append(torch.zeros(n_in, n_pad - n_out, dtype=cols[0].dtype))
-    wt = cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)  # (K, n_pad)
+    if len(cols) == 1 and cols[0].shape[1] == n_pad:
+        wt = cols[0]
+    else:  # the blocks side by side, already in the packed dtype
+        wt = torch.zeros(n_in, n_pad, dtype=dtype)  # (K, n_pad): columns N..n_pad stay zero
+        n0 = 0
+        for c in cols:
+            wt[:, n0:n0 + c.shape[1]] = c
+            n0 += c.shape[1]
     packed = torch.empty(n_pad // tw, n_in, tw, dtype=dtype)
     return packed.copy_(wt.unflatten(1, (n_pad // tw, tw)).transpose(0, 1))
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from . import cmodel, native
+from .config import NATIVE_FAMILIES
 from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
-FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY = NATIVE_FAMILIES[1:]  # (config.NATIVE_FAMILIES: GPT-NeoX, then these)
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _HEAD_NORMS = {"qwen3": {"q_norm", "k_norm"}}  # RMS norms over each head's q and k, before rotary
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}

@@ -92,7 +92,8 @@ class BatchTuner:
     available: int | None = None
 
     def __post_init__(self):
-        self.sizes = [b for b in LADDER if b <= self.max_size] or [1]
+        # the ladder's sizes below the largest allowed, then it (a memory cap of 7 allows 7, not 4)
+        self.sizes = [b for b in LADDER if b < self.max_size] + [max(self.max_size, 1)]
         self.size = max(b for b in self.sizes if b <= max(self.start, 1))
 
     def observe(self, tokens: int, seconds: float, rows: int, available: int | None = None,

@@ -379,14 +379,14 @@ class _Dispatch:
             n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
-        n, self.actor_spec = self._fit_memory(ray, n)
-        self.startup["cluster_s"] = round(time.time() - t0, 3)
-        self.actors, self.pg = [], None
         if len(todo) < n:
             self.log(f"{len(todo)} shard(s) left to decode: starting {len(todo)} of {n} actors "
                      f"(a shard holds --shard-size {self.spec.shard_size} rows and goes to one actor)")
+        n = self._fit_memory(ray, min(n, len(todo)))
+        self.startup["cluster_s"] = round(time.time() - t0, 3)
+        self.actors, self.pg = [], None
         try:
-            self._start(ray, min(n, len(todo)))
+            self._start(ray, n)
             self._loop(ray, deque((k, None) for k in todo), progress)
             self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
                                             if a is not None and slot not in self.restarts], timeout=30)
@@ -405,16 +405,19 @@ class _Dispatch:
             raise JobError(f"shard(s) failed after {self.spec.max_retries} retries: {', '.join(sorted(self.failed))}; "
                            f"finished shards are kept in {self.out}/shards — re-run to retry the rest")
 
-    def _fit_memory(self, ray, n: int) -> tuple[int, JobSpec]:
-        """CPU actors with no --memory-per-actor: as many as the nodes' memory holds, and auto's
-        batch capped so that its caches fit (jobs/footprint.py); the spec the actors get."""
+    def _fit_memory(self, ray, n: int) -> int:
+        """CPU actors with no --memory-per-actor: as many as the nodes' memory holds (reserving Ray's
+        memory resource where it binds), and auto's batch capped so that its caches fit, in the spec
+        the actors get (jobs/footprint.py).  Returns the actors to start."""
         fp = None if self.gpus or self.memory else _footprint(self.spec)
         if fp is None:
-            return n, self.spec
-        n, cap, notes = footprint.fit(fp, ray.nodes(), n, self.cpus, self.spec)
+            return n
+        n, self.memory, cap, notes = footprint.fit(fp, ray.nodes(), n, self.cpus, self.spec)
         for note in notes:
             self.log(note)
-        return n, dataclasses.replace(self.spec, max_batch_size=cap) if cap else self.spec
+        if cap:
+            self.actor_spec = dataclasses.replace(self.spec, max_batch_size=cap)
+        return n
 
     def _feed(self, inflight: dict, pending: deque) -> None:
         """Top up the actors' queues one shard per actor per round, so a short job is spread
@@ -426,7 +429,8 @@ class _Dispatch:
             progress = False
             for slot, actor in enumerate(self.actors):
                 queue = mine[slot]
-                if actor is None or not pending or len(queue) >= self.spec.inflight_shards or any(v[5] for v in queue):
+                full = len(queue) >= self.actor_spec.inflight_shards  # (the actors' spec: auto's batch capped)
+                if actor is None or not pending or full or any(v[5] for v in queue):
                     continue
                 k, got = pending[0]
                 alone = k in self.suspects

@@ -1,15 +1,18 @@
 """What a CPU actor's memory will hold, estimated from its models' files before anything loads.
 
-Why: a CPU actor of a billion-parameter model holds its weights as loaded (float32), the native
-kernel's packed copy of its matrices, and every row's key/value caches; the default actor count
-(as many as the CPUs hold) and ``--batch-size auto`` (up to ``--max-batch-size`` rows) can ask for
-more than the machine has, and then the OS kills actors -- a loop of retries that never says why.
-The driver starts only as many actors as the nodes' memory holds and caps ``auto``'s batch so the
-caches fit (driver.fit_memory), saying so.  The estimate leans high (every matrix counted in the
-packed copy, the prefix cache counted full).
+Why: a CPU actor of a billion-parameter model holds its weights as loaded (float32), a packed copy
+of its matrices (the native kernel's, or oneDNN's on torch's path), and every row's key/value
+caches; the default actor count (as many as the CPUs hold) and ``--batch-size auto`` (up to
+``--max-batch-size`` rows) can ask for more than the machine has, and then the OS kills actors --
+a loop of retries that never says why.  With an estimate the driver reserves it as Ray's memory
+resource, so Ray starts no more actors on a node than it holds, and caps ``auto``'s batch so the
+caches fit (:func:`fit`, the driver's ``_Dispatch._fit_memory``), saying so.
 
-Read from local safetensors checkpoints only (their JSON headers: no weights are read, no torch);
-hub names and other formats give no estimate and change nothing.
+Counted: what the engine allocates by design -- weights, packed copies, one prefix store per model
+at its full budget, per row the caches at their allocated length and a full tree's logits -- and
+RUNTIME_BYTES for the process.  Not counted: torch's transient buffers.  Read from local
+safetensors checkpoints (their JSON headers: no weights are read, no torch); hub names, other
+formats and configs without the usual size keys give no estimate and change nothing.
 """
 from __future__ import annotations
 
@@ -18,21 +21,30 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-RUNTIME_BYTES = 600 * 2**20  # an actor's process before its models: Python, torch, Ray's worker
-NATIVE_TYPES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")  # what the C kernel runs (lean.py, packed.py)
+from dynatree.config import MKL_PACK_BYTES, NATIVE_FAMILIES, cache_rows
+from dynatree.names import SKIP, safetensors_files
+
+from . import placement
+
+# An actor's process before its models: a Ray worker that has imported torch, transformers and
+# dynatree holds 314 MiB (RSS, the project's host, 2026-11-25); the rest covers what loading adds.
+RUNTIME_BYTES = 600 * 2**20
+HEADROOM = 0.9  # of a node's free memory the actors may fill (Ray's OOM killer acts at 95% used)
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-_STORED16 = ("BF16", "F16")
+_FLOATS = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+_KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "heads": ("num_attention_heads", "n_head"),
+         "hidden": ("hidden_size", "n_embd", "d_model")}
 
 
 @dataclass(frozen=True)
 class Footprint:
     """Bytes one actor holds: ``base`` whatever its batch, and ``per_row`` for each row in flight."""
 
-    weights: int  # both models as loaded
-    packed: int  # the native kernel's copies of their matrices
-    fixed: int  # the prefix cache's budget and the process itself
-    per_row: int  # a row's key/value caches (target and draft) at the job's longest row
-    row_tokens: int  # the tokens a row's caches hold
+    weights: int  # the models as loaded
+    packed: int  # packed copies of their matrices
+    fixed: int  # prefix stores at their budget, and the process itself
+    per_row: int  # a row's key/value caches (target and draft) and a full tree's logits
+    row_tokens: int  # the slots a row's caches are allocated with
 
     @property
     def base(self) -> int:
@@ -47,15 +59,15 @@ class Footprint:
 
     def describe(self) -> str:
         gb = 2**30
-        return (f"~{self.base / gb:.1f} GiB for its models ({self.weights / gb:.1f} GiB of weights"
-                f"{f' + {self.packed / gb:.1f} GiB packed for the native kernel' if self.packed else ''}, "
-                f"{self.fixed / gb:.1f} GiB prefix cache and process) and ~{self.per_row / 2**20:.0f} MiB per row "
-                f"in flight (key/value caches of {self.row_tokens} tokens)")
+        return (f"~{self.base / gb:.1f} GiB before its rows ({self.weights / gb:.1f} GiB of weights"
+                f"{f', {self.packed / gb:.1f} GiB packed copies' if self.packed else ''}, {self.fixed / gb:.1f} GiB "
+                f"prefix cache and process) and ~{self.per_row / 2**20:.0f} MiB per row in flight (caches of "
+                f"{self.row_tokens} tokens)")
 
 
 def _header_tensors(model_dir: Path) -> list[tuple[str, list[int]]] | None:
-    """(dtype, shape) of every tensor in the directory's safetensors files, from their headers."""
-    files = sorted(model_dir.glob("*.safetensors"))
+    """(dtype, shape) of the floating-point tensors a loader reads, from the safetensors headers."""
+    files = safetensors_files(model_dir)
     if not files:
         return None
     out = []
@@ -63,77 +75,101 @@ def _header_tensors(model_dir: Path) -> list[tuple[str, list[int]]] | None:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             head = json.loads(fh.read(n))
-        out += [(v["dtype"], v["shape"]) for k, v in head.items() if k != "__metadata__"]
+        out += [(v["dtype"], v["shape"]) for k, v in head.items()
+                if k != "__metadata__" and v["dtype"] in _FLOATS and not k.endswith(SKIP)]
     return out
 
 
-def _model(model_dir: Path, dtype: str, native: bool, kv_bytes: int, tokens: int) -> tuple[int, int, int] | None:
-    """(weights, packed, per-row cache) bytes of one model, or None without safetensors or config."""
+def _size(cfg: dict, key: str) -> int | None:
+    return next((cfg[k] for k in _KEYS[key] if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
+
+
+def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, int] | None:
+    """(weights, packed copies, per-row) bytes of one model, or None where unknown."""
     tensors = _header_tensors(model_dir)
     try:
-        cfg = json.loads((model_dir / "config.json").read_text())
+        top = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not tensors:
+    cfg = top.get("text_config") or top
+    layers, heads, hidden = (_size(cfg, k) for k in ("layers", "heads", "hidden"))
+    if not tensors or not (layers and heads and hidden):
         return None
     params = sum(math.prod(s) for _, s in tensors)
-    mats = sum(math.prod(s) for _, s in tensors if len(s) == 2)
-    packs = native and cfg.get("model_type") in NATIVE_TYPES
-    packed = mats * (2 if all(d in _STORED16 for d, _ in tensors) else 4) if packs else 0
-    heads = cfg.get("num_attention_heads") or 1
-    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or 0) // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    per_row = (cfg.get("num_hidden_layers") or 0) * 2 * kv_heads * head_dim * kv_bytes * tokens
-    return params * _BYTES.get(dtype, 4), packed, per_row
+    weights = params * _BYTES.get(spec.dtype, 4)
+    mats = [(d, math.prod(s)) for d, s in tensors if len(s) == 2]
+    ours = top.get("model_type") in NATIVE_FAMILIES and spec.kernel != "hf" and spec.dtype == "float32"
+    packed = 0
+    if ours and spec.kernel == "lean":  # the native kernel's copy, 16-bit where one such format stores them all
+        packed = sum(n for _, n in mats) * (2 if len({d for d, _ in mats}) == 1 and mats[0][0] in ("BF16", "F16") else 4)
+    elif ours and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # oneDNN's (lean.can_pack)
+        packed = sum(n for _, n in mats) * 4
+    kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    tree = max(spec.method_config.node_budget, 1) + 1
+    per_row = layers * 2 * kv_heads * head_dim * kv_bytes * slots + tree * (cfg.get("vocab_size") or 0) * 4
+    return weights, packed, per_row
 
 
 def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
     """One CPU actor's footprint for this job (``spec``: jobs.spec.JobSpec; ``dirs``: the local
     model directories it loads; ``context``: the models' context), or None where unknown."""
     cfg = spec.method_config
-    window = getattr(cfg, "kv_window", 0)
-    tokens = min(spec.max_prompt_tokens + spec.max_new_tokens, context or 1 << 30)
-    tokens = (min(tokens, window) if window else tokens) + 64  # the engine's room for a tree
+    context = context or 1 << 30
+    prompt = spec.max_prompt_tokens if spec.max_prompt_tokens is not None else context
+    slots = cache_rows(cfg, prompt + spec.max_new_tokens, context)
     kv_bytes = 2 if getattr(cfg, "kv_dtype", "model") == "bfloat16" else _BYTES.get(spec.dtype, 4)
-    native = spec.kernel == "lean" and spec.dtype == "float32"
-    parts = [_model(d, spec.dtype, native, kv_bytes, tokens) for d in dirs]
+    parts = [_model(d, spec, kv_bytes, slots) for d in dirs]
     if not parts or any(p is None for p in parts):
         return None
     weights, packed, per_row = (sum(p[i] for p in parts) for i in range(3))
-    return Footprint(weights, packed, int(spec.prefix_cache_gb * 2**30) + RUNTIME_BYTES, per_row, tokens)
+    prefix = int(spec.prefix_cache_gb * 2**30) * len(dirs)  # a store per model (models.ModelPair.prefix_store)
+    return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots)
 
 
-HEADROOM = 0.9  # of a node's memory the actors may fill (Ray's OOM killer acts at 95% used)
-
-
-def _node_bytes(node: dict) -> float:
+def _free(node: dict) -> float:
     """A Ray node's memory for tasks and its object store: what was free when it started."""
     res = node.get("Resources", {})
     return HEADROOM * (res.get("memory", 0) + res.get("object_store_memory", 0))
 
 
-def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> tuple[int, int | None, list[str]]:
-    """Actors to start and the batch cap for ``auto`` (None: no cap) so that ``n`` actors of ``cpus``
-    CPUs each (``spec.num_actors`` None: ``n`` is as many as the CPUs hold) fit the alive nodes'
-    memory by ``fp``; with what to tell the user.  Nodes fill in order, as many actors each as its
-    CPUs hold (a PACK placement group)."""
+def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> tuple[int, float | None, int | None, list[str]]:
+    """How to start ``n`` actors of ``cpus`` CPUs (``spec.num_actors`` None: ``n`` is as many as the
+    CPUs hold) within the alive nodes' memory by ``fp``: (actors, the memory each reserves as Ray's
+    resource or None, the batch cap for ``auto`` or None, what to tell the user).
+
+    Where memory binds (a node that Ray may fill by CPU cannot hold that many), each actor reserves
+    its base and smallest batch as Ray's memory resource, so that Ray places actors by memory too;
+    where no node's Ray memory resource (~70% of what was free: the object store is the rest)
+    holds one, nothing is reserved and one actor starts.  An explicit --num-actors is kept, with a
+    warning.  The cap prices the tightest node, filled as far as its CPUs (and reservations)
+    allow: Ray, not the driver, chooses where each actor goes."""
     fixed = None if spec.batch_size == "auto" else int(spec.batch_size)
-    alive = [x for x in nodes if x.get("Alive", x.get("alive", True))]
-    slots = [(int(x.get("Resources", {}).get("CPU", 0) // cpus), _node_bytes(x)) for x in alive]
-    room = sum(min(c, int(mem // fp.total(fixed or 1))) for c, mem in slots)
-    notes = []
-    if spec.num_actors is None and room < n:
-        notes.append(f"starting {max(room, 1)} actor(s), not the {n} the CPUs hold (--num-actors or "
-                     "--memory-per-actor overrides)")
-        n = max(room, 1)
-    elif room < n:
-        notes.append(f"warning: the {n} actor(s) asked for may not fit (room for {room}); an actor the OS kills is "
-                     "retried, then its shards fail")
-    share, left = math.inf, n
-    for c, mem in slots:  # the tightest node's memory per actor
-        here = min(c, left)
-        if here:
-            share, left = min(share, mem / here), left - here
+    need = fp.total(fixed or 1)
+    alive = placement._alive(nodes)
+    notes, reserve = [], None
+    cpu_fit = [placement._node_fits(x.get("Resources", {}), {"CPU": cpus}) for x in alive]
+    mem_fit = [min(c, int(_free(x) // need)) for c, x in zip(cpu_fit, alive)]
+    binding = any(m < min(c, n) for c, m in zip(cpu_fit, mem_fit))  # a node Ray may fill by CPU cannot hold it
+    if spec.num_actors is not None or not binding:
+        if binding:
+            notes.append(f"warning: the {n} actor(s) asked for may not fit (room for {sum(mem_fit)}); an actor the OS "
+                         "kills is retried, then its shards fail")
+        per_node = [min(c, n) for c in cpu_fit]
+    elif any(x.get("Resources", {}).get("memory", 0) >= need for x in alive):
+        reserve = float(need)
+        room = placement.feasible_actors(nodes, cpus, 0, reserve)
+        if room < n:
+            notes.append(f"starting {room} actor(s), not the {n} the CPUs hold (--num-actors or --memory-per-actor "
+                         "overrides)")
+            n = room
+        per_node = [min(c, int(x["Resources"]["memory"] // need), n) for c, x in zip(cpu_fit, alive)]
+    else:
+        if n > 1:
+            notes.append(f"starting 1 actor, not {n}: no node's Ray memory resource holds one (--num-actors or "
+                         "--memory-per-actor overrides)")
+        n, per_node = 1, [min(c, 1) for c in cpu_fit]
+    share = min((_free(x) / k for k, x in zip(per_node, alive) if k), default=math.inf)
     rows = fp.rows_within(share) if share < math.inf else 1 << 30
     cap = None
     if fp.total(1) > share:
@@ -142,8 +178,9 @@ def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> tuple[in
         cap = max(rows, 1)
         notes.append(f"--batch-size auto capped at {cap} row(s) per actor (--max-batch-size {spec.max_batch_size})")
     elif fixed is not None and rows < fixed:
-        notes.append(f"warning: --batch-size {fixed} may not fit (room for {rows} row(s) per actor; a smaller batch, "
-                     "--max-prompt-tokens or --option kv_dtype=bfloat16 needs less)")
+        less = "" if getattr(spec.method_config, "kv_dtype", "model") == "bfloat16" else ", or --option kv_dtype=bfloat16"
+        notes.append(f"warning: --batch-size {fixed} may not fit (room for {rows} row(s) per actor; a smaller batch "
+                     f"or --max-prompt-tokens needs less{less})")
     if notes:
         notes = [f"memory: each actor needs {fp.describe()}, estimated from the checkpoints; " + "; ".join(notes)]
-    return n, cap, notes
+    return n, reserve, cap, notes

@@ -1,13 +1,17 @@
 """jobs/footprint.py: an actor's memory estimated from checkpoint headers, and what the driver
-starts with it (how many actors, auto's batch cap)."""
+starts with it (how many actors, what each reserves, auto's batch cap)."""
+import dataclasses
+import json
 import math
 
 import pytest
 from safetensors.torch import load_file
 
+from dynatree.config import cache_rows
 from dynatree.jobs import footprint
 from dynatree.jobs.driver import _footprint
 from dynatree.jobs.spec import build_spec
+from dynatree.scheduler import BatchTuner
 
 GIB = 2**30
 
@@ -25,18 +29,57 @@ def _counts(model_dir):
 
 def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     (pt, mt), (pd, md) = _counts(pair_dirs / "target"), _counts(pair_dirs / "draft")
-    fp = _footprint(job(pair_dirs))
+    spec = job(pair_dirs)
+    fp = _footprint(spec)
     assert fp.weights == 4 * (pt + pd) and fp.packed == 4 * (mt + md)  # float32 checkpoints: float32 copies
-    assert fp.fixed == footprint.RUNTIME_BYTES and fp.row_tokens == 50 + 64
-    per_token = sum(2 * layers * 32 * 4 for layers in (2, 1))  # tiny_neox: hidden 32; target 2 layers, draft 1
-    assert fp.per_row == per_token * fp.row_tokens and fp.total(3) == fp.base + 3 * fp.per_row
-    assert _footprint(job(pair_dirs, kernel="lean-mkl")).packed == 0  # torch's kernels keep no packed copy
+    slots = cache_rows(spec.method_config, 50, 128)  # the engine's allocation: text and a tree's room
+    assert fp.fixed == footprint.RUNTIME_BYTES and fp.row_tokens == slots
+    vocab = json.loads((pair_dirs / "target" / "config.json").read_text())["vocab_size"]
+    logits = (spec.method_config.node_budget + 1) * vocab * 4  # a full tree's logits, per model
+    assert fp.per_row == sum(2 * layers * 32 * 4 * slots + logits for layers in (2, 1))  # hidden 32; 2 + 1 layers
+    assert fp.total(3) == fp.base + 3 * fp.per_row
+    assert _footprint(job(pair_dirs, kernel="hf")).packed == 0  # transformers' forward keeps no copy
     assert _footprint(job(pair_dirs, dtype="float64")).weights == 2 * fp.weights
-    assert _footprint(job(pair_dirs, options={"kv_dtype": "bfloat16"})).per_row == fp.per_row // 2
-    windowed = _footprint(job(pair_dirs, max_prompt_tokens=None, options={"kv_window": 40, "kv_evict": 8}))
-    assert windowed.row_tokens == 40 + 64  # a windowed cache holds the window, whatever the prompt
-    assert _footprint(job(pair_dirs, prefix_cache_gb=1.0)).fixed == GIB + footprint.RUNTIME_BYTES
+    assert _footprint(job(pair_dirs, dtype="float64")).packed == 0
+    bf = _footprint(job(pair_dirs, options={"kv_dtype": "bfloat16"}))
+    assert fp.per_row - bf.per_row == sum(layers * 32 * 4 * slots for layers in (2, 1))  # caches halve
+    windowed = job(pair_dirs, options={"kv_window": 40, "kv_evict": 8})
+    assert _footprint(windowed).row_tokens == cache_rows(windowed.method_config, 50, 128) < slots
+    whole = dataclasses.replace(spec, max_prompt_tokens=None)  # whole prompts: up to the context
+    assert _footprint(whole).row_tokens == cache_rows(spec.method_config, 128 + 20, 128)
+    assert _footprint(job(pair_dirs, prefix_cache_gb=1.0)).fixed == 2 * GIB + footprint.RUNTIME_BYTES  # one store a model
     assert _footprint(job(pair_dirs, target="EleutherAI/pythia-70m", draft=None, method="ar")) is None  # a hub name
+
+
+def write_model(path, tensors: dict, config: dict, name="model.safetensors"):
+    path.mkdir(parents=True, exist_ok=True)
+    head = {k: {"dtype": d, "shape": s, "data_offsets": [0, 0]} for k, (d, s) in tensors.items()}
+    blob = json.dumps({**head, "__metadata__": {"format": "pt"}}).encode()
+    (path / name).write_bytes(len(blob).to_bytes(8, "little") + blob)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "vocab_size": 10}
+
+
+def test_headers_are_read_without_the_weights(tmp_path, pair_dirs):
+    spec = job(pair_dirs)
+    write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "b": ("BF16", [6]), "x.attention.bias": ("BOOL", [1, 64]),
+                                 "y.inv_freq": ("F32", [4])}, LLAMA)
+    weights, packed, per_row = footprint._model(tmp_path / "m", spec, 4, 10)  # buffers and non-floats left out
+    tree = spec.method_config.node_budget + 1
+    assert (weights, packed, per_row) == (30 * 4, 24 * 2, 2 * 2 * 1 * 4 * 4 * 10 + tree * 10 * 4)
+    write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "c": ("F16", [6, 6])}, LLAMA)  # no one 16-bit format
+    assert footprint._model(tmp_path / "m", spec, 4, 10)[1] == 60 * 4
+    write_model(tmp_path / "m", {"a": ("BF16", [4, 6])}, LLAMA, name="consolidated.safetensors")  # not what loads
+    assert footprint._model(tmp_path / "m", spec, 4, 10)[1] == 60 * 4
+    gpt2 = {"model_type": "gpt2", "n_layer": 3, "n_embd": 8, "n_head": 2, "vocab_size": 10}
+    write_model(tmp_path / "g", {"a": ("F32", [8, 8])}, gpt2)
+    weights, packed, per_row = footprint._model(tmp_path / "g", spec, 4, 10)  # GPT-2's names; transformers' forward
+    assert (weights, packed, per_row) == (64 * 4, 0, 3 * 2 * 2 * 4 * 4 * 10 + tree * 10 * 4)
+    write_model(tmp_path / "u", {"a": ("F32", [8, 8])}, {"model_type": "odd", "layers": 3})
+    assert footprint._model(tmp_path / "u", spec, 4, 10) is None  # sizes it cannot read: no estimate
 
 
 def nodes(*gib, cpus=2):
@@ -51,47 +94,44 @@ def big(base_gib: float, row_mib: float) -> footprint.Footprint:
 
 def test_fit_starts_what_memory_holds_and_caps_auto(pair_dirs):
     spec = job(pair_dirs, cpus_per_actor=1)
-    assert footprint.fit(big(1, 10), nodes(24), 2, 1, spec) == (2, None, [])  # room to spare: nothing changes
-    n, cap, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, spec)
+    assert footprint.fit(big(1, 10), nodes(24), 2, 1, spec) == (2, None, None, [])  # room to spare: nothing changes
+    n, reserve, cap, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, spec)
     rows = math.floor((0.9 * 24 * GIB / 2 - 8 * GIB) / (100 * 2**20))  # both actors, each half the node
-    assert (n, cap) == (2, rows) and rows == 28
-    assert f"auto capped at {rows} row(s)" in notes[0] and "~8.0 GiB for its models" in notes[0]
-    n, cap, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, spec)
-    assert (n, cap) == (1, math.floor((0.9 * 24 - 15) * GIB / (400 * 2**20)))
-    assert "starting 1 actor(s), not the 2 the CPUs hold" in notes[0]
-    n, cap, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: one is tried, with a warning
-    assert (n, cap) == (1, 1) and "even one row may not fit" in notes[0]
+    assert (n, reserve, cap) == (2, None, rows) and rows == 28
+    assert f"auto capped at {rows} row(s)" in notes[0] and "~8.0 GiB before its rows" in notes[0]
+    n, reserve, cap, notes = footprint.fit(big(11, 400), nodes(24), 2, 1, spec)  # memory binds: reserved
+    assert (n, reserve) == (1, big(11, 400).total(1)) and "starting 1 actor(s), not the 2 the CPUs hold" in notes[0]
+    assert cap == math.floor((0.9 * 24 - 11) * GIB / (400 * 2**20))
+    n, reserve, cap, notes = footprint.fit(big(20, 400), nodes(24), 2, 1, spec)  # above Ray's memory: nothing reserved
+    assert (n, reserve) == (1, None) and "starting 1 actor, not 2: no node's Ray memory resource holds one" in notes[0]
+    n, reserve, cap, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: tried, with a warning
+    assert (n, reserve, cap) == (1, None, 1) and "even one row may not fit" in notes[0]
     asked = job(pair_dirs, cpus_per_actor=1, num_actors=2)  # asked for: kept, with a warning
-    n, _, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, asked)
-    assert n == 2 and "the 2 actor(s) asked for may not fit (room for 1)" in notes[0]
+    n, reserve, _, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, asked)
+    assert (n, reserve) == (2, None) and "the 2 actor(s) asked for may not fit (room for 1)" in notes[0]
     fixed = job(pair_dirs, cpus_per_actor=1, batch_size=32)  # a fixed batch counts whole: one actor holds it
-    assert footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)[:2] == (1, None)
+    assert footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)[:3] == (1, big(8, 100).total(32), None)
     fixed = job(pair_dirs, cpus_per_actor=1, batch_size=200)  # and is not changed, only warned about
-    n, cap, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)
+    n, _, cap, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)
     rows = math.floor((0.9 * 24 - 8) * GIB / (100 * 2**20))
     assert (n, cap) == (1, None) and f"--batch-size 200 may not fit (room for {rows} row(s)" in notes[0]
 
 
-def test_fit_fills_nodes_in_order_and_prices_the_tightest():
+def test_fit_prices_the_tightest_node_whatever_their_order():
     spec = build_spec(None, input="x", output="y", cpus_per_actor=1)
-    n, cap, _ = footprint.fit(big(4, 100), nodes(24, 12), 4, 1, spec)  # 2 actors on each node
-    assert (n, cap) == (4, math.floor((0.9 * 12 * GIB / 2 - 4 * GIB) / (100 * 2**20)))
-    n, cap, notes = footprint.fit(big(8, 100), nodes(24, 12), 4, 1, spec)  # the small node holds one
-    assert n == 3 and "not the 4" in notes[0]
+    for order in ((24, 12), (12, 24)):
+        n, reserve, cap, _ = footprint.fit(big(4, 100), nodes(*order), 4, 1, spec)  # Ray may put 2 on the small one
+        assert (n, reserve, cap) == (4, None, math.floor((0.9 * 12 * GIB / 2 - 4 * GIB) / (100 * 2**20)))
+        n, reserve, cap, notes = footprint.fit(big(7, 100), nodes(*order), 4, 1, spec)  # the small node holds one
+        assert (n, reserve) == (3, big(7, 100).total(1)) and "not the 4" in notes[0]
+        assert cap == math.floor((0.9 * 12 * GIB - 7 * GIB) / (100 * 2**20))
     dead = nodes(24, 24)
     dead[1]["Alive"] = False
-    assert footprint.fit(big(8, 10), dead, 4, 1, spec)[0] == 2
+    assert footprint.fit(big(11, 10), dead, 2, 1, spec)[0] == 1  # the dead node's memory is not counted
+    thin = [{"Alive": True, "Resources": {"CPU": 3.0, "memory": 70 * GIB, "object_store_memory": 30 * GIB}}]
+    assert footprint.fit(big(1, 10), thin, 30, 0.1, spec)[:2] == (30, None)  # fractional CPUs: 30 fit, as Ray counts
 
 
-@pytest.mark.parametrize("stored", ["BF16", "F32"])
-def test_headers_are_read_without_the_weights(tmp_path, stored):
-    import json
-    head = {"a": {"dtype": stored, "shape": [4, 6], "data_offsets": [0, 0]},
-            "b": {"dtype": stored, "shape": [6], "data_offsets": [0, 0]}, "__metadata__": {"format": "pt"}}
-    blob = json.dumps(head).encode()
-    (tmp_path / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8,
-                                                      "num_attention_heads": 2, "num_key_value_heads": 1}))
-    weights, packed, per_row = footprint._model(tmp_path, "float32", True, 4, 10)
-    assert weights == 30 * 4 and packed == 24 * (2 if stored == "BF16" else 4) and per_row == 2 * 2 * 1 * 4 * 4 * 10
-    assert footprint._model(tmp_path, "float32", False, 4, 10)[1] == 0
+def test_the_tuner_can_pick_a_memory_cap_off_its_ladder():
+    assert BatchTuner(max_size=7, start=16).sizes == [1, 2, 4, 7] and BatchTuner(max_size=7).size == 7
+    assert BatchTuner(max_size=64).sizes == [1, 2, 4, 8, 16, 32, 64]
