@@ -278,7 +278,7 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = 
     cache = new_cache(model, prefix_len + max(sizes) + 1, kv_dtype)
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)  # (as a prefill: native in chunks)
     out = {}
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=gen).to(dev)

@@ -259,6 +259,24 @@ class Runner:
 
     native = False
     fwd: NativeForward
+    released = 0  # bytes of float32 matrices freed by release_matrices (0: the torch path can run)
+
+    def release_matrices(self) -> int:
+        """Free the model's Linear weights, which the C forward keeps packed copies of, and return
+        the bytes freed (0 when the C forward does not run this model).  Why: a CPU actor of a
+        billion-parameter model holds them twice (float32 for torch, 16-bit or float32 packed),
+        and the engine's forwards all take the C path; what they free holds rows' caches instead
+        (jobs/footprint.py).  A torch-path forward afterwards raises, saying why.  An embedding's
+        matrix (a tied LM head's too) is kept: the C forward reads its rows."""
+        if not self.native:
+            return 0
+        embedded = {m.weight.data_ptr() for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
+        for m in self.model.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(m, torch.nn.Linear) and w.numel() and w.data_ptr() not in embedded:
+                self.released += w.numel() * w.element_size()
+                w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+        return self.released
 
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                  use_cache: bool = True, logits_to_keep: int = 0, topk: int = 0, argmax: bool = False,
@@ -285,6 +303,10 @@ class Runner:
                 return self.fwd(seqs, topk, argmax, cols)
             if len(seqs) > 1:  # one the C forward does not take beside ones it does: each on its path
                 return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
+        if self.released:
+            raise RuntimeError("this forward needs torch's path, whose float32 weights were released for the "
+                               "native kernel's packed copies (Runner.release_matrices, in a job's actors): "
+                               f"{[(len(s.ids), s.keep, s.cache is not None) for s in seqs]} (rows, kept, cached)")
         for s in seqs:
             if s.cache is not None and getattr(s.cache, "shared", None) is not None:
                 s.cache.own_slots()  # torch reads the cache's own slots (prefix.Shared)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 
 # (here, not in models.py, so that the job driver, which imports no torch, says the same)
@@ -292,6 +293,19 @@ def reference_label(ref: ARConfig) -> str:
 KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)
 # model types dynatree's C forward runs (lean.py: GPT-NeoX; packed.py: the Llama family)
 NATIVE_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+# The native kernel's packed copy sits beside the model's own weights while it is made: at most a
+# quarter of the machine's memory (2 GiB at least), so a 1.7B-parameter bf16 checkpoint loaded as
+# float32 (a 3.4 GB copy) packs on a 16 GB machine (native.py, cmodel.refusal; jobs/footprint.py)
+MAX_PACKED_BYTES = max(2 * 2**30, _ram_bytes() // 4)
 # parameter bytes for which the torch path keeps a oneDNN-packed float32 copy (lean.can_pack)
 MKL_PACK_BYTES = (32 * 2**20, 2 * 2**30)
 METHODS: dict[str, type] = {

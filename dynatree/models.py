@@ -156,6 +156,12 @@ class ModelPair:
             self.state[key] = _probed(run, model, which) if getattr(run, "native", False) else run
         return self.state[key]
 
+    def release_matrices(self) -> int:
+        """Free both models' float32 matrices that the native kernel keeps packed copies of
+        (cmodel.Runner.release_matrices; a job's actors, once warmed up); the bytes freed."""
+        runs = [self.runner(w) for w in ("target", "draft") if getattr(self, w) is not None]
+        return sum(r.release_matrices() for r in runs if hasattr(r, "release_matrices"))
+
     def not_native(self, which: str = "target") -> str:
         """Why ``which`` model's forward is not dynatree's native kernel ("" when it is, or no model)."""
         run = self.runner(which)

@@ -34,19 +34,9 @@ import weakref
 
 import torch
 
+from .config import MAX_PACKED_BYTES  # noqa: F401 (cmodel reads it here; tests change it)
 from .kbuild import VARIANTS, build, source_hash, variant, variants_here  # noqa: F401 (this module's API)
 
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
-
-
-# The packed copy sits beside the model's own weights: at most a quarter of the machine's memory
-# (2 GiB at least), so a 1.7B-parameter bf16 checkpoint loaded as float32 (a 3.4 GB copy) packs
-# on a 16 GB machine.
-MAX_PACKED_BYTES = max(2 * 2**30, _ram_bytes() // 4)
 
 _libs: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # variant -> (library or None, status)
 

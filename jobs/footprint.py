@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynatree.config import MKL_PACK_BYTES, NATIVE_FAMILIES, cache_rows
+from dynatree.config import MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, cache_rows
 from dynatree.names import SKIP, safetensors_files
 
 from . import placement
@@ -32,6 +32,7 @@ RUNTIME_BYTES = 600 * 2**20
 HEADROOM = 0.9  # of a node's free memory the actors may fill (Ray's OOM killer acts at 95% used)
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 _FLOATS = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+_EMBEDDINGS = ("embed", "wte", "word_embeddings")  # names of input embeddings, which the kernel reads as they are
 _KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "heads": ("num_attention_heads", "n_head"),
          "hidden": ("hidden_size", "n_embd", "d_model")}
 
@@ -45,28 +46,33 @@ class Footprint:
     fixed: int  # prefix stores at their budget, and the process itself
     per_row: int  # a row's key/value caches (target and draft) and a full tree's logits
     row_tokens: int  # the slots a row's caches are allocated with
+    released: int = 0  # weights freed once the native kernel has packed them (Runner.release_matrices)
 
     @property
     def base(self) -> int:
+        """At load, before any row: the weights and their packed copies side by side."""
         return self.weights + self.packed + self.fixed
 
     def total(self, rows: int) -> int:
-        return self.base + rows * self.per_row
+        return max(self.base, self.base - self.released + rows * self.per_row)
 
     def rows_within(self, budget: float) -> int:
-        """Rows whose caches fit in ``budget`` bytes beside the base."""
-        return max(0, math.floor((budget - self.base) / self.per_row)) if self.per_row else 1 << 30
+        """Rows whose caches fit in ``budget`` bytes (none if the load does not)."""
+        if budget < self.base:
+            return 0
+        return math.floor((budget - self.base + self.released) / self.per_row) if self.per_row else 1 << 30
 
     def describe(self) -> str:
         gb = 2**30
         return (f"~{self.base / gb:.1f} GiB before its rows ({self.weights / gb:.1f} GiB of weights"
                 f"{f', {self.packed / gb:.1f} GiB packed copies' if self.packed else ''}, {self.fixed / gb:.1f} GiB "
-                f"prefix cache and process) and ~{self.per_row / 2**20:.0f} MiB per row in flight (caches of "
+                f"prefix cache and process{f'; {self.released / gb:.1f} GiB freed once packed' if self.released else ''}"
+                f") and ~{self.per_row / 2**20:.0f} MiB per row in flight (caches of "
                 f"{self.row_tokens} tokens)")
 
 
-def _header_tensors(model_dir: Path) -> list[tuple[str, list[int]]] | None:
-    """(dtype, shape) of the floating-point tensors a loader reads, from the safetensors headers."""
+def _header_tensors(model_dir: Path) -> list[tuple[str, str, list[int]]] | None:
+    """(name, dtype, shape) of the floating-point tensors a loader reads, from the safetensors headers."""
     files = safetensors_files(model_dir)
     if not files:
         return None
@@ -75,7 +81,7 @@ def _header_tensors(model_dir: Path) -> list[tuple[str, list[int]]] | None:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             head = json.loads(fh.read(n))
-        out += [(v["dtype"], v["shape"]) for k, v in head.items()
+        out += [(k, v["dtype"], v["shape"]) for k, v in head.items()
                 if k != "__metadata__" and v["dtype"] in _FLOATS and not k.endswith(SKIP)]
     return out
 
@@ -84,8 +90,9 @@ def _size(cfg: dict, key: str) -> int | None:
     return next((cfg[k] for k in _KEYS[key] if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
 
 
-def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, int] | None:
-    """(weights, packed copies, per-row) bytes of one model, or None where unknown."""
+def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, int, int] | None:
+    """(weights, packed copies, weights freed once packed, per-row) bytes of one model, or None
+    where unknown."""
     tensors = _header_tensors(model_dir)
     try:
         top = json.loads((model_dir / "config.json").read_text())
@@ -95,20 +102,25 @@ def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, 
     layers, heads, hidden = (_size(cfg, k) for k in ("layers", "heads", "hidden"))
     if not tensors or not (layers and heads and hidden):
         return None
-    params = sum(math.prod(s) for _, s in tensors)
-    weights = params * _BYTES.get(spec.dtype, 4)
-    mats = [(d, math.prod(s)) for d, s in tensors if len(s) == 2]
+    per_weight = _BYTES.get(spec.dtype, 4)
+    weights = sum(math.prod(s) for _, _, s in tensors) * per_weight
+    mats = [(k, d, math.prod(s)) for k, d, s in tensors if len(s) == 2]
+    n_mats = sum(n for _, _, n in mats)
     ours = top.get("model_type") in NATIVE_FAMILIES and spec.kernel != "hf" and spec.dtype == "float32"
-    packed = 0
+    packed = released = 0
     if ours and spec.kernel == "lean":  # the native kernel's copy, 16-bit where one such format stores them all
-        packed = sum(n for _, n in mats) * (2 if len({d for d, _ in mats}) == 1 and mats[0][0] in ("BF16", "F16") else 4)
-    elif ours and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # oneDNN's (lean.can_pack)
-        packed = sum(n for _, n in mats) * 4
+        packed = n_mats * (2 if len({d for _, d, _ in mats}) == 1 and mats[0][1] in ("BF16", "F16") else 4)
+        if packed <= MAX_PACKED_BYTES:  # (else the kernel refuses it: torch's path, nothing packed or freed)
+            released = sum(n for k, _, n in mats if not any(e in k for e in _EMBEDDINGS)) * per_weight
+        else:
+            packed = 0
+    if not packed and ours and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # oneDNN's (lean.can_pack)
+        packed = n_mats * 4
     kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
     tree = max(spec.method_config.node_budget, 1) + 1
     per_row = layers * 2 * kv_heads * head_dim * kv_bytes * slots + tree * (cfg.get("vocab_size") or 0) * 4
-    return weights, packed, per_row
+    return weights, packed, released, per_row
 
 
 def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
@@ -122,9 +134,9 @@ def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
     parts = [_model(d, spec, kv_bytes, slots) for d in dirs]
     if not parts or any(p is None for p in parts):
         return None
-    weights, packed, per_row = (sum(p[i] for p in parts) for i in range(3))
+    weights, packed, released, per_row = (sum(p[i] for p in parts) for i in range(4))
     prefix = int(spec.prefix_cache_gb * 2**30) * len(dirs)  # a store per model (models.ModelPair.prefix_store)
-    return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots)
+    return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots, released)
 
 
 def _free(node: dict) -> float:

@@ -24,21 +24,23 @@ def job(pair_dirs, **kw):
 
 def _counts(model_dir):
     tensors = load_file(model_dir / "model.safetensors")
-    return (sum(t.numel() for t in tensors.values()), sum(t.numel() for t in tensors.values() if t.dim() == 2))
+    return (sum(t.numel() for t in tensors.values()), sum(t.numel() for t in tensors.values() if t.dim() == 2),
+            sum(t.numel() for k, t in tensors.items() if t.dim() == 2 and "embed" not in k))
 
 
 def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
-    (pt, mt), (pd, md) = _counts(pair_dirs / "target"), _counts(pair_dirs / "draft")
+    (pt, mt, lt), (pd, md, ld) = _counts(pair_dirs / "target"), _counts(pair_dirs / "draft")
     spec = job(pair_dirs)
     fp = _footprint(spec)
     assert fp.weights == 4 * (pt + pd) and fp.packed == 4 * (mt + md)  # float32 checkpoints: float32 copies
+    assert fp.released == 4 * (lt + ld)  # freed once packed: every matrix but the embeddings
     slots = cache_rows(spec.method_config, 50, 128)  # the engine's allocation: text and a tree's room
     assert fp.fixed == footprint.RUNTIME_BYTES and fp.row_tokens == slots
     vocab = json.loads((pair_dirs / "target" / "config.json").read_text())["vocab_size"]
     logits = (spec.method_config.node_budget + 1) * vocab * 4  # a full tree's logits, per model
     assert fp.per_row == sum(2 * layers * 32 * 4 * slots + logits for layers in (2, 1))  # hidden 32; 2 + 1 layers
-    assert fp.total(3) == fp.base + 3 * fp.per_row
-    assert _footprint(job(pair_dirs, kernel="hf")).packed == 0  # transformers' forward keeps no copy
+    assert fp.total(3) == fp.base - fp.released + 3 * fp.per_row and fp.total(0) == fp.base  # the load, then rows
+    assert _footprint(job(pair_dirs, kernel="hf")).packed == 0 == _footprint(job(pair_dirs, kernel="hf")).released
     assert _footprint(job(pair_dirs, dtype="float64")).weights == 2 * fp.weights
     assert _footprint(job(pair_dirs, dtype="float64")).packed == 0
     bf = _footprint(job(pair_dirs, options={"kv_dtype": "bfloat16"}))
@@ -67,17 +69,17 @@ def test_headers_are_read_without_the_weights(tmp_path, pair_dirs):
     spec = job(pair_dirs)
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "b": ("BF16", [6]), "x.attention.bias": ("BOOL", [1, 64]),
                                  "y.inv_freq": ("F32", [4])}, LLAMA)
-    weights, packed, per_row = footprint._model(tmp_path / "m", spec, 4, 10)  # buffers and non-floats left out
+    weights, packed, released, per_row = footprint._model(tmp_path / "m", spec, 4, 10)  # buffers, non-floats left out
     tree = spec.method_config.node_budget + 1
-    assert (weights, packed, per_row) == (30 * 4, 24 * 2, 2 * 2 * 1 * 4 * 4 * 10 + tree * 10 * 4)
+    assert (weights, packed, released, per_row) == (30 * 4, 24 * 2, 24 * 4, 2 * 2 * 1 * 4 * 4 * 10 + tree * 10 * 4)
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "c": ("F16", [6, 6])}, LLAMA)  # no one 16-bit format
     assert footprint._model(tmp_path / "m", spec, 4, 10)[1] == 60 * 4
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6])}, LLAMA, name="consolidated.safetensors")  # not what loads
     assert footprint._model(tmp_path / "m", spec, 4, 10)[1] == 60 * 4
     gpt2 = {"model_type": "gpt2", "n_layer": 3, "n_embd": 8, "n_head": 2, "vocab_size": 10}
     write_model(tmp_path / "g", {"a": ("F32", [8, 8])}, gpt2)
-    weights, packed, per_row = footprint._model(tmp_path / "g", spec, 4, 10)  # GPT-2's names; transformers' forward
-    assert (weights, packed, per_row) == (64 * 4, 0, 3 * 2 * 2 * 4 * 4 * 10 + tree * 10 * 4)
+    weights, packed, released, per_row = footprint._model(tmp_path / "g", spec, 4, 10)  # GPT-2: transformers' forward
+    assert (weights, packed, released, per_row) == (64 * 4, 0, 0, 3 * 2 * 2 * 4 * 4 * 10 + tree * 10 * 4)
     write_model(tmp_path / "u", {"a": ("F32", [8, 8])}, {"model_type": "odd", "layers": 3})
     assert footprint._model(tmp_path / "u", spec, 4, 10) is None  # sizes it cannot read: no estimate
 
@@ -106,6 +108,10 @@ def test_fit_starts_what_memory_holds_and_caps_auto(pair_dirs):
     assert (n, reserve) == (1, None) and "starting 1 actor, not 2: no node's Ray memory resource holds one" in notes[0]
     n, reserve, cap, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: tried, with a warning
     assert (n, reserve, cap) == (1, None, 1) and "even one row may not fit" in notes[0]
+    # weights freed once packed: the load's peak decides the actors, what is left the rows
+    fp = footprint.Footprint(10 * GIB, 5 * GIB, 2 * GIB, 500 * 2**20, 904, released=9 * GIB)
+    n, reserve, cap, notes = footprint.fit(fp, nodes(24), 2, 1, spec)
+    assert (n, cap) == (1, math.floor((0.9 * 24 - 17 + 9) * GIB / (500 * 2**20))) and "9.0 GiB freed once packed" in notes[0]
     asked = job(pair_dirs, cpus_per_actor=1, num_actors=2)  # asked for: kept, with a warning
     n, reserve, _, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, asked)
     assert (n, reserve) == (2, None) and "the 2 actor(s) asked for may not fit (room for 1)" in notes[0]

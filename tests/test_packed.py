@@ -244,18 +244,19 @@ def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
                                                                + 3 * d * ff) + 100 * d
 
 
-def tied_model(family: str, vocab: int):
-    """A float32 model whose LM head is its embedding matrix, as Qwen2.5-0.5B and many small ones."""
+def tied_model(family: str, vocab: int, tie: bool = True):
+    """A float32 model whose LM head is its embedding matrix, as Qwen2.5-0.5B and many small ones
+    (``tie`` False: the same shape with a head of its own)."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)
     if family == "neox":
         return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                                                 num_attention_heads=4, intermediate_size=128,
-                                                max_position_embeddings=128, tie_word_embeddings=True)).eval()
+                                                max_position_embeddings=128, tie_word_embeddings=tie)).eval()
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        tie_word_embeddings=True)).eval()
+                                        tie_word_embeddings=tie)).eval()
 
 
 def saved(model, pair_dirs, path):
@@ -306,3 +307,34 @@ def test_a_native_forward_that_disagrees_with_torch_on_the_load_probe_is_not_use
     with torch.no_grad():
         want = model(torch.tensor([PROMPT + STEPS])).logits[0, -1]
     assert torch.allclose(reference_logits(pair, PROMPT, STEPS), want, atol=1e-4)
+
+
+@pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("family,tied", [("neox", False), ("neox", True), ("llama", False), ("llama", True)])
+def test_released_matrices_leave_the_native_outputs_and_refuse_torch(family, tied, pair_dirs, tmp_path):
+    """A job's actors free the float32 Linear weights once the native kernel has packed them
+    (cmodel.Runner.release_matrices): the engine's outputs stay the same bits, an embedding (a
+    tied LM head's too) stays, and a forward that needs torch's path says why instead of running
+    on empty weights."""
+    from dynatree import load_pair
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import Seq
+
+    path = saved(tied_model(family, 300, tie=tied), pair_dirs, tmp_path / "m")
+    pair = load_pair(str(path), str(path), device="cpu", dtype="float32")
+    assert pair.runner("target").native
+    cfg = make_config("dynatree")
+    before = decode_batch(pair, [PROMPT, PROMPT[:3]], cfg, max_new_tokens=12, ignore_eos=True)
+    embed = next(m.weight for m in pair.target.modules() if isinstance(m, torch.nn.Embedding))
+    linears = [m.weight for m in pair.target.modules() if isinstance(m, torch.nn.Linear)]
+    size = sum(w.numel() * 4 for w in linears if w.data_ptr() != embed.data_ptr())
+    assert pair.release_matrices() == 2 * size > 0  # target and draft (the same files, two copies)
+    assert embed.numel() > 0 and (pair.target.lm_head.weight.numel() > 0) == tied
+    after = decode_batch(pair, [PROMPT, PROMPT[:3]], cfg, max_new_tokens=12, ignore_eos=True)
+    assert [t for t, _, _ in after] == [t for t, _, _ in before]
+    assert [t for t, _, _ in decode_batch(pair, [PROMPT], make_config("ar"), max_new_tokens=12, ignore_eos=True)] == \
+        [before[0][0]]
+    runner = pair.runner("target")
+    with pytest.raises(RuntimeError, match="float32 weights were released"):
+        runner.forward([Seq(torch.tensor(PROMPT * 100), new_cache(runner, 700))])  # 600 rows' logits: torch's path
+    assert pair.release_matrices() == 2 * size  # nothing more to free

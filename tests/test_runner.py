@@ -169,7 +169,7 @@ def test_actors_and_auto_batch_follow_the_memory_estimate(ray_cluster, pair_dirs
     free = footprint.HEADROOM * (node["memory"] + node["object_store_memory"])
     monkeypatch.setattr(footprint, "RUNTIME_BYTES", int(0.6 * free))
     # each of the two models' caches 0.4 / 7 of the node a row: room for 3.5 rows beside the process
-    monkeypatch.setattr(footprint, "_model", lambda *a: (0, 0, int(0.4 * free / 7)))
+    monkeypatch.setattr(footprint, "_model", lambda *a: (0, 0, 0, int(0.4 * free / 7)))
     write_input(tmp_path)
     said = []
     s = run_job(spec(pair_dirs, tmp_path, num_actors=None, prefix_cache_gb=0.0, verify_fraction=0.0), progress=False,
