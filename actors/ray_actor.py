@@ -17,14 +17,14 @@ import ray
 class PairActor:
     """One per GPU on a GPU box; a CPU share (``cpus_per_actor`` threads) on CPU machines."""
 
-    def __init__(self, spec, threads: int | None = None):
+    def __init__(self, spec, threads: int | None = None, share: float | None = None):
         from .worker import ShardWorker
 
         if spec.device == "auto" and not ray.get_gpu_ids():
             # no GPU reserved for this actor: the CPU, even where CUDA devices are visible (Ray
             # need not hide them from an actor that asked for none)
             spec = dataclasses.replace(spec, device="cpu")
-        self.worker = ShardWorker(spec, threads)
+        self.worker = ShardWorker(spec, threads, share)
 
     def ready(self) -> dict:
         return self.worker.ready()

@@ -29,9 +29,10 @@ import torch
 
 from dynatree import budget
 from dynatree.check import divergence, prompt_budget, truncate_prompt
-from dynatree.config import FLOAT16_ON_CPU, ar_reference
+from dynatree.config import FLOAT16_ON_CPU, NATIVE_ROWS, ar_reference
 from dynatree.metrics import fill_row, result_row
 from dynatree.models import PairError, load_pair
+from dynatree.jobs import footprint
 from dynatree.jobs.spec import FAULTS_ENV
 from dynatree.scheduler import Request, Scheduler
 from dynatree.stops import text_of
@@ -91,9 +92,11 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
 
 
 class ShardWorker:
-    def __init__(self, spec, threads: int | None = None):
+    def __init__(self, spec, threads: int | None = None, share: float | None = None):
+        """``share``: bytes of its node's memory this worker may fill (the job driver's estimate,
+        jobs/footprint.py), to cap ``--batch-size auto`` once loaded; None: no cap."""
         _fault_at_start(spec.output)
-        self.spec, self.cfg = spec, spec.method_config
+        self.spec, self.cfg, self.share, self.batch_cap = spec, spec.method_config, share, None
         self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
         self.startup: dict = {}
         self.scheduler = Scheduler(None, None if spec.batch_size == "auto" else int(spec.batch_size),
@@ -129,14 +132,29 @@ class ShardWorker:
         if getattr(self.cfg, "budget_on", False):
             budget.profile(self.pair, kv_dtype=self.cfg.kv_dtype)
         self.startup["profile_s"] = time.perf_counter() - t0
-        # every forward of the engine runs on the native kernel: the float32 copies can go
-        self.startup["released_gib"] = self.pair.release_matrices() / 2**30
+        # every forward of the engine runs on the native kernel (a chain longer than it takes would
+        # not): the float32 copies can go
+        longest = self.cfg.node_budget + self.cfg.lookup_length + 1
+        self.startup["released_gib"] = self.pair.release_matrices() / 2**30 if longest <= NATIVE_ROWS else 0.0
+        self._cap_batch()
+
+    def _cap_batch(self) -> None:
+        """auto's batch no larger than the rows whose caches fit in this worker's share of the node
+        beside what it holds now, measured (resident memory after loading and releasing)."""
+        if self.share is None or self.scheduler.tuner is None:
+            return
+        configs = [m.config.to_dict() for m in (self.pair.target, self.pair.draft) if m is not None]
+        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        got = footprint.rows_for(self.spec, configs, self.pair.max_context, self.share, rss)
+        if got is not None and got[0] < self.scheduler.tuner.max_size:
+            self.batch_cap = max(got[0], 1)
+            self.scheduler.cap(self.batch_cap)
 
     def ready(self) -> dict:
         p = self.pair
         return {"pid": os.getpid(), "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
                 "context": p.max_context, "vocab": p.vocab, "threads": self.threads, "forward": p.forward_in_use(),
-                "startup": self.startup}
+                "startup": self.startup, "batch_cap": self.batch_cap}
 
     def stats(self) -> dict:
         s = self.scheduler

@@ -306,6 +306,7 @@ def _ram_bytes() -> int:
 # quarter of the machine's memory (2 GiB at least), so a 1.7B-parameter bf16 checkpoint loaded as
 # float32 (a 3.4 GB copy) packs on a 16 GB machine (native.py, cmodel.refusal; jobs/footprint.py)
 MAX_PACKED_BYTES = max(2 * 2**30, _ram_bytes() // 4)
+NATIVE_ROWS = 512  # a longer causal forward (a long prompt's prefill) runs in chunks of this many (cmodel)
 # parameter bytes for which the torch path keeps a oneDNN-packed float32 copy (lean.can_pack)
 MKL_PACK_BYTES = (32 * 2**20, 2 * 2**30)
 METHODS: dict[str, type] = {

@@ -73,9 +73,10 @@ def supports(model) -> bool:
 
 
 class LeanNeoX(cmodel.Runner):
-    def __init__(self, model, gemm: bool = True, isa: str | None = None):
+    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = True):
         """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch;
-        isa: the kernel variant (default: native.variant(), i.e. $DYNATREE_ISA or native)."""
+        isa: the kernel variant (default: native.variant(), i.e. $DYNATREE_ISA or native); pack:
+        let torch's path keep a oneDNN copy of the weights (can_pack)."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
@@ -102,7 +103,7 @@ class LeanNeoX(cmodel.Runner):
         self.native = not self.refusal
         # The torch path serves everything when not native, and when native the rare forward it
         # does not take (a long causal one keeping many rows' logits, a cache of another dtype).
-        pack = can_pack(model) and not self.native
+        pack = pack and can_pack(model) and not self.native
         self.lm_head = Linear(model.lm_head.weight, None, pack)  # d -> V
         self.layers = [(
             (l.input_layernorm.weight, l.input_layernorm.bias),

@@ -1,6 +1,7 @@
 """Loading a target/draft pair and checking that the two can speculate for each other."""
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import re
@@ -74,6 +75,15 @@ PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
 
 
 @torch.inference_mode()
+def _trim() -> None:
+    """Hand freed heap memory back to the OS: glibc keeps freed chunks of up to its (dynamic, up to
+    32 MiB) mmap threshold in the heap, so a model's freed matrices of a few MiB stayed resident."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _probed(run, model, which: str):
     """``run``, a native forward, if its logits over a fixed 12-token prompt agree with the same
     forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation orders
@@ -84,7 +94,7 @@ def _probed(run, model, which: str):
     from .kvcache import new_cache
     from .runtime import Seq
 
-    twin = type(run)(model, gemm=False)
+    twin = type(run)(model, gemm=False, pack=False)  # (no oneDNN copy: it lives a moment)
     n = max(1, min(PROBE_TOKENS, _context_len(model) - 1))
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     native_logits, torch_logits = (r.forward([Seq(ids, new_cache(r, n + 1))])[0].logits.float() for r in (run, twin))
@@ -160,7 +170,9 @@ class ModelPair:
         """Free both models' float32 matrices that the native kernel keeps packed copies of
         (cmodel.Runner.release_matrices; a job's actors, once warmed up); the bytes freed."""
         runs = [self.runner(w) for w in ("target", "draft") if getattr(self, w) is not None]
-        return sum(r.release_matrices() for r in runs if hasattr(r, "release_matrices"))
+        freed = sum(r.release_matrices() for r in runs if hasattr(r, "release_matrices"))
+        _trim()
+        return freed
 
     def not_native(self, which: str = "target") -> str:
         """Why ``which`` model's forward is not dynatree's native kernel ("" when it is, or no model)."""

@@ -23,7 +23,7 @@ from . import cmodel, native
 from .config import NATIVE_FAMILIES
 from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
-FAMILY = NATIVE_FAMILIES[1:]  # (config.NATIVE_FAMILIES: GPT-NeoX, then these)
+FAMILY = tuple(f for f in NATIVE_FAMILIES if f != "gpt_neox")  # the Llama family
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _HEAD_NORMS = {"qwen3": {"q_norm", "k_norm"}}  # RMS norms over each head's q and k, before rotary
 _MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
@@ -60,9 +60,10 @@ FIXED_ROPE = ("default", "linear", "llama3", "yarn")
 class PackedRunner(cmodel.Runner):
     """The engine's runner (runtime.py) for a supported model: ``forward(seqs)`` packs them."""
 
-    def __init__(self, model, gemm: bool = True, isa: str | None = None):
+    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = False):
         """gemm: run cached forwards through the C kernels where they apply (cmodel.py), else
-        torch; isa: the kernel variant (default: native.variant())."""
+        torch; isa: the kernel variant (default: native.variant()); pack: unused (this torch path
+        keeps no oneDNN copy; the argument is lean.LeanNeoX's)."""
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads

@@ -180,6 +180,11 @@ class Scheduler:
     def batch_size(self) -> int:
         return self.fixed if self.tuner is None else self.tuner.size
 
+    def cap(self, rows: int) -> None:
+        """Tune no higher than ``rows`` (what memory holds: actors/worker.py), before decoding starts."""
+        if self.tuner is not None and rows < self.tuner.max_size:
+            self.tuner = BatchTuner(max_size=max(rows, 1), start=min(16, max(rows, 1)))
+
     def submit(self, requests: list[Request]) -> Future:
         """Queue requests; the Future gives one (tokens, finish reason, Metrics) — or the
         ValueError that rejected it — per request, in order."""

@@ -330,7 +330,7 @@ class _Dispatch:
 
     def __init__(self, spec: JobSpec, plan: Plan, out: Path, stats: dict, startup: dict, log):
         self.spec, self.plan, self.out, self.stats, self.startup, self.log = spec, plan, out, stats, startup, log
-        self.actor_spec = spec  # what the actors get: the spec, auto's batch capped by memory (_fit_memory)
+        self.share: float | None = None  # bytes of a node per actor, for auto's cap (_fit_memory)
         self.attempts: dict[int, int] = {}  # failures while running alone
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
@@ -340,7 +340,7 @@ class _Dispatch:
     def _start(self, ray, n: int) -> None:
         from dynatree.actors.ray_actor import PairActor
 
-        spec, cpus, gpus = self.actor_spec, self.cpus, self.gpus
+        spec, cpus, gpus = self.spec, self.cpus, self.gpus
         t0 = time.time()
         self.pg = placement.reserve(n, cpus, gpus, memory=self.memory, timeout_s=spec.placement_timeout_s, log=self.log)
         self.startup["placement_s"] = round(time.time() - t0, 3)
@@ -350,7 +350,7 @@ class _Dispatch:
         def start(i: int):
             return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus, self.memory), max_restarts=0,
                                      max_concurrency=spec.inflight_shards + 2,
-                                     runtime_env={"env_vars": env} if env else None).remote(spec, threads)
+                                     runtime_env={"env_vars": env} if env else None).remote(spec, threads, self.share)
 
         self.start_actor = start
         self.actors = [start(i) for i in range(n)]
@@ -362,6 +362,10 @@ class _Dispatch:
         self.replace_timeout_s = min(spec.ready_timeout_s, max(120.0, 5 * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
+        caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
+        if caps:
+            span = str(caps[0]) if len(caps) == 1 else f"{caps[0]}-{caps[-1]}"
+            self.log(f"memory: --batch-size auto capped at {span} row(s) per actor, measured once loaded")
         self.log(f"{n} actor(s) ready: {infos[0]['device']}, {infos[0]['dtype']}, {cpus:g} CPU / {gpus:g} GPU "
                  f"each, context {infos[0]['context']}, batch size {spec.batch_size}; target forward: "
                  f"{infos[0]['forward']}")
@@ -407,17 +411,16 @@ class _Dispatch:
 
     def _fit_memory(self, ray, n: int) -> int:
         """CPU actors with no --memory-per-actor: as many as the nodes' memory holds (reserving Ray's
-        memory resource where it binds), and auto's batch capped so that its caches fit, in the spec
-        the actors get (jobs/footprint.py).  Returns the actors to start."""
+        memory resource where it binds), each told its share of a node to cap auto's batch by once
+        loaded (jobs/footprint.py).  Returns the actors to start."""
         fp = None if self.gpus or self.memory else _footprint(self.spec)
         if fp is None:
             return n
-        n, self.memory, cap, notes = footprint.fit(fp, ray.nodes(), n, self.cpus, self.spec)
-        for note in notes:
+        got = footprint.fit(fp, ray.nodes(), n, self.cpus, self.spec)
+        for note in got.notes:
             self.log(note)
-        if cap:
-            self.actor_spec = dataclasses.replace(self.spec, max_batch_size=cap)
-        return n
+        self.memory, self.share = got.reserve, got.share
+        return got.actors
 
     def _feed(self, inflight: dict, pending: deque) -> None:
         """Top up the actors' queues one shard per actor per round, so a short job is spread
@@ -429,7 +432,7 @@ class _Dispatch:
             progress = False
             for slot, actor in enumerate(self.actors):
                 queue = mine[slot]
-                full = len(queue) >= self.actor_spec.inflight_shards  # (the actors' spec: auto's batch capped)
+                full = len(queue) >= self.spec.inflight_shards
                 if actor is None or not pending or full or any(v[5] for v in queue):
                     continue
                 k, got = pending[0]

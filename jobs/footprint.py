@@ -20,8 +20,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from dynatree.config import MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, cache_rows
+from dynatree.config import MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, NATIVE_ROWS, cache_rows
 from dynatree.names import SKIP, safetensors_files
 
 from . import placement
@@ -32,7 +33,7 @@ RUNTIME_BYTES = 600 * 2**20
 HEADROOM = 0.9  # of a node's free memory the actors may fill (Ray's OOM killer acts at 95% used)
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 _FLOATS = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
-_EMBEDDINGS = ("embed", "wte", "word_embeddings")  # names of input embeddings, which the kernel reads as they are
+_EMBEDDINGS = ("embed_in", "embed_tokens", "wte", "word_embeddings")  # input embeddings: the kernel reads them
 _KEYS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"), "heads": ("num_attention_heads", "n_head"),
          "hidden": ("hidden_size", "n_embd", "d_model")}
 
@@ -110,33 +111,62 @@ def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, 
     packed = released = 0
     if ours and spec.kernel == "lean":  # the native kernel's copy, 16-bit where one such format stores them all
         packed = n_mats * (2 if len({d for _, d, _ in mats}) == 1 and mats[0][1] in ("BF16", "F16") else 4)
-        if packed <= MAX_PACKED_BYTES:  # (else the kernel refuses it: torch's path, nothing packed or freed)
-            released = sum(n for k, _, n in mats if not any(e in k for e in _EMBEDDINGS)) * per_weight
-        else:
+        longest = spec.method_config.node_budget + spec.method_config.lookup_length + 1  # (actors/worker.py)
+        if packed > MAX_PACKED_BYTES:  # the kernel refuses it: torch's path, nothing packed or freed
             packed = 0
-    if not packed and ours and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # oneDNN's (lean.can_pack)
+        elif longest <= NATIVE_ROWS:
+            released = sum(n for k, _, n in mats if not any(e in k for e in _EMBEDDINGS)) * per_weight
+    neox = top.get("model_type") == "gpt_neox"  # (only lean.LeanNeoX's torch path keeps a oneDNN copy)
+    if not packed and ours and neox and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # lean.can_pack
         packed = n_mats * 4
+    return weights, packed, released, row_bytes(top, spec.method_config, kv_bytes, slots)
+
+
+def row_bytes(config: dict, method, kv_bytes: int, slots: int) -> int | None:
+    """A row's key/value caches of ``slots`` slots in one model (``config``: its config.json) and a
+    full tree's logits: what a row in flight holds (the driver's estimate, an actor's own cap)."""
+    cfg = config.get("text_config") or config
+    layers, heads, hidden = (_size(cfg, k) for k in ("layers", "heads", "hidden"))
+    if not (layers and heads and hidden):
+        return None
     kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    tree = max(spec.method_config.node_budget, 1) + 1
-    per_row = layers * 2 * kv_heads * head_dim * kv_bytes * slots + tree * (cfg.get("vocab_size") or 0) * 4
-    return weights, packed, released, per_row
+    tree = max(method.node_budget, 1) + 1
+    return layers * 2 * kv_heads * head_dim * kv_bytes * slots + tree * (cfg.get("vocab_size") or 0) * 4
+
+
+def _slots(spec, context: int | None) -> tuple[int, int]:
+    """(the slots a row's caches get, bytes per cached value) for this job."""
+    cfg = spec.method_config
+    context = context or 1 << 30
+    prompt = spec.max_prompt_tokens if spec.max_prompt_tokens is not None else context
+    kv_bytes = 2 if getattr(cfg, "kv_dtype", "model") == "bfloat16" else _BYTES.get(spec.dtype, 4)
+    return cache_rows(cfg, prompt + spec.max_new_tokens, context), kv_bytes
 
 
 def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
     """One CPU actor's footprint for this job (``spec``: jobs.spec.JobSpec; ``dirs``: the local
     model directories it loads; ``context``: the models' context), or None where unknown."""
-    cfg = spec.method_config
-    context = context or 1 << 30
-    prompt = spec.max_prompt_tokens if spec.max_prompt_tokens is not None else context
-    slots = cache_rows(cfg, prompt + spec.max_new_tokens, context)
-    kv_bytes = 2 if getattr(cfg, "kv_dtype", "model") == "bfloat16" else _BYTES.get(spec.dtype, 4)
+    slots, kv_bytes = _slots(spec, context)
     parts = [_model(d, spec, kv_bytes, slots) for d in dirs]
-    if not parts or any(p is None for p in parts):
+    if not parts or any(p is None or p[3] is None for p in parts):
         return None
     weights, packed, released, per_row = (sum(p[i] for p in parts) for i in range(4))
     prefix = int(spec.prefix_cache_gb * 2**30) * len(dirs)  # a store per model (models.ModelPair.prefix_store)
     return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots, released)
+
+
+def rows_for(spec, configs: list[dict], context: int, share: float, rss: float) -> tuple[int, int] | None:
+    """An actor's own batch cap, once loaded (actors/worker.py): the rows whose caches fit in its
+    ``share`` of the node's memory beside what it holds now (``rss``) and its prefix stores' budget
+    -- measured, so that a model the kernel did not take (nothing packed, nothing freed) or memory
+    the allocator kept is counted as it is.  (rows, bytes per row), or None where unknown."""
+    slots, kv_bytes = _slots(spec, context)
+    sizes = [row_bytes(c, spec.method_config, kv_bytes, slots) for c in configs]
+    if not sizes or None in sizes or not sum(sizes):
+        return None
+    prefix = int(spec.prefix_cache_gb * 2**30) * len(configs)
+    return max(0, math.floor((share - rss - prefix) / sum(sizes))), sum(sizes)
 
 
 def _free(node: dict) -> float:
@@ -145,10 +175,17 @@ def _free(node: dict) -> float:
     return HEADROOM * (res.get("memory", 0) + res.get("object_store_memory", 0))
 
 
-def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> tuple[int, float | None, int | None, list[str]]:
+class Fit(NamedTuple):
+    actors: int
+    reserve: float | None  # bytes each actor reserves as Ray's memory resource (None: none)
+    cap: int | None  # the estimate's batch cap for auto (None: none); each actor measures its own
+    share: float  # bytes of a node's memory per actor where they are tightest
+    notes: list
+
+
+def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> Fit:
     """How to start ``n`` actors of ``cpus`` CPUs (``spec.num_actors`` None: ``n`` is as many as the
-    CPUs hold) within the alive nodes' memory by ``fp``: (actors, the memory each reserves as Ray's
-    resource or None, the batch cap for ``auto`` or None, what to tell the user).
+    CPUs hold) within the alive nodes' memory by ``fp``, and what to tell the user.
 
     Where memory binds (a node that Ray may fill by CPU cannot hold that many), each actor reserves
     its base and smallest batch as Ray's memory resource, so that Ray places actors by memory too;
@@ -188,11 +225,12 @@ def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> tuple[in
         notes.append(f"warning: even one row may not fit ({share / 2**30:.1f} GiB per actor)")
     if fixed is None and rows < spec.max_batch_size:
         cap = max(rows, 1)
-        notes.append(f"--batch-size auto capped at {cap} row(s) per actor (--max-batch-size {spec.max_batch_size})")
+        notes.append(f"--batch-size auto capped near {cap} row(s) per actor (--max-batch-size {spec.max_batch_size}; "
+                     "each actor measures its own once loaded)")
     elif fixed is not None and rows < fixed:
         less = "" if getattr(spec.method_config, "kv_dtype", "model") == "bfloat16" else ", or --option kv_dtype=bfloat16"
         notes.append(f"warning: --batch-size {fixed} may not fit (room for {rows} row(s) per actor; a smaller batch "
                      f"or --max-prompt-tokens needs less{less})")
     if notes:
         notes = [f"memory: each actor needs {fp.describe()}, estimated from the checkpoints; " + "; ".join(notes)]
-    return n, reserve, cap, notes
+    return Fit(n, reserve, cap, share, notes)

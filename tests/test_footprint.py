@@ -25,7 +25,7 @@ def job(pair_dirs, **kw):
 def _counts(model_dir):
     tensors = load_file(model_dir / "model.safetensors")
     return (sum(t.numel() for t in tensors.values()), sum(t.numel() for t in tensors.values() if t.dim() == 2),
-            sum(t.numel() for k, t in tensors.items() if t.dim() == 2 and "embed" not in k))
+            sum(t.numel() for k, t in tensors.items() if t.dim() == 2 and "embed_in" not in k))
 
 
 def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
@@ -33,7 +33,7 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     spec = job(pair_dirs)
     fp = _footprint(spec)
     assert fp.weights == 4 * (pt + pd) and fp.packed == 4 * (mt + md)  # float32 checkpoints: float32 copies
-    assert fp.released == 4 * (lt + ld)  # freed once packed: every matrix but the embeddings
+    assert fp.released == 4 * (lt + ld)  # freed once packed: every matrix but the input embeddings
     slots = cache_rows(spec.method_config, 50, 128)  # the engine's allocation: text and a tree's room
     assert fp.fixed == footprint.RUNTIME_BYTES and fp.row_tokens == slots
     vocab = json.loads((pair_dirs / "target" / "config.json").read_text())["vocab_size"]
@@ -96,29 +96,30 @@ def big(base_gib: float, row_mib: float) -> footprint.Footprint:
 
 def test_fit_starts_what_memory_holds_and_caps_auto(pair_dirs):
     spec = job(pair_dirs, cpus_per_actor=1)
-    assert footprint.fit(big(1, 10), nodes(24), 2, 1, spec) == (2, None, None, [])  # room to spare: nothing changes
-    n, reserve, cap, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, spec)
+    assert footprint.fit(big(1, 10), nodes(24), 2, 1, spec)[:3] == (2, None, None)  # room to spare: nothing changes
+    assert footprint.fit(big(1, 10), nodes(24), 2, 1, spec).notes == []
+    n, reserve, cap, _, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, spec)
     rows = math.floor((0.9 * 24 * GIB / 2 - 8 * GIB) / (100 * 2**20))  # both actors, each half the node
     assert (n, reserve, cap) == (2, None, rows) and rows == 28
-    assert f"auto capped at {rows} row(s)" in notes[0] and "~8.0 GiB before its rows" in notes[0]
-    n, reserve, cap, notes = footprint.fit(big(11, 400), nodes(24), 2, 1, spec)  # memory binds: reserved
+    assert f"auto capped near {rows} row(s)" in notes[0] and "~8.0 GiB before its rows" in notes[0]
+    n, reserve, cap, _, notes = footprint.fit(big(11, 400), nodes(24), 2, 1, spec)  # memory binds: reserved
     assert (n, reserve) == (1, big(11, 400).total(1)) and "starting 1 actor(s), not the 2 the CPUs hold" in notes[0]
     assert cap == math.floor((0.9 * 24 - 11) * GIB / (400 * 2**20))
-    n, reserve, cap, notes = footprint.fit(big(20, 400), nodes(24), 2, 1, spec)  # above Ray's memory: nothing reserved
+    n, reserve, cap, _, notes = footprint.fit(big(20, 400), nodes(24), 2, 1, spec)  # above Ray's memory: nothing reserved
     assert (n, reserve) == (1, None) and "starting 1 actor, not 2: no node's Ray memory resource holds one" in notes[0]
-    n, reserve, cap, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: tried, with a warning
+    n, reserve, cap, _, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: tried, with a warning
     assert (n, reserve, cap) == (1, None, 1) and "even one row may not fit" in notes[0]
     # weights freed once packed: the load's peak decides the actors, what is left the rows
     fp = footprint.Footprint(10 * GIB, 5 * GIB, 2 * GIB, 500 * 2**20, 904, released=9 * GIB)
-    n, reserve, cap, notes = footprint.fit(fp, nodes(24), 2, 1, spec)
+    n, reserve, cap, _, notes = footprint.fit(fp, nodes(24), 2, 1, spec)
     assert (n, cap) == (1, math.floor((0.9 * 24 - 17 + 9) * GIB / (500 * 2**20))) and "9.0 GiB freed once packed" in notes[0]
     asked = job(pair_dirs, cpus_per_actor=1, num_actors=2)  # asked for: kept, with a warning
-    n, reserve, _, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, asked)
+    n, reserve, _, _, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, asked)
     assert (n, reserve) == (2, None) and "the 2 actor(s) asked for may not fit (room for 1)" in notes[0]
     fixed = job(pair_dirs, cpus_per_actor=1, batch_size=32)  # a fixed batch counts whole: one actor holds it
     assert footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)[:3] == (1, big(8, 100).total(32), None)
     fixed = job(pair_dirs, cpus_per_actor=1, batch_size=200)  # and is not changed, only warned about
-    n, _, cap, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)
+    n, _, cap, _, notes = footprint.fit(big(8, 100), nodes(24), 2, 1, fixed)
     rows = math.floor((0.9 * 24 - 8) * GIB / (100 * 2**20))
     assert (n, cap) == (1, None) and f"--batch-size 200 may not fit (room for {rows} row(s)" in notes[0]
 
@@ -126,9 +127,9 @@ def test_fit_starts_what_memory_holds_and_caps_auto(pair_dirs):
 def test_fit_prices_the_tightest_node_whatever_their_order():
     spec = build_spec(None, input="x", output="y", cpus_per_actor=1)
     for order in ((24, 12), (12, 24)):
-        n, reserve, cap, _ = footprint.fit(big(4, 100), nodes(*order), 4, 1, spec)  # Ray may put 2 on the small one
+        n, reserve, cap, _, _ = footprint.fit(big(4, 100), nodes(*order), 4, 1, spec)  # Ray may put 2 on the small one
         assert (n, reserve, cap) == (4, None, math.floor((0.9 * 12 * GIB / 2 - 4 * GIB) / (100 * 2**20)))
-        n, reserve, cap, notes = footprint.fit(big(7, 100), nodes(*order), 4, 1, spec)  # the small node holds one
+        n, reserve, cap, _, notes = footprint.fit(big(7, 100), nodes(*order), 4, 1, spec)  # the small node holds one
         assert (n, reserve) == (3, big(7, 100).total(1)) and "not the 4" in notes[0]
         assert cap == math.floor((0.9 * 12 * GIB - 7 * GIB) / (100 * 2**20))
     dead = nodes(24, 24)

@@ -175,9 +175,26 @@ def test_actors_and_auto_batch_follow_the_memory_estimate(ray_cluster, pair_dirs
     s = run_job(spec(pair_dirs, tmp_path, num_actors=None, prefix_cache_gb=0.0, verify_fraction=0.0), progress=False,
                 log=said.append)
     text = "\n".join(map(str, said))
-    assert "starting 1 actor(s), not the 2 the CPUs hold" in text and "auto capped at 3 row(s)" in text
+    assert "starting 1 actor(s), not the 2 the CPUs hold" in text and "auto capped near 3 row(s)" in text
     assert "1 actor(s) ready" in text and s["rows"] == len(PROMPTS)
-    assert max(a["batch_size"] for a in s["this_run"]["actors"]) <= 3
+
+
+def test_an_actor_caps_auto_by_what_it_holds_once_loaded(pair_dirs, tmp_path):
+    """The actor's own cap (ShardWorker._cap_batch): its share of the node minus what it holds once
+    loaded, in rows of its models' caches -- measured, whatever the estimate assumed."""
+    from dynatree.actors.worker import ShardWorker
+    from dynatree.jobs import footprint
+
+    job = spec(pair_dirs, tmp_path, dtype="float32", prefix_cache_gb=0.0)
+    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    free = ShardWorker(job, 1, share=rss + 10 * 2**30)  # room for more rows than auto would try
+    assert free.batch_cap is None and free.scheduler.tuner.max_size == job.max_batch_size
+    configs = [m.config.to_dict() for m in (free.pair.target, free.pair.draft)]
+    per_row = footprint.rows_for(job, configs, free.pair.max_context, 0, 0)[1]
+    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    tight = ShardWorker(job, 1, share=rss + 5.5 * per_row)  # (what the second pair adds is in the measure)
+    assert 1 <= tight.batch_cap <= 5 and tight.scheduler.tuner.max_size == tight.batch_cap
+    assert tight.ready()["batch_cap"] == tight.batch_cap
 
 
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
