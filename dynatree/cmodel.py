@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .config import NATIVE_ROWS  # noqa: F401 (this module's API too)
+from .config import NATIVE_ROWS
 from .runtime import KeyMask, Output, Seq, forward_each
 
+# NATIVE_ROWS (config.py): a longer causal forward (a long prompt's prefill) runs in chunks of that many
 # rows, one after the other, when it keeps at most this many rows' logits (a prefill keeps one): each
 # row's values are the same bits in any chunking (batch invariance), and the work buffer and each
 # thread's attention scratch stay bounded.  Chunked, a 1024-token prefill took 119 ms natively against

@@ -74,7 +74,6 @@ class HFRunner:
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
 
 
-@torch.inference_mode()
 def _trim() -> None:
     """Hand freed heap memory back to the OS: glibc keeps freed chunks of up to its (dynamic, up to
     32 MiB) mmap threshold in the heap, so a model's freed matrices of a few MiB stayed resident."""
@@ -84,6 +83,7 @@ def _trim() -> None:
         pass
 
 
+@torch.inference_mode()
 def _probed(run, model, which: str):
     """``run``, a native forward, if its logits over a fixed 12-token prompt agree with the same
     forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation orders
