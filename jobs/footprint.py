@@ -4,9 +4,11 @@ Why: a CPU actor of a billion-parameter model holds its weights as loaded (float
 of its matrices (the native kernel's, or oneDNN's on torch's path), and every row's key/value
 caches; the default actor count (as many as the CPUs hold) and ``--batch-size auto`` (up to
 ``--max-batch-size`` rows) can ask for more than the machine has, and then the OS kills actors --
-a loop of retries that never says why.  With an estimate the driver reserves it as Ray's memory
-resource, so Ray starts no more actors on a node than it holds, and caps ``auto``'s batch so the
-caches fit (:func:`fit`, the driver's ``_Dispatch._fit_memory``), saying so.
+a loop of retries that never says why.  Where memory binds, the driver reserves an actor's load
+peak as Ray's memory resource, so Ray starts no more actors on a node than it holds (:func:`fit`,
+the driver's ``_Dispatch._fit_memory``), and says so; each actor, once loaded, caps ``auto``'s
+batch at the rows that fit its share of the node beside what it measurably holds (:func:`rows_for`,
+actors/worker.py) -- the estimate's own cap only informs.
 
 Counted: what the engine allocates by design -- weights, packed copies, one prefix store per model
 at its full budget, per row the caches at their allocated length and a full tree's logits -- and
