@@ -29,8 +29,8 @@ import torch
 
 from dynatree import budget
 from dynatree.check import divergence, prompt_budget, truncate_prompt
-from dynatree.config import FLOAT16_ON_CPU, NATIVE_ROWS, ar_reference
-from dynatree.metrics import fill_row, result_row
+from dynatree.config import FLOAT16_ON_CPU, ar_reference, within_native_rows
+from dynatree.metrics import fill_row, result_row, rss_bytes
 from dynatree.models import PairError, load_pair
 from dynatree.jobs import footprint
 from dynatree.jobs.spec import FAULTS_ENV
@@ -132,10 +132,8 @@ class ShardWorker:
         if getattr(self.cfg, "budget_on", False):
             budget.profile(self.pair, kv_dtype=self.cfg.kv_dtype)
         self.startup["profile_s"] = time.perf_counter() - t0
-        # every forward of the engine runs on the native kernel (a chain longer than it takes would
-        # not): the float32 copies can go
-        longest = self.cfg.node_budget + self.cfg.lookup_length + 1
-        self.startup["released_gib"] = self.pair.release_matrices() / 2**30 if longest <= NATIVE_ROWS else 0.0
+        # every forward of the engine runs on the native kernel: the float32 copies can go
+        self.startup["released_gib"] = self.pair.release_matrices() / 2**30 if within_native_rows(self.cfg) else 0.0
         self._cap_batch()
 
     def _cap_batch(self) -> None:
@@ -144,8 +142,7 @@ class ShardWorker:
         if self.share is None or self.scheduler.tuner is None:
             return
         configs = [m.config.to_dict() for m in (self.pair.target, self.pair.draft) if m is not None]
-        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        got = footprint.rows_for(self.spec, configs, self.pair.max_context, self.share, rss)
+        got = footprint.rows_for(self.spec, configs, self.pair.max_context, self.share, rss_bytes())
         if got is not None and got[0] < self.scheduler.tuner.max_size:
             self.batch_cap = max(got[0], 1)
             self.scheduler.cap(self.batch_cap)

@@ -29,7 +29,7 @@ import torch
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
 from .config import ARConfig, ar_reference, check_windows, make_config, reference_label
 from .engine import decode
-from .metrics import Metrics
+from .metrics import Metrics, release_freed_memory, rss_bytes
 from .models import ModelPair
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
@@ -161,47 +161,29 @@ def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_char
     return name, usable[:n]
 
 
-def _release_freed_memory() -> None:
-    """Hand memory freed by earlier rows back to the OS (glibc's malloc_trim), so that a row's
-    allocations show in the resident size instead of reusing pages the allocator kept."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the peak may then undercount reused memory
-
-
 class PeakRSS:
     """Samples this process's resident memory in a thread; ``peak_mb`` above the start level.
 
     The kernel's own high-water mark only grows over a process's life, so it cannot tell two
     methods run in one process apart; sampling every few ms can, once freed memory has gone back
-    to the OS (:func:`_release_freed_memory`).  On CUDA use the allocator.
+    to the OS (:func:`metrics.release_freed_memory`).  On CUDA use the allocator.
     """
 
     def __init__(self, device: torch.device, every_s: float = 0.002):
         self.device, self.every = device, every_s
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             return self
-        _release_freed_memory()
-        self.base = self.peak = self._rss()
+        release_freed_memory()
+        self.base = self.peak = rss_bytes()
         self._stop = threading.Event()
 
         def loop():
             while not self._stop.wait(self.every):
-                self.peak = max(self.peak, self._rss())
+                self.peak = max(self.peak, rss_bytes())
 
         self._t = threading.Thread(target=loop, daemon=True)
         self._t.start()
@@ -213,7 +195,7 @@ class PeakRSS:
         else:
             self._stop.set()
             self._t.join()
-            self.peak = max(self.peak, self._rss())
+            self.peak = max(self.peak, rss_bytes())
 
     @property
     def peak_mb(self) -> float:

@@ -100,6 +100,12 @@ def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
     return ""
 
 
+def untied_linears(model) -> list[torch.nn.Linear]:
+    """The model's Linear layers whose weight is not an Embedding's (a tied LM head's is)."""
+    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() not in embedded]
+
+
 class NativeForward:
     def __init__(self, lib, shape: Shape, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  final_norm: tuple, lm_head: torch.Tensor, layers: list[Layer]):
@@ -271,10 +277,9 @@ class Runner:
         matrix (a tied LM head's too) is kept: the C forward reads its rows."""
         if not self.native:
             return 0
-        embedded = {m.weight.data_ptr() for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
-        for m in self.model.modules():
-            w = getattr(m, "weight", None)
-            if isinstance(m, torch.nn.Linear) and w.numel() and w.data_ptr() not in embedded:
+        for m in untied_linears(self.model):
+            w = m.weight
+            if w.numel():
                 self.released += w.numel() * w.element_size()
                 w.data = torch.empty(0, dtype=w.dtype, device=w.device)
         return self.released

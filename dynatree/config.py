@@ -307,6 +307,14 @@ def _ram_bytes() -> int:
 # float32 (a 3.4 GB copy) packs on a 16 GB machine (native.py, cmodel.refusal; jobs/footprint.py)
 MAX_PACKED_BYTES = max(2 * 2**30, _ram_bytes() // 4)
 NATIVE_ROWS = 512  # a longer causal forward (a long prompt's prefill) runs in chunks of this many (cmodel)
+
+
+def within_native_rows(cfg) -> bool:
+    """Whether every forward the engine makes for this method config takes the native kernel: its
+    longest verified chain (node budget, lookup, root), a causal forward keeping every row's
+    logits, fits NATIVE_ROWS (actors/worker.py frees torch's weights only then; jobs/footprint.py)."""
+    return cfg.node_budget + cfg.lookup_length + 1 <= NATIVE_ROWS
+
 # parameter bytes for which the torch path keeps a oneDNN-packed float32 copy (lean.can_pack)
 MKL_PACK_BYTES = (32 * 2**20, 2 * 2**30)
 METHODS: dict[str, type] = {

@@ -36,6 +36,7 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 from __future__ import annotations
 
 import functools
+import os
 import resource
 from dataclasses import asdict, dataclass, fields
 
@@ -139,6 +140,26 @@ class Tally:
         self.accepted += accepted
         self.depth_sum += depth
         self.nodes += nodes
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def release_freed_memory() -> None:
+    """Hand freed memory back to the OS: glibc keeps freed chunks up to its (dynamic, up to 32 MiB)
+    mmap threshold in the heap, so freed matrices of a few MiB, or an earlier row's buffers, would
+    stay resident (the bench's peaks; a job actor's released weights)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def peak_memory_mb(device) -> float:

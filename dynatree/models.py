@@ -1,7 +1,6 @@
 """Loading a target/draft pair and checking that the two can speculate for each other."""
 from __future__ import annotations
 
-import ctypes
 import inspect
 import os
 import re
@@ -11,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import FLOAT16_ON_CPU, KERNELS
+from .cmodel import untied_linears
+from .metrics import release_freed_memory
 from .names import context_len, default_pair_dir, model_problem
 from .runtime import KeyMask, forward_each, with_heads
 
@@ -72,15 +73,6 @@ class HFRunner:
 
 
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
-
-
-def _trim() -> None:
-    """Hand freed heap memory back to the OS: glibc keeps freed chunks of up to its (dynamic, up to
-    32 MiB) mmap threshold in the heap, so a model's freed matrices of a few MiB stayed resident."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 @torch.inference_mode()
@@ -171,7 +163,7 @@ class ModelPair:
         (cmodel.Runner.release_matrices; a job's actors, once warmed up); the bytes freed."""
         runs = [self.runner(w) for w in ("target", "draft") if getattr(self, w) is not None]
         freed = sum(r.release_matrices() for r in runs if hasattr(r, "release_matrices"))
-        _trim()
+        release_freed_memory()
         return freed
 
     def not_native(self, which: str = "target") -> str:
@@ -289,10 +281,8 @@ def cpu_layout(model) -> None:
     """
     # a Linear tied to an embedding (an LM head sharing its matrix) keeps the embedding's row layout:
     # transposed, the lookup's rows would be strided and the native kernel would need a dense copy
-    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for mod in model.modules():
-        if (isinstance(mod, torch.nn.Linear) and mod.weight.is_contiguous()
-                and mod.weight.data_ptr() not in embedded):
+    for mod in untied_linears(model):
+        if mod.weight.is_contiguous():
             mod.weight.data = mod.weight.data.t().contiguous().t()
 
 

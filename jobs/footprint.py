@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from dynatree.config import MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, NATIVE_ROWS, cache_rows
+from dynatree.config import MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, cache_rows, within_native_rows
 from dynatree.names import SKIP, safetensors_files
 
 from . import placement
@@ -113,10 +113,9 @@ def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, 
     packed = released = 0
     if ours and spec.kernel == "lean":  # the native kernel's copy, 16-bit where one such format stores them all
         packed = n_mats * (2 if len({d for _, d, _ in mats}) == 1 and mats[0][1] in ("BF16", "F16") else 4)
-        longest = spec.method_config.node_budget + spec.method_config.lookup_length + 1  # (actors/worker.py)
         if packed > MAX_PACKED_BYTES:  # the kernel refuses it: torch's path, nothing packed or freed
             packed = 0
-        elif longest <= NATIVE_ROWS:
+        elif within_native_rows(spec.method_config):  # (the actors free torch's weights: actors/worker.py)
             released = sum(n for k, _, n in mats if not any(e in k for e in _EMBEDDINGS)) * per_weight
     neox = top.get("model_type") == "gpt_neox"  # (only lean.LeanNeoX's torch path keeps a oneDNN copy)
     if not packed and ours and neox and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # lean.can_pack
