@@ -84,6 +84,52 @@ KERNS_OF(unsigned short, ld_bf16, kern_bf16_save, 1)
 KERNS_OF(_Float16, ld_f16, kern_f16, 0)
 KERNS_OF(_Float16, ld_f16, kern_f16_save, 1)
 
+/* The short last pass of a 16-register ISA: R = 1 or 2 rows over G tiles at once (tiles ts
+ * elements apart), R x G x NVT = 8 accumulator chains.  Why: after the full RMAX-row passes
+ * (12 chains), a 1- or 2-row pass over one tile has 2 or 4 chains, too few to cover the FMA
+ * latency, so the equal split (7 rows: 4 + 3) left both passes latency-bound; 6 rows, then the
+ * seventh over 4 tiles, ran the target's GEMMs 12-15% faster at 7-8 and 13-14 rows (Zen 5,
+ * AVX2 and generic builds; 4 or 6 tiles, 2 or 3: the same; a 3-row tail over 2 tiles was slower).
+ * Each output is still one FMA chain over k in order, plus the bias: the same bits. */
+#define TAIL_ROWS (DT_NREG < 32 ? 2 : 0)
+#define TAIL_TILES(R) (8 / (NVT * (R)))
+#define KERNT(R, G, T, LD, NAME)                                                                    \
+    static void NAME##_##R##x##G(const float *x, long ldx, const void *w_, long ts, long K, float *y, long ldy, \
+                                 const float *b) {                                                  \
+        const T *w = (const T *)w_;                                                                 \
+        vf acc[R][G][NVT];                                                                          \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                         \
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)                                     \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) acc[r][g][c] = bc(0.f);       \
+        for (long k = 0; k < K; k++)                                                                \
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {                                   \
+                vf wv[NVT];                                                                         \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) wv[c] = LD(w + g * ts + k * TW + c * DT_W); \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                               \
+                    vf xv = bc(x[r * ldx + k]);                                                     \
+                    _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                           \
+                        acc[r][g][c] = fmadd(xv, wv[c], acc[r][g][c]);                              \
+                }                                                                                   \
+            }                                                                                       \
+        _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)                                         \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) {                                 \
+                vf bv = b ? ld(b + g * TW + c * DT_W) : bc(0.f);                                    \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                 \
+                    st(y + r * ldy + g * TW + c * DT_W, acc[r][g][c] + bv);                         \
+            }                                                                                       \
+    }
+typedef void (*kernt_fn)(const float *, long, const void *, long, long, float *, long, const float *);
+#define KERNTS_OF(T, LD, NAME)                                                                      \
+    KERNT(1, 1, T, LD, NAME) KERNT(1, 2, T, LD, NAME) KERNT(1, 3, T, LD, NAME) KERNT(1, 4, T, LD, NAME) \
+    KERNT(2, 1, T, LD, NAME) KERNT(2, 2, T, LD, NAME)                                               \
+    static const kernt_fn NAME[3][5] = {{0}, {0, NAME##_1x1, NAME##_1x2, NAME##_1x3, NAME##_1x4},   \
+                                        {0, NAME##_2x1, NAME##_2x2}};
+#if TAIL_ROWS
+KERNTS_OF(float, ld_f32, kernt_f32)
+KERNTS_OF(unsigned short, ld_bf16, kernt_bf16)
+KERNTS_OF(_Float16, ld_f16, kernt_f16)
+#endif
+
 /* A tile widened to float32, per thread (grown on demand, kept for the thread's life: the callers
  * are OpenMP's pool threads, which live as long as the process; at most K x TW floats each). */
 static float *tile_buffer(long n) {
@@ -105,7 +151,8 @@ int dt_tile_width(void) { return TW; }
 /* x: (M, K) row-major; wp: packed (N/TW, K, TW) of format fmt (0 float32, 1 bfloat16, 2 half);
  * bp: (N,) float32 or NULL; y: (M, N) row-major; N % TW == 0.  The calling threads split the
  * tiles (an orphaned `omp for`: inside a parallel region it shares the work, outside it runs
- * alone); rows go in passes of near-equal size (16 rows on AVX-512: 8 + 8, not 12 + 4).
+ * alone); rows go in passes of near-equal size (16 rows on AVX-512: 8 + 8, not 12 + 4), except
+ * that 16-register ISAs run a 1- or 2-row remainder over several tiles at once (gemm_tail).
  * With 16-bit weights and more than one pass (AVX-512 builds, K >= 256), the first pass also
  * stores the tile widened to float32 and the others read that -- the same float32 values, so the
  * same bits.  Why: 512-bit widening is costly on Zen 4; same-process A/B of the target's four
@@ -116,9 +163,14 @@ int dt_tile_width(void) { return TW; }
  * finds its weights in L2 -- 13-18 rows' GEMMs 17-26% faster on Zen 5 (AVX-512).
  * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
 #define WIDEN_ONCE (DT_W == 16)
+static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
     if (M <= 0) return;
     long nt = N / TW, passes = (M + RMAX - 1) / RMAX, base = M / passes, extra = M % passes;
+    if (passes > 1 && M % RMAX <= TAIL_ROWS && M % RMAX) {
+        gemm_tail(x, M, K, wp, fmt, bp, y, N);
+        return;
+    }
     size_t esize = fmt ? 2 : 4;
     const kern_fn *first = fmt == 1 ? kern_bf16 : fmt == 2 ? kern_f16 : kern_f32;
     float *ws = WIDEN_ONCE && fmt && passes > 1 && K >= 256 ? tile_buffer(K * TW) : 0;
@@ -136,6 +188,32 @@ void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const 
                 kern_f32[R](x + m * K, K, ws, K, y + m * N + t * TW, N, bt, 0, nxt, TW * esize);
         }
     }
+}
+
+/* dt_gemm_for when M % RMAX is 1 .. TAIL_ROWS (16-register ISAs): full RMAX-row passes tile by
+ * tile, then the last rows over TAIL_TILES tiles at once (KERNT).  The tiles are split between the
+ * calling threads as `omp for schedule(static)` would (contiguous, near-equal), then a barrier, as
+ * at the end of an `omp for`: every thread of a parallel region calls it, like dt_gemm_for. */
+static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
+#if TAIL_ROWS
+    long nt = N / TW, tail = M % RMAX, m0 = M - tail, G = TAIL_TILES(tail), tile = K * TW * (fmt ? 2 : 4);
+    const kern_fn *full = fmt == 1 ? kern_bf16 : fmt == 2 ? kern_f16 : kern_f32;
+    const kernt_fn *last = fmt == 1 ? kernt_bf16[tail] : fmt == 2 ? kernt_f16[tail] : kernt_f32[tail];
+    int nth = omp_get_num_threads(), id = omp_get_thread_num();
+    long t0 = nt * id / nth, t1 = nt * (id + 1) / nth;
+    for (long g0 = t0; g0 < t1; g0 += G) {
+        long g1 = g0 + G < t1 ? g0 + G : t1;
+        for (long t = g0; t < g1; t++)
+            for (long m = 0; m < m0; m += RMAX)
+                full[RMAX](x + m * K, K, (const char *)wp + t * tile, K, y + m * N + t * TW, N, bp ? bp + t * TW : 0, 0,
+                           0, 0);
+        last[g1 - g0](x + m0 * K, K, (const char *)wp + g0 * tile, K * TW, K, y + m0 * N + g0 * TW, N,
+                      bp ? bp + g0 * TW : 0);
+    }
+#pragma omp barrier
+#else
+    (void)x, (void)M, (void)K, (void)wp, (void)fmt, (void)bp, (void)y, (void)N;
+#endif
 }
 
 void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
