@@ -88,7 +88,7 @@ KERNS_OF(_Float16, ld_f16, kern_f16_save, 1)
  * elements apart), R x G x NVT = 8 accumulator chains.  Why: after the full RMAX-row passes
  * (12 chains), a 1- or 2-row pass over one tile has 2 or 4 chains, too few to cover the FMA
  * latency, so the equal split (7 rows: 4 + 3) left both passes latency-bound; 6 rows, then the
- * seventh over 4 tiles, ran the target's GEMMs 12-15% faster at 7-8 and 13-14 rows (Zen 5,
+ * seventh over 4 tiles, ran the target's GEMMs 10-15% faster at 7-8 rows and 2-9% at 13-14 (Zen 5,
  * AVX2 and generic builds; 4 or 6 tiles, 2 or 3: the same; a 3-row tail over 2 tiles was slower).
  * Each output is still one FMA chain over k in order, plus the bias: the same bits. */
 #define TAIL_ROWS (DT_NREG < 32 ? 2 : 0)
