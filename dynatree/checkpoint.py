@@ -149,4 +149,15 @@ def load(path: str, dtype: torch.dtype, device: torch.device) -> NeoXWeights:
     if missing or unexpected:
         raise ValueError(f"not a GPT-NeoX checkpoint dynatree can read: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
+    model.generation_config = _generation_config(path, cfg)
     return model.to(device).eval().requires_grad_(False)
+
+
+def _generation_config(path: str, cfg):
+    """generation_config.json where there is one (its eos_token_id list ends generations, as in
+    transformers' generate), else the one transformers derives from the model config."""
+    from transformers import GenerationConfig
+
+    if (Path(path) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(path)
+    return GenerationConfig.from_model_config(cfg)

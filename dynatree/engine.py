@@ -116,7 +116,7 @@ class _Row:
         self.key, self.prompt, self.cfg, self.max_new_tokens = key, prompt, cfg, max_new_tokens
         self.policy = make_policy(cfg)
         self.policy.attach(pair)
-        self.eos = None if ignore_eos else pair.eos_token_id
+        self.eos = () if ignore_eos else pair.eos_token_ids
         self.stop_hit = stop.watch(pair.decode) if stop is not None else None
         self.max_context = pair.max_context
         self.sampler = Sampler.from_config(cfg)
@@ -150,7 +150,7 @@ class _Row:
     def stop_after(self, tok: int) -> str | None:
         """Commit one token; the finish reason if it ends the sequence."""
         self.out.append(tok)
-        if self.eos is not None and tok == self.eos:
+        if tok in self.eos:
             self.reason = "eos"
         elif self.stop_hit is not None and self.stop_hit(self.out):
             self.reason = "stop"

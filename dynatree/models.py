@@ -108,12 +108,14 @@ class ModelPair:
     dtype: torch.dtype
     vocab: int  # logit columns both models score (tokens ids < vocab are comparable)
     max_context: int  # most tokens (prompt + generated) a sequence may hold
-    eos_token_id: int | None
+    eos_token_id: int | None  # the first of eos_token_ids (a padding id for transformers' peers)
     names: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
     # "lean": lean.py's forward through dynatree's C kernels (native.py) where they build; "lean-mkl":
     # the same forward on torch's MKL/oneDNN kernels; "hf": transformers' own forward
     kernel: str = "lean"
+    # every id that ends a generation (an instruct model's end of turn beside its end of text, ...)
+    eos_token_ids: tuple = ()
     # keys/values of shared prompt prefixes kept per model and cache dtype (prefix.py); 0 turns it off
     prefix_cache_bytes: int = 1 << 30
 
@@ -204,6 +206,12 @@ class ModelPair:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise PairError("this pair has no tokenizer; pass token ids")
+        if not isinstance(text, str):
+            raise PairError(f"a prompt must be text (str), not {type(text).__name__}")
+        try:
+            text.encode("utf-8")  # (a command line's or a pipe's bad bytes arrive as lone surrogates)
+        except UnicodeEncodeError as e:
+            raise PairError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @property
@@ -287,7 +295,7 @@ def cpu_layout(model) -> None:
 
 
 def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
-                     eos_token_id: int | None = None, names: dict | None = None,
+                     eos_token_id: int | list[int] | None = None, names: dict | None = None,
                      kernel: str = "lean") -> ModelPair:
     """Wrap already-loaded models; checks vocabulary compatibility."""
     if kernel not in KERNELS:
@@ -308,19 +316,32 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
                 f"{'draft' if wd < wt else 'target'} scores only {vocab} (target {wt}, draft {wd} logits)")
         if n_tok is None and wt != wd and abs(wt - wd) > 128:
             raise PairError(f"target and draft vocabularies do not match ({wt} vs {wd} logits)")
-    if eos_token_id is None:
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        eos_token_id = eos if eos is not None else getattr(target.config, "eos_token_id", None)
-    if isinstance(eos_token_id, (list, tuple)):
-        eos_token_id = eos_token_id[0] if eos_token_id else None
+    eos_ids = _eos_ids(tokenizer, target, eos_token_id)
     p = next(target.parameters())
     if p.device.type == "cpu":
         for m in (target, draft):
             if m is not None:
                 cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
-    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_token_id, names or {},
-                     kernel=kernel)
+    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_ids[0] if eos_ids else None,
+                     names or {}, kernel=kernel, eos_token_ids=eos_ids)
+
+
+def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:
+    """The ids that end a generation: ``given`` (an id or a list), else the tokenizer's EOS, the
+    model config's and its generation config's ``eos_token_id`` (each an id or a list), as
+    transformers' ``generate`` stops at every id of the generation config's list -- a chat model's
+    end of turn (Llama 3's <|eot_id|>, Qwen's <|im_end|>) is often only there."""
+    sources = [given] if given is not None else [
+        getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None,
+        getattr(model.config, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    ids = []
+    for src in sources:
+        for i in src if isinstance(src, (list, tuple)) else [src]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0 and i not in ids:
+                ids.append(i)
+    return tuple(ids)
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
@@ -331,10 +352,12 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
     transformers' modeling code (checkpoint.py: ~2 s less start-up per process)."""
     from . import checkpoint
 
+    from safetensors import SafetensorError  # a corrupt or truncated weights file
+
     if lean and checkpoint.readable(name_or_path):
         try:
             return checkpoint.load(name_or_path, dtype, device)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:
             raise PairError(f"cannot load model {name_or_path!r}: {e}") from e
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -343,7 +366,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise PairError(f"cannot load model {name_or_path!r}: {e}") from e
     return model.to(device).eval()
 
@@ -352,9 +375,13 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
         raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
+    if len(tok) <= 8:  # transformers builds an empty one from config.json alone (no tokenizer files)
+        raise PairError(f"no tokenizer for {name_or_path!r}: its tokenizer has {len(tok)} tokens (are "
+                        "tokenizer.json / tokenizer_config.json missing from the model directory?)")
+    return tok
 
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,

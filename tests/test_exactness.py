@@ -1,4 +1,6 @@
 """Every decoder reproduces greedy autoregressive decoding token for token (float64)."""
+import copy
+
 import pytest
 import torch
 
@@ -151,6 +153,23 @@ def test_eos_inside_an_accepted_path(same_pair):
             assert toks == ref and reason == "eos", method
             hits += m.tokens_per_iteration > 1
     assert hits > 0
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_generation(same_pair):
+    """As transformers' generate stops: an instruct model's end of turn is often listed only in
+    generation_config.json's eos_token_id, beside the config's end of text."""
+    target = copy.deepcopy(same_pair.target)
+    free, _, _ = ar(same_pair, PROMPTS[1], 30)
+    target.generation_config.eos_token_id = [EOS, free[7]]
+    pair = pair_from_models(target, same_pair.draft, None)
+    assert pair.eos_token_ids == (EOS, free[7]) and pair.eos_token_id == EOS
+    end = next(i for i, t in enumerate(free) if t in (EOS, free[7])) + 1
+    for method in ["ar", "linear", "dynatree"]:
+        toks, reason, _ = decode(pair, PROMPTS[1], make_config(method), max_new_tokens=30)
+        assert toks == free[:end] and reason == "eos", method
+    with torch.no_grad():
+        hf = target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=30, do_sample=False, pad_token_id=EOS)
+    assert hf[0, len(PROMPTS[1]):].tolist() == free[:end]
 
 
 def test_context_limit(close_pair):

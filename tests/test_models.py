@@ -21,6 +21,45 @@ def test_load_pair_from_directories_and_generate(pair_dirs):
         assert g.metrics.new_tokens == 12 and g.metrics.tokens_per_s > 0
 
 
+def test_the_generation_configs_eos_ids_are_read_from_disk(pair_dirs, tmp_path):
+    """A chat model's end of turn, listed in generation_config.json only, ends generations."""
+    import json
+    import shutil
+    shutil.copytree(pair_dirs / "target", tmp_path / "t")
+    eos = load_pair(tmp_path / "t", None, device="cpu").eos_token_id
+    (tmp_path / "t" / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 42]}))
+    pair = load_pair(tmp_path / "t", None, device="cpu")
+    assert pair.eos_token_ids == (eos, 42) and pair.eos_token_id == eos
+
+
+@pytest.mark.parametrize("kernel", ["lean", "hf"])  # dynatree's checkpoint reader, transformers'
+def test_a_corrupt_or_truncated_weights_file_is_a_clear_error(pair_dirs, tmp_path, kernel):
+    import shutil
+    shutil.copytree(pair_dirs / "target", tmp_path / "t")
+    weights = tmp_path / "t" / "model.safetensors"
+    data = weights.read_bytes()
+    for bad in (b"not a safetensors file at all", data[:len(data) // 2]):
+        weights.write_bytes(bad)
+        with pytest.raises(PairError, match="cannot load model"):
+            load_pair(tmp_path / "t", None, device="cpu", kernel=kernel)
+
+
+def test_a_model_directory_without_tokenizer_files_is_a_clear_error(pair_dirs, tmp_path):
+    import shutil
+    shutil.copytree(pair_dirs / "target", tmp_path / "t")
+    for f in (tmp_path / "t").glob("*token*"):
+        f.unlink()
+    with pytest.raises(PairError, match="no tokenizer for .* tokenizer.json / tokenizer_config.json missing"):
+        load_pair(tmp_path / "t", None, device="cpu")
+
+
+def test_a_prompt_that_is_not_utf8_text_is_a_clear_error(pair_dirs):
+    """Bad bytes on a command line or a pipe reach Python as lone surrogates."""
+    pair = load_pair(pair_dirs / "target", None, device="cpu")
+    with pytest.raises(PairError, match="not valid UTF-8 text"):
+        generate(pair, "abc\udcff def", "ar", max_new_tokens=2)
+
+
 def test_mismatched_tokenizers_are_a_clear_error(pair_dirs):
     with pytest.raises(PairError, match="do not share a tokenizer"):
         load_pair(pair_dirs / "target", pair_dirs / "foreign", device="cpu")
