@@ -61,6 +61,8 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
     from .config import METHODS, SamplingConfig, parse_options
 
     specs: dict[str, list] = {}
+    if not methods.strip(" ,"):
+        raise ValueError("--methods is empty: name at least one method (e.g. --methods dynatree)")
     for item in (m.strip() for m in methods.split(",")):
         if item:
             label, _, meth = item.partition("=")
@@ -106,6 +108,9 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         else:
             names = {f.name for f in dataclasses.fields(METHODS.get(meth, SamplingConfig))}
             given = {**preset, **{k: v for k, v in shared.items() if k in names}, **own.get(label, {})}
+            if meth not in METHODS:
+                raise ValueError(f"unknown method {meth!r}; choose one of {', '.join(METHODS)}, the preset "
+                                 f"{', '.join(PRESETS)}, or (bench only) transformers' peers {', '.join(HF_METHODS)}")
             cfg = make_config(meth, given)
             opts = {k: getattr(cfg, k) for k in given}
         out.append(MethodSpec(label, meth, opts))

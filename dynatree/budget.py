@@ -355,7 +355,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if tables is None:
         target = pair.runner("target")
         tables = {"verify_ms": _profile_model(target, prefix_len, sizes, repeats, kv_dtype),
-                  "draft_ms": _profile_model(pair.runner("draft"), prefix_len, widths, repeats, kv_dtype),
+                  "draft_ms": (_profile_model(pair.runner("draft"), prefix_len, widths, repeats, kv_dtype)
+                               if pair.draft is not None else {w: 0.0 for w in widths}),  # (ar alone: free)
                   "long_ms": _profile_model(target, long_at, sizes, repeats, kv_dtype) if long_at else None}
         if path:
             _save(path, tables)

@@ -164,6 +164,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .config import ARConfig, make_config, reference_label
     from .config import check_windows
     from .models import PairError, load_pair
+    from .policies import make_policy
 
     try:
         from .bench import parse_methods
@@ -174,6 +175,9 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         check_windows(cfgs, pair.max_context)
     except (PairError, ValueError) as e:
         _fail(str(e))
+    drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]
+    if drafted and pair.draft is None:  # before any decoding, not after ar's
+        _fail(f"{', '.join(drafted)} need{'s' if len(drafted) == 1 else ''} a draft model: give --draft with --target")
     try:
         keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
     except ValueError as e:
@@ -415,18 +419,25 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         if why:
             click.echo(f"{name}: not on dynatree's kernel: {why}")
     measured = lat.measured or {"verify_ms": lat.verify_ms, "draft_ms": lat.draft_ms}  # as timed
-    for name, table in (("target", measured["verify_ms"]), ("draft", measured["draft_ms"])):
+    timed = [("target", measured["verify_ms"])] + ([("draft", measured["draft_ms"])] if pair.draft is not None else [])
+    if pair.draft is None:
+        click.echo("draft: none given, only the target is timed")
+    for name, table in timed:
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
     peak = native.fma_peak(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
     if peak:
         click.echo(f"FMA peak of this variant, measured: {peak:.1f} GFLOP/s on {torch.get_num_threads()} threads")
-    for name, table in (("target", measured["verify_ms"]), ("draft", measured["draft_ms"])):
+    for name, table in timed:
         lo, hi = _slope_sizes(table, (16, 64) if name == "target" else (4, 16))
         ms = (table[hi] - table[lo]) / (hi - lo)
         flops = 2 * matmul_params(pair.runner(name))
-        rate = flops / ms / 1e6 if ms > 0 else float("inf")
+        if ms <= 0:  # timing noise larger than the extra tokens' cost (few --repeats, a busy host)
+            click.echo(f"{name}: the extra tokens at {lo}-{hi} tokens cost less than the timing noise "
+                       f"({table[lo]:.3f} against {table[hi]:.3f} ms): not measurable, try more --repeats")
+            continue
+        rate = flops / ms / 1e6
         of_peak = f", {rate / peak:.0%} of the FMA peak" if peak else ""
         click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = {rate:.1f} GFLOP/s{of_peak} "
                    f"({flops / 1e6:.1f} MFLOP per token)")

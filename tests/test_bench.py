@@ -128,6 +128,27 @@ def test_profile_command(pair_dirs):
     assert any(line.startswith("draft ") and "16:" in line for line in lines)
 
 
+def test_profile_command_times_a_target_alone(pair_dirs):
+    res = CliRunner().invoke(main, ["profile", "--target", str(pair_dirs / "target"), "--device", "cpu",
+                                    "--prefix", "16", "--prefill", "32", "--repeats", "1", "--kernel", "hf"])
+    assert res.exit_code == 0, res.output
+    assert "draft: none given, only the target is timed" in res.output
+    assert not any(line.startswith("draft ") for line in res.output.splitlines())
+
+
+def test_profile_says_when_noise_hides_the_extra_tokens_cost(pair_dirs, monkeypatch):
+    """A larger forward timed faster than a smaller one (few repeats, a busy host): no negative
+    cost and no infinite GFLOP/s."""
+    from dynatree import budget
+    noisy = budget.LatencyModel(verify_ms={1: 1.0, 16: 2.0, 64: 1.9}, draft_ms={1: 0.1, 4: 0.2, 16: 0.3})
+    monkeypatch.setattr(budget, "profile", lambda *a, **k: noisy)
+    res = CliRunner().invoke(main, ["profile", "--target", str(pair_dirs / "target"), "--draft",
+                                    str(pair_dirs / "draft"), "--device", "cpu", "--prefill", "0", "--kernel", "hf"])
+    assert res.exit_code == 0, res.output
+    assert "target: the extra tokens at 16-64 tokens cost less than the timing noise" in res.output
+    assert "inf GFLOP/s" not in res.output and "draft: 0.008 ms per extra token" in res.output
+
+
 def test_profile_command_on_a_context_too_short_for_its_largest_forwards(pair_dirs, tmp_path):
     """A 48-token context: no 64-token forward and no 256-token prefix -- the command times what
     fits, says so, and reads the per-token cost between the largest sizes it timed."""
@@ -202,7 +223,13 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
                        (["report", str(tmp_path)], "not a `dynatree bench` output directory"),
                        (["generate", "--prompt", "hi", "--device", "foo"], "device must be auto, cpu, cuda"),
                        (["generate", *pair, "--prompt", "hi", "--option", "temperature=1", "--option", f"seed={1 << 64}"],
-                        "seed must be")):
+                        "seed must be"),
+                       (["check", *pair[:2], "--device", "cpu", "--prompts", str(tmp_path / "prompts.parquet")],
+                        "linear, fixed_tree, dynatree, dyspec need a draft model: give --draft"),
+                       (["check", *pair, "--prompts", str(tmp_path / "prompts.parquet"), "--methods", ""],
+                        "--methods is empty"),
+                       (base[:-2] + ["--methods", "hf_foo", "--out", str(tmp_path / "b")],
+                        "or (bench only) transformers' peers hf_ar")):
         res = CliRunner().invoke(main, args)
         assert res.exit_code != 0 and says in res.output and isinstance(res.exception, SystemExit), (args, res.output)
     (tmp_path / "results.parquet").write_text("not parquet")
