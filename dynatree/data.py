@@ -140,10 +140,12 @@ def _load_dataset(name: str, split: str | None, config: str | None = None):
 
 
 def read_texts(source: str, column: str = "text") -> list:
-    table = read_table(source)
-    if column not in table.column_names:
-        raise InputError(f"{source}: no column {column!r} (columns: {', '.join(table.column_names)})")
-    return table.column(column).to_pylist()
+    """A column's values as the file holds them (a JSONL number stays a number, not its text, so
+    the caller can skip what is not a prompt, as `dynatree run` gives it an error)."""
+    src = InputSource.open(source)
+    if column not in src.column_names:
+        raise InputError(f"{source}: no column {column!r} (columns: {', '.join(src.column_names)})")
+    return src.read(0, src.num_rows, [column], raw=[column])[1][column]
 
 
 # ---------------------------------------------------------------------------------------------

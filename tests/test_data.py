@@ -31,6 +31,9 @@ def test_arrow_file_and_stream_and_jsonl(tmp_path):
     assert read_texts(str(tmp_path / "s.arrow")) == ["x", "y"]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps({"text": s}) for s in "pq") + "\n\n")
     assert read_texts(str(tmp_path / "r.jsonl")) == ["p", "q"]
+    # values as the file holds them: a number is not a prompt (check and bench skip it; run: a row error)
+    (tmp_path / "m.jsonl").write_text('{"text": 5}\n{"text": "a prompt"}\n{"text": null}\n')
+    assert read_texts(str(tmp_path / "m.jsonl")) == [5, "a prompt", None]
 
 
 def test_datasets_saved_to_disk(tmp_path):
