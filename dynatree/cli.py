@@ -82,7 +82,8 @@ def _pair_options(f):
               help="draws per prompt (needs --option temperature=T), each with its own seed, a prompt's together")
 @click.option("--check-ar", is_flag=True, help="also decode with ar and report whether tokens match")
 @click.option("--json", "as_json", is_flag=True,
-              help="print a JSON object (token_ids, text, metrics); one per line for several prompts")
+              help="print a JSON object (token_ids, text, metrics); one per line for several prompts "
+                   "(without it, several prompts' texts each follow a '--- prompt N ---' line)")
 @click.option("--threads", type=click.IntRange(min=1),
               help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
 def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
@@ -126,10 +127,13 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
             result["forward"] = forward
             click.echo(json.dumps(result))
             continue
+        which = (f"prompt {result['prompt']}" + (f" sample {result['sample']}" if samples > 1 else "")
+                 if "prompt" in result else "")
+        if which:  # several texts on stdout: each under its own header (--json for a parser)
+            click.echo(f"--- {which} ---")
         click.echo(gen.text)
         m = gen.metrics
-        which = (f"prompt {result['prompt']}" + (f" sample {result['sample']}" if samples > 1 else "") + ": "
-                 if "prompt" in result else "")
+        which += ": " if which else ""
         click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
                    f"{m.iterations} iterations, {m.tokens_per_iteration:.2f} tokens/iteration, "
                    f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else "")

@@ -278,6 +278,15 @@ def test_cli_generate_check_ar_says_where_and_how_close(pair_dirs, monkeypatch):
     assert "matches_ar=False (first difference at token 4, target top-2 logit margin there" in res.output
 
 
+def test_several_prompts_texts_are_told_apart_on_stdout(pair_dirs):
+    args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+            "--max-new-tokens", "4", "--prompt", "It was the best", "--prompt", "The quick brown", "--ignore-eos"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0] == "--- prompt 0 ---" and "--- prompt 1 ---" in lines[1:]
+
+
 def test_float16_on_a_cpu_warns_at_load_and_in_one_line_on_the_command_line(pair_dirs):
     """torch's float16 CPU kernels are ~18x slower than float32 and the native kernel never runs
     them: loading says so (a user's trial found it only by its speed)."""
