@@ -330,7 +330,8 @@ def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
 @click.option("--grid-depth", help="fixed-tree grid depths, e.g. 3,4,5,6,7,8")
 @click.option("--grid-branch", help="fixed-tree grid branching, e.g. 2,3,4")
 @click.option("--grid-tau", help="fixed-tree grid tau, e.g. 0.01,0.02,0.03,0.05,0.1")
-@click.option("--threads", type=click.IntRange(min=1), help="torch threads")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
 def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
           max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, batch_sizes, grid_depth,
@@ -384,7 +385,8 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                                       "at each, to show where attention over a long cache takes over")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
               help="the caches' key/value storage (as the method option kv_dtype)")
-@click.option("--threads", type=click.IntRange(min=1), help="torch threads")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
 def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cache_lengths, kv_dtype, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
     a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the
@@ -526,6 +528,9 @@ def build(isas):
     from . import kbuild
 
     requested = bool(isas)
+    unknown = [i for i in isas if i != "all" and i not in kbuild.VARIANTS]
+    if unknown:
+        _fail(f"--isa {unknown[0]}: choose {', '.join(kbuild.VARIANTS)} or all")
     isas = kbuild.variants_here() if "all" in isas else list(isas) or [kbuild.variant()]
     failed = False
     for isa in isas:

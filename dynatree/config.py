@@ -227,6 +227,9 @@ class DynaTreeConfig(SpecConfig):
             raise ValueError("need 0 < tau_l < tau_h < 1")
         if not (0 < self.rho_stop < self.rho_deep < 1):
             raise ValueError("need 0 < rho_stop < rho_deep < 1")
+        if not 0 <= self.hist_low < self.hist_high <= 1:
+            raise ValueError(f"need 0 <= hist_low < hist_high <= 1, got hist_low={self.hist_low}, "
+                             f"hist_high={self.hist_high}")
         if self.hw_budget not in ("auto", "off"):
             raise ValueError("hw_budget must be 'auto' or 'off'")
 

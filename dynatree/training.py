@@ -59,6 +59,8 @@ class TrainConfig:
         if self.vocab_size < MIN_VOCAB:
             raise ValueError(f"vocab_size {self.vocab_size}: a byte-level BPE needs at least {MIN_VOCAB} "
                              "(256 bytes, EOS, and merges)")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
         if not (self.target_minutes > 0 and self.draft_minutes > 0):
             raise ValueError("target_minutes and draft_minutes must be positive (0 would save untrained models)")
         if not 0 < self.heldout_fraction < 1:

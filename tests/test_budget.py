@@ -232,3 +232,13 @@ def test_a_profile_spike_is_capped_by_the_larger_sizes():
     assert _envelope(spiked) == {**spiked, 8: 1.9} and list(_envelope(spiked)) == sorted(spiked)
     assert _envelope({1: 1.0, 4: 3.0, 16: 1.5}) == {1: 1.0, 4: 1.5, 16: 1.5}
     assert _envelope({1: 1.06, 2: 0.98, 4: 1.07}) == {1: 1.06, 2: 0.98, 4: 1.07}  # noise stays
+
+
+def test_dynatree_thresholds_must_be_ordered():
+    """hist_high below hist_low would make the history rules fight each other: refused."""
+    import pytest
+
+    from dynatree import make_config
+    for bad in ({"hist_high": 0.1}, {"hist_low": 0.8}, {"hist_low": -0.1}):
+        with pytest.raises(ValueError, match="need 0 <= hist_low < hist_high <= 1"):
+            make_config("dynatree", bad)

@@ -52,7 +52,8 @@ def test_bad_training_settings_fail_before_any_work(tmp_path):
     for bad, match in (({"batch_size": 0}, "batch_size must be at least 1"),
                        ({"seq_len": 2000}, "seq_len 2000 is longer than the models' context 1024"),
                        ({"vocab_size": 10}, "vocab_size 10: a byte-level BPE needs at least"),
-                       ({"target_minutes": 0}, "must be positive")):
+                       ({"target_minutes": 0}, "must be positive"), ({"draft_minutes": -1}, "must be positive"),
+                       ({"lr": -1.0}, "lr must be positive")):
         with pytest.raises(ValueError, match=match):
             TrainConfig(**bad)
     res = CliRunner().invoke(main, ["train-pair", "--corpus", str(tmp_path / "none.parquet"), "--out",
