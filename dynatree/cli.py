@@ -368,7 +368,13 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                  "tables them)" if getattr(e, "saved", False) else "nothing was measured yet; nothing written")
         click.echo(f"\n{how}: {saved}", err=True)
         sys.exit(code)
-    md, pngs = report(out)
+    try:
+        md, pngs = report(out)
+    except KeyboardInterrupt as e:  # the measurements are whole; only the tables and plots are not
+        how, code = interrupted(e)
+        click.echo(f"\n{how} while writing the report: every measurement is in {out}/results.parquet; "
+                   f"`dynatree report {out}` writes summary.md and the plots", err=True)
+        sys.exit(code)
     click.echo(md.read_text())
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
 

@@ -308,6 +308,20 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path,
     assert rep.exit_code != 0 and "no measured prompts in its results, only warm-up ones" in rep.output
 
 
+def test_a_bench_interrupted_while_writing_its_report_says_the_measurements_are_whole(pair_dirs, tmp_path,
+                                                                                       monkeypatch):
+    import dynatree.report
+
+    def report(out):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dynatree.report, "report", report)
+    out = tmp_path / "late"
+    res = CliRunner().invoke(main, bench_args(pair_dirs, tmp_path, 3, 4) + ["--methods", "ar", "--out", str(out)])
+    assert res.exit_code == 130 and "interrupted while writing the report: every measurement is in" in res.output
+    assert len(pq.read_table(out / "results.parquet")) == 3 and f"`dynatree report {out}`" in res.output  # (warm-up too)
+
+
 def test_report_redraws_only_what_the_results_hold(pair_dirs, tmp_path):
     """A plot an earlier report drew that this one does not (a sweep since dropped) is removed, and
     a missing tokens/s (a row that failed to time) leaves its bar's spread out instead of crashing."""
