@@ -205,7 +205,8 @@ class ModelPair:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise PairError("this pair has no tokenizer; pass token ids")
+            raise PairError("this pair has no tokenizer (none was given, or the target's directory has no "
+                            "tokenizer.json / tokenizer_config.json); pass token ids")
         if not isinstance(text, str):
             raise PairError(f"a prompt must be text (str), not {type(text).__name__}")
         try:
@@ -378,10 +379,9 @@ def load_tokenizer(name_or_path: str):
         tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
         raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
-    if len(tok) <= 8:  # transformers builds an empty one from config.json alone (no tokenizer files)
-        raise PairError(f"no tokenizer for {name_or_path!r}: its tokenizer has {len(tok)} tokens (are "
-                        "tokenizer.json / tokenizer_config.json missing from the model directory?)")
-    return tok
+    # None where transformers built an empty one from config.json alone (no tokenizer files): the
+    # models still run on token ids; a text prompt then says why it cannot be encoded (encode)
+    return tok if len(tok) > 8 else None
 
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
@@ -415,7 +415,7 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
     dmodel = dtok = None
     if draft is not None and load_draft:
         try:
-            dtok = load_tokenizer(str(draft))
+            dtok = load_tokenizer(str(draft))  # (None without tokenizer files: the target's is trusted)
         except PairError:
             dtok = None  # a draft directory without tokenizer files: trust the target's
         dmodel = load_model(str(draft), dev, dt, attn_implementation, lean)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dynatree import PairError, generate, load_pair
+from dynatree import PairError, decode, generate, load_pair, make_config
 from dynatree.cli import main
 
 from conftest import random_prompts, tiny_neox
@@ -49,8 +49,10 @@ def test_a_model_directory_without_tokenizer_files_is_a_clear_error(pair_dirs, t
     shutil.copytree(pair_dirs / "target", tmp_path / "t")
     for f in (tmp_path / "t").glob("*token*"):
         f.unlink()
-    with pytest.raises(PairError, match="no tokenizer for .* tokenizer.json / tokenizer_config.json missing"):
-        load_pair(tmp_path / "t", None, device="cpu")
+    pair = load_pair(tmp_path / "t", None, device="cpu")  # (token ids still decode: profile needs no text)
+    assert pair.tokenizer is None and decode(pair, [5, 6, 7], make_config("ar"), max_new_tokens=2)[1] == "length"
+    with pytest.raises(PairError, match="no tokenizer .*no tokenizer.json / tokenizer_config.json"):
+        generate(pair, "some text", "ar", max_new_tokens=2)
 
 
 def test_a_prompt_that_is_not_utf8_text_is_a_clear_error(pair_dirs):
