@@ -114,6 +114,8 @@ class ShardWorker:
             self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                                   load_draft=spec.method != "ar", kernel=spec.kernel)
         self.pair.prefix_cache_bytes = int(spec.prefix_cache_gb * 2**30)
+        # every forward of the engine runs on the native kernel: each float32 matrix goes once packed
+        self.pair.release_packed = within_native_rows(self.cfg)
         if spec.chat_template and not self.pair.has_chat_template:
             raise PairError(f"chat_template is on but the tokenizer of the target ({spec.target or 'the demo pair'}) has none")
         self.startup["load_s"] = time.perf_counter() - t0
@@ -132,8 +134,8 @@ class ShardWorker:
         if getattr(self.cfg, "budget_on", False):
             budget.profile(self.pair, kv_dtype=self.cfg.kv_dtype)
         self.startup["profile_s"] = time.perf_counter() - t0
-        # every forward of the engine runs on the native kernel: the float32 copies can go
-        self.startup["released_gib"] = self.pair.release_matrices() / 2**30 if within_native_rows(self.cfg) else 0.0
+        # (what packing freed, and anything it left)
+        self.startup["released_gib"] = self.pair.release_matrices() / 2**30 if self.pair.release_packed else 0.0
         self._cap_batch()
 
     def _cap_batch(self) -> None:

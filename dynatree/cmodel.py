@@ -108,9 +108,11 @@ def untied_linears(model) -> list[torch.nn.Linear]:
 
 class NativeForward:
     def __init__(self, lib, shape: Shape, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 final_norm: tuple, lm_head: torch.Tensor, layers: list[Layer]):
+                 final_norm: tuple, lm_head: torch.Tensor, layers: list[Layer], packed=None):
         """embed: (V, d); cos, sin: (max_pos, rot) float32 rotary tables; final_norm: (weight,
-        bias or None); lm_head: (V, d).  Keeps references to every tensor whose address it holds."""
+        bias or None); lm_head: (V, d).  Keeps references to every tensor whose address it holds.
+        ``packed(w)``, if given, is called with each matrix (or its row blocks) once its packed
+        copy is made (Runner.release_packed)."""
         self.lib, self.shape = lib, shape
         # the C code reads these as row-major memory: a strided view is copied (a tied embedding is
         # the lm_head's matrix, which models.cpu_layout stores transposed for MKL)
@@ -121,6 +123,8 @@ class NativeForward:
         mats = [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)]  # (or row blocks)
         self.weight_format = fmt = native.weight_format(mats)
         head = native.PackedLinear(lm_head, None, fmt, lib)
+        done = packed or (lambda w: None)
+        done(lm_head)
         self.n_vocab, self.vocab_pad = head.n_out, head.n_pad
         self.dims = torch.tensor([shape.d, shape.heads, shape.head_dim, shape.rot, shape.ff, int(shape.parallel),
                                   ACTS[shape.act], self.vocab_pad, embed.shape[0], fmt, shape.kv_heads,
@@ -131,6 +135,7 @@ class NativeForward:
             ptrs += [addr(layer.norm1[0]), addr(layer.norm1[1]), addr(layer.norm2[0]), addr(layer.norm2[1])]
             for w, b in (layer.qkv, layer.out, layer.fc1, layer.fc2):
                 pm = native.PackedLinear(w, b, fmt, lib)
+                done(w)
                 self.keep_alive.append(pm)
                 ptrs += [pm.packed.data_ptr(), addr(pm.bias)]
             ptrs += [addr(layer.q_norm), addr(layer.k_norm)]
@@ -266,7 +271,26 @@ class Runner:
 
     native = False
     fwd: NativeForward
-    released = 0  # bytes of float32 matrices freed by release_matrices (0: the torch path can run)
+    released = 0  # bytes of float32 matrices freed (release_packed, release_matrices; 0: the torch path can run)
+
+    def packed_callback(self, release: bool):
+        """What NativeForward calls as it packs each matrix: with ``release``, free its float32 source
+        there and then (release_packed), else nothing."""
+        if not release:
+            return None
+        # by storage: a matrix arrives as the Linear's weight, a view of it, or row blocks viewing it
+        owner = {m.weight.untyped_storage().data_ptr(): m.weight for m in untied_linears(self.model)}  # (no embedding's)
+
+        def release_packed(w) -> None:
+            """Free the float32 matrix ``w`` (or the one its row blocks view) now that it is packed: a
+            job's actors load a model at about its float32 size instead of float32 plus the packed copy
+            (the blocks of a fused matrix hold it until the packing ends)."""
+            for t in w if isinstance(w, list) else [w]:
+                weight = owner.get(t.untyped_storage().data_ptr())
+                if weight is not None and weight.numel():
+                    self.released += weight.numel() * weight.element_size()
+                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        return release_packed
 
     def release_matrices(self) -> int:
         """Free the model's Linear weights, which the C forward keeps packed copies of, and return

@@ -73,10 +73,12 @@ def supports(model) -> bool:
 
 
 class LeanNeoX(cmodel.Runner):
-    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = True):
+    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = True, release: bool = False):
         """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch;
         isa: the kernel variant (default: native.variant(), i.e. $DYNATREE_ISA or native); pack:
-        let torch's path keep a oneDNN copy of the weights (can_pack)."""
+        let torch's path keep a oneDNN copy of the weights (can_pack); release: free each float32
+        matrix once the C forward has packed it (cmodel.Runner.packed_callback; torch's path then
+        cannot run)."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
@@ -112,9 +114,9 @@ class LeanNeoX(cmodel.Runner):
                                                        l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
         ) for l in core.layers]
         if self.native:
-            self._init_native(core, native.library(isa))
+            self._init_native(core, native.library(isa), release)
 
-    def _init_native(self, core, lib) -> None:
+    def _init_native(self, core, lib, release: bool = False) -> None:
         """csrc/neox.c's forward over this model's weights, its fused QKV rows permuted from
         NeoX's per-head [q k v] interleaving to the kernel's [q heads | k heads | v heads]."""
         H, hd = self.heads, self.head_dim
@@ -131,7 +133,7 @@ class LeanNeoX(cmodel.Runner):
                                (l.mlp.dense_4h_to_h.weight, l.mlp.dense_4h_to_h.bias)) for l in core.layers]
         self.lib = lib
         self.fwd = cmodel.NativeForward(lib, self._shape(), self.embed, self.cos, self.sin, self.final_ln,
-                                        self.model.lm_head.weight, layers)
+                                        self.model.lm_head.weight, layers, self.packed_callback(release))
         self.weight_format = self.fwd.weight_format
 
     def _shape(self) -> cmodel.Shape:
@@ -173,6 +175,6 @@ class LeanNeoX(cmodel.Runner):
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
         return heads_each(self.lm_head(h), keeps, topk, argmax, cols, [s.perturb for s in seqs])  # (1, K, V)
 
-def lean(model, gemm: bool = True):
+def lean(model, gemm: bool = True, release: bool = False):
     """The lean forward for a supported model, else the model itself."""
-    return LeanNeoX(model, gemm) if model is not None and supports(model) else model
+    return LeanNeoX(model, gemm, release=release) if model is not None and supports(model) else model

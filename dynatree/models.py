@@ -76,25 +76,33 @@ PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
 
 
 @torch.inference_mode()
-def _probed(run, model, which: str):
-    """``run``, a native forward, if its logits over a fixed 12-token prompt agree with the same
-    forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation orders
-    differ by ~1e-6), else that torch forward, with a warning.  Why: the native kernel is
-    checked against torch by the tests on the shapes they build; on a model they never saw, a
-    kernel bug (a tied embedding read with the wrong strides was one) makes ``ar`` wrong too, and
-    no check against ``ar`` could see it."""
+def _probe_logits(run, model) -> torch.Tensor:
+    """``run``'s logits over a fixed prompt of up to PROBE_TOKENS tokens (float32)."""
     from .kvcache import new_cache
     from .runtime import Seq
 
-    twin = type(run)(model, gemm=False, pack=False)  # (no oneDNN copy: it lives a moment)
     n = max(1, min(PROBE_TOKENS, _context_len(model) - 1))
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-    native_logits, torch_logits = (r.forward([Seq(ids, new_cache(r, n + 1))])[0].logits.float() for r in (run, twin))
+    return run.forward([Seq(ids, new_cache(run, n + 1))])[0].logits.float()
+
+
+def _probed(run, model, which: str, twin):
+    """``run``, a native forward, if its logits over a fixed 12-token prompt agree with ``twin``'s,
+    the same forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation
+    orders differ by ~1e-6), else that torch forward, with a warning.  Why: the native kernel is
+    checked against torch by the tests on the shapes they build; on a model they never saw, a
+    kernel bug (a tied embedding read with the wrong strides was one) makes ``ar`` wrong too, and
+    no check against ``ar`` could see it.  ``twin`` is (the torch runner, its probe logits),
+    computed before ``run`` was built (which may have freed the float32 weights it reads)."""
+    twin, torch_logits = twin
+    native_logits = _probe_logits(run, model)
     gap, scale = (native_logits - torch_logits).abs().max().item(), max(1.0, torch_logits.abs().max().item())
     if gap <= PROBE_RTOL * scale:
         return run
-    twin.refusal = (f"its logits differed from torch's by {gap:.3g} on a probe prompt (a native-kernel bug: "
-                    "please report it)")
+    why = f"its logits differed from torch's by {gap:.3g} on a probe prompt (a native-kernel bug: please report it)"
+    if run.released:  # torch's path has nothing left to run on
+        raise PairError(f"the {which} model cannot run on the native kernel: {why}; run it with --kernel lean-mkl")
+    twin.refusal = why
     warnings.warn(f"the {which} model runs on torch's ops, not the native kernel: {twin.refusal}", stacklevel=3)
     return twin
 
@@ -118,6 +126,10 @@ class ModelPair:
     eos_token_ids: tuple = ()
     # keys/values of shared prompt prefixes kept per model and cache dtype (prefix.py); 0 turns it off
     prefix_cache_bytes: int = 1 << 30
+    # free each float32 matrix as the native kernel packs it (cmodel.Runner.packed_callback): a job's
+    # actors, whose forwards all take the kernel (config.within_native_rows), set it before the first
+    # runner() -- loading then peaks near the float32 model, not it plus the packed copy
+    release_packed: bool = False
 
     def prefix_store(self, which: str, kv_dtype: str = "model"):
         """The prefix.PrefixStore of ``"target"`` or ``"draft"`` caches in ``kv_dtype``, or None when
@@ -146,18 +158,25 @@ class ModelPair:
         ``forward(seqs)`` scores several sequences (runtime.py)."""
         from . import packed
         from .packed import PackedRunner
-        from .lean import LeanNeoX, lean
+        from .lean import LeanNeoX, supports as lean_supports
 
         model = getattr(self, which)
         if model is None:
             return None
         key = (self.kernel, which)
         if key not in self.state:
-            run = model if self.kernel == "hf" else lean(model, gemm=self.kernel == "lean")
-            if not isinstance(run, LeanNeoX):  # Llama-family models pack too; others run transformers'
-                run = (PackedRunner(run, gemm=self.kernel == "lean") if self.kernel != "hf" and packed.supports(run)
-                       else HFRunner(run))
-            self.state[key] = _probed(run, model, which) if getattr(run, "native", False) else run
+            gem = self.kernel == "lean"
+            cls = None if self.kernel == "hf" else LeanNeoX if lean_supports(model) else (
+                PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
+            if cls is None:
+                self.state[key] = HFRunner(model)  # transformers' forward
+                return self.state[key]
+            twin = None
+            if gem:  # torch's forward of the same model and its probe logits, before `run` may free weights
+                twin = cls(model, gemm=False, pack=False)  # (no oneDNN copy: it lives a moment)
+                twin = twin, _probe_logits(twin, model)
+            run = cls(model, gemm=gem, release=self.release_packed and gem)
+            self.state[key] = _probed(run, model, which, twin) if run.native else run
         return self.state[key]
 
     def release_matrices(self) -> int:

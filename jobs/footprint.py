@@ -49,28 +49,35 @@ class Footprint:
     fixed: int  # prefix stores at their budget, and the process itself
     per_row: int  # a row's key/value caches (target and draft) and a full tree's logits
     row_tokens: int  # the slots a row's caches are allocated with
-    released: int = 0  # weights freed once the native kernel has packed them (Runner.release_matrices)
+    released: int = 0  # weights freed as the native kernel packs them (cmodel.Runner.packed_callback)
 
     @property
     def base(self) -> int:
-        """At load, before any row: the weights and their packed copies side by side."""
-        return self.weights + self.packed + self.fixed
+        """At load, before any row: the weights, and beside them the packed copies -- or, where each
+        matrix is freed as it is packed, only what the copies outgrow the freed matrices by."""
+        return self.weights + self.fixed + (max(0, self.packed - self.released) if self.released else self.packed)
+
+    @property
+    def loaded(self) -> int:
+        """Once loaded, before any row."""
+        return self.weights + self.packed + self.fixed - self.released
 
     def total(self, rows: int) -> int:
-        return max(self.base, self.base - self.released + rows * self.per_row)
+        return max(self.base, self.loaded + rows * self.per_row)
 
     def rows_within(self, budget: float) -> int:
         """Rows whose caches fit in ``budget`` bytes (none if the load does not)."""
         if budget < self.base:
             return 0
-        return math.floor((budget - self.base + self.released) / self.per_row) if self.per_row else 1 << 30
+        return math.floor((budget - self.loaded) / self.per_row) if self.per_row else 1 << 30
 
     def describe(self) -> str:
         gb = 2**30
+        freed = (f"; {self.released / gb:.1f} GiB freed as they are packed, ~{self.loaded / gb:.1f} GiB once loaded"
+                 if self.released else "")
         return (f"~{self.base / gb:.1f} GiB before its rows ({self.weights / gb:.1f} GiB of weights"
                 f"{f', {self.packed / gb:.1f} GiB packed copies' if self.packed else ''}, {self.fixed / gb:.1f} GiB "
-                f"prefix cache and process{f'; {self.released / gb:.1f} GiB freed once packed' if self.released else ''}"
-                f") and ~{self.per_row / 2**20:.0f} MiB per row in flight (caches of "
+                f"prefix cache and process{freed}) and ~{self.per_row / 2**20:.0f} MiB per row in flight (caches of "
                 f"{self.row_tokens} tokens)")
 
 
@@ -115,7 +122,7 @@ def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, 
         packed = n_mats * (2 if len({d for _, d, _ in mats}) == 1 and mats[0][1] in ("BF16", "F16") else 4)
         if packed > MAX_PACKED_BYTES:  # the kernel refuses it: torch's path, nothing packed or freed
             packed = 0
-        elif within_native_rows(spec.method_config):  # (the actors free torch's weights: actors/worker.py)
+        elif within_native_rows(spec.method_config):  # (the actors free torch's weights as packed: actors/worker.py)
             released = sum(n for k, _, n in mats if not any(e in k for e in _EMBEDDINGS)) * per_weight
     neox = top.get("model_type") == "gpt_neox"  # (only lean.LeanNeoX's torch path keeps a oneDNN copy)
     if not packed and ours and neox and MKL_PACK_BYTES[0] <= weights <= MKL_PACK_BYTES[1]:  # lean.can_pack

@@ -39,7 +39,9 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     vocab = json.loads((pair_dirs / "target" / "config.json").read_text())["vocab_size"]
     logits = (spec.method_config.node_budget + 1) * vocab * 4  # a full tree's logits, per model
     assert fp.per_row == sum(2 * layers * 32 * 4 * slots + logits for layers in (2, 1))  # hidden 32; 2 + 1 layers
-    assert fp.total(3) == fp.base - fp.released + 3 * fp.per_row and fp.total(0) == fp.base  # the load, then rows
+    assert fp.total(3) == fp.loaded + 3 * fp.per_row and fp.total(0) == fp.base  # the load, then rows
+    # each matrix freed as it is packed: the load peaks at the weights, not the weights plus their copies
+    assert fp.base == fp.weights + fp.fixed + fp.packed - fp.released < fp.weights + fp.fixed + fp.packed
     assert _footprint(job(pair_dirs, kernel="hf")).packed == 0 == _footprint(job(pair_dirs, kernel="hf")).released
     assert _footprint(job(pair_dirs, dtype="float64")).weights == 2 * fp.weights
     assert _footprint(job(pair_dirs, dtype="float64")).packed == 0
@@ -109,10 +111,11 @@ def test_fit_starts_what_memory_holds_and_caps_auto(pair_dirs):
     assert (n, reserve) == (1, None) and "starting 1 actor, not 2: no node's Ray memory resource holds one" in notes[0]
     n, reserve, cap, _, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: tried, with a warning
     assert (n, reserve, cap) == (1, None, 1) and "even one row may not fit" in notes[0]
-    # weights freed once packed: the load's peak decides the actors, what is left the rows
+    # weights freed as packed: the load's peak (the weights) decides the actors, what is left the rows
     fp = footprint.Footprint(10 * GIB, 5 * GIB, 2 * GIB, 500 * 2**20, 904, released=9 * GIB)
+    assert (fp.base, fp.loaded) == (12 * GIB, 8 * GIB)
     n, reserve, cap, _, notes = footprint.fit(fp, nodes(24), 2, 1, spec)
-    assert (n, cap) == (1, math.floor((0.9 * 24 - 17 + 9) * GIB / (500 * 2**20))) and "9.0 GiB freed once packed" in notes[0]
+    assert (n, cap) == (1, math.floor((0.9 * 24 - 17 + 9) * GIB / (500 * 2**20))) and "9.0 GiB freed as they are packed" in notes[0]
     asked = job(pair_dirs, cpus_per_actor=1, num_actors=2)  # asked for: kept, with a warning
     n, reserve, _, _, notes = footprint.fit(big(15, 400), nodes(24), 2, 1, asked)
     assert (n, reserve) == (2, None) and "the 2 actor(s) asked for may not fit (room for 1)" in notes[0]

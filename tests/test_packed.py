@@ -5,7 +5,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from dynatree import decode, make_config, native, pair_from_models
+from dynatree import PairError, decode, make_config, native, pair_from_models
 from dynatree.engine import decode_batch
 from dynatree.models import HFRunner
 from dynatree.packed import PackedRunner, supports
@@ -307,27 +307,38 @@ def test_a_native_forward_that_disagrees_with_torch_on_the_load_probe_is_not_use
     with torch.no_grad():
         want = model(torch.tensor([PROMPT + STEPS])).logits[0, -1]
     assert torch.allclose(reference_logits(pair, PROMPT, STEPS), want, atol=1e-4)
+    # a job's actor frees the float32 weights as it packs them: no torch forward left to fall back on
+    pair = load_pair(saved(model, pair_dirs, tmp_path / "again"), None, device="cpu", dtype="float32")
+    pair.release_packed = True
+    with pytest.raises(PairError, match="the target model cannot run on the native kernel: its logits differed "
+                                        "from torch's .*run it with --kernel lean-mkl"):
+        pair.runner("target")
 
 
 @pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("family,tied", [("neox", False), ("neox", True), ("llama", False), ("llama", True)])
-def test_released_matrices_leave_the_native_outputs_and_refuse_torch(family, tied, pair_dirs, tmp_path):
-    """A job's actors free the float32 Linear weights once the native kernel has packed them
-    (cmodel.Runner.release_matrices): the engine's outputs stay the same bits, an embedding (a
-    tied LM head's too) stays, and a forward that needs torch's path says why instead of running
-    on empty weights."""
+@pytest.mark.parametrize("when", ["warmed up", "as packed"])
+def test_released_matrices_leave_the_native_outputs_and_refuse_torch(family, tied, when, pair_dirs, tmp_path):
+    """A job's actors free the float32 Linear weights as the native kernel packs them
+    (ModelPair.release_packed; or all at once after, cmodel.Runner.release_matrices): the
+    engine's outputs stay the same bits, an embedding (a tied LM head's too) stays, and a forward
+    that needs torch's path says why instead of running on empty weights."""
     from dynatree import load_pair
     from dynatree.kvcache import new_cache
     from dynatree.runtime import Seq
 
     path = saved(tied_model(family, 300, tie=tied), pair_dirs, tmp_path / "m")
-    pair = load_pair(str(path), str(path), device="cpu", dtype="float32")
-    assert pair.runner("target").native
+    ref = load_pair(str(path), str(path), device="cpu", dtype="float32")
+    assert ref.runner("target").native
     cfg = make_config("dynatree")
-    before = decode_batch(pair, [PROMPT, PROMPT[:3]], cfg, max_new_tokens=12, ignore_eos=True)
-    embed = next(m.weight for m in pair.target.modules() if isinstance(m, torch.nn.Embedding))
-    linears = [m.weight for m in pair.target.modules() if isinstance(m, torch.nn.Linear)]
+    before = decode_batch(ref, [PROMPT, PROMPT[:3]], cfg, max_new_tokens=12, ignore_eos=True)
+    embed = next(m.weight for m in ref.target.modules() if isinstance(m, torch.nn.Embedding))
+    linears = [m.weight for m in ref.target.modules() if isinstance(m, torch.nn.Linear)]
     size = sum(w.numel() * 4 for w in linears if w.data_ptr() != embed.data_ptr())
+    pair = ref if when == "warmed up" else load_pair(str(path), str(path), device="cpu", dtype="float32")
+    pair.release_packed = when == "as packed"
+    assert pair.runner("target").released == (size if when == "as packed" else 0)
+    embed = next(m.weight for m in pair.target.modules() if isinstance(m, torch.nn.Embedding))
     assert pair.release_matrices() == 2 * size > 0  # target and draft (the same files, two copies)
     assert embed.numel() > 0 and (pair.target.lm_head.weight.numel() > 0) == tied
     after = decode_batch(pair, [PROMPT, PROMPT[:3]], cfg, max_new_tokens=12, ignore_eos=True)
