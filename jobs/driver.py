@@ -148,6 +148,9 @@ def preflight(spec: JobSpec) -> None:
     t, d = _model_dirs(spec)
     _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
+    if t is not None and t.is_dir() and not any((t / f).exists() for f in _TOKENIZER_FILES):
+        raise JobError(f"the target ({spec.target}) has no tokenizer ({', '.join(_TOKENIZER_FILES)}: none there), "
+                       "and a job's prompts are text")
     if spec.chat_template and t.is_dir() and not _has_chat_template(t):
         raise JobError(f"--chat-template: the tokenizer of the target ({spec.target or 'the bundled demo pair'}) "
                        "has no chat template")
@@ -158,11 +161,17 @@ def preflight(spec: JobSpec) -> None:
         return  # the common case, without importing transformers in the driver
     from dynatree.models import PairError, tokenizer_difference, load_tokenizer
     try:
-        reason = tokenizer_difference(load_tokenizer(str(t)), load_tokenizer(str(d)))
+        tt, dt = load_tokenizer(str(t)), load_tokenizer(str(d))
     except PairError:
-        return  # e.g. a draft directory without tokenizer files: the actor trusts the target's
+        return
+    if tt is None or dt is None:
+        return  # a draft directory without tokenizer files: the actor trusts the target's
+    reason = tokenizer_difference(tt, dt)
     if reason:
         raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:
