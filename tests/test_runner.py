@@ -533,6 +533,13 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, target="/no/such/model"), progress=False, log=quiet)
     with pytest.raises(JobError, match="do not share a tokenizer"):
         run_job(spec(pair_dirs, tmp_path, draft=str(pair_dirs / "foreign")), progress=False, log=quiet)
+    import shutil
+    shutil.copytree(pair_dirs / "draft", tmp_path / "untokenized", ignore=shutil.ignore_patterns("*token*"))
+    with pytest.raises(JobError, match="has no tokenizer .*and a job's prompts are text"):
+        run_job(spec(pair_dirs, tmp_path, target=str(tmp_path / "untokenized")), progress=False, log=quiet)
+    # a draft without tokenizer files: the target's is trusted (models.load_pair does the same)
+    run_job(spec(pair_dirs, tmp_path, draft=str(tmp_path / "untokenized"), output=str(tmp_path / "trusted")),
+            progress=False, log=quiet)
     with pytest.raises(JobError, match="kv_window 120 \\+ kv_evict 16 exceed the models' 128-token context"):
         run_job(spec(pair_dirs, tmp_path, options={"kv_window": 120, "kv_evict": 16}), progress=False, log=quiet)
     with pytest.raises(JobError, match="--max-new-tokens 128 leaves no room for a prompt in the models' 128-token"):
