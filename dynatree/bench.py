@@ -53,13 +53,33 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
     """``"ar,linear,fixed=fixed_tree"`` + ``["fixed.depth=3", "temperature=0.6"]`` -> method specs.
 
     ``LABEL.KEY=VALUE`` sets one method's option; a bare ``KEY=VALUE`` sets it for every method
-    that has it (sampling options reach the transformers peers too), so one flag samples them all.
-    A :data:`PRESETS` name is its method with the preset's options (which options given override).
+    that has it (sampling options reach the transformers peers too; a cache window's kv_sinks /
+    kv_evict, the methods with a window), so one flag samples them all.  A :data:`PRESETS` name
+    is its method with the preset's options (which options given override).
     """
     import dataclasses
 
-    from .config import METHODS, SamplingConfig, parse_options
+    from .config import WINDOW_FIELDS
 
+    specs = _method_labels(methods)
+    shared, own = _split_options(options, specs)
+    out, shaped = [], set()  # shaped: the window options given to every method that some window took
+    for label, (meth, preset) in specs.items():
+        opts = (_peer_options(label, shared, own) if meth in HF_METHODS else
+                _method_options(label, meth, preset, shared, own.get(label, {}), shaped))
+        out.append(MethodSpec(label, meth, opts))
+    unused = [k for k in WINDOW_FIELDS[1:] if k in shared and k not in shaped]
+    if unused:
+        raise ValueError(f"--option {unused[0]}: no method in --methods has a cache window (kv_window) for it to shape")
+    for ref in dict.fromkeys(reference_config(m) for m in out):
+        if ref != ARConfig() and not any(m.method == "ar" and reference_config(m) == ref for m in out):
+            opts = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref) if getattr(ref, f.name) != f.default}
+            out.append(MethodSpec(reference_label(ref), "ar", opts))
+    return out
+
+
+def _method_labels(methods: str) -> dict[str, list]:
+    """--methods -> {label: [method, preset options]}, ``ar`` first (speedups need the AR of the same run)."""
     specs: dict[str, list] = {}
     if not methods.strip(" ,"):
         raise ValueError("--methods is empty: name at least one method (e.g. --methods dynatree)")
@@ -72,9 +92,15 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
             if label == "ar" and meth != "ar":
                 raise ValueError(f"--methods ar={meth}: the label ar names the ar every method is compared with")
             specs[label] = [meth, dict(preset)]
-    if "ar" not in specs:
-        specs = {"ar": ["ar", {}], **specs}  # speedups need the AR of the same run
-    sampling_keys = {f.name for f in dataclasses.fields(SamplingConfig)}
+    return specs if "ar" in specs else {"ar": ["ar", {}], **specs}
+
+
+def _split_options(options, specs: dict) -> tuple[dict, dict]:
+    """--option values -> (every method's {key: value}, {label: that method's own})."""
+    import dataclasses
+
+    from .config import METHODS, parse_options
+
     shared, own = {}, {}
     for key, value in parse_options(options).items():
         label, dot, opt = key.partition(".")
@@ -91,34 +117,52 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         if not any(key in {f.name for f in dataclasses.fields(METHODS[m])} for m, _ in specs.values()
                    if m in METHODS):
             raise ValueError(f"--option {key}: no method in --methods has this option")
-    out = []
-    for label, (meth, preset) in specs.items():
-        if meth in HF_METHODS:
-            if own.get(label):
-                raise ValueError(f"{label}: transformers peers take no options of their own")
-            ar_keys = {f.name for f in dataclasses.fields(ARConfig)}
-            other = [k for k in shared if k in ar_keys and k not in sampling_keys]  # they would run without it
-            if other:
-                raise ValueError(f"--option {other[0]} (given to every method) does not apply to transformers' "
-                                 f"peer {label}: give it to the methods by label (LABEL.{other[0]}=...) or "
-                                 "leave the peers out")
-            given = {k: v for k, v in shared.items() if k in sampling_keys}
-            cfg = make_config("ar", given)  # the same parsing and checks as the engine's methods
-            opts = {k: getattr(cfg, k) for k in given}
-        else:
-            names = {f.name for f in dataclasses.fields(METHODS.get(meth, SamplingConfig))}
-            given = {**preset, **{k: v for k, v in shared.items() if k in names}, **own.get(label, {})}
-            if meth not in METHODS:
-                raise ValueError(f"unknown method {meth!r}; choose one of {', '.join(METHODS)}, the preset "
-                                 f"{', '.join(PRESETS)}, or (bench only) transformers' peers {', '.join(HF_METHODS)}")
-            cfg = make_config(meth, given)
-            opts = {k: getattr(cfg, k) for k in given}
-        out.append(MethodSpec(label, meth, opts))
-    for ref in dict.fromkeys(reference_config(m) for m in out):
-        if ref != ARConfig() and not any(m.method == "ar" and reference_config(m) == ref for m in out):
-            opts = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref) if getattr(ref, f.name) != f.default}
-            out.append(MethodSpec(reference_label(ref), "ar", opts))
-    return out
+    return shared, own
+
+
+def _peer_options(label: str, shared: dict, own: dict) -> dict:
+    """A transformers peer's options: the sampling ones given to every method (none of its own)."""
+    import dataclasses
+
+    from .config import SamplingConfig
+
+    sampling_keys = {f.name for f in dataclasses.fields(SamplingConfig)}
+    if own.get(label):
+        raise ValueError(f"{label}: transformers peers take no options of their own")
+    ar_keys = {f.name for f in dataclasses.fields(ARConfig)}
+    other = [k for k in shared if k in ar_keys and k not in sampling_keys]  # they would run without it
+    if other:
+        raise ValueError(f"--option {other[0]} (given to every method) does not apply to transformers' "
+                         f"peer {label}: give it to the methods by label (LABEL.{other[0]}=...) or "
+                         "leave the peers out")
+    given = {k: v for k, v in shared.items() if k in sampling_keys}
+    cfg = make_config("ar", given)  # the same parsing and checks as the engine's methods
+    return {k: getattr(cfg, k) for k in given}
+
+
+def _method_options(label: str, meth: str, preset: dict, shared: dict, own: dict, shaped: set) -> dict:
+    """An engine method's options: its preset's, those given to every method that it has, its own;
+    a window's kv_sinks / kv_evict given to every method only where it has a window (added to ``shaped``)."""
+    import dataclasses
+
+    from .config import METHODS, SamplingConfig, WINDOW_FIELDS
+
+    if meth not in METHODS:
+        raise ValueError(f"unknown method {meth!r}; choose one of {', '.join(METHODS)}, the preset "
+                         f"{', '.join(PRESETS)}, or (bench only) transformers' peers {', '.join(HF_METHODS)}")
+    names = {f.name for f in dataclasses.fields(METHODS.get(meth, SamplingConfig))}
+    given = {**preset, **{k: v for k, v in shared.items() if k in names}, **own}
+    try:
+        windowed = int(given.get("kv_window") or 0) > 0
+    except (TypeError, ValueError):
+        windowed = True  # (make_config says what is wrong with it)
+    shape = WINDOW_FIELDS[1:]  # kv_sinks, kv_evict
+    if windowed:
+        shaped.update(k for k in shape if k in shared)
+    else:
+        given = {k: v for k, v in given.items() if k not in shape or k in preset or k in own}
+    cfg = make_config(meth, given)
+    return {k: getattr(cfg, k) for k in given}
 
 
 def reference_config(ms: MethodSpec) -> ARConfig:

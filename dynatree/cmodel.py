@@ -120,8 +120,8 @@ class NativeForward:
         final_norm = tuple(map(_rows, final_norm))
         layers = [dataclasses.replace(layer, norm1=tuple(map(_rows, layer.norm1)), norm2=tuple(map(_rows, layer.norm2)),
                                       q_norm=_rows(layer.q_norm), k_norm=_rows(layer.k_norm)) for layer in layers]
-        mats = [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)]  # (or row blocks)
-        self.weight_format = fmt = native.weight_format(mats)
+        self.weight_format = fmt = native.weight_format(  # (a matrix or its row blocks)
+            [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)])
         head = native.PackedLinear(lm_head, None, fmt, lib)
         done = packed or (lambda w: None)
         done(lm_head)
@@ -279,18 +279,32 @@ class Runner:
         if not release:
             return None
         # by storage: a matrix arrives as the Linear's weight, a view of it, or row blocks viewing it
-        owner = {m.weight.untyped_storage().data_ptr(): m.weight for m in untied_linears(self.model)}  # (no embedding's)
+        # (never an embedding's; a storage two Linears share is left alone: the second is still to pack)
+        owner, shared = {}, set()
+        for m in untied_linears(self.model):
+            ptr = m.weight.untyped_storage().data_ptr()
+            shared.update([ptr] if ptr in owner else [])
+            owner[ptr] = m.weight
 
         def release_packed(w) -> None:
             """Free the float32 matrix ``w`` (or the one its row blocks view) now that it is packed: a
-            job's actors load a model at about its float32 size instead of float32 plus the packed copy
-            (the blocks of a fused matrix hold it until the packing ends)."""
+            job's actors load a model at about its float32 size instead of float32 plus the packed copy."""
             for t in w if isinstance(w, list) else [w]:
-                weight = owner.get(t.untyped_storage().data_ptr())
-                if weight is not None and weight.numel():
-                    self.released += weight.numel() * weight.element_size()
-                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in owner and ptr not in shared:
+                    self._free(owner[ptr])
         return release_packed
+
+    def _free(self, weight: torch.Tensor) -> None:
+        """Free a Linear's weight: its storage too, which row-block views (a fused matrix being
+        packed) would otherwise keep until they go -- nothing reads them again."""
+        if weight.numel():
+            self.released += weight.numel() * weight.element_size()
+            try:
+                weight.untyped_storage().resize_(0)
+            except RuntimeError:  # a storage not resizable (memory-mapped): it goes with its last view
+                pass
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def release_matrices(self) -> int:
         """Free the model's Linear weights, which the C forward keeps packed copies of, and return
@@ -302,10 +316,7 @@ class Runner:
         if not self.native:
             return 0
         for m in untied_linears(self.model):
-            w = m.weight
-            if w.numel():
-                self.released += w.numel() * w.element_size()
-                w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+            self._free(m.weight)
         return self.released
 
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,

@@ -175,6 +175,6 @@ class LeanNeoX(cmodel.Runner):
         h = F.layer_norm(h, h.shape[-1:], self.final_ln[0], self.final_ln[1], self.eps)
         return heads_each(self.lm_head(h), keeps, topk, argmax, cols, [s.perturb for s in seqs])  # (1, K, V)
 
-def lean(model, gemm: bool = True, release: bool = False):
+def lean(model, gemm: bool = True):
     """The lean forward for a supported model, else the model itself."""
-    return LeanNeoX(model, gemm, release=release) if model is not None and supports(model) else model
+    return LeanNeoX(model, gemm) if model is not None and supports(model) else model

@@ -3,6 +3,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -355,3 +356,8 @@ def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_re
     assert bad.exit_code != 0 and "--option kv_window (given to every method) does not apply" in bad.output
     from dynatree.bench import parse_methods  # an option ar does not take either is no reason to refuse them
     assert [m.options for m in parse_methods("ar,linear,hf_ar", ["k=4"])] == [{}, {"k": 4}, {}]
+    # a window's shape given to every method reaches the methods with a window, not the plain ar
+    specs = {m.label: m.options for m in parse_methods("ar,streaming_spec", ["kv_evict=32"])}
+    assert specs["ar"] == {} and specs["streaming_spec"]["kv_evict"] == 32 == specs["ar_window1024_evict32"]["kv_evict"]
+    with pytest.raises(ValueError, match="--option kv_evict: no method in --methods has a cache window"):
+        parse_methods("ar,dynatree", ["kv_evict=8"])

@@ -316,6 +316,40 @@ def test_a_native_forward_that_disagrees_with_torch_on_the_load_probe_is_not_use
 
 
 @pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
+def test_freeing_as_packed_keeps_memory_near_the_float32_model(monkeypatch):
+    """Each matrix goes once packed -- a fused q/k/v too, whose row-block views would otherwise
+    hold it to the end: with float32 packing (copies as large as the matrices) the live tensors
+    never grow by a layer's q/k/v (they grew by all of them, 3x this model's, before)."""
+    import gc
+
+    from dynatree import cmodel
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=128, rotary_pct=0.5, tie_word_embeddings=False)
+    pair = pair_from_models(GPTNeoXForCausalLM(cfg).float().eval(), None, None)
+    pair.release_packed = True
+
+    def live() -> int:
+        gc.collect()
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu"}.values())
+
+    real, seen = cmodel.Runner.packed_callback, []
+
+    def counted(self, release):
+        free = real(self, release)
+        return lambda w: (free(w), seen.append(live()))
+
+    monkeypatch.setattr(cmodel.Runner, "packed_callback", counted)
+    start = live()
+    run = pair.runner("target")
+    assert run.native and run.fwd.weight_format == 0 and len(seen) == 1 + 4 * 4
+    assert max(seen) - start < 3 * 256 * 256 * 4  # less than one layer's q/k/v matrix
+
+
+@pytest.mark.skipif(native.library("generic") is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("family,tied", [("neox", False), ("neox", True), ("llama", False), ("llama", True)])
 @pytest.mark.parametrize("when", ["warmed up", "as packed"])
 def test_released_matrices_leave_the_native_outputs_and_refuse_torch(family, tied, when, pair_dirs, tmp_path):
