@@ -29,6 +29,9 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+THREADS_HELP = "torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)"
+
+
 @click.group()
 @click.version_option(package_name="dynatree")
 def main() -> None:
@@ -84,8 +87,7 @@ def _pair_options(f):
 @click.option("--json", "as_json", is_flag=True,
               help="print a JSON object (token_ids, text, metrics); one per line for several prompts "
                    "(without it, several prompts' texts each follow a '--- prompt N ---' line)")
-@click.option("--threads", type=click.IntRange(min=1),
-              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def generate(target, draft, device, dtype, kernel, method, options, max_new_tokens, max_prompt_tokens, prompts,
              ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json, threads):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
@@ -157,8 +159,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
               help="prompts keep their last L_max tokens (fewer if the context needs room for the new ones)")
-@click.option("--threads", type=click.IntRange(min=1),
-              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
           max_new_tokens, max_prompt_tokens, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
@@ -330,8 +331,7 @@ def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
 @click.option("--grid-depth", help="fixed-tree grid depths, e.g. 3,4,5,6,7,8")
 @click.option("--grid-branch", help="fixed-tree grid branching, e.g. 2,3,4")
 @click.option("--grid-tau", help="fixed-tree grid tau, e.g. 0.01,0.02,0.03,0.05,0.1")
-@click.option("--threads", type=click.IntRange(min=1),
-              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
 def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_prompts, warmup, max_prompt_tokens,
           max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, batch_sizes, grid_depth,
@@ -391,8 +391,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                                       "at each, to show where attention over a long cache takes over")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
               help="the caches' key/value storage (as the method option kv_dtype)")
-@click.option("--threads", type=click.IntRange(min=1),
-              help="torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)")
+@click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cache_lengths, kv_dtype, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
     a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the

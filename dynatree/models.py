@@ -12,7 +12,7 @@ import torch
 from .config import FLOAT16_ON_CPU, KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
-from .names import context_len, default_pair_dir, model_problem
+from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -86,14 +86,20 @@ def _probe_logits(run, model) -> torch.Tensor:
     return run.forward([Seq(ids, new_cache(run, n + 1))])[0].logits.float()
 
 
+def _twin(cls, model) -> tuple:
+    """The same forward on torch's ops (no oneDNN copy: it lives a moment) and its probe logits."""
+    twin = cls(model, gemm=False, pack=False)
+    return twin, _probe_logits(twin, model)
+
+
 def _probed(run, model, which: str, twin):
     """``run``, a native forward, if its logits over a fixed 12-token prompt agree with ``twin``'s,
     the same forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation
     orders differ by ~1e-6), else that torch forward, with a warning.  Why: the native kernel is
     checked against torch by the tests on the shapes they build; on a model they never saw, a
     kernel bug (a tied embedding read with the wrong strides was one) makes ``ar`` wrong too, and
-    no check against ``ar`` could see it.  ``twin`` is (the torch runner, its probe logits),
-    computed before ``run`` was built (which may have freed the float32 weights it reads)."""
+    no check against ``ar`` could see it.  ``twin``: :func:`_twin`'s, taken before ``run`` was
+    built where that frees the float32 weights the torch forward reads."""
     twin, torch_logits = twin
     native_logits = _probe_logits(run, model)
     gap, scale = (native_logits - torch_logits).abs().max().item(), max(1.0, torch_logits.abs().max().item())
@@ -116,7 +122,6 @@ class ModelPair:
     dtype: torch.dtype
     vocab: int  # logit columns both models score (tokens ids < vocab are comparable)
     max_context: int  # most tokens (prompt + generated) a sequence may hold
-    eos_token_id: int | None  # the first of eos_token_ids (a padding id for transformers' peers)
     names: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
     # "lean": lean.py's forward through dynatree's C kernels (native.py) where they build; "lean-mkl":
@@ -124,6 +129,11 @@ class ModelPair:
     kernel: str = "lean"
     # every id that ends a generation (an instruct model's end of turn beside its end of text, ...)
     eos_token_ids: tuple = ()
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of eos_token_ids (a padding id for transformers' peers), or None."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
     # keys/values of shared prompt prefixes kept per model and cache dtype (prefix.py); 0 turns it off
     prefix_cache_bytes: int = 1 << 30
     # free each float32 matrix as the native kernel packs it (cmodel.Runner.packed_callback): a job's
@@ -171,12 +181,10 @@ class ModelPair:
             if cls is None:
                 self.state[key] = HFRunner(model)  # transformers' forward
                 return self.state[key]
-            twin = None
-            if gem:  # torch's forward of the same model and its probe logits, before `run` may free weights
-                twin = cls(model, gemm=False, pack=False)  # (no oneDNN copy: it lives a moment)
-                twin = twin, _probe_logits(twin, model)
-            run = cls(model, gemm=gem, release=self.release_packed and gem)
-            self.state[key] = _probed(run, model, which, twin) if run.native else run
+            release = self.release_packed and gem
+            twin = _twin(cls, model) if release else None  # (taken before `run` frees the weights it reads)
+            run = cls(model, gemm=gem, release=release)
+            self.state[key] = _probed(run, model, which, twin or _twin(cls, model)) if run.native else run
         return self.state[key]
 
     def release_matrices(self) -> int:
@@ -224,8 +232,8 @@ class ModelPair:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise PairError("this pair has no tokenizer (none was given, or the target's directory has no "
-                            "tokenizer.json / tokenizer_config.json); pass token ids")
+            raise PairError(f"this pair has no tokenizer (none was given, or the target's directory has none of "
+                            f"{', '.join(TOKENIZER_FILES)}); pass token ids")
         if not isinstance(text, str):
             raise PairError(f"a prompt must be text (str), not {type(text).__name__}")
         try:
@@ -343,8 +351,8 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
             if m is not None:
                 cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
-    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, eos_ids[0] if eos_ids else None,
-                     names or {}, kernel=kernel, eos_token_ids=eos_ids)
+    return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, names or {}, kernel=kernel,
+                     eos_token_ids=eos_ids)
 
 
 def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:
@@ -394,13 +402,12 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
+    if lacks_tokenizer(name_or_path):  # the models still run on token ids; a text prompt says why not (encode)
+        return None
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
         raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
-    # None where transformers built an empty one from config.json alone (no tokenizer files): the
-    # models still run on token ids; a text prompt then says why it cannot be encoded (encode)
-    return tok if len(tok) > 8 else None
 
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
@@ -439,4 +446,4 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
             dtok = None  # a draft directory without tokenizer files: trust the target's
         dmodel = load_model(str(draft), dev, dt, attn_implementation, lean)
     return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok, kernel=kernel,
-                            names={"target": str(target), "draft": None if draft is None else str(draft)})
+                            names={"target": str(target), "draft": None if dmodel is None else str(draft)})

@@ -134,3 +134,14 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 SKIP = (".inv_freq", ".masked_bias", ".attention.bias")  # buffers older transformers saved; recomputed
+
+
+# the files a tokenizer is built from (tokenizer_config.json alone is not one: transformers then
+# builds an empty tokenizer that encodes every text to nothing)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def lacks_tokenizer(path: str | Path) -> bool:
+    """Whether a local model directory holds none of TOKENIZER_FILES (a hub id: unknown, False)."""
+    p = Path(path)
+    return p.is_dir() and not any((p / f).is_file() for f in TOKENIZER_FILES)

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from dynatree.data import id_strings, would_read
 from dynatree.signals import end_on_sigterm
-from dynatree.names import context_len, default_pair_dir, model_problem
+from dynatree.names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
 from dynatree.metrics import output_schema
 from dynatree.config import FLOAT16_ON_CPU
 
@@ -148,9 +148,9 @@ def preflight(spec: JobSpec) -> None:
     t, d = _model_dirs(spec)
     _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
-    if t is not None and t.is_dir() and not any((t / f).exists() for f in _TOKENIZER_FILES):
-        raise JobError(f"the target ({spec.target}) has no tokenizer ({', '.join(_TOKENIZER_FILES)}: none there), "
-                       "and a job's prompts are text")
+    if t is not None and lacks_tokenizer(t):
+        raise JobError(f"the target ({spec.target or 'the bundled demo pair'}) has no tokenizer (none of "
+                       f"{', '.join(TOKENIZER_FILES)}), and a job's prompts are text")
     if spec.chat_template and t.is_dir() and not _has_chat_template(t):
         raise JobError(f"--chat-template: the tokenizer of the target ({spec.target or 'the bundled demo pair'}) "
                        "has no chat template")
@@ -169,9 +169,6 @@ def preflight(spec: JobSpec) -> None:
     reason = tokenizer_difference(tt, dt)
     if reason:
         raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:

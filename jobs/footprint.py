@@ -55,7 +55,7 @@ class Footprint:
     def base(self) -> int:
         """At load, before any row: the weights, and beside them the packed copies -- or, where each
         matrix is freed as it is packed, only what the copies outgrow the freed matrices by."""
-        return self.weights + self.fixed + (max(0, self.packed - self.released) if self.released else self.packed)
+        return self.weights + self.fixed + max(0, self.packed - self.released)
 
     @property
     def loaded(self) -> int:
