@@ -157,7 +157,7 @@ def test_window_errors(close_pair):
         make_config("ar", {"kv_window": 10, "kv_sinks": 4, "kv_evict": 6})
     with pytest.raises(ValueError, match="kv_window must be >= 0"):
         make_config("ar", {"kv_window": -1})
-    with pytest.raises(ValueError, match="kv_evict shape the StreamingLLM cache window: set kv_window too"):
+    with pytest.raises(ValueError, match="kv_evict shapes the StreamingLLM cache window: set kv_window too"):
         make_config("dynatree", {"kv_evict": 16})  # without a window it would do nothing
     with pytest.raises(ContextError, match="exceed the models' 128-token context"):
         decode(close_pair, [5, 6], make_config("ar", {"kv_window": 100, "kv_evict": 40}), max_new_tokens=4)
