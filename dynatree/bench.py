@@ -124,12 +124,12 @@ def _peer_options(label: str, shared: dict, own: dict) -> dict:
     """A transformers peer's options: the sampling ones given to every method (none of its own)."""
     import dataclasses
 
-    from .config import SamplingConfig
+    from .config import SamplingConfig, WINDOW_FIELDS
 
     sampling_keys = {f.name for f in dataclasses.fields(SamplingConfig)}
     if own.get(label):
         raise ValueError(f"{label}: transformers peers take no options of their own")
-    ar_keys = {f.name for f in dataclasses.fields(ARConfig)}
+    ar_keys = {f.name for f in dataclasses.fields(ARConfig)} - set(WINDOW_FIELDS[1:])  # (those reach windows only)
     other = [k for k in shared if k in ar_keys and k not in sampling_keys]  # they would run without it
     if other:
         raise ValueError(f"--option {other[0]} (given to every method) does not apply to transformers' "

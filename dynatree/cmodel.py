@@ -300,10 +300,12 @@ class Runner:
         packed) would otherwise keep until they go -- nothing reads them again."""
         if weight.numel():
             self.released += weight.numel() * weight.element_size()
-            try:
-                weight.untyped_storage().resize_(0)
-            except RuntimeError:  # a storage not resizable (memory-mapped): it goes with its last view
-                pass
+            store = weight.untyped_storage()
+            if store.nbytes() == weight.numel() * weight.element_size():  # the matrix's own storage alone
+                try:
+                    store.resize_(0)
+                except RuntimeError:  # not resizable (memory-mapped): it goes with its last view
+                    pass
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def release_matrices(self) -> int:

@@ -405,9 +405,10 @@ def load_tokenizer(name_or_path: str):
     if lacks_tokenizer(name_or_path):  # the models still run on token ids; a text prompt says why not (encode)
         return None
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
         raise PairError(f"cannot load tokenizer for {name_or_path!r}: {e}") from e
+    return tok if len(tok) > 8 else None  # (transformers' empty stand-in where a hub repo has no tokenizer)
 
 
 def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
@@ -443,7 +444,7 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         try:
             dtok = load_tokenizer(str(draft))  # (None without tokenizer files: the target's is trusted)
         except PairError:
-            dtok = None  # a draft directory without tokenizer files: trust the target's
+            dtok = None  # one that fails to load: the target's too (the vocabularies are still compared)
         dmodel = load_model(str(draft), dev, dt, attn_implementation, lean)
     return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok, kernel=kernel,
                             names={"target": str(target), "draft": None if dmodel is None else str(draft)})

@@ -361,3 +361,4 @@ def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_re
     assert specs["ar"] == {} and specs["streaming_spec"]["kv_evict"] == 32 == specs["ar_window1024_evict32"]["kv_evict"]
     with pytest.raises(ValueError, match="--option kv_evict: no method in --methods has a cache window"):
         parse_methods("ar,dynatree", ["kv_evict=8"])
+    assert parse_methods("streaming_spec,hf_ar", ["kv_evict=32"])[2].options == {}  # a peer is not refused for it
