@@ -94,11 +94,6 @@ class MethodConfig(SamplingConfig):
             raise ValueError("kv_window must be >= 0 (0 = off)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
-        unset = [n for n in ("kv_sinks", "kv_evict") if getattr(self, n) != _WINDOW_DEFAULTS[n]]
-        if unset and not self.kv_window:  # they would do nothing: say so rather than ignore them
-            one = len(unset) == 1
-            raise ValueError(f"{' and '.join(unset)} shape{'s' if one else ''} the StreamingLLM cache window: set "
-                             f"kv_window too (e.g. kv_window=1024), or leave {'it' if one else 'them'} out")
         if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1
                                or self.kv_window <= self.kv_sinks + self.kv_evict):
             raise ValueError(f"kv_window={self.kv_window} must exceed kv_sinks + kv_evict "
