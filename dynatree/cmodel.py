@@ -283,7 +283,8 @@ class Runner:
         owner, shared = {}, set()
         for m in untied_linears(self.model):
             ptr = m.weight.untyped_storage().data_ptr()
-            shared.update([ptr] if ptr in owner else [])
+            if ptr in owner:
+                shared.add(ptr)
             owner[ptr] = m.weight
 
         def release_packed(w) -> None:

@@ -129,17 +129,17 @@ class ModelPair:
     kernel: str = "lean"
     # every id that ends a generation (an instruct model's end of turn beside its end of text, ...)
     eos_token_ids: tuple = ()
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The first of eos_token_ids (a padding id for transformers' peers), or None."""
-        return self.eos_token_ids[0] if self.eos_token_ids else None
     # keys/values of shared prompt prefixes kept per model and cache dtype (prefix.py); 0 turns it off
     prefix_cache_bytes: int = 1 << 30
     # free each float32 matrix as the native kernel packs it (cmodel.Runner.packed_callback): a job's
     # actors, whose forwards all take the kernel (config.within_native_rows), set it before the first
     # runner() -- loading then peaks near the float32 model, not it plus the packed copy
     release_packed: bool = False
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of eos_token_ids (a padding id for transformers' peers), or None."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def prefix_store(self, which: str, kv_dtype: str = "model"):
         """The prefix.PrefixStore of ``"target"`` or ``"draft"`` caches in ``kv_dtype``, or None when
