@@ -31,6 +31,24 @@ def test_index_continues_loops_and_never_matches_itself():
     assert NgramIndex([], min_n=1, max_n=1).propose(2) == ([], 0)
 
 
+def test_index_grown_piecewise_is_the_latest_occurrence_of_every_ngram():
+    """Against the definition, brute force: random sequences over small alphabets, indexed as
+    they grow by a few tokens at a time (catch_up between lookups)."""
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        vocab, lo, hi = rng.choice([2, 3, 9]), rng.randint(1, 3), rng.randint(3, 9)
+        idx = NgramIndex([rng.randrange(vocab) for _ in range(rng.randint(0, 20))], lo, hi)
+        for _ in range(rng.randint(1, 6)):
+            idx.extend([rng.randrange(vocab) for _ in range(rng.randint(0, 4))])
+            idx.catch_up()
+            seq, want = idx.seq, {}
+            for e in range(len(seq) - 1):  # ends with a successor, in order: the latest wins
+                for n in range(lo, min(hi, e + 1) + 1):
+                    want[tuple(seq[e - n + 1:e + 1])] = e
+            assert idx.last == want
+
+
 def tree3() -> Tree:
     """root(10) -> a(11) -> b(12); root -> c(13)."""
     t = Tree.root_only(10)
