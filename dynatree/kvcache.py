@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import native
+from .names import binding_window
 from .runtime import rotate_half
 
 
@@ -249,6 +250,9 @@ def make_window(model, size: int, sinks: int, chunk: int) -> Window:
     if cfg.model_type not in ROTATE_HALF or rotary is None or not hasattr(rotary, "inv_freq"):
         raise ValueError(f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); "
                          f"{cfg.model_type!r} is not supported")
+    if binding_window(cfg):  # (its mask is in positions, which eviction moves keys away from)
+        raise ValueError(f"kv_window cannot be combined with the model's own {binding_window(cfg)}-token sliding "
+                         "attention window")
     if getattr(rotary, "attention_scaling", 1.0) != 1.0:
         raise ValueError("kv_window does not support scaled rotary embeddings (rope_type "
                          f"{getattr(rotary, 'rope_type', '?')!r})")

@@ -12,7 +12,7 @@ import torch
 from .config import FLOAT16_ON_CPU, KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
-from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
+from .names import TOKENIZER_FILES, binding_window, context_len, default_pair_dir, lacks_tokenizer, model_problem
 from .runtime import KeyMask, forward_each, with_heads
 
 DTYPES = {
@@ -53,6 +53,10 @@ class HFRunner:
 
     def __init__(self, model):
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
+        # A 4-D mask is taken as given, so the model's sliding window must be in it; with full and
+        # sliding layers both (Qwen2's max_window_layers) the model takes one mask per layer kind.
+        self.window = binding_window(self.config)
+        self.mixed = self.window is not None and "full_attention" in (getattr(self.config, "layer_types", None) or ())
         # transformers 5.x renames forward's past_key_values to cache (the old name warns, then goes
         # in 5.40); the engine says past_key_values, as older 5.x versions take it
         params = inspect.signature(model.forward).parameters
@@ -62,10 +66,24 @@ class HFRunner:
                  perturb=None, **kwargs):
         """transformers' arguments, plus the heads of runtime.Output (computed after the forward)."""
         if isinstance(attention_mask, KeyMask):
-            attention_mask = attention_mask.additive(self.dtype)
+            attention_mask = self._additive(attention_mask, kwargs)
         if self._cache_kw and "past_key_values" in kwargs:
             kwargs[self._cache_kw] = kwargs.pop("past_key_values")
         return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols, perturb)
+
+    def _additive(self, mask: KeyMask, kwargs: dict):
+        """A KeyMask as the additive 4-D mask(s) the model takes: with its sliding window, the keys
+        an AR step at each row's position would not see are masked too."""
+        full = mask.additive(self.dtype)  # (1, 1, n, k)
+        if self.window is None:
+            return full
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            cache = kwargs.get("past_key_values")
+            start = cache.get_seq_length() if cache is not None else 0
+            pos = torch.arange(start, start + full.shape[-2])
+        windowed = full.masked_fill(mask.beyond_window(pos, self.window)[None, None], torch.finfo(self.dtype).min)
+        return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
 
     def forward(self, seqs, **heads):
         """runtime.Seq inputs -> one runtime.Output each (one forward per sequence)."""
@@ -202,8 +220,11 @@ class ModelPair:
             return ""
         if hasattr(run, "native"):  # dynatree's forward on torch's ops
             return run.refusal
-        return ("--kernel hf asks for transformers' forward" if self.kernel == "hf" else  # models.HFRunner
-                f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)")
+        if self.kernel == "hf":  # models.HFRunner
+            return "--kernel hf asks for transformers' forward"
+        if run.window is not None:
+            return f"transformers' forward (the model's {run.window}-token sliding attention window)"
+        return f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)"
 
     def forward_in_use(self, which: str = "target") -> str:
         """What runs ``which`` model's forward, for logs and summaries: dynatree's native kernel

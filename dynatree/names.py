@@ -83,6 +83,17 @@ def context_len(config) -> int:
     return 1 << 30
 
 
+def binding_window(config) -> int | None:
+    """The model's own sliding attention window (Mistral, Qwen2/3 with use_sliding_window), or None
+    when it has none or it covers the whole context; ``config``: an object, or config.json's dict."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    window, kinds = get("sliding_window"), get("layer_types")
+    if (not isinstance(window, int) or window <= 0 or not get("use_sliding_window", True)
+            or window >= context_len(config) or (kinds is not None and "sliding_attention" not in kinds)):
+        return None
+    return int(window)
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
     a hub id that is neither cached nor reachable (:func:`hub_problem`)."""

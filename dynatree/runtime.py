@@ -54,6 +54,20 @@ class KeyMask:
         mask[:, self.visible:].masked_fill_(~self.allowed, torch.finfo(dtype).min)
         return mask[None, None]
 
+    def beyond_window(self, positions: torch.Tensor, window: int) -> torch.Tensor:
+        """(n, visible + m) bool: the keys a sliding attention window of ``window`` tokens hides
+        from each row (transformers' rule: a query at position p sees keys at p - window + 1 .. p),
+        where ``positions`` (n,) are the rows' positions.  The visible prefix's key j is at
+        position j (no cache window evicts beside a model's own window), and a row's allowed keys
+        are its ancestors up to itself in depth order (a tree path: engine and drafting masks), so
+        its t-th allowed key from the end is t positions back."""
+        n, m = self.allowed.shape
+        p = positions.reshape(n, 1).to(self.allowed.device)
+        prefix = torch.arange(self.visible, device=self.allowed.device)[None] <= p - window  # (n, visible)
+        allowed = self.allowed.to(torch.int32)
+        back = allowed.flip(1).cumsum(1).flip(1) - allowed  # (n, m): allowed keys after each column
+        return torch.cat((prefix, back >= window), dim=1)
+
 
 @dataclass(frozen=True)
 class Perturb:

@@ -383,3 +383,75 @@ def test_released_matrices_leave_the_native_outputs_and_refuse_torch(family, tie
     with pytest.raises(RuntimeError, match="float32 weights were released"):
         runner.forward([Seq(torch.tensor(PROMPT * 100), new_cache(runner, 700))])  # 600 rows' logits: torch's path
     assert pair.release_matrices() == 2 * size  # nothing more to free
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by transformers' forward over the whole text at every step, no cache: the
+    model's definition (transformers' generate() keeps a sliding-window cache that, after a prompt
+    longer than the window, parts from it -- its own cacheless forward agrees with dynatree)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def related_pair(target, draft):
+    with torch.no_grad():  # a related draft, so trees get accepted nodes
+        for pt, pd in zip(target.parameters(), draft.parameters()):
+            pd.copy_(pt + 0.3 * (pd - pt))
+    return pair_from_models(target, draft, None, eos_token_id=None)
+
+
+@pytest.mark.parametrize("family,extra", [("mistral", {"sliding_window": 5}),
+                                          ("qwen2", {"use_sliding_window": True, "sliding_window": 5,
+                                                     "max_window_layers": 1})])
+def test_sliding_window_models_stay_exact_with_trees(family, extra):
+    """A sliding window shorter than the text (Mistral: every layer; Qwen2: the layers from
+    max_window_layers on, the others full) runs on transformers' forward: a tree's nodes must see
+    the keys an AR step at their position sees, window included, so every method equals
+    transformers' greedy decoding (float64), alone and batched."""
+    def model(seed):
+        config_cls, model_cls = FAMILIES[family]
+        torch.manual_seed(seed)
+        cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, **extra)
+        return model_cls(cfg).double().eval()
+
+    target = model(5)
+    pair = related_pair(target, model(6))
+    assert isinstance(pair.runner("target"), HFRunner)
+    assert "sliding attention window" in pair.not_native("target")
+    prompts = random_prompts(4, seed=3, lo=3, hi=14, vocab=64)
+    refs = [hf_greedy(target, p, 16) for p in prompts]
+    for method in ("ar", "linear", "fixed_tree", "dynatree"):
+        assert [decode(pair, p, make_config(method), max_new_tokens=16, ignore_eos=True)[0] for p in prompts] == refs
+        got = decode_batch(pair, prompts, make_config(method), max_new_tokens=16, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+    with pytest.raises(ValueError, match="sliding attention window"):  # StreamingLLM's eviction beside it: refused
+        decode(pair, prompts[0], make_config("ar", {"kv_window": 24, "kv_sinks": 2, "kv_evict": 6}), max_new_tokens=4)
+
+
+def test_longrope_rows_get_the_rotary_their_own_ar_steps_get():
+    """LongRoPE switches to its long factors once a forward's largest position passes the
+    original context, so a row's rotary must not depend on the rows packed beside it (another
+    sequence's longer prompt) nor on deeper nodes of its own tree: batched, with trees crossing
+    the switch, every method equals transformers' greedy decoding of each prompt alone (float64)."""
+    def model(seed):
+        torch.manual_seed(seed)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+                "short_factor": [1.0] * 4, "long_factor": [1.0 + 0.7 * i for i in range(4)]}
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          rope_parameters=rope, eos_token_id=0, bos_token_id=0)
+        return LlamaForCausalLM(cfg).double().eval()
+
+    target = model(5)
+    pair = related_pair(target, model(6))
+    prompts = [random_prompts(1, seed=s, lo=n, hi=n + 1, vocab=64)[0] for s, n in ((1, 6), (2, 20), (3, 30), (4, 22))]
+    refs = [hf_greedy(target, p, 14) for p in prompts]
+    for method in ("ar", "linear", "dynatree"):
+        got = decode_batch(pair, prompts, make_config(method), max_new_tokens=14, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+        assert [decode(pair, p, make_config(method), max_new_tokens=14, ignore_eos=True)[0] for p in prompts] == refs

@@ -156,3 +156,18 @@ def test_a_draft_restarts_on_its_last_tokens_when_catching_up_would_cost_more(cl
     run(d, d.prefill())
     assert d.restarts == 2
     assert_cache_is_a_prefill_of((prompt[4:5] + prompt[:20])[-9:-1])
+
+
+def test_a_sliding_window_hides_the_keys_an_ar_step_would_not_see():
+    """KeyMask.beyond_window by hand on a 3-node chain root(4) -> a(5) -> b(6) after a 4-token
+    prefix: a window of w keys shows each row the keys at its position - w + 1 .. its position."""
+    from dynatree.runtime import KeyMask
+    from dynatree.tree import ancestor_matrix
+
+    mask = KeyMask(4, ancestor_matrix([-1, 0, 1]))
+    pos = torch.tensor([4, 5, 6])
+    T, F = True, False
+    assert mask.beyond_window(pos, 3).tolist() == [[T, T, F, F, F, F, F],  # root sees 2, 3, itself
+                                                   [T, T, T, F, F, F, F],  # a sees 3, root, itself
+                                                   [T, T, T, T, F, F, F]]  # b sees root, a, itself
+    assert mask.beyond_window(pos, 2).tolist()[2] == [T, T, T, T, T, F, F]  # b: a and itself
