@@ -43,6 +43,7 @@ from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair, is_chat
+from .names import rope_switch
 from .budget import Governor
 from .policies import make_policy
 from .prefix import prefill_shared, remember
@@ -119,6 +120,7 @@ class _Row:
         self.eos = () if ignore_eos else pair.eos_token_ids
         self.stop_hit = stop.watch(pair.decode) if stop is not None else None
         self.max_context = pair.max_context
+        self.rope_switch = rope_switch(pair.target.config)
         self.sampler = Sampler.from_config(cfg)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
@@ -168,11 +170,17 @@ class _Row:
 
     def max_depth(self, prefix_len: int) -> int:
         """The deepest useful drafted token: path + bonus fit in max_new_tokens and the context,
-        and with a window every node's position stays inside it (so no tree spans an eviction)."""
+        with a window every node's position stays inside it (so no tree spans an eviction), and
+        no tree spans a LongRoPE switch (names.rope_switch: a forward's rows all read the table of
+        its largest position, and an AR step's read its own)."""
         room = self.max_new_tokens - len(self.out)
         if self.window is None:
-            return min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
-        return min(room - 1, self.window.size - 1 - prefix_len)
+            depth = min(room, self.max_context - len(self.prompt) - len(self.out)) - 1
+        else:
+            depth = min(room - 1, self.window.size - 1 - prefix_len)
+        if self.rope_switch is not None and prefix_len < self.rope_switch:  # the root at position prefix_len
+            depth = min(depth, self.rope_switch - 1 - prefix_len)
+        return depth
 
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter

@@ -94,6 +94,17 @@ def binding_window(config) -> int | None:
     return int(window)
 
 
+def rope_switch(config) -> int | None:
+    """Where a length-dependent rotary embedding changes its table (LongRoPE: once a forward's
+    largest position reaches original_max_position_embeddings it takes its long factors, for every
+    row of that forward), or None: a position the engine keeps each forward on one side of."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kinds = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    at = [p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+          for p in kinds if p.get("rope_type") == "longrope"]
+    return min((int(a) for a in at if a), default=None)
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
     a hub id that is neither cached nor reachable (:func:`hub_problem`)."""

@@ -21,6 +21,7 @@ import torch
 
 from . import cmodel, native
 from .config import NATIVE_FAMILIES
+from .names import rope_switch
 from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 FAMILY = tuple(f for f in NATIVE_FAMILIES if f != "gpt_neox")  # the Llama family
@@ -68,6 +69,7 @@ class PackedRunner(cmodel.Runner):
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.switch = rope_switch(self.config)
         rope = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
         # why the C forward does not run this model ("" when it does: cmodel.refusal)
         self.refusal = cmodel.refusal(model, self._shape(), gemm, isa) or (
@@ -89,7 +91,7 @@ class PackedRunner(cmodel.Runner):
         spans = row_spans(seqs)
         masks = seq_masks(seqs, self.dtype, self.device)
         h = core.embed_tokens(torch.cat([s.ids.reshape(-1) for s in seqs]).to(self.device))[None]  # (1, N, d)
-        cos, sin = core.rotary_emb(h, torch.cat([p for p, _ in masks], dim=1))  # (1, N, hd)
+        cos, sin = self._rotary(h, [p for p, _ in masks])  # (1, N, hd)
         cos, sin = cos[:, None], sin[:, None]
         for i, layer in enumerate(core.layers):
             h = h + self._attend(i, layer.self_attn, layer.input_layernorm(h), cos, sin, seqs, spans, masks)
@@ -97,6 +99,24 @@ class PackedRunner(cmodel.Runner):
         h, keeps = kept_rows(h, seqs, spans)  # (1, K, d): only the logits asked for
         logits = self.model.lm_head(core.norm(h))  # (1, K, V)
         return heads_each(logits, keeps, topk, argmax, cols, [s.perturb for s in seqs])
+
+    def _rotary(self, h: torch.Tensor, positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (1, N, hd) of the packed rows (positions: (1, n) per sequence), each sequence's
+        as the model computes them for it alone.  LongRoPE reads the table of a call's largest
+        position (names.rope_switch), so sequences on either side of its switch get a call each
+        (the engine keeps every sequence's forward on one side)."""
+        rotary = self.model.model.rotary_emb
+        if self.switch is None:
+            return rotary(h, torch.cat(positions, dim=1))
+        late = [int(p.max()) >= self.switch for p in positions]  # kept host sync: which table each reads
+        parts: list = [None] * len(positions)
+        for side in set(late):
+            idx = [i for i, x in enumerate(late) if x == side]
+            cos, sin = rotary(h, torch.cat([positions[i] for i in idx], dim=1))
+            sizes = [positions[i].shape[1] for i in idx]
+            for i, c, s in zip(idx, cos.split(sizes, dim=1), sin.split(sizes, dim=1)):
+                parts[i] = (c, s)
+        return torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)
 
     def _attend(self, i: int, attn, x, cos, sin, seqs, spans, masks) -> torch.Tensor:
         """Layer i's attention block: projections over all rows, attention per sequence over its

@@ -385,14 +385,20 @@ def test_released_matrices_leave_the_native_outputs_and_refuse_torch(family, tie
     assert pair.release_matrices() == 2 * size  # nothing more to free
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding by transformers' forward over the whole text at every step, no cache: the
-    model's definition (transformers' generate() keeps a sliding-window cache that, after a prompt
-    longer than the window, parts from it -- its own cacheless forward agrees with dynatree)."""
+def hf_greedy(model, prompt: list[int], n: int, cached: bool = False) -> list[int]:
+    """Greedy decoding by transformers' forward: over the whole text at every step, no cache (the
+    model's definition), or (``cached``) the prompt in one forward and then a token at a time with
+    transformers' own cache, as AR decodes -- where the cut into forwards changes the result
+    (LongRoPE).  (Not generate(): after a prompt longer than the window or the LongRoPE switch it
+    parts from both, on the first token.)"""
     ids = list(prompt)
     with torch.no_grad():
+        past = None
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            x = torch.tensor([ids[-1:] if past is not None else ids])
+            out = model(x, past_key_values=past, use_cache=cached)
+            past = out.past_key_values if cached else None
+            ids.append(int(out.logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -433,25 +439,46 @@ def test_sliding_window_models_stay_exact_with_trees(family, extra):
         decode(pair, prompts[0], make_config("ar", {"kv_window": 24, "kv_sinks": 2, "kv_evict": 6}), max_new_tokens=4)
 
 
-def test_longrope_rows_get_the_rotary_their_own_ar_steps_get():
-    """LongRoPE switches to its long factors once a forward's largest position passes the
-    original context, so a row's rotary must not depend on the rows packed beside it (another
-    sequence's longer prompt) nor on deeper nodes of its own tree: batched, with trees crossing
-    the switch, every method equals transformers' greedy decoding of each prompt alone (float64)."""
-    def model(seed):
-        torch.manual_seed(seed)
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
-                "short_factor": [1.0] * 4, "long_factor": [1.0 + 0.7 * i for i in range(4)]}
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          rope_parameters=rope, eos_token_id=0, bos_token_id=0)
-        return LlamaForCausalLM(cfg).double().eval()
+def longrope_llama(seed: int):
+    torch.manual_seed(seed)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0] * 4, "long_factor": [1.0, 5.0, 25.0, 125.0]}
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rope_parameters=rope, eos_token_id=0, bos_token_id=0)
+    return LlamaForCausalLM(cfg).double().eval()
 
-    target = model(5)
-    pair = related_pair(target, model(6))
+
+def test_longrope_rows_get_the_rotary_their_own_ar_steps_get():
+    """LongRoPE switches to its long factors once a forward's largest position reaches the
+    original context (24 here) -- for every row of that forward, so its outputs depend on how the
+    text was cut into forwards; the reference is AR's cut: the prompt in one forward, then a token
+    at a time.  A sequence's rotary must not depend on the sequences packed beside it (a longer
+    prompt), and no tree may span the switch (its shallow nodes would read the long table that
+    their AR steps do not): every method, batched, equals that reference (float64)."""
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import Seq
+
+    target = longrope_llama(5)
+    pair = related_pair(target, longrope_llama(6))
+    run = pair.runner("target")
+    short, long_ = random_prompts(1, seed=1, lo=6, hi=7, vocab=64)[0], random_prompts(1, seed=2, lo=30, hi=31, vocab=64)[0]
+    with torch.inference_mode():
+        alone = run.forward([Seq(torch.tensor(short), new_cache(run, 40))])[0].logits
+        packed = run.forward([Seq(torch.tensor(short), new_cache(run, 40)), Seq(torch.tensor(long_), new_cache(run, 40))])
+    assert torch.allclose(alone, packed[0].logits, rtol=0, atol=1e-10)
+
+    spans, forward = [], run.forward
+
+    def watch(seqs, **kw):  # each masked (tree) sequence's first and last position
+        spans.extend((int(s.positions.min()), int(s.positions.max())) for s in seqs if s.mask is not None)
+        return forward(seqs, **kw)
+
+    run.forward = watch
     prompts = [random_prompts(1, seed=s, lo=n, hi=n + 1, vocab=64)[0] for s, n in ((1, 6), (2, 20), (3, 30), (4, 22))]
-    refs = [hf_greedy(target, p, 14) for p in prompts]
+    refs = [hf_greedy(target, p, 14, cached=True) for p in prompts]
     for method in ("ar", "linear", "dynatree"):
         got = decode_batch(pair, prompts, make_config(method), max_new_tokens=14, ignore_eos=True)
         assert [toks for toks, _, _ in got] == refs, method
         assert [decode(pair, p, make_config(method), max_new_tokens=14, ignore_eos=True)[0] for p in prompts] == refs
+    assert spans and not [(a, b) for a, b in spans if a < 24 <= b]  # trees grew, none across the switch
