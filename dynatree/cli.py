@@ -177,7 +177,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
-        check_windows(cfgs, pair.max_context)
+        check_windows(cfgs, pair.max_context, pair.windows)
     except (PairError, ValueError) as e:
         _fail(str(e))
     drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]

@@ -415,14 +415,20 @@ def check_window(cfg, context: int) -> None:
                            f"{context}-token context (a draft's tree positions can reach their sum): {fix}")
 
 
-def check_windows(cfgs: dict, context: int) -> None:
+def check_windows(cfgs: dict, context: int, build=None) -> None:
     """check_window for each labelled method config of a check or bench, the error naming the
-    option to set: ``LABEL.kv_window``, or the bare option for ``ar`` (which a label cannot configure)."""
+    option to set: ``LABEL.kv_window``, or the bare option for ``ar`` (which a label cannot configure);
+    and ``build(cfg)`` (ModelPair.window's), whose ValueError says why the models take no window."""
     for label, cfg in cfgs.items():
         try:
             check_window(cfg, context)
         except ContextError as e:
             raise ContextError(f"{label}: {e} (--option {'' if label == 'ar' else label + '.'}kv_window=N)") from None
+        if build is not None and getattr(cfg, "kv_window", 0):
+            try:
+                build(cfg)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
 
 
 def draws_differ(cfg) -> bool:

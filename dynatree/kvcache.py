@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import native
-from .names import binding_window
+from .names import ROTATE_HALF, window_refusal
 from .runtime import rotate_half
 
 
@@ -207,9 +207,6 @@ def new_cache(model, capacity: int, kv_dtype: str = "model") -> BufferCache:
     return BufferCache(model.config.num_hidden_layers, capacity, None if kv_dtype == "model" else getattr(torch, kv_dtype))
 
 
-# Models whose attention rotates the first r dims of each head by halves (rotate_half), which is
-# what BufferLayer.evict turns back.  GPT-J-style interleaved rotary and absolute positions are not.
-ROTATE_HALF = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "stablelm", "phi3", "olmo", "olmo2", "granite")
 
 
 @dataclass(frozen=True, eq=False)
@@ -247,12 +244,9 @@ def make_window(model, size: int, sinks: int, chunk: int) -> Window:
     """A :class:`Window` for ``model`` (a transformers model with rotary position embeddings)."""
     cfg = model.config
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
-    if cfg.model_type not in ROTATE_HALF or rotary is None or not hasattr(rotary, "inv_freq"):
-        raise ValueError(f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); "
-                         f"{cfg.model_type!r} is not supported")
-    if binding_window(cfg):  # (its mask is in positions, which eviction moves keys away from)
-        raise ValueError(f"kv_window cannot be combined with the model's own {binding_window(cfg)}-token sliding "
-                         "attention window")
+    refusal = window_refusal(cfg)
+    if refusal or rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ValueError(refusal or f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)})")
     if getattr(rotary, "attention_scaling", 1.0) != 1.0:
         raise ValueError("kv_window does not support scaled rotary embeddings (rope_type "
                          f"{getattr(rotary, 'rope_type', '?')!r})")

@@ -251,6 +251,13 @@ class ModelPair:
             self.state[key] = make_window(getattr(self, which), cfg.kv_window, cfg.kv_sinks, cfg.kv_evict)
         return self.state[key]
 
+    def windows(self, cfg) -> None:
+        """Build ``cfg``'s cache windows for both models now: a model that takes none raises its
+        ValueError before any decoding (check, bench)."""
+        for which in ("target", "draft"):
+            if getattr(self, which) is not None:
+                self.window(cfg, which)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise PairError(f"this pair has no tokenizer (none was given, or the target's directory has none of "

@@ -105,6 +105,26 @@ def rope_switch(config) -> int | None:
     return min((int(a) for a in at if a), default=None)
 
 
+# Models whose attention rotates the first r dims of each head by halves (rotate_half), which is
+# what kvcache.BufferLayer.evict turns back.  GPT-J-style interleaved rotary and absolute positions are not.
+ROTATE_HALF = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "stablelm", "phi3", "olmo", "olmo2", "granite")
+SCALED_ROPE = ("yarn", "longrope")  # rotary types that scale attention (kvcache.make_window checks the module)
+
+
+def window_refusal(config) -> str | None:
+    """Why a StreamingLLM cache window (kv_window) cannot run on this model, from its config (an
+    object, or config.json's dict: a job's driver checks before any actor starts), or None."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if get("model_type") not in ROTATE_HALF:
+        return f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); {get('model_type')!r} is not supported"
+    if binding_window(config):  # (its mask is in positions, which eviction moves keys away from)
+        return f"kv_window cannot be combined with the model's own {binding_window(config)}-token sliding attention window"
+    rope = (get("rope_parameters") or get("rope_scaling") or {}).get("rope_type")
+    if rope in SCALED_ROPE:
+        return f"kv_window does not support scaled rotary embeddings (rope_type {rope!r})"
+    return None
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
     a hub id that is neither cached nor reachable (:func:`hub_problem`)."""

@@ -230,6 +230,13 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
         check_window(cfg, ctx)
     except ContextError as e:
         raise JobError(str(e)) from None
+    if getattr(cfg, "kv_window", 0):
+        from dynatree.names import window_refusal
+
+        for p in dirs:
+            why = (p / "config.json").is_file() and window_refusal(json.loads((p / "config.json").read_text()))
+            if why:
+                raise JobError(f"{p}: {why}")
 
 
 def _check_output_outside_input(spec: JobSpec) -> None:

@@ -482,3 +482,6 @@ def test_longrope_rows_get_the_rotary_their_own_ar_steps_get():
         assert [toks for toks, _, _ in got] == refs, method
         assert [decode(pair, p, make_config(method), max_new_tokens=14, ignore_eos=True)[0] for p in prompts] == refs
     assert spans and not [(a, b) for a, b in spans if a < 24 <= b]  # trees grew, none across the switch
+    from dynatree.config import check_windows  # a cache window: refused before decoding (check, bench)
+    with pytest.raises(ValueError, match="^dynatree: kv_window does not support scaled rotary embeddings"):
+        check_windows({"dynatree": make_config("dynatree", {"kv_window": 40, "kv_evict": 4})}, 128, pair.windows)

@@ -544,6 +544,13 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, options={"kv_window": 120, "kv_evict": 16}), progress=False, log=quiet)
     with pytest.raises(JobError, match="--max-new-tokens 128 leaves no room for a prompt in the models' 128-token"):
         run_job(spec(pair_dirs, tmp_path, max_new_tokens=128), progress=False, log=quiet)
+    shutil.copytree(pair_dirs / "target", tmp_path / "yarn")  # a rotary scaling no cache window takes
+    config = json.loads((tmp_path / "yarn" / "config.json").read_text())
+    config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "rope_type": "yarn", "factor": 2.0}
+    (tmp_path / "yarn" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JobError, match="yarn: kv_window does not support scaled rotary embeddings"):
+        run_job(spec(pair_dirs, tmp_path, target=str(tmp_path / "yarn"), options={"kv_window": 64, "kv_evict": 8}),
+                progress=False, log=quiet)
     (tmp_path / "in").mkdir()
     (tmp_path / "in.parquet").rename(tmp_path / "in" / "in.parquet")
     for inp in (tmp_path / "in", tmp_path / "in" / "**" / "*.parquet"):

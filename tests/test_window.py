@@ -260,3 +260,15 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
                                     "--option", "temperature=0.5", "--max-new-tokens", "8", "--max-prompt-tokens", "20"])
     table = {ln.split()[1]: ln.split()[2:4] for ln in res.output.splitlines() if "p.parquet" in ln and "/" not in ln.split()[1]}
     assert table == {m: ["2", "2"] for m in ("ar", "ar_t0.5", "dynatree")}, res.output
+
+
+def test_window_refusals_read_from_a_config_alone():
+    """What a job's driver checks in config.json before any actor starts (names.window_refusal)."""
+    from dynatree.names import window_refusal
+
+    assert window_refusal({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}) is None
+    assert window_refusal({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}) is None
+    assert "4096-token sliding attention window" in window_refusal(
+        {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768})
+    assert "rope_type 'longrope'" in window_refusal({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope"}})
+    assert "'gpt2' is not supported" in window_refusal({"model_type": "gpt2"})
