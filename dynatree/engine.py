@@ -343,12 +343,16 @@ class BatchDecoder:
         """Prefix caching (prefix.py) for ``which`` model's caches of these rows' prompts, before their
         prefill (returns the prompt tokens each cache holds from it, and of those the ones copied
         from the store) or ``after`` it (stores the prefixes now seen twice).  Rows with a cache
-        window take no part (their caches evict), nor rows with the option off."""
+        window take no part (their caches evict), nor rows with the option off, nor prompts past
+        a LongRoPE switch (names.rope_switch)."""
         held, copied = [0] * len(rows), [0] * len(rows)
         groups: dict[str, list[int]] = {}
+        switch = rope_switch(getattr(self.pair, which).config)
         for i, r in enumerate(rows):
-            # (a draft that reads only the prompt's end cannot share its beginning)
-            if r.window is None and r.cfg.prefix_cache and (which == "target" or not _bounded(r)):
+            # (a draft that reads only the prompt's end cannot share its beginning; a prompt past a
+            # LongRoPE switch is one forward of long factors, which pieces of it would not be)
+            if (r.window is None and r.cfg.prefix_cache and (which == "target" or not _bounded(r))
+                    and (switch is None or len(r.prompt) <= switch)):
                 groups.setdefault(r.cfg.kv_dtype, []).append(i)
         for kv_dtype, idx in groups.items():
             store = self.pair.prefix_store(which, kv_dtype)

@@ -485,3 +485,36 @@ def test_longrope_rows_get_the_rotary_their_own_ar_steps_get():
     from dynatree.config import check_windows  # a cache window: refused before decoding (check, bench)
     with pytest.raises(ValueError, match="^dynatree: kv_window does not support scaled rotary embeddings"):
         check_windows({"dynatree": make_config("dynatree", {"kv_window": 40, "kv_evict": 4})}, 128, pair.windows)
+
+
+def test_prefix_caching_never_cuts_a_prompt_past_the_longrope_switch():
+    """Prefix caching (on by default) shares 32-token blocks computed in forwards of their own: a
+    block below the switch holds short-factor keys, while a prompt past the switch, prefilled in
+    one forward, has long-factor keys throughout.  Such prompts take no part: after a shorter
+    prompt with the same first block was decoded twice (its block stored), and beside it in a
+    batch, a prompt past the switch decodes as alone (a battery's case: Llama, switch at 48)."""
+    def model(seed):
+        torch.manual_seed(seed)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 48, "factor": 128 / 48}
+        cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          rope_parameters=rope, initializer_range=0.25)
+        return LlamaForCausalLM(cfg).double().eval()
+
+    target = model(0)
+    pair = related_pair(target, model(1))
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(0, 96, (32,), generator=g).tolist()
+    short = base + torch.randint(0, 96, (8,), generator=g).tolist()  # 40 tokens: below the switch
+    long_ = base + torch.randint(0, 96, (28,), generator=g).tolist()  # 60: past it
+    ref = hf_greedy(target, long_, 12, cached=True)
+    for method in ("ar", "dynatree"):
+        pair.forget_prefixes()
+        for _ in range(2):
+            decode(pair, short, make_config(method), max_new_tokens=4, ignore_eos=True)
+        toks, _, m = decode(pair, long_, make_config(method), max_new_tokens=12, ignore_eos=True)
+        assert toks == ref and m.cached_prompt_tokens == 0, method
+        pair.forget_prefixes()
+        got = decode_batch(pair, [short, long_], make_config(method), max_new_tokens=12, ignore_eos=True)
+        assert got[1][0] == ref, method
