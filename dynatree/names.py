@@ -76,7 +76,7 @@ def hub_unreachable(timeout_s: float = 5.0) -> bool:
 def context_len(config) -> int:
     """Most positions a model takes, from its config (an object, or config.json's dict)."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len"):  # (MPT, DBRX: the last)
         v = get(key)
         if isinstance(v, int) and v > 0:
             return v

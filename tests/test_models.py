@@ -296,3 +296,14 @@ def test_float16_on_a_cpu_warns_at_load_and_in_one_line_on_the_command_line(pair
     from dynatree import cli  # (pytest takes warnings over; the command line's format is checked alone)
     assert cli._short_warning("slow", UserWarning, cli.__file__, 1) == "warning: slow\n"
     assert "UserWarning: slow\n" in cli._short_warning("slow", UserWarning, pytest.__file__, 1)
+
+
+def test_context_length_read_from_every_config_spelling():
+    """MPT and DBRX say max_seq_len: without it a context of 2^30 was assumed, so the budget's profile
+    and every method ran past the model's positions instead of stopping with reason "context"."""
+    from transformers import MptConfig
+
+    from dynatree.names import context_len
+
+    assert context_len(MptConfig(max_seq_len=96)) == 96
+    assert context_len({"n_positions": 64}) == 64 and context_len({}) == 1 << 30
