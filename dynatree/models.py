@@ -12,8 +12,8 @@ import torch
 from .config import FLOAT16_ON_CPU, KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
-from .names import TOKENIZER_FILES, binding_window, context_len, default_pair_dir, lacks_tokenizer, model_problem
-from .runtime import KeyMask, forward_each, with_heads
+from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
+from .runtime import KeyMask, base_forward_source, forward_each, model_window, with_heads
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -55,8 +55,9 @@ class HFRunner:
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         # A 4-D mask is taken as given, so the model's sliding window must be in it; with full and
         # sliding layers both (Qwen2's max_window_layers) the model takes one mask per layer kind.
-        self.window = binding_window(self.config)
-        self.mixed = self.window is not None and "full_attention" in (getattr(self.config, "layer_types", None) or ())
+        self.window = model_window(model)
+        self.mixed = (self.window is not None and "causal_mask_mapping" in base_forward_source(model)
+                      and "full_attention" in (getattr(self.config, "layer_types", None) or ()))
         # transformers 5.x renames forward's past_key_values to cache (the old name warns, then goes
         # in 5.40); the engine says past_key_values, as older 5.x versions take it
         params = inspect.signature(model.forward).parameters

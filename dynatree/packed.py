@@ -22,7 +22,8 @@ import torch
 from . import cmodel, native
 from .config import NATIVE_FAMILIES
 from .names import rope_switch
-from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
+from .runtime import (Output, Seq, attend_each, base_forward_source, heads_each, kept_rows, model_window, rotate_half,
+                      row_spans, seq_masks)
 
 FAMILY = tuple(f for f in NATIVE_FAMILIES if f != "gpt_neox")  # the Llama family
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -37,11 +38,11 @@ def supports(model) -> bool:
     core = getattr(model, "model", None)
     if getattr(cfg, "model_type", None) not in FAMILY or core is None or not hasattr(core, "rotary_emb"):
         return False
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and window < cfg.max_position_embeddings:
+    if model_window(model) is not None:
         return False
-    if any(kind != "full_attention" for kind in getattr(cfg, "layer_types", None) or ()):
-        return False
+    if "sliding_window" in base_forward_source(model) and any(
+            kind != "full_attention" for kind in getattr(cfg, "layer_types", None) or ()):
+        return False  # (a layer kind the architecture reads)
     layer = core.layers[0]
     return ({n for n, _ in layer.self_attn.named_children()} == _ATTN | _HEAD_NORMS.get(cfg.model_type, set())
             and {n for n, _ in layer.mlp.named_children()} <= _MLP

@@ -18,11 +18,30 @@ Kernels and their types (ctypes, packed weights, C structs) stay behind this int
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .names import binding_window
+
+
+def base_forward_source(model) -> str:
+    """The source of the model's decoder forward (where transformers builds its masks), or ""."""
+    try:
+        return inspect.getsource(type(getattr(model, "base_model", model)).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def model_window(model) -> int | None:
+    """The sliding attention window ``model`` applies (names.binding_window), where its
+    architecture's code applies one: a config may carry the key anyway (a Llama's stray
+    sliding_window or layer_types change nothing in transformers' Llama)."""
+    window = binding_window(model.config)
+    return window if window is not None and "sliding_window" in base_forward_source(model) else None
 
 
 @dataclass(frozen=True)

@@ -439,6 +439,27 @@ def test_sliding_window_models_stay_exact_with_trees(family, extra):
         decode(pair, prompts[0], make_config("ar", {"kv_window": 24, "kv_sinks": 2, "kv_evict": 6}), max_new_tokens=4)
 
 
+def test_a_window_the_architecture_does_not_apply_is_ignored():
+    """A Llama config carrying sliding_window and layer_types (keys transformers' Llama never
+    reads): no window in the tree masks, no dict of masks it cannot take -- the packed forward,
+    every method equal to transformers' greedy decoding (float64)."""
+    def model(seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          initializer_range=0.25, sliding_window=5, layer_types=["full_attention", "sliding_attention"])
+        return LlamaForCausalLM(cfg).double().eval()
+
+    target = model(5)
+    pair = related_pair(target, model(6))
+    assert isinstance(pair.runner("target"), PackedRunner) and HFRunner(target).window is None
+    prompts = random_prompts(3, seed=3, lo=3, hi=14, vocab=64)
+    refs = [hf_greedy(target, p, 12) for p in prompts]
+    for method in ("ar", "dynatree"):
+        got = decode_batch(pair, prompts, make_config(method), max_new_tokens=12, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+
+
 def longrope_llama(seed: int):
     torch.manual_seed(seed)
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
