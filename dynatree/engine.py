@@ -347,7 +347,8 @@ class BatchDecoder:
         a LongRoPE switch (names.rope_switch)."""
         held, copied = [0] * len(rows), [0] * len(rows)
         groups: dict[str, list[int]] = {}
-        switch = rope_switch(getattr(self.pair, which).config)
+        model = getattr(self.pair, which)
+        switch = rope_switch(model.config) if model is not None else None
         for i, r in enumerate(rows):
             # (a draft that reads only the prompt's end cannot share its beginning; a prompt past a
             # LongRoPE switch is one forward of long factors, which pieces of it would not be)
