@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window, draws_differ,
+from .config import (METHODS, ARConfig, ContextError, LinearConfig, SpecConfig, cache_rows, check_samples, check_window, draws_differ,
                      make_config)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
@@ -50,7 +50,7 @@ from .prefix import prefill_shared, remember
 from .sampling import Sampler, choose_each, head, in_head, sample_seed
 from .stops import Stop, text_of
 from .runtime import KeyMask, Seq
-from .tree import Tree, accept_path, ancestor_matrix, flatten_bfs, long_tensor, position_ids
+from .tree import Tree, accept_path, ancestor_matrix, best_chain, flatten_bfs, long_tensor, position_ids
 
 
 @dataclass
@@ -237,6 +237,9 @@ class BatchDecoder:
     def __init__(self, pair: ModelPair):
         self.pair, self.dev = pair, pair.device
         self.target = pair.runner("target")
+        # a target whose forward cannot verify branches (models._tree_problem) verifies each tree's
+        # best chain: a plain cached step, exact as ar
+        self.chains_only = bool(getattr(self.target, "tree_problem", ""))
         self.joining: list[_Row] = []
         self.active: list[_Row] = []
         self.governor = Governor()  # batched budget against measured batched ar (B > 1)
@@ -256,6 +259,11 @@ class BatchDecoder:
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one "
                              "(load_pair(target, draft); on the command line --draft with --target)")
+        if make_policy(cfg).needs_draft and not isinstance(cfg, LinearConfig):
+            why = getattr(self.pair.runner("draft"), "tree_problem", "")
+            if why:  # (level-wise growth expands several nodes per draft forward: a tree's mask)
+                raise ValueError(f"the draft model cannot expand token trees on transformers' forward ({why}): "
+                                 "use method linear, or another draft")
         prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):
@@ -427,10 +435,13 @@ class BatchDecoder:
             tree = next(trees) if r.drafter is not None and not (probe and r.budgeted) else Tree.root_only(r.out[-1])
             proposal = s.chain
             s.chain, s.fresh = graft(tree, proposal, s.match, r.lookup_stats, tree.bar) if proposal else ([], [])
+            if self.chains_only and len(tree) > 1:
+                tree.keep = best_chain(tree)
             s.tree, s.order = flatten_bfs(tree)
             if s.chain:
                 new_index = {old: new for new, old in enumerate(s.order)}
-                s.chain = [new_index[v] for v in s.chain]  # flattened indices from here on
+                s.chain = [new_index[v] for v in s.chain if v in new_index]  # flattened indices from here on
+                s.fresh = s.fresh[:len(s.chain)]  # (a kept chain keeps a prefix of the lookup's)
         return steps
 
     def _accept_commit(self, s: _Step, out) -> int:

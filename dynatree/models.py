@@ -86,12 +86,58 @@ class HFRunner:
         windowed = full.masked_fill(mask.beyond_window(pos, self.window)[None, None], torch.finfo(self.dtype).min)
         return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
 
+    tree_problem = ""  # why it cannot verify token trees (models._tree_problem; "" when it can)
+
     def forward(self, seqs, **heads):
         """runtime.Seq inputs -> one runtime.Output each (one forward per sequence)."""
         return forward_each(self, seqs, **heads)
 
 
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
+# architectures whose attention follows cache slots in ways no short probe shows: Llama 4's
+# chunked attention and NoPE temperature tuning (8192-token chunks and floor scale in the real models)
+SLOT_BOUND = {"llama4": "Llama 4's attention chunks and temperature follow cache slots",
+              "llama4_text": "Llama 4's attention chunks and temperature follow cache slots"}
+
+
+@torch.inference_mode()
+def _tree_problem(run: HFRunner, model, which: str) -> str:
+    """Why transformers' forward of ``model`` cannot verify a token tree ("" when it can): a 4-node
+    tree (root -> a -> c, root -> b) after a short prompt must give each node the logits of the AR
+    steps over its path, within PROBE_RTOL of their scale.  Its nodes sit at cache slots past their
+    positions, which is where architectures that take positions from slots (ALiBi read by slot,
+    MPT) or no 4-D mask (BLOOM) part from AR.  A prompt or AR step that fails is a PairError: the
+    model cannot run on dynatree's caches at all (state-space and linear-attention layers)."""
+    from .kvcache import new_cache
+    from .runtime import Seq
+    from .tree import ancestor_matrix, long_tensor
+
+    if model.config.model_type in SLOT_BOUND:
+        return SLOT_BOUND[model.config.model_type]
+    n = max(1, min(8, _context_len(model) - 5))
+    g = torch.Generator().manual_seed(1)
+    prompt, nodes = (torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist() for k in (n, 4))
+    cache = new_cache(run, n + 4)
+    try:
+        run.forward([Seq(long_tensor(prompt), cache, keep=1)])
+        ar = {}
+        for path in ((0, 1, 3), (0, 2)):  # the tree's two root-to-leaf paths
+            cache.truncate(n)
+            for u in path:
+                ar[u] = run.forward([Seq(long_tensor([nodes[u]]), cache)])[0].logits[0, 0].float()
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises, the model cannot run here
+        raise PairError(f"the {which} model ({model.config.model_type}) cannot run on dynatree's KV caches: "
+                        f"{type(e).__name__}: {e}") from None
+    cache.truncate(n)
+    parents = [-1, 0, 0, 1]
+    try:
+        got = run.forward([Seq(long_tensor(nodes), cache, long_tensor([n, n + 1, n + 1, n + 2]),
+                               KeyMask(n, ancestor_matrix(parents)))])[0].logits[0].float()
+    except Exception as e:  # noqa: BLE001
+        return f"a token tree's forward fails ({type(e).__name__}: {str(e)[:120]})"
+    want = torch.stack([ar[u] for u in range(4)])
+    gap, scale = (got - want).abs().max().item(), max(1.0, want.abs().max().item())
+    return "" if gap <= PROBE_RTOL * scale else f"a token tree's logits part from AR's by {gap:.3g} (positions from cache slots)"
 
 
 @torch.inference_mode()
@@ -197,9 +243,10 @@ class ModelPair:
             gem = self.kernel == "lean"
             cls = None if self.kernel == "hf" else LeanNeoX if lean_supports(model) else (
                 PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
-            if cls is None:
-                self.state[key] = HFRunner(model)  # transformers' forward
-                return self.state[key]
+            if cls is None:  # transformers' forward
+                run = self.state[key] = HFRunner(model)
+                run.tree_problem = _tree_problem(run, model, which)
+                return run
             release = self.release_packed and gem
             twin = _twin(cls, model) if release else None  # (taken before `run` frees the weights it reads)
             run = cls(model, gemm=gem, release=release)

@@ -81,6 +81,21 @@ def flatten_bfs(tree: Tree) -> tuple[Tree, list[int]]:
                 grafted={new_index[o] for o in tree.grafted if o in new_index}), order
 
 
+def best_chain(tree: Tree) -> list[int]:
+    """The tree cut to one path (for a target that cannot verify branches: models._tree_problem):
+    from the root, each step to the kept child of highest draft path probability (the first on
+    ties).  Returns the path's nodes, root first -- ancestor-closed, so a ``keep``."""
+    kept = set(tree.keep) if tree.keep is not None else None
+    children: dict[int, list[int]] = {}
+    for v in range(1, len(tree)):
+        if kept is None or v in kept:
+            children.setdefault(tree.parents[v], []).append(v)
+    path = [0]
+    while path[-1] in children:
+        path.append(max(children[path[-1]], key=lambda v: (tree.logp[v], -v)))
+    return path
+
+
 def long_tensor(values: list[int], device: torch.device | None = None) -> torch.Tensor:
     """(n,) int64 from host ints (n >= 1): a view of an array buffer costs ~3 us, torch.tensor's
     walk of a list ~9 us, and the engine builds several per iteration."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dynatree import PairError, decode, generate, load_pair, make_config
+from dynatree import PairError, decode, generate, load_pair, make_config, pair_from_models
 from dynatree.cli import main
 
 from conftest import random_prompts, tiny_neox
@@ -307,3 +307,62 @@ def test_context_length_read_from_every_config_spelling():
 
     assert context_len(MptConfig(max_seq_len=96)) == 96
     assert context_len({"n_positions": 64}) == 64 and context_len({}) == 1 << 30
+
+
+def _auto(model_type: str, seed: int, **kw):
+    """A tiny float64 model of any architecture transformers has, sharp enough (initializer 0.25)
+    that a wrong key or position shows in its greedy tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg.initializer_range = 0.25
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).double().eval()
+
+
+MPT = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, max_seq_len=128)
+GPT2 = dict(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=128)
+
+
+def test_a_target_that_cannot_verify_trees_verifies_chains():
+    """MPT reads its ALiBi bias by cache slot, so a tree's nodes (at slots past their positions) are
+    not AR steps: the load-time probe (models._tree_problem) finds it and the engine verifies each
+    tree's best chain -- every method equal to transformers' greedy decoding (float64), a GPT-2
+    draft proposing trees.  BLOOM's forward fails on a tree's mask: found the same way.  A draft
+    that cannot expand trees is refused for the tree methods; linear (chains) runs."""
+    from dynatree.engine import decode_batch
+
+    target = _auto("mpt", 0, **MPT)
+    pair = pair_from_models(target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
+    assert "positions from cache slots" in pair.runner("target").tree_problem and pair.max_context == 128
+    assert pair.runner("draft").tree_problem == ""
+    prompts = random_prompts(3, seed=3, lo=5, hi=40, vocab=96)
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = target(torch.tensor([p]), use_cache=True)
+            ids = [int(out.logits[0, -1].argmax())]
+            for _ in range(15):
+                out = target(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+                ids.append(int(out.logits[0, -1].argmax()))
+        refs.append(ids)
+    for method, opts in (("fixed_tree", {"tau": 0.001}), ("dynatree", {"hw_budget": False}), ("dyspec", {"threshold": 0.001})):
+        got = decode_batch(pair, prompts, make_config(method, opts), max_new_tokens=16, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+        assert max(m.mean_tree_size for _, _, m in got) > 1  # trees were drafted, chains verified
+    bloom = pair_from_models(_auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4),
+                             _auto("bloom", 1, vocab_size=96, hidden_size=32, n_layer=2, n_head=4), None,
+                             eos_token_id=None)
+    assert "a token tree's forward fails" in bloom.runner("target").tree_problem
+    with pytest.raises(ValueError, match="the draft model cannot expand token trees.*use method linear"):
+        decode(bloom, prompts[0], make_config("dynatree"), max_new_tokens=4)
+    assert len(decode(bloom, prompts[0], make_config("linear"), max_new_tokens=4, ignore_eos=True)[0]) == 4
+
+
+def test_a_model_that_cannot_use_dynatree_caches_is_refused_at_load():
+    """A hybrid model (state-space layers: Falcon-H1) keeps a cache of its own kind: said when its
+    runner is built, not as a traceback from the first forward."""
+    model = _auto("falcon_h1", 0, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    with pytest.raises(PairError, match=r"the target model \(falcon_h1\) cannot run on dynatree's KV caches"):
+        pair_from_models(model, None, None, eos_token_id=None).runner("target")

@@ -79,3 +79,18 @@ def test_flatten_bfs_reorders_best_first_trees():
     assert flat.depths == [0, 1, 1, 2]
     same, order2 = flatten_bfs(TREE)
     assert same is TREE and order2 == [0, 1, 2, 3]
+
+
+def test_best_chain_follows_the_most_probable_kept_child():
+    """root -> a (p 0.5) -> c (0.3); root -> b (0.4): the chain is root, a, c -- and with a kept
+    (the budget's keep) that leaves c out, root, a; ties go to the first child."""
+    import math
+
+    from dynatree.tree import best_chain
+
+    t = Tree([10, 11, 12, 13], [-1, 0, 0, 1], [0, 1, 1, 2], [0.0, math.log(0.5), math.log(0.4), math.log(0.3)])
+    assert best_chain(t) == [0, 1, 3]
+    t.keep = [0, 1, 2]
+    assert best_chain(t) == [0, 1]
+    assert best_chain(Tree([1, 2, 3], [-1, 0, 0], [0, 1, 1], [0.0, -1.0, -1.0])) == [0, 1]
+    assert best_chain(Tree.root_only(5)) == [0]
