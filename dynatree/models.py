@@ -59,9 +59,10 @@ class HFRunner:
         self.mixed = (self.window is not None and "causal_mask_mapping" in base_forward_source(model)
                       and "full_attention" in (getattr(self.config, "layer_types", None) or ()))
         # transformers 5.x renames forward's past_key_values to cache (the old name warns, then goes
-        # in 5.40); the engine says past_key_values, as older 5.x versions take it
+        # in 5.40): cache wherever a forward takes it; the engine says past_key_values, as older 5.x
+        # versions take it
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else None
+        self._cache_kw = "cache" if "cache" in params else None
 
     def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,
                  perturb=None, **kwargs):
