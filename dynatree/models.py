@@ -286,6 +286,8 @@ class ModelPair:
 
             return f"native kernel ({native.library().dt_isa().decode()})"
         why = self.not_native(which)
+        if not hasattr(run, "native") and run.tree_problem:  # models.HFRunner
+            why += f"; token trees verified as chains ({run.tree_problem})"
         return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
 
     def window(self, cfg, which: str = "target"):

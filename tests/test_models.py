@@ -335,6 +335,7 @@ def test_a_target_that_cannot_verify_trees_verifies_chains():
     target = _auto("mpt", 0, **MPT)
     pair = pair_from_models(target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     assert "positions from cache slots" in pair.runner("target").tree_problem and pair.max_context == 128
+    assert "token trees verified as chains (a token tree's logits part" in pair.forward_in_use("target")
     assert pair.runner("draft").tree_problem == ""
     prompts = random_prompts(3, seed=3, lo=5, hi=40, vocab=96)
     refs = []
