@@ -207,8 +207,6 @@ def new_cache(model, capacity: int, kv_dtype: str = "model") -> BufferCache:
     return BufferCache(model.config.num_hidden_layers, capacity, None if kv_dtype == "model" else getattr(torch, kv_dtype))
 
 
-
-
 @dataclass(frozen=True, eq=False)
 class Window:
     """StreamingLLM's cache policy for one model (Xiao et al., "Efficient streaming language

@@ -324,18 +324,24 @@ MPT = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, max_seq_len=128)
 GPT2 = dict(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=128)
 
 
-def test_a_target_that_cannot_verify_trees_verifies_chains():
+def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     """MPT reads its ALiBi bias by cache slot, so a tree's nodes (at slots past their positions) are
-    not AR steps: the load-time probe (models._tree_problem) finds it and the engine verifies each
-    tree's best chain -- every method equal to transformers' greedy decoding (float64), a GPT-2
-    draft proposing trees.  BLOOM's forward fails on a tree's mask: found the same way.  A draft
-    that cannot expand trees is refused for the tree methods; linear (chains) runs."""
+    not AR steps: the load-time probe (models._tree_problem) finds it (MPT is also named, for
+    16-bit models whose probe allows for rounding) and the engine verifies each tree's best chain
+    -- every method equal to transformers' greedy decoding (float64), a GPT-2 draft proposing
+    trees.  BLOOM's forward fails on a tree's mask: found the same way.  A draft that cannot
+    expand trees is refused for the tree methods; linear (chains) runs."""
+    from dynatree import models
     from dynatree.engine import decode_batch
 
     target = _auto("mpt", 0, **MPT)
+    with monkeypatch.context() as m:
+        m.delitem(models.SLOT_BOUND, "mpt")
+        probed = pair_from_models(target, None, None, eos_token_id=None).runner("target").tree_problem
+    assert "a token tree's logits part from AR's" in probed
     pair = pair_from_models(target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
-    assert "positions from cache slots" in pair.runner("target").tree_problem and pair.max_context == 128
-    assert "token trees verified as chains (a token tree's logits part" in pair.forward_in_use("target")
+    assert pair.runner("target").tree_problem == "MPT's ALiBi bias follows cache slots" and pair.max_context == 128
+    assert "token trees verified as chains (MPT's ALiBi" in pair.forward_in_use("target")
     assert pair.runner("draft").tree_problem == ""
     prompts = random_prompts(3, seed=3, lo=5, hi=40, vocab=96)
     refs = []
