@@ -280,11 +280,13 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = 
     prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
     model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)  # (as a prefill: native in chunks)
     out = {}
+    chains = bool(getattr(model, "tree_problem", ""))  # it verifies chains: causal steps, no tree mask
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=gen).to(dev)
         mask = torch.zeros((1, 1, n, prefix_len + n), dtype=model.dtype, device=dev)
         mask[..., prefix_len:] = torch.full((n, n), torch.finfo(model.dtype).min, dtype=model.dtype,
                                             device=dev).triu(1)
+        mask = None if chains else mask
         pos = torch.arange(prefix_len, prefix_len + n, device=dev)[None]
 
         def step():

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import native
 from .names import ROTATE_HALF, window_refusal
-from .runtime import rotate_half
+from .runtime import model_window, rotate_half
 
 
 class BufferLayer(DynamicLayer):
@@ -242,7 +242,7 @@ def make_window(model, size: int, sinks: int, chunk: int) -> Window:
     """A :class:`Window` for ``model`` (a transformers model with rotary position embeddings)."""
     cfg = model.config
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
-    refusal = window_refusal(cfg)
+    refusal = window_refusal(cfg, model_window(model))
     if refusal or rotary is None or not hasattr(rotary, "inv_freq"):
         raise ValueError(refusal or f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)})")
     if getattr(rotary, "attention_scaling", 1.0) != 1.0:

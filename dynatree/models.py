@@ -249,8 +249,9 @@ class ModelPair:
             cls = None if self.kernel == "hf" else LeanNeoX if lean_supports(model) else (
                 PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
             if cls is None:  # transformers' forward
-                run = self.state[key] = HFRunner(model)
-                run.tree_problem = _tree_problem(run, model, which)
+                run = HFRunner(model)
+                run.tree_problem = _tree_problem(run, model, which)  # (a PairError leaves no runner behind)
+                self.state[key] = run
                 return run
             release = self.release_packed and gem
             twin = _twin(cls, model) if release else None  # (taken before `run` frees the weights it reads)

@@ -111,14 +111,17 @@ ROTATE_HALF = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "stablelm", "ph
 SCALED_ROPE = ("yarn", "longrope")  # rotary types that scale attention (kvcache.make_window checks the module)
 
 
-def window_refusal(config) -> str | None:
+def window_refusal(config, window="config") -> str | None:
     """Why a StreamingLLM cache window (kv_window) cannot run on this model, from its config (an
-    object, or config.json's dict: a job's driver checks before any actor starts), or None."""
+    object, or config.json's dict: a job's driver checks before any actor starts), or None.
+    ``window``: the model's own sliding window where the model is at hand (runtime.model_window:
+    only an architecture that applies one), else the config's (binding_window)."""
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     if get("model_type") not in ROTATE_HALF:
         return f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); {get('model_type')!r} is not supported"
-    if binding_window(config):  # (its mask is in positions, which eviction moves keys away from)
-        return f"kv_window cannot be combined with the model's own {binding_window(config)}-token sliding attention window"
+    window = binding_window(config) if window == "config" else window
+    if window:  # (its mask is in positions, which eviction moves keys away from)
+        return f"kv_window cannot be combined with the model's own {window}-token sliding attention window"
     rope = (get("rope_parameters") or get("rope_scaling") or {}).get("rope_type")
     if rope in SCALED_ROPE:
         return f"kv_window does not support scaled rotary embeddings (rope_type {rope!r})"

@@ -458,6 +458,8 @@ def test_a_window_the_architecture_does_not_apply_is_ignored():
     for method in ("ar", "dynatree"):
         got = decode_batch(pair, prompts, make_config(method), max_new_tokens=12, ignore_eos=True)
         assert [toks for toks, _, _ in got] == refs, method
+    window = {"kv_window": 24, "kv_sinks": 2, "kv_evict": 6}  # nor is a cache window refused for it
+    assert decode(pair, prompts[0], make_config("ar", window), max_new_tokens=4, ignore_eos=True)[1] == "length"
 
 
 def longrope_llama(seed: int):
