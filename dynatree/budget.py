@@ -283,10 +283,11 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = 
     chains = bool(getattr(model, "tree_problem", ""))  # it verifies chains: causal steps, no tree mask
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=gen).to(dev)
-        mask = torch.zeros((1, 1, n, prefix_len + n), dtype=model.dtype, device=dev)
-        mask[..., prefix_len:] = torch.full((n, n), torch.finfo(model.dtype).min, dtype=model.dtype,
-                                            device=dev).triu(1)
-        mask = None if chains else mask
+        mask = None
+        if not chains:
+            mask = torch.zeros((1, 1, n, prefix_len + n), dtype=model.dtype, device=dev)
+            mask[..., prefix_len:] = torch.full((n, n), torch.finfo(model.dtype).min, dtype=model.dtype,
+                                                device=dev).triu(1)
         pos = torch.arange(prefix_len, prefix_len + n, device=dev)[None]
 
         def step():

@@ -418,7 +418,7 @@ def check_window(cfg, context: int) -> None:
 def check_windows(cfgs: dict, context: int, build=None) -> None:
     """check_window for each labelled method config of a check or bench, the error naming the
     option to set: ``LABEL.kv_window``, or the bare option for ``ar`` (which a label cannot configure);
-    and ``build(cfg)`` (ModelPair.window's), whose ValueError says why the models take no window."""
+    and ``build(cfg)`` (ModelPair.windows), whose ValueError says why the models take no window."""
     for label, cfg in cfgs.items():
         try:
             check_window(cfg, context)

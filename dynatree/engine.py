@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import (METHODS, ARConfig, ContextError, LinearConfig, SpecConfig, cache_rows, check_samples, check_window, draws_differ,
-                     make_config)
+from .config import (METHODS, ARConfig, ContextError, LinearConfig, SpecConfig, cache_rows, check_samples, check_window,
+                     draws_differ, make_config)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -259,11 +259,12 @@ class BatchDecoder:
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one "
                              "(load_pair(target, draft); on the command line --draft with --target)")
-        if make_policy(cfg).needs_draft and not isinstance(cfg, LinearConfig):
-            why = getattr(self.pair.runner("draft"), "tree_problem", "")
-            if why:  # (level-wise growth expands several nodes per draft forward: a tree's mask)
-                raise ValueError(f"the draft model cannot expand token trees on transformers' forward ({why}): "
-                                 "use method linear, or another draft")
+        draft = self.pair.runner("draft") if make_policy(cfg).needs_draft else None
+        if getattr(draft, "tree_fails", False) and not isinstance(cfg, LinearConfig):
+            # (level-wise growth expands several nodes per draft forward, under a tree's mask; an
+            # inexact tree forward only proposes worse, so only one that raises is refused)
+            raise ValueError(f"the draft model cannot expand token trees on transformers' forward "
+                             f"({draft.tree_problem}): use method linear, or another draft")
         prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):
@@ -440,8 +441,8 @@ class BatchDecoder:
             s.tree, s.order = flatten_bfs(tree)
             if s.chain:
                 new_index = {old: new for new, old in enumerate(s.order)}
-                s.chain = [new_index[v] for v in s.chain if v in new_index]  # flattened indices from here on
-                s.fresh = s.fresh[:len(s.chain)]  # (a kept chain keeps a prefix of the lookup's)
+                # flattened indices from here on; a chain kept alone (chains_only) keeps a prefix of it
+                s.chain = [new_index[v] for v in s.chain if v in new_index]
         return steps
 
     def _accept_commit(self, s: _Step, out) -> int:

@@ -13,7 +13,7 @@ from .config import FLOAT16_ON_CPU, KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
-from .runtime import KeyMask, base_forward_source, forward_each, model_window, with_heads
+from .runtime import KeyMask, Seq, base_forward_source, forward_each, model_window, with_heads
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -88,6 +88,7 @@ class HFRunner:
         return {"full_attention": full, "sliding_attention": windowed} if self.mixed else windowed
 
     tree_problem = ""  # why it cannot verify token trees (models._tree_problem; "" when it can)
+    tree_fails = False  # its tree forward raises: as a draft it cannot grow trees
 
     def forward(self, seqs, **heads):
         """runtime.Seq inputs -> one runtime.Output each (one forward per sequence)."""
@@ -97,59 +98,87 @@ class HFRunner:
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
 # architectures whose attention follows cache slots, named so a 16-bit model (whose probe must
 # allow for rounding) or one whose slot effects no short probe shows (Llama 4's 8192-token chunks
-# and NoPE temperature floor) is never trusted with trees
+# and NoPE temperature floor, GPT-Neo's 256-token local window counted back from the slot) is never
+# trusted with trees
 SLOT_BOUND = {"llama4": "Llama 4's attention chunks and temperature follow cache slots",
               "llama4_text": "Llama 4's attention chunks and temperature follow cache slots",
-              "mpt": "MPT's ALiBi bias follows cache slots"}
-TREE_RTOL_16BIT = 3e-2  # the tree probe's tolerance for float16/bfloat16 models (SDPA with and without a mask)
+              "mpt": "MPT's ALiBi bias follows cache slots",
+              "gpt_neo": "GPT-Neo's local attention window follows cache slots"}
+SLOT_WINDOWS = ("window_size", "attention_window_size")  # window keys read by slot (not sliding_window's mask)
+TREE_RTOL_16BIT = 3e-2  # the probes' tolerance for float16/bfloat16 models (SDPA with and without a mask)
 
 
 @torch.inference_mode()
-def _tree_problem(run: HFRunner, model, which: str) -> str:
-    """Why transformers' forward of ``model`` cannot verify a token tree ("" when it can): a 4-node
-    tree (root -> a -> c, root -> b) after a short prompt must give each node the logits of the AR
-    steps over its path, within PROBE_RTOL of their scale.  Its nodes sit at cache slots past their
-    positions, which is where architectures that take positions from slots (ALiBi read by slot,
-    MPT) or no 4-D mask (BLOOM) part from AR.  A prompt or AR step that fails is a PairError: the
-    model cannot run on dynatree's caches at all (state-space and linear-attention layers)."""
-    from .kvcache import new_cache
-    from .runtime import Seq
+def _tree_problem(run: HFRunner, model, which: str) -> tuple[str, bool]:
+    """Why transformers' forward of ``model`` cannot verify a token tree ("" when it can), and
+    whether its tree forward fails outright (such a draft cannot grow trees; an inexact one only
+    proposes worse).  A short prompt is cached, then (a) its AR steps over a path must give the
+    logits of the model's own uncached forward -- else a PairError: the model keeps state
+    outside dynatree's KV caches (state-space, recurrent or linear-attention layers) -- and (b) a
+    4-node tree (root -> a -> c, root -> b) must give each node its AR steps' logits.  Its nodes
+    sit at cache slots past their positions, where architectures that read positions from slots
+    (MPT's ALiBi) or take no 4-D mask (BLOOM) part from AR."""
     from .tree import ancestor_matrix, long_tensor
 
-    if model.config.model_type in SLOT_BOUND:
-        return SLOT_BOUND[model.config.model_type]
-    n = max(1, min(8, _context_len(model) - 5))
+    cfg, dev = model.config, run.device
+    rtol = PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
+    prompt, nodes, cache, ar = _ar_probe(run, model, which, rtol)
+    if cfg.model_type in SLOT_BOUND:
+        return SLOT_BOUND[cfg.model_type], False
+    key = next((k for k in SLOT_WINDOWS if isinstance(getattr(cfg, k, None), int)), None)
+    if key:
+        return f"its {key} follows cache slots", False
+    n = len(prompt)
+    cache.truncate(n)
+    try:
+        got = run.forward([Seq(long_tensor(nodes, dev), cache, long_tensor([n, n + 1, n + 1, n + 2], dev),
+                               KeyMask(n, ancestor_matrix([-1, 0, 0, 1]).to(dev)))])[0].logits[0].float()
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises
+        return f"a token tree's forward fails ({type(e).__name__}: {str(e)[:120]})", True
+    gap = _gap(got, torch.stack([ar[u] for u in range(4)]))
+    return ("" if gap <= rtol else f"a token tree's logits part from AR's by {gap:.3g} of their scale"), False
+
+
+def _gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, relative to the logits' scale (at least 1)."""
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
+def _ar_probe(run: HFRunner, model, which: str, rtol: float):
+    """_tree_problem's part (a): (prompt, 4 node tokens, the cache, AR logits per node of the tree's
+    two root-to-leaf paths), or a PairError."""
+    from .kvcache import new_cache
+    from .tree import long_tensor
+
+    n, dev = max(1, min(8, _context_len(model) - 5)), run.device
+    emb = model.get_input_embeddings()
+    vocab = min(model.config.vocab_size, getattr(emb, "num_embeddings", None) or model.config.vocab_size)
     g = torch.Generator().manual_seed(1)
-    prompt, nodes = (torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist() for k in (n, 4))
-    cache, dev = new_cache(run, n + 4), run.device
+    prompt, nodes = (torch.randint(0, vocab, (k,), generator=g).tolist() for k in (n, 4))
+    cache, ar = new_cache(run, n + 4), {}
     try:
         run.forward([Seq(long_tensor(prompt, dev), cache, keep=1)])
-        ar = {}
-        for path in ((0, 1, 3), (0, 2)):  # the tree's two root-to-leaf paths
+        for path in ((0, 1, 3), (0, 2)):
             cache.truncate(n)
             for u in path:
                 ar[u] = run.forward([Seq(long_tensor([nodes[u]], dev), cache)])[0].logits[0, 0].float()
+        full = run(input_ids=long_tensor(prompt + [nodes[u] for u in (0, 1, 3)], dev)[None],
+                   use_cache=False).logits[0, -3:].float()  # (3, V): the model's own forward, no cache
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises, the model cannot run here
         raise PairError(f"the {which} model ({model.config.model_type}) cannot run on dynatree's KV caches: "
                         f"{type(e).__name__}: {e}") from None
-    cache.truncate(n)
-    parents = [-1, 0, 0, 1]
-    try:
-        got = run.forward([Seq(long_tensor(nodes, dev), cache, long_tensor([n, n + 1, n + 1, n + 2], dev),
-                               KeyMask(n, ancestor_matrix(parents).to(dev)))])[0].logits[0].float()
-    except Exception as e:  # noqa: BLE001
-        return f"a token tree's forward fails ({type(e).__name__}: {str(e)[:120]})"
-    want = torch.stack([ar[u] for u in range(4)])
-    gap, scale = (got - want).abs().max().item(), max(1.0, want.abs().max().item())
-    rtol = PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
-    return "" if gap <= rtol * scale else f"a token tree's logits part from AR's by {gap:.3g} (positions from cache slots)"
+    gap = _gap(torch.stack([ar[u] for u in (0, 1, 3)]), full)
+    if gap > rtol:
+        raise PairError(f"the {which} model ({model.config.model_type}) cannot run on dynatree's KV caches: "
+                        f"decoding on them parts from its own forward by {gap:.3g} of the logits' scale (it keeps "
+                        "state outside the key/value cache)")
+    return prompt, nodes, cache, ar
 
 
 @torch.inference_mode()
 def _probe_logits(run, model) -> torch.Tensor:
     """``run``'s logits over a fixed prompt of up to PROBE_TOKENS tokens (float32)."""
     from .kvcache import new_cache
-    from .runtime import Seq
 
     n = max(1, min(PROBE_TOKENS, _context_len(model) - 1))
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
@@ -250,7 +279,7 @@ class ModelPair:
                 PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
             if cls is None:  # transformers' forward
                 run = HFRunner(model)
-                run.tree_problem = _tree_problem(run, model, which)  # (a PairError leaves no runner behind)
+                run.tree_problem, run.tree_fails = _tree_problem(run, model, which)  # (a PairError: no runner kept)
                 self.state[key] = run
                 return run
             release = self.release_packed and gem
@@ -308,11 +337,13 @@ class ModelPair:
         return self.state[key]
 
     def windows(self, cfg) -> None:
-        """Build ``cfg``'s cache windows for both models now: a model that takes none raises its
-        ValueError before any decoding (check, bench)."""
-        for which in ("target", "draft"):
-            if getattr(self, which) is not None:
-                self.window(cfg, which)
+        """Build ``cfg``'s cache windows now (the draft's where the method drafts): a model that
+        takes none raises its ValueError before any decoding (check, bench)."""
+        from .policies import make_policy
+
+        self.window(cfg, "target")
+        if self.draft is not None and make_policy(cfg).needs_draft:
+            self.window(cfg, "draft")
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -98,10 +98,11 @@ def rope_switch(config) -> int | None:
     """Where a length-dependent rotary embedding changes its table (LongRoPE: once a forward's
     largest position reaches original_max_position_embeddings it takes its long factors, for every
     row of that forward), or None: a position the engine keeps each forward on one side of."""
-    params = getattr(config, "rope_parameters", None) or {}
-    kinds = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
-    at = [p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
-          for p in kinds if p.get("rope_type") == "longrope"]
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    params = get("rope_parameters") or get("rope_scaling") or {}
+    kinds = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    at = [p.get("original_max_position_embeddings") or get("original_max_position_embeddings")
+          for p in kinds if (p.get("rope_type") or p.get("type")) == "longrope"]
     return min((int(a) for a in at if a), default=None)
 
 
@@ -122,9 +123,11 @@ def window_refusal(config, window="config") -> str | None:
     window = binding_window(config) if window == "config" else window
     if window:  # (its mask is in positions, which eviction moves keys away from)
         return f"kv_window cannot be combined with the model's own {window}-token sliding attention window"
-    rope = (get("rope_parameters") or get("rope_scaling") or {}).get("rope_type")
-    if rope in SCALED_ROPE:
-        return f"kv_window does not support scaled rotary embeddings (rope_type {rope!r})"
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    kinds = [rope] if "rope_type" in rope or "type" in rope else [p for p in rope.values() if isinstance(p, dict)]
+    scaled = [k.get("rope_type") or k.get("type") for k in kinds if (k.get("rope_type") or k.get("type")) in SCALED_ROPE]
+    if scaled:  # (older configs say "type"; per-layer-kind parameters nest)
+        return f"kv_window does not support scaled rotary embeddings (rope_type {scaled[0]!r})"
     return None
 
 

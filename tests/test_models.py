@@ -353,10 +353,25 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
                 out = target(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
                 ids.append(int(out.logits[0, -1].argmax()))
         refs.append(ids)
-    for method, opts in (("fixed_tree", {"tau": 0.001}), ("dynatree", {"hw_budget": False}), ("dyspec", {"threshold": 0.001})):
-        got = decode_batch(pair, prompts, make_config(method, opts), max_new_tokens=16, ignore_eos=True)
-        assert [toks for toks, _, _ in got] == refs, method
+    run, masks = pair.runner("target"), []
+    forward = run.forward
+
+    def watch(seqs, **kw):  # every verified sequence: a chain is a plain cached step, no mask
+        masks.extend(s.mask for s in seqs)
+        return forward(seqs, **kw)
+
+    run.forward = watch
+    for method, opts in (("fixed_tree", {"tau": 0.001}), ("dynatree", {"hw_budget": False}),
+                         ("dyspec", {"threshold": 0.001}), ("dynatree", {"hw_budget": False, "lookup": 8})):
+        got = decode_batch(pair, prompts + [[5, 6, 7, 8] * 6], make_config(method, opts), max_new_tokens=16,
+                           ignore_eos=True)  # (a repeating prompt: lookup chains grafted, then cut)
+        assert [toks for toks, _, _ in got][:3] == refs, method
         assert max(m.mean_tree_size for _, _, m in got) > 1  # trees were drafted, chains verified
+    assert masks and all(m is None for m in masks)
+    run.forward = forward
+    neo = _auto("gpt_neo", 0, vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, window_size=16,
+                attention_types=[[["global", "local"], 1]], max_position_embeddings=128)
+    assert "GPT-Neo's local attention window" in pair_from_models(neo, None, None, eos_token_id=None).runner("target").tree_problem
     bloom = pair_from_models(_auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4),
                              _auto("bloom", 1, vocab_size=96, hidden_size=32, n_layer=2, n_head=4), None,
                              eos_token_id=None)
@@ -367,15 +382,39 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert decode(bloom_gpt2, prompts[0], make_config("dynatree"), max_new_tokens=12, ignore_eos=True)[0] == ref
     with pytest.raises(ValueError, match="the draft model cannot expand token trees.*use method linear"):
         decode(bloom, prompts[0], make_config("dynatree"), max_new_tokens=4)
+    mpt_draft = pair_from_models(_auto("gpt2", 1, **GPT2), target, None, eos_token_id=None)  # inexact trees: fine
+    assert len(decode(mpt_draft, prompts[0], make_config("dynatree"), max_new_tokens=4, ignore_eos=True)[0]) == 4
     assert len(decode(bloom, prompts[0], make_config("linear"), max_new_tokens=4, ignore_eos=True)[0]) == 4
 
 
 def test_a_model_that_cannot_use_dynatree_caches_is_refused_at_load():
     """A hybrid model (state-space layers: Falcon-H1) keeps a cache of its own kind: said when its
-    runner is built, not as a traceback from the first forward."""
+    runner is built, not as a traceback from the first forward; one whose recurrent layers keep
+    state beside the cache (RecurrentGemma) decodes without an error but not as its own forward
+    does: refused the same way.  A config whose vocab_size exceeds the embedding's rows loads."""
+    gemma = _auto("recurrent_gemma", 0, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=16)
+    with pytest.raises(PairError, match="parts from its own forward .* keeps state outside the key/value cache"):
+        pair_from_models(gemma, None, None, eos_token_id=None).runner("target")
+    wide = _auto("gpt2", 0, **GPT2)
+    wide.config.vocab_size = 128  # (padded configs: ids 96..127 have no embedding row)
+    assert pair_from_models(wide, None, None, eos_token_id=None).runner("target").tree_problem == ""
     model = _auto("falcon_h1", 0, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     pair = pair_from_models(model, None, None, eos_token_id=None)
     for _ in range(2):  # and again: no runner is left behind to fail later with transformers' own error
         with pytest.raises(PairError, match=r"the target model \(falcon_h1\) cannot run on dynatree's KV caches"):
             pair.runner("target")
+
+
+def test_a_draft_is_asked_for_a_cache_window_only_where_the_method_drafts():
+    """check and bench build every method's windows upfront (ModelPair.windows): ar's does not
+    involve the draft, so a draft that takes no window (GPT-2: absolute positions) refuses only
+    the methods that draft."""
+    from dynatree.config import check_windows
+
+    pair = pair_from_models(tiny_neox(1, vocab=96), _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
+    window = {"kv_window": 64, "kv_evict": 8}
+    check_windows({"ar": make_config("ar", window)}, pair.max_context, pair.windows)
+    with pytest.raises(ValueError, match="^linear: kv_window needs a model with rotary positions.*'gpt2'"):
+        check_windows({"linear": make_config("linear", window)}, pair.max_context, pair.windows)
