@@ -130,6 +130,9 @@ class ShardWorker:
         if self.pair.draft is not None:
             self.pair.runner("draft")
         self.startup["kernel_s"] = time.perf_counter() - t0
+        problem = self.pair.method_problem(self.cfg)
+        if problem:  # every row would fail: fail the actor's start instead, saying why
+            raise PairError(problem)
         t0 = time.perf_counter()
         if getattr(self.cfg, "budget_on", False):
             budget.profile(self.pair, kv_dtype=self.cfg.kv_dtype)

@@ -547,6 +547,9 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
     cfgs = {m.label: None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     # a window the context cannot hold fails here, not after the methods before it ran
     check_windows({label: c for label, c in cfgs.items() if c is not None}, pair.max_context, pair.windows)
+    for label, c in cfgs.items():
+        if c is not None and pair.method_problem(c):
+            raise ValueError(f"{label}: {pair.method_problem(c)}")
     keep = _prompt_budgets(pair, spec, all_windowed(cfgs.values()))  # (a T that fills the context fails here)
     lmax = keep[spec.max_prompt_tokens, spec.max_new_tokens]
     try:

@@ -183,6 +183,9 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]
     if drafted and pair.draft is None:  # before any decoding, not after ar's
         _fail(f"{', '.join(drafted)} need{'s' if len(drafted) == 1 else ''} a draft model: give --draft with --target")
+    for label, c in cfgs.items():
+        if pair.method_problem(c):
+            _fail(f"{label}: {pair.method_problem(c)}")
     try:
         keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
     except ValueError as e:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import (METHODS, ARConfig, ContextError, LinearConfig, SpecConfig, cache_rows, check_samples, check_window,
+from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window,
                      draws_differ, make_config)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
@@ -259,12 +259,9 @@ class BatchDecoder:
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one "
                              "(load_pair(target, draft); on the command line --draft with --target)")
-        draft = self.pair.runner("draft") if make_policy(cfg).needs_draft else None
-        if getattr(draft, "tree_fails", False) and not isinstance(cfg, LinearConfig):
-            # (level-wise growth expands several nodes per draft forward, under a tree's mask; an
-            # inexact tree forward only proposes worse, so only one that raises is refused)
-            raise ValueError(f"the draft model cannot expand token trees on transformers' forward "
-                             f"({draft.tree_problem}): use method linear, or another draft")
+        problem = self.pair.method_problem(cfg)
+        if problem:
+            raise ValueError(problem)
         prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):

@@ -336,6 +336,21 @@ class ModelPair:
             self.state[key] = make_window(getattr(self, which), cfg.kv_window, cfg.kv_sinks, cfg.kv_evict)
         return self.state[key]
 
+    def method_problem(self, cfg) -> str:
+        """Why this pair cannot decode with method config ``cfg`` ("" when it can): a draft whose
+        tree forward fails (models._tree_problem) grows chains only, so only ``linear`` drafts with
+        it.  Checked before any decoding: check, bench, a job's actors, BatchDecoder.add."""
+        from .config import LinearConfig
+        from .policies import make_policy
+
+        if self.draft is None or not make_policy(cfg).needs_draft or isinstance(cfg, LinearConfig):
+            return ""
+        draft = self.runner("draft")
+        if not getattr(draft, "tree_fails", False):
+            return ""
+        return (f"the draft model cannot expand token trees on transformers' forward ({draft.tree_problem}): "
+                "use method linear, or another draft")
+
     def windows(self, cfg) -> None:
         """Build ``cfg``'s cache windows now (the draft's where the method drafts): a model that
         takes none raises its ValueError before any decoding (check, bench)."""

@@ -382,6 +382,8 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert decode(bloom_gpt2, prompts[0], make_config("dynatree"), max_new_tokens=12, ignore_eos=True)[0] == ref
     with pytest.raises(ValueError, match="the draft model cannot expand token trees.*use method linear"):
         decode(bloom, prompts[0], make_config("dynatree"), max_new_tokens=4)
+    assert "cannot expand token trees" in bloom.method_problem(make_config("fixed_tree"))  # (check, bench, jobs)
+    assert bloom.method_problem(make_config("linear")) == bloom.method_problem(make_config("ar")) == ""
     mpt_draft = pair_from_models(_auto("gpt2", 1, **GPT2), target, None, eos_token_id=None)  # inexact trees: fine
     assert len(decode(mpt_draft, prompts[0], make_config("dynatree"), max_new_tokens=4, ignore_eos=True)[0]) == 4
     assert len(decode(bloom, prompts[0], make_config("linear"), max_new_tokens=4, ignore_eos=True)[0]) == 4
