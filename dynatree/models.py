@@ -307,6 +307,10 @@ class ModelPair:
             return "--kernel hf asks for transformers' forward"
         if run.window is not None:
             return f"transformers' forward (the model's {run.window}-token sliding attention window)"
+        from .packed import FAMILY
+
+        if run.config.model_type in FAMILY:
+            return f"transformers' forward (a {run.config.model_type} layout the packed forward does not take)"
         return f"transformers' forward ({run.config.model_type} is neither GPT-NeoX nor Llama-family)"
 
     def forward_in_use(self, which: str = "target") -> str:

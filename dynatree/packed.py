@@ -109,7 +109,7 @@ class PackedRunner(cmodel.Runner):
         rotary = self.model.model.rotary_emb
         if self.switch is None:
             return rotary(h, torch.cat(positions, dim=1))
-        late = [int(p.max()) >= self.switch for p in positions]  # kept host sync: which table each reads
+        late = (torch.stack([p.max() for p in positions]) >= self.switch).tolist()  # kept host sync: each's table
         parts: list = [None] * len(positions)
         for side in set(late):
             idx = [i for i, x in enumerate(late) if x == side]
