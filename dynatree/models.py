@@ -526,8 +526,13 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
 
     hf_logging.disable_progress_bar()  # per-tensor "Loading weights" bars drown job output
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        except ValueError as e:  # an architecture without SDPA (BLOOM, GPT-2 variants): its own attention
+            if "attention implementation" not in str(e) or attn_implementation == "eager":
+                raise
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="eager")
     except (OSError, ValueError, SafetensorError) as e:
         raise PairError(f"cannot load model {name_or_path!r}: {e}") from e
     return model.to(device).eval()

@@ -420,3 +420,11 @@ def test_a_draft_is_asked_for_a_cache_window_only_where_the_method_drafts():
     check_windows({"ar": make_config("ar", window)}, pair.max_context, pair.windows)
     with pytest.raises(ValueError, match="^linear: kv_window needs a model with rotary positions.*'gpt2'"):
         check_windows({"linear": make_config("linear", window)}, pair.max_context, pair.windows)
+
+
+def test_an_architecture_without_sdpa_loads_with_its_own_attention(tmp_path):
+    """load_pair asks transformers for SDPA; BLOOM has none and raised ValueError: it loads with
+    its own (eager) attention instead."""
+    _auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp_path / "bloom")
+    pair = load_pair(str(tmp_path / "bloom"), None, device="cpu", dtype="float32")
+    assert len(decode(pair, [1, 2, 3], make_config("ar"), max_new_tokens=3, ignore_eos=True)[0]) == 3
