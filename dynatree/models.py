@@ -151,8 +151,11 @@ def _ar_probe(run: HFRunner, model, which: str, rtol: float):
     from .tree import long_tensor
 
     n, dev = max(1, min(8, _context_len(model) - 5)), run.device
-    emb = model.get_input_embeddings()
-    vocab = min(model.config.vocab_size, getattr(emb, "num_embeddings", None) or model.config.vocab_size)
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        rows = None
+    vocab = min(model.config.vocab_size, rows or model.config.vocab_size)
     g = torch.Generator().manual_seed(1)
     prompt, nodes = (torch.randint(0, vocab, (k,), generator=g).tolist() for k in (n, 4))
     cache, ar = new_cache(run, n + 4), {}
