@@ -24,15 +24,28 @@ class PairActor:
             # no GPU reserved for this actor: the CPU, even where CUDA devices are visible (Ray
             # need not hide them from an actor that asked for none)
             spec = dataclasses.replace(spec, device="cpu")
-        self.worker = ShardWorker(spec, threads, share)
+        self.failed: Exception | None = None
+        try:
+            self.worker = ShardWorker(spec, threads, share)
+        except Exception as e:  # noqa: BLE001 -- said by ready(), the driver's readiness call
+            # (raised here, Ray prints the whole creation traceback in the driver's terminal
+            # before the job's one-line error; the driver removes the actor with its bundle)
+            self.failed = e
 
     def ready(self) -> dict:
+        if self.failed is not None:
+            raise self.failed
         return self.worker.ready()
 
     def stats(self) -> dict:
+        if self.failed is not None:
+            raise self.failed
         return self.worker.stats()
 
     def run_shard(self, shard: str, rows: list[dict], backlog: int = 0) -> list[dict]:
+        if self.failed is not None:  # a replacement that failed to start: a dead actor, as before
+            print(f"dynatree actor: failed to start ({self.failed!r}); exiting", file=sys.stderr, flush=True)
+            os._exit(1)
         try:
             return self.worker.run_shard(shard, rows, backlog)
         except BaseException:
