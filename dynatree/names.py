@@ -73,9 +73,22 @@ def hub_unreachable(timeout_s: float = 5.0) -> bool:
     return failed == [True]
 
 
+def _getter(config):
+    """``get(key, default=None)`` over a config object or config.json's dict alike."""
+    return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+
+
+def _rope_kinds(get) -> list[tuple[str | None, dict]]:
+    """(rope type, parameters) of each rotary the config sets up: one, or one per layer kind (nested
+    dicts); older configs say rope_scaling and "type"."""
+    params = get("rope_parameters") or get("rope_scaling") or {}
+    kinds = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    return [(k.get("rope_type") or k.get("type"), k) for k in kinds]
+
+
 def context_len(config) -> int:
     """Most positions a model takes, from its config (an object, or config.json's dict)."""
-    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    get = _getter(config)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len"):  # (MPT, DBRX: the last)
         v = get(key)
         if isinstance(v, int) and v > 0:
@@ -86,7 +99,7 @@ def context_len(config) -> int:
 def binding_window(config) -> int | None:
     """The model's own sliding attention window (Mistral, Qwen2/3 with use_sliding_window), or None
     when it has none or it covers the whole context; ``config``: an object, or config.json's dict."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    get = _getter(config)
     window, kinds = get("sliding_window"), get("layer_types")
     if (not isinstance(window, int) or window <= 0 or not get("use_sliding_window", True)
             or window >= context_len(config) or (kinds is not None and "sliding_attention" not in kinds)):
@@ -98,11 +111,9 @@ def rope_switch(config) -> int | None:
     """Where a length-dependent rotary embedding changes its table (LongRoPE: once a forward's
     largest position reaches original_max_position_embeddings it takes its long factors, for every
     row of that forward), or None: a position the engine keeps each forward on one side of."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    params = get("rope_parameters") or get("rope_scaling") or {}
-    kinds = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    get = _getter(config)
     at = [p.get("original_max_position_embeddings") or get("original_max_position_embeddings")
-          for p in kinds if (p.get("rope_type") or p.get("type")) == "longrope"]
+          for kind, p in _rope_kinds(get) if kind == "longrope"]
     return min((int(a) for a in at if a), default=None)
 
 
@@ -117,16 +128,14 @@ def window_refusal(config, window="config") -> str | None:
     object, or config.json's dict: a job's driver checks before any actor starts), or None.
     ``window``: the model's own sliding window where the model is at hand (runtime.model_window:
     only an architecture that applies one), else the config's (binding_window)."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    get = _getter(config)
     if get("model_type") not in ROTATE_HALF:
         return f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); {get('model_type')!r} is not supported"
     window = binding_window(config) if window == "config" else window
     if window:  # (its mask is in positions, which eviction moves keys away from)
         return f"kv_window cannot be combined with the model's own {window}-token sliding attention window"
-    rope = get("rope_parameters") or get("rope_scaling") or {}
-    kinds = [rope] if "rope_type" in rope or "type" in rope else [p for p in rope.values() if isinstance(p, dict)]
-    scaled = [k.get("rope_type") or k.get("type") for k in kinds if (k.get("rope_type") or k.get("type")) in SCALED_ROPE]
-    if scaled:  # (older configs say "type"; per-layer-kind parameters nest)
+    scaled = [kind for kind, _ in _rope_kinds(get) if kind in SCALED_ROPE]
+    if scaled:
         return f"kv_window does not support scaled rotary embeddings (rope_type {scaled[0]!r})"
     return None
 
