@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
-from .config import ARConfig, ar_reference, check_windows, make_config, reference_label
+from .config import ARConfig, ar_reference, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics, release_freed_memory, rss_bytes
 from .models import ModelPair
@@ -546,10 +546,7 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
     cfgs = {m.label: None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     # a window the context cannot hold fails here, not after the methods before it ran
-    check_windows({label: c for label, c in cfgs.items() if c is not None}, pair.max_context, pair.windows)
-    for label, c in cfgs.items():
-        if c is not None and pair.method_problem(c):
-            raise ValueError(f"{label}: {pair.method_problem(c)}")
+    pair.check_methods({label: c for label, c in cfgs.items() if c is not None})
     keep = _prompt_budgets(pair, spec, all_windowed(cfgs.values()))  # (a T that fills the context fails here)
     lmax = keep[spec.max_prompt_tokens, spec.max_new_tokens]
     try:

@@ -167,7 +167,6 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .check import all_windowed, check_methods, prompt_budget, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
-    from .config import check_windows
     from .models import PairError, load_pair
     from .policies import make_policy
 
@@ -177,15 +176,12 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
-        check_windows(cfgs, pair.max_context, pair.windows)
+        pair.check_methods(cfgs)
     except (PairError, ValueError) as e:
         _fail(str(e))
     drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]
     if drafted and pair.draft is None:  # before any decoding, not after ar's
         _fail(f"{', '.join(drafted)} need{'s' if len(drafted) == 1 else ''} a draft model: give --draft with --target")
-    for label, c in cfgs.items():
-        if pair.method_problem(c):
-            _fail(f"{label}: {pair.method_problem(c)}")
     try:
         keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
     except ValueError as e:

@@ -358,6 +358,18 @@ class ModelPair:
         return (f"the draft model cannot expand token trees on transformers' forward ({draft.tree_problem}): "
                 "use method linear, or another draft")
 
+    def check_methods(self, cfgs: dict) -> None:
+        """Before any decoding (check, bench): each labelled method config's cache window fits the
+        context and the models take it (config.check_windows), and the pair can decode it
+        (method_problem); a ValueError naming the label otherwise."""
+        from .config import check_windows
+
+        check_windows(cfgs, self.max_context, self.windows)
+        for label, cfg in cfgs.items():
+            problem = self.method_problem(cfg)
+            if problem:
+                raise ValueError(f"{label}: {problem}")
+
     def windows(self, cfg) -> None:
         """Build ``cfg``'s cache windows now (the draft's where the method drafts): a model that
         takes none raises its ValueError before any decoding (check, bench)."""
