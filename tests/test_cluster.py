@@ -175,3 +175,17 @@ def test_driver_killed_mid_job_resumes_every_id_once(pair_dirs, tmp_path, sig):
     t = pq.read_table(shards)
     assert sorted(t.column("id").to_pylist()) == sorted(f"r{i}" for i in range(n))
     assert all(t.column("matches_ar").to_pylist())
+
+
+def test_a_shipped_checkout_runs_its_own_driver_and_actors(tmp_path):
+    """`ray job submit --working-dir .` puts the checkout's copy first on the path: its
+    dynatree.jobs and dynatree.actors, not the installed ones, must load with its dynatree."""
+    for name in ("dynatree", "jobs", "actors"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    code = ("import dynatree, dynatree.cli, dynatree.jobs.driver, dynatree.actors.worker as w; "
+            "print(dynatree.__file__, dynatree.jobs.driver.__file__, w.__file__)")
+    got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    files = got.stdout.split()
+    assert len(files) == 3 and all(f.startswith(str(tmp_path)) for f in files), files
