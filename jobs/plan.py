@@ -97,9 +97,12 @@ def _begun_schema(spec: JobSpec) -> pa.Schema | None:
 
 def _id_renamed(spec: JobSpec, columns) -> tuple:
     """((id, input_id),) when the kept ``columns`` hold an `id` that is not the row id (duplicates,
-    nulls, --id-column another) and no input_id of their own: the user's key to join on, under a
-    name the output's result column `id` leaves free; () otherwise."""
-    return (("id", INPUT_ID),) if "id" in columns and spec.id_column != "id" and INPUT_ID not in columns else ()
+    nulls, --id-column another): the user's key to join on, under a name the output's result column
+    `id` leaves free (input_id_2, ... where the input has an input_id of its own); () otherwise."""
+    if "id" not in columns or spec.id_column == "id":
+        return ()
+    name = next(n for n in (INPUT_ID, *(f"{INPUT_ID}_{k}" for k in range(2, len(columns) + 2))) if n not in columns)
+    return (("id", name),)
 
 
 def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, ...], tuple]:
@@ -117,13 +120,16 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         return tuple(dict.fromkeys(spec.keep_columns)), renamed  # (a Python caller may repeat one)
     # -- unless an output begun without input_id resumes (its shards and new ones form one dataset)
     begun = _begun_schema(spec)
-    renamed = _id_renamed(spec, source.column_names) if begun is None or INPUT_ID in begun.names else ()
+    renamed = _id_renamed(spec, source.column_names)
+    if begun is not None and renamed and renamed[0][1] not in begun.names:
+        renamed = ()
     if renamed:
-        log(f"input column id copied as {INPUT_ID} (the output's id is the row id)")
+        taken = f"; the input has a column {INPUT_ID}" if renamed[0][1] != INPUT_ID else ""
+        log(f"input column id copied as {renamed[0][1]} (the output's id is the row id{taken})")
     names = dict(renamed)
     skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column and c not in names]
     if skipped:
-        hint = " (--id-column id makes it the row id)" if "id" in skipped else ""
+        hint = " (--id-column id makes it the row id, if its values are unique)" if "id" in skipped else ""
         log(f"input column(s) {', '.join(skipped)} not copied: the output has result columns of that name{hint}")
     return tuple(c for c in source.column_names if c not in result_cols or c in names), renamed
 
@@ -235,6 +241,24 @@ def _refuse_foreign(out: Path) -> None:
                        "move them or choose another --output")
 
 
+def _refuse_unmarked(out: Path) -> None:
+    """Before --overwrite deletes shard files: a part-*.parquet without the metadata every shard
+    dynatree writes carries (write_shard) was put there by someone else -- refuse, never delete it.
+    (Footers only; a resume does not pay for this check.)"""
+    def marked(p: Path) -> bool:
+        try:
+            return META_KEY in (pq.read_metadata(p).metadata or {})
+        except Exception:  # (unreadable: not a whole shard, and shards are written whole)
+            return False
+
+    unmarked = sorted(p.name for p in (out / "shards").glob("part-*.parquet") if not marked(p))
+    if unmarked:
+        more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
+        raise JobError(f"{out / 'shards'} holds Parquet files dynatree did not write ({', '.join(unmarked[:3])}{more}: "
+                       "no dynatree shard metadata), which --overwrite would delete; move them or choose another "
+                       "--output")
+
+
 def _refuse_strays(out: Path, plan: Plan) -> None:
     """A shard file numbered past this job's shards (copied in, or left by another job) would be
     read as output (and counted in the summary): refuse, as for foreign files."""
@@ -339,6 +363,7 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
         return manifest
     _refuse_foreign(out)
     if spec.overwrite:
+        _refuse_unmarked(out)
         return manifest
     old = read_manifest(out)
     if old is not None and _has_shards(out):  # an identity is pinned only once a shard exists

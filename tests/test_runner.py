@@ -219,6 +219,12 @@ def test_bad_inputs_fail_before_any_work(pair_dirs, tmp_path):
             run_job(spec(pair_dirs, tmp_path, overwrite=overwrite), progress=False, log=quiet)
     assert (tmp_path / "out" / "shards" / "mine.parquet").exists()
     os.remove(tmp_path / "out" / "shards" / "mine.parquet")
+    # named like a shard, but not one dynatree wrote (no shard metadata): --overwrite keeps it too
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "out" / "shards" / "part-000005.parquet")
+    with pytest.raises(JobError, match="did not write \\(part-000005.parquet: no dynatree shard metadata"):
+        run_job(spec(pair_dirs, tmp_path, overwrite=True), progress=False, log=quiet)
+    assert pq.read_table(tmp_path / "out" / "shards" / "part-000005.parquet").num_rows == 1
+    os.remove(tmp_path / "out" / "shards" / "part-000005.parquet")
     (tmp_path / "out" / "shards" / ".DS_Store").write_text("")  # what pyarrow.dataset skips is no obstacle
     with pytest.raises(JobError, match="no prompt column 'body'"):
         run_job(spec(pair_dirs, tmp_path, prompt_column="body"), progress=False, log=quiet)
@@ -723,6 +729,17 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     (out / "shards").mkdir(parents=True)
     pq.write_table(pa.table({"id": ["0"], "text": ["t"]}), out / "shards" / "part-000000.parquet")  # begun without it:
     assert make_plan(other, quiet, source).kept_names == ["text"]  # resumes so (its manifest may predate a column list)
+    # an input_id of the input's own stays as it is; the id goes to the next free name
+    pq.write_table(pa.table({"id": ["a", "a", "b", "c"], "input_id": list("wxyz"), "text": PROMPTS[:4]}),
+                   tmp_path / "in.parquet")
+    third = spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o3"))
+    third, source = default_ids(third, logs.append)
+    plan = make_plan(third, logs.append, source)
+    assert plan.kept_names == ["input_id_2", "input_id", "text"] and "copied as input_id_2" in logs[-1]
+    kept = _read_shard(third, plan, 0)[1]
+    assert kept.column("input_id_2").to_pylist() == ["a", "a", "b", "c"] and kept.column("input_id").to_pylist() == list("wxyz")
+    named = dataclasses.replace(third, keep_columns=("id", "input_id"))
+    assert make_plan(named, quiet, source).kept_names == ["input_id_2", "input_id"]
 
 
 def test_fewer_shards_than_actors_start_fewer_actors_and_say_so(ray_cluster, pair_dirs, tmp_path):
