@@ -3,7 +3,9 @@ does: what it finished is kept and it says so (Ray's driver would print a native
 bench would lose every row it measured)."""
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import threading
 
 _asked = False  # a command line asked for it (library callers keep their own SIGTERM handling)
@@ -34,3 +36,37 @@ def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
     """How an interrupted command says it ended, and its exit code (the shell's, so scripts can
     tell Ctrl-C and SIGTERM from a failure)."""
     return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+
+
+@contextlib.contextmanager
+def held_while_starting(ray_utils=None):
+    """Ctrl-C and SIGTERM held while the block runs, then raised as they would have been: a local
+    Ray cluster interrupted while it starts leaves its agent processes running (~200 MB), and
+    ray.init's own SIGTERM handler exits with status 15 and no word of resuming.  A second signal
+    raises at once (a start that hangs can still be stopped).  Only where a command line asked
+    (:func:`ask`), from the main thread; ``ray_utils``: ray._private.utils, whose
+    set_sigterm_handler ray.init calls, kept from replacing the hold meanwhile."""
+    if not _asked or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def hold(signum, _frame):
+        if got:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        got.append(signum)
+        print("\n(stopping once the Ray cluster has started; again to stop at once)", file=sys.stderr, flush=True)
+
+    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    keep = getattr(ray_utils, "set_sigterm_handler", None)
+    if keep is not None:
+        ray_utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        if keep is not None:
+            ray_utils.set_sigterm_handler = keep
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        raise Terminated() if got[0] == signal.SIGTERM else KeyboardInterrupt()

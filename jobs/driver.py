@@ -30,7 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dynatree.data import id_strings, would_read
-from dynatree.signals import end_on_sigterm
+from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
 from dynatree.metrics import output_schema
 from dynatree.config import FLOAT16_ON_CPU
@@ -93,11 +93,12 @@ def _init_ray(spec: JobSpec):
         return ray
     address = spec.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: inside `ray job submit`
     try:
-        if address:
-            _probe(address)
-            ray.init(address=spec.address, log_to_driver=True)
-        else:
-            start_local_ray(log_to_driver=True)
+        with held_while_starting(getattr(getattr(ray, "_private", None), "utils", None)):
+            if address:
+                _probe(address)
+                ray.init(address=spec.address, log_to_driver=True)
+            else:
+                start_local_ray(log_to_driver=True)
     except AuthenticationError as e:  # (a token asked for by RAY_AUTH_MODE=token that cannot be read, ...)
         raise JobError(f"Ray token authentication failed{f' for the cluster at {address}' if address else ''}: "
                        f"{e}") from e

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -189,3 +190,33 @@ def test_a_shipped_checkout_runs_its_own_driver_and_actors(tmp_path):
     assert got.returncode == 0, got.stderr
     files = got.stdout.split()
     assert len(files) == 3 and all(f.startswith(str(tmp_path)) for f in files), files
+
+
+def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
+    """Ctrl-C or SIGTERM while ray.init starts a local cluster: held to the end of the start (an
+    interrupted start left Ray's agents running, and ray.init's own handler exited with 15, no
+    resume message), then raised as the command's Terminated / KeyboardInterrupt; a second one
+    raises at once; ray.init cannot swap its SIGTERM handler in meanwhile."""
+    from dynatree import signals
+
+    monkeypatch.setattr(signals, "_asked", True)
+    swapped = []
+    fake_utils = types.SimpleNamespace(set_sigterm_handler=swapped.append)  # ray._private.utils
+    for sig, kind in ((signal.SIGTERM, signals.Terminated), (signal.SIGINT, KeyboardInterrupt)):
+        finished = []
+        with pytest.raises(kind):
+            with signals.held_while_starting(fake_utils):
+                fake_utils.set_sigterm_handler("ray's handler")
+                os.kill(os.getpid(), sig)
+                time.sleep(0.05)
+                finished.append(True)  # the start runs to its end
+        assert finished == [True] and swapped == []
+    assert fake_utils.set_sigterm_handler == swapped.append  # (put back)
+    with pytest.raises(signals.Terminated):
+        with signals.held_while_starting(fake_utils):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            pytest.fail("a second signal must stop a start at once")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
