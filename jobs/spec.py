@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -128,6 +129,9 @@ class JobSpec:
             problems.append("verify_fraction must be within [0, 1]")
         if self.num_actors is not None and self.num_actors < 1:
             problems.append("num_actors must be >= 1")
+        for name in ("placement_timeout_s", "ready_timeout_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0 (seconds)")
         if self.cpus_per_actor <= 0:
             problems.append("cpus_per_actor must be > 0")
         if self.max_inflight_per_actor is not None and self.max_inflight_per_actor < 1:
@@ -208,6 +212,8 @@ def _type_problems(spec: JobSpec) -> list[str]:
         value, names = getattr(spec, f.name), [t.strip() for t in str(f.type).split("|")]
         if not any(_is(value, ANNOTATION_TYPES[t]) for t in names):
             out.append(f"{f.name} must be {' or '.join(n for n in names if n != 'None')}, got {value!r}")
+        elif isinstance(value, float) and not math.isfinite(value):  # (nan passes every comparison check)
+            out.append(f"{f.name} must be a finite number, got {value!r}")
     return out
 
 

@@ -325,6 +325,12 @@ def test_spec_validation_messages(tmp_path):
     with pytest.raises(SpecError, match="gpus_per_actor must be within"):
         build_spec(None, input="x", output="y", gpus_per_actor=2)
     assert build_spec(None, input="x", output="y", device="cuda:0", gpus_per_actor=0.5).gpus_per_actor == 0.5
+    for field, value in (("cpus_per_actor", float("inf")), ("memory_per_actor", float("nan")),
+                         ("prefix_cache_gb", float("nan")), ("cpus_per_actor", float("nan"))):
+        with pytest.raises(SpecError, match=f"{field} must be a finite number"):  # (nan passes comparisons)
+            build_spec(None, input="x", output="y", **{field: value})
+    with pytest.raises(SpecError, match="placement_timeout_s must be > 0"):
+        build_spec(None, input="x", output="y", placement_timeout_s=-5.0)
     with pytest.raises(SpecError, match="no option 'depth'"):
         build_spec(None, input="x", output="y", options={"depth": "3"})
     job = tmp_path / "job.yaml"
