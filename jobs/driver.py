@@ -129,14 +129,15 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     printing only its own connection warnings."""
     import socket
 
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return  # "auto", ray:// client addresses and the like: Ray resolves them
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or "://" in host:
+        return  # "auto", http:// and the like: Ray resolves them
     try:
         socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
     except OSError as e:
+        what = "Ray client server address (port 10001 unless set)" if address.startswith("ray://") else "GCS address"
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
-                       "is its head running (`ray start --head`), and is this its GCS address?") from e
+                       f"is its head running (`ray start --head`), and is this its {what}?") from e
 
 
 def preflight(spec: JobSpec) -> None:
@@ -304,6 +305,9 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     """The plan of a run, checked against what the output holds (read only)."""
     check_output(spec, plan)
     out = Path(spec.output)
+    there = next(p for p in (out / "shards", *(out / "shards").parents) if p.exists())
+    if not os.access(there, os.W_OK):  # what prepare_output's probe finds, asked without writing
+        raise JobError(f"output directory {out} is not writable: {there} does not allow writing")
     done, todo = _progress_of(out, spec, plan)
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
     return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),

@@ -275,6 +275,8 @@ def _coerce(data: dict) -> dict:
     if isinstance(keep, str):
         data["keep_columns"] = () if keep.strip().lower() == "none" else \
             tuple(dict.fromkeys(c.strip() for c in keep.split(",") if c.strip()))  # a repeat is one column
+        if not data["keep_columns"] and keep.strip().lower() != "none":
+            raise SpecError(f"keep_columns {keep!r} names no column: give column names, or none to keep no columns")
     elif isinstance(keep, list):
         data["keep_columns"] = tuple(dict.fromkeys(keep))
     for k in ("stop", "stop_token_ids"):  # YAML/JSON lists, or one value

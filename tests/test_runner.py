@@ -76,6 +76,11 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     with pytest.raises(JobError, match="different config .*max_new_tokens"):  # what a run would refuse
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet,
                 dry_run=True)
+    real_access = os.access  # a read-only output (a read-only mount: root passes permission bits)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "access", lambda p, mode: mode != os.W_OK and real_access(p, mode))
+        with pytest.raises(JobError, match="is not writable"):
+            run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     summary = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
     assert summary["this_run"]["shards_this_run"] == 1 and summary["rows"] == len(PROMPTS)
     after = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
@@ -293,6 +298,8 @@ def test_an_address_where_nothing_listens_fails_fast():
     t0 = time.time()
     with pytest.raises(JobError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}: nothing answers"):
         _probe(f"127.0.0.1:{port}")
+    with pytest.raises(JobError, match="nothing answers .*Ray client server address"):  # a Ray client address alike
+        _probe(f"ray://127.0.0.1:{port}")
     assert time.time() - t0 < 30
     with socket.socket() as s:  # something listening: no error
         s.bind(("127.0.0.1", 0))
@@ -329,6 +336,9 @@ def test_spec_validation_messages(tmp_path):
                          ("prefix_cache_gb", float("nan")), ("cpus_per_actor", float("nan"))):
         with pytest.raises(SpecError, match=f"{field} must be a finite number"):  # (nan passes comparisons)
             build_spec(None, input="x", output="y", **{field: value})
+    with pytest.raises(SpecError, match="names no column: give column names, or none"):
+        build_spec(None, input="x", output="y", keep_columns=" , ")
+    assert build_spec(None, input="x", output="y", keep_columns="None").keep_columns == ()
     with pytest.raises(SpecError, match="placement_timeout_s must be > 0"):
         build_spec(None, input="x", output="y", placement_timeout_s=-5.0)
     with pytest.raises(SpecError, match="no option 'depth'"):
