@@ -68,8 +68,12 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
     gcs, dash = free_port(), free_port()
     with ray_head(env, "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
                   "--include-dashboard=true"):
-        wd = tmp_path / "wd"
-        wd.mkdir()
+        wd = tmp_path / "wd"  # a checkout, as `--working-dir .` ships one: its driver and actors must run
+        for name in ("dynatree", "jobs", "actors"):
+            shutil.copytree(ROOT / name, wd / name, ignore=shutil.ignore_patterns("assets", "__pycache__"))
+        for module in ("jobs/driver.py", "actors/worker.py"):
+            with open(wd / module, "a") as f:
+                f.write(f"\nopen({str(tmp_path / Path(module).stem)!r} + '.ran', 'w').write(__file__)\n")
         pq.write_table(pa.table({"text": ["The quick brown fox", "It was the best", "Call me"]}),
                        wd / "prompts.parquet")
         out = tmp_path / "out"
@@ -99,6 +103,9 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         assert summary["rows"] == 3 and summary["equivalence"]["mismatches"] == 0
+        for module in ("driver", "worker"):
+            ran = (tmp_path / f"{module}.ran").read_text()  # (Ray unpacks the working dir elsewhere)
+            assert not ran.startswith(str(ROOT)) and "working_dir" in ran, ran
 
 
 def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
