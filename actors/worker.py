@@ -30,7 +30,7 @@ import torch
 from dynatree import budget
 from dynatree.check import divergence, prompt_budget, truncate_prompt
 from dynatree.config import FLOAT16_ON_CPU, ar_reference, within_native_rows
-from dynatree.metrics import fill_row, result_row, rss_bytes
+from dynatree.metrics import fill_row, freeze_heap, result_row, rss_bytes
 from dynatree.models import PairError, load_pair
 from dynatree.jobs import footprint
 from dynatree.jobs.spec import FAULTS_ENV
@@ -140,6 +140,7 @@ class ShardWorker:
         # (what packing freed, and anything it left)
         self.startup["released_gib"] = self.pair.release_matrices() / 2**30 if self.pair.release_packed else 0.0
         self._cap_batch()
+        freeze_heap()  # this actor keeps its pair: full collections need not walk it
 
     def _cap_batch(self) -> None:
         """auto's batch no larger than the rows whose caches fit in this worker's share of the node

@@ -167,6 +167,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .check import all_windowed, check_methods, prompt_budget, truncate_prompt
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
+    from .metrics import freeze_heap
     from .models import PairError, load_pair
     from .policies import make_policy
 
@@ -177,6 +178,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
         pair.check_methods(cfgs)
+        freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-decode)
     except (PairError, ValueError) as e:
         _fail(str(e))
     drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]
@@ -339,6 +341,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     from .bench import BenchSpec, parse_methods, run_bench
     from .data import InputError
     from .signals import end_on_sigterm, interrupted
+    from .metrics import freeze_heap
     from .models import PairError, load_pair
     from .report import report
 
@@ -357,6 +360,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
                          batch_sizes=_int_list(batch_sizes, "--batch-sizes"))
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel, transformers_models=spec.hf_peers)
+        freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-measurement)
         end_on_sigterm()
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:
@@ -399,6 +403,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
 
     from . import native
     from .budget import profile as run_profile, time_prefill
+    from .metrics import freeze_heap
     from .models import PairError, load_pair
 
     _threads(threads)
@@ -407,6 +412,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, cach
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
         _fail(str(e))
+    freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-timing)
     if prefill >= pair.max_context:
         click.echo(f"--prefill {prefill}: the models' context is {pair.max_context} tokens; timing a prefill of "
                    f"{pair.max_context - 1}", err=True)

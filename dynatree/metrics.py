@@ -148,6 +148,19 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def freeze_heap() -> None:
+    """Take what loading left on the heap (a pair's modules and tensors, torch's and transformers'
+    imports: ~250k objects) out of the garbage collector's sight.  Why: Python's full collection
+    walks every tracked object, 135 ms here, and one landing inside a B = 64 batch stalled an
+    iteration 10x (bench pair, Zen 5).  For a process that keeps its pair for its life (a job's
+    actor, bench, check, profile): frozen objects are never freed as cycles, so load_pair does not
+    call it (a caller loading pair after pair would keep every one)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def release_freed_memory() -> None:
     """Hand freed memory back to the OS: glibc keeps freed chunks up to its (dynamic, up to 32 MiB)
     mmap threshold in the heap, so freed matrices of a few MiB, or an earlier row's buffers, would

@@ -190,9 +190,14 @@ def test_an_actor_caps_auto_by_what_it_holds_once_loaded(pair_dirs, tmp_path):
     from dynatree.actors.worker import ShardWorker
     from dynatree.jobs import footprint
 
+    import gc
+
     job = spec(pair_dirs, tmp_path, dtype="float32", prefix_cache_gb=0.0)
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    gc.unfreeze()
     free = ShardWorker(job, 1, share=rss + 10 * 2**30)  # room for more rows than auto would try
+    assert gc.get_freeze_count() > 0  # a loaded actor takes its heap out of full collections (metrics.freeze_heap)
+    gc.unfreeze()  # (not this test process's)
     assert free.batch_cap is None and free.scheduler.tuner.max_size == job.max_batch_size
     configs = [m.config.to_dict() for m in (free.pair.target, free.pair.draft)]
     per_row = footprint.rows_for(job, configs, free.pair.max_context, 0, 0)[1]
@@ -200,6 +205,7 @@ def test_an_actor_caps_auto_by_what_it_holds_once_loaded(pair_dirs, tmp_path):
     tight = ShardWorker(job, 1, share=rss + 5.5 * per_row)  # (what the second pair adds is in the measure)
     assert 1 <= tight.batch_cap <= 5 and tight.scheduler.tuner.max_size == tight.batch_cap
     assert tight.ready()["batch_cap"] == tight.batch_cap
+    gc.unfreeze()
 
 
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
