@@ -153,8 +153,8 @@ def freeze_heap() -> None:
     imports: ~250k objects) out of the garbage collector's sight.  Why: Python's full collection
     walks every tracked object, 135 ms here, and one landing inside a B = 64 batch stalled an
     iteration 10x (bench pair, Zen 5).  For a process that keeps its pair for its life (a job's
-    actor, bench, check, profile): frozen objects are never freed as cycles, so load_pair does not
-    call it (a caller loading pair after pair would keep every one)."""
+    actor, bench, check, profile): frozen objects are still freed by reference counting, but never
+    as cyclic garbage, so load_pair leaves it to the caller."""
     import gc
 
     gc.collect()

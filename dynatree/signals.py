@@ -38,14 +38,19 @@ def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
     return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
 
 
+def _raised(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
 @contextlib.contextmanager
 def held_while_starting(ray_utils=None):
-    """Ctrl-C and SIGTERM held while the block runs, then raised as they would have been: a local
-    Ray cluster interrupted while it starts leaves its agent processes running (~200 MB), and
-    ray.init's own SIGTERM handler exits with status 15 and no word of resuming.  A second signal
-    raises at once (a start that hangs can still be stopped).  Only where a command line asked
-    (:func:`ask`), from the main thread; ``ray_utils``: ray._private.utils, whose
-    set_sigterm_handler ray.init calls, kept from replacing the hold meanwhile."""
+    """Ctrl-C and SIGTERM held while the block starts a local Ray cluster, then raised as they would
+    have been (also when the start fails): interrupted midway, the start leaves Ray's agent
+    processes running (~200 MB), and ray.init's own SIGTERM handler exits with status 15 and no
+    word of resuming.  A second signal raises at once (a start that hangs can still be stopped).
+    After the block SIGTERM ends the command as Ctrl-C does (end_on_sigterm).  Only where a
+    command line asked (:func:`ask`), from the main thread; ``ray_utils``: ray._private.utils,
+    whose set_sigterm_handler ray.init calls, kept from replacing the hold meanwhile."""
     if not _asked or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -53,20 +58,25 @@ def held_while_starting(ray_utils=None):
 
     def hold(signum, _frame):
         if got:
-            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+            raise _raised(signum)
         got.append(signum)
         print("\n(stopping once the Ray cluster has started; again to stop at once)", file=sys.stderr, flush=True)
 
-    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    old_int = signal.signal(signal.SIGINT, hold)
+    signal.signal(signal.SIGTERM, hold)
     keep = getattr(ray_utils, "set_sigterm_handler", None)
     if keep is not None:
         ray_utils.set_sigterm_handler = lambda _handler: None
     try:
         yield
+    except BaseException as e:
+        if got and not isinstance(e, KeyboardInterrupt):  # (a second signal's stands)
+            raise _raised(got[0]) from e
+        raise
     finally:
         if keep is not None:
             ray_utils.set_sigterm_handler = keep
-        for s, h in old.items():
-            signal.signal(s, h)
+        signal.signal(signal.SIGINT, old_int)
+        end_on_sigterm()  # (not the handler from before: no moment without one)
     if got:
-        raise Terminated() if got[0] == signal.SIGTERM else KeyboardInterrupt()
+        raise _raised(got[0])

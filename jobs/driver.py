@@ -93,11 +93,11 @@ def _init_ray(spec: JobSpec):
         return ray
     address = spec.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: inside `ray job submit`
     try:
-        with held_while_starting(getattr(getattr(ray, "_private", None), "utils", None)):
-            if address:
-                _probe(address)
-                ray.init(address=spec.address, log_to_driver=True)
-            else:
+        if address:
+            _probe(address)
+            ray.init(address=spec.address, log_to_driver=True)
+        else:
+            with held_while_starting(getattr(getattr(ray, "_private", None), "utils", None)):
                 start_local_ray(log_to_driver=True)
     except AuthenticationError as e:  # (a token asked for by RAY_AUTH_MODE=token that cannot be read, ...)
         raise JobError(f"Ray token authentication failed{f' for the cluster at {address}' if address else ''}: "
@@ -305,9 +305,12 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     """The plan of a run, checked against what the output holds (read only)."""
     check_output(spec, plan)
     out = Path(spec.output)
-    there = next(p for p in (out / "shards", *(out / "shards").parents) if p.exists())
-    if not os.access(there, os.W_OK):  # what prepare_output's probe finds, asked without writing
-        raise JobError(f"output directory {out} is not writable: {there} does not allow writing")
+    # what prepare_output's probe finds, asked without writing: the run writes its lock and manifest
+    # in out (or creates it in its nearest existing parent) and shards in out/shards
+    dirs = [next(p for p in (out, *out.parents) if p.exists()), *[out / "shards"] * (out / "shards").exists()]
+    for d in dirs:
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise JobError(f"output directory {out} is not writable: {d} does not allow writing")
     done, todo = _progress_of(out, spec, plan)
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
     return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),

@@ -95,11 +95,12 @@ def _begun_schema(spec: JobSpec) -> pa.Schema | None:
     return None
 
 
-def _id_renamed(spec: JobSpec, columns) -> tuple:
-    """((id, input_id),) when the kept ``columns`` hold an `id` that is not the row id (duplicates,
+def _id_renamed(spec: JobSpec, kept, columns) -> tuple:
+    """((id, input_id),) when the ``kept`` columns hold an `id` that is not the row id (duplicates,
     nulls, --id-column another): the user's key to join on, under a name the output's result column
-    `id` leaves free (input_id_2, ... where the input has an input_id of its own); () otherwise."""
-    if "id" not in columns or spec.id_column == "id":
+    `id` leaves free (input_id_2, ... where the input's ``columns`` have an input_id of their own,
+    kept or not, so the name does not depend on --keep-columns); () otherwise."""
+    if "id" not in kept or spec.id_column == "id":
         return ()
     name = next(n for n in (INPUT_ID, *(f"{INPUT_ID}_{k}" for k in range(2, len(columns) + 2))) if n not in columns)
     return (("id", name),)
@@ -113,14 +114,14 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         if missing:
             raise JobError(f"--keep-columns: no column(s) {', '.join(missing)} in {spec.input} "
                            f"(columns: {', '.join(source.column_names)})")
-        renamed = _id_renamed(spec, spec.keep_columns)  # as when every column is kept
+        renamed = _id_renamed(spec, spec.keep_columns, source.column_names)  # as when every column is kept
         clash = [c for c in spec.keep_columns if c in result_cols and c not in dict(renamed)]
         if clash:
             raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
         return tuple(dict.fromkeys(spec.keep_columns)), renamed  # (a Python caller may repeat one)
     # -- unless an output begun without input_id resumes (its shards and new ones form one dataset)
     begun = _begun_schema(spec)
-    renamed = _id_renamed(spec, source.column_names)
+    renamed = _id_renamed(spec, source.column_names, source.column_names)
     if begun is not None and renamed and renamed[0][1] not in begun.names:
         renamed = ()
     if renamed:
@@ -241,22 +242,31 @@ def _refuse_foreign(out: Path) -> None:
                        "move them or choose another --output")
 
 
-def _refuse_unmarked(out: Path) -> None:
-    """Before --overwrite deletes shard files: a part-*.parquet without the metadata every shard
-    dynatree writes carries (write_shard) was put there by someone else -- refuse, never delete it.
-    (Footers only; a resume does not pay for this check.)"""
-    def marked(p: Path) -> bool:
+def _footers(out: Path) -> dict[str, dict | None]:
+    """Each shard file's dynatree metadata (write_shard) by file name; None where the file does not
+    read as Parquet (a damaged shard: redone, or deleted by --overwrite).  A part-*.parquet that
+    reads but carries none was put there by someone else: JobError, so that no run overwrites it
+    and --overwrite does not delete it."""
+    metas, foreign = {}, []
+    for p in sorted((out / "shards").glob("part-*.parquet")):
         try:
-            return META_KEY in (pq.read_metadata(p).metadata or {})
-        except Exception:  # (unreadable: not a whole shard, and shards are written whole)
-            return False
-
-    unmarked = sorted(p.name for p in (out / "shards").glob("part-*.parquet") if not marked(p))
-    if unmarked:
-        more = f" and {len(unmarked) - 3} more" if len(unmarked) > 3 else ""
-        raise JobError(f"{out / 'shards'} holds Parquet files dynatree did not write ({', '.join(unmarked[:3])}{more}: "
-                       "no dynatree shard metadata), which --overwrite would delete; move them or choose another "
-                       "--output")
+            meta = pq.read_metadata(p).metadata or {}
+        except Exception:
+            metas[p.name] = None
+            continue
+        if META_KEY not in meta:
+            foreign.append(p.name)
+            continue
+        try:
+            metas[p.name] = json.loads(meta[META_KEY])
+        except ValueError:
+            metas[p.name] = None
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise JobError(f"{out / 'shards'} holds Parquet files dynatree did not write ({', '.join(foreign[:3])}{more}: "
+                       "no dynatree shard metadata), which a run would overwrite or --overwrite delete; move them "
+                       "or choose another --output")
+    return metas
 
 
 def _refuse_strays(out: Path, plan: Plan) -> None:
@@ -363,7 +373,7 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
         return manifest
     _refuse_foreign(out)
     if spec.overwrite:
-        _refuse_unmarked(out)
+        _footers(out)  # (a resume reads them in finished_shards)
         return manifest
     old = read_manifest(out)
     if old is not None and _has_shards(out):  # an identity is pinned only once a shard exists
@@ -400,17 +410,18 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
 
 
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
-    """Shard numbers whose file this job wrote for exactly its planned range (footers only)."""
+    """Shard numbers whose file this job wrote for exactly its planned range (footers only);
+    JobError for a shard-named file someone else put there (_footers)."""
     idents = {spec.identity_hash(), *(read_manifest(out) or {}).get("aliases", [])}
     done = set()
-    for p in (out / "shards").glob("part-*.parquet"):
+    for name, meta in _footers(out).items():
         try:
-            k = int(p.stem.split("-")[1])
-            meta = json.loads(pq.read_metadata(p).metadata[META_KEY])
-        except Exception:  # a damaged or foreign file is redone (and overwritten)
+            k = int(name[len("part-"):-len(".parquet")])
+        except ValueError:
             continue
-        if k < plan.num_shards and meta.get("identity") in idents and meta.get("range") == list(plan.shard(k)[1:]):
-            done.add(k)
+        if meta is not None and k < plan.num_shards and meta.get("identity") in idents and \
+                meta.get("range") == list(plan.shard(k)[1:]):
+            done.add(k)  # (anything else is redone, its file overwritten)
     return done
 
 

@@ -14,6 +14,16 @@ VOCAB = 96
 EOS = 3
 
 
+@pytest.fixture(autouse=True)
+def _collectable_heap():
+    """Tests that run an actor or a command in this process freeze its heap (metrics.freeze_heap,
+    for processes that keep one pair): undone after each, so later tests' garbage stays collectable."""
+    yield
+    import gc
+
+    gc.unfreeze()
+
+
 def tiny_neox(seed: int, *, vocab: int = VOCAB, layers: int = 2, hidden: int = 32, max_pos: int = 128,
               std: float = 0.3, dtype=torch.float64) -> GPTNeoXForCausalLM:
     torch.manual_seed(seed)

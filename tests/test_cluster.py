@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,6 +70,7 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
         wd = tmp_path / "wd"  # a checkout, as `--working-dir .` ships one: its driver and actors must run
         for name in ("dynatree", "jobs", "actors"):
             shutil.copytree(ROOT / name, wd / name, ignore=shutil.ignore_patterns("assets", "__pycache__"))
+        shutil.copy(ROOT / "pyproject.toml", wd)
         for module in ("jobs/driver.py", "actors/worker.py"):
             with open(wd / module, "a") as f:
                 f.write(f"\nopen({str(tmp_path / Path(module).stem)!r} + '.ran', 'w').write(__file__)\n")
@@ -190,40 +190,14 @@ def test_a_shipped_checkout_runs_its_own_driver_and_actors(tmp_path):
     dynatree.jobs and dynatree.actors, not the installed ones, must load with its dynatree."""
     for name in ("dynatree", "jobs", "actors"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("assets", "__pycache__"))
-    code = ("import dynatree, dynatree.cli, dynatree.jobs.driver, dynatree.actors.worker as w; "
-            "print(dynatree.__file__, dynatree.jobs.driver.__file__, w.__file__)")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    code = ("import dynatree, dynatree.cli, dynatree.jobs.driver, dynatree.actors.worker as w, pkgutil; "
+            "print(dynatree.__file__, dynatree.jobs.driver.__file__, w.__file__); "
+            "print(sorted(m.name for m in pkgutil.iter_modules(dynatree.__path__) if m.ispkg))")
     got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
                          capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
-    files = got.stdout.split()
-    assert len(files) == 3 and all(f.startswith(str(tmp_path)) for f in files), files
+    files, packages = got.stdout.splitlines()
+    assert len(files.split()) == 3 and all(f.startswith(str(tmp_path)) for f in files.split()), files
+    assert packages == "[]", packages  # (nothing else of the checkout shows up inside the package)
 
-
-def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
-    """Ctrl-C or SIGTERM while ray.init starts a local cluster: held to the end of the start (an
-    interrupted start left Ray's agents running, and ray.init's own handler exited with 15, no
-    resume message), then raised as the command's Terminated / KeyboardInterrupt; a second one
-    raises at once; ray.init cannot swap its SIGTERM handler in meanwhile."""
-    from dynatree import signals
-
-    monkeypatch.setattr(signals, "_asked", True)
-    swapped = []
-    fake_utils = types.SimpleNamespace(set_sigterm_handler=swapped.append)  # ray._private.utils
-    for sig, kind in ((signal.SIGTERM, signals.Terminated), (signal.SIGINT, KeyboardInterrupt)):
-        finished = []
-        with pytest.raises(kind):
-            with signals.held_while_starting(fake_utils):
-                fake_utils.set_sigterm_handler("ray's handler")
-                os.kill(os.getpid(), sig)
-                time.sleep(0.05)
-                finished.append(True)  # the start runs to its end
-        assert finished == [True] and swapped == []
-    assert fake_utils.set_sigterm_handler == swapped.append  # (put back)
-    with pytest.raises(signals.Terminated):
-        with signals.held_while_starting(fake_utils):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)
-            pytest.fail("a second signal must stop a start at once")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -76,9 +76,17 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     with pytest.raises(JobError, match="different config .*max_new_tokens"):  # what a run would refuse
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet,
                 dry_run=True)
+    foreign = shards / "part-000001.parquet"  # named like a shard, but not one dynatree wrote: never overwritten
+    pq.write_table(pa.table({"x": [1]}), foreign)
+    with pytest.raises(JobError, match="did not write \\(part-000001.parquet: no dynatree shard metadata"):
+        run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
+    foreign.write_bytes(b"")  # a damaged file (what no whole write leaves): redone
+    plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
+    assert (plan["shards_done"], plan["rows_to_decode"]) == (2, 4)
+    os.remove(foreign)
     real_access = os.access  # a read-only output (a read-only mount: root passes permission bits)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "access", lambda p, mode: mode != os.W_OK and real_access(p, mode))
+        mp.setattr(os, "access", lambda p, mode: not mode & os.W_OK and real_access(p, mode))
         with pytest.raises(JobError, match="is not writable"):
             run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     summary = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
@@ -197,7 +205,6 @@ def test_an_actor_caps_auto_by_what_it_holds_once_loaded(pair_dirs, tmp_path):
     gc.unfreeze()
     free = ShardWorker(job, 1, share=rss + 10 * 2**30)  # room for more rows than auto would try
     assert gc.get_freeze_count() > 0  # a loaded actor takes its heap out of full collections (metrics.freeze_heap)
-    gc.unfreeze()  # (not this test process's)
     assert free.batch_cap is None and free.scheduler.tuner.max_size == job.max_batch_size
     configs = [m.config.to_dict() for m in (free.pair.target, free.pair.draft)]
     per_row = footprint.rows_for(job, configs, free.pair.max_context, 0, 0)[1]
@@ -205,7 +212,6 @@ def test_an_actor_caps_auto_by_what_it_holds_once_loaded(pair_dirs, tmp_path):
     tight = ShardWorker(job, 1, share=rss + 5.5 * per_row)  # (what the second pair adds is in the measure)
     assert 1 <= tight.batch_cap <= 5 and tight.scheduler.tuner.max_size == tight.batch_cap
     assert tight.ready()["batch_cap"] == tight.batch_cap
-    gc.unfreeze()
 
 
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
@@ -762,6 +768,8 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     assert kept.column("input_id_2").to_pylist() == ["a", "a", "b", "c"] and kept.column("input_id").to_pylist() == list("wxyz")
     named = dataclasses.replace(third, keep_columns=("id", "input_id"))
     assert make_plan(named, quiet, source).kept_names == ["input_id_2", "input_id"]
+    named = dataclasses.replace(third, keep_columns=("id",))  # the same name, kept or not
+    assert make_plan(named, quiet, source).kept_names == ["input_id_2"]
 
 
 def test_fewer_shards_than_actors_start_fewer_actors_and_say_so(ray_cluster, pair_dirs, tmp_path):
@@ -924,3 +932,59 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     eq = s["equivalence"]
     assert (eq["checked"], eq["mismatches"]) == (len(checked), 1)
     assert eq["mismatched_rows"] == [{"id": "r8", "first_divergence": 3, "divergence_margin": None}]
+
+
+def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
+    """Ctrl-C or SIGTERM while a job starts its local Ray cluster: held to the end of the start (an
+    interrupted start left Ray's agents running, and ray.init's own handler exited with 15, no
+    resume message), then raised as the command's Terminated / KeyboardInterrupt -- also when the
+    start fails; a second one raises at once; ray.init cannot swap its SIGTERM handler in
+    meanwhile; afterwards SIGTERM ends the command (no moment with the default, fatal handler)."""
+    import signal
+    import types
+
+    import ray
+    from dynatree import signals
+
+    assert callable(ray._private.utils.set_sigterm_handler)  # what ray.init calls (held_while_starting)
+    monkeypatch.setattr(signals, "_asked", True)
+
+    class Unheld(Exception):
+        pass
+
+    def unheld(_signum, _frame):  # a regressed hold fails the test instead of killing pytest
+        raise Unheld()
+
+    old = signal.signal(signal.SIGTERM, unheld)
+    try:
+        swapped = []
+        fake_utils = types.SimpleNamespace(set_sigterm_handler=swapped.append)  # ray._private.utils
+        for sig, kind in ((signal.SIGTERM, signals.Terminated), (signal.SIGINT, KeyboardInterrupt)):
+            finished = []
+            with pytest.raises(kind):
+                with signals.held_while_starting(fake_utils):
+                    fake_utils.set_sigterm_handler("ray's handler")
+                    os.kill(os.getpid(), sig)
+                    time.sleep(0.05)
+                    finished.append(True)  # the start runs to its end
+            assert finished == [True] and swapped == []
+        assert fake_utils.set_sigterm_handler == swapped.append  # (put back)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(signals.Terminated):  # SIGTERM now ends the command
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        with pytest.raises(signals.Terminated) as got:  # a start that fails still ends as asked
+            with signals.held_while_starting(fake_utils):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                raise ConnectionError("the start failed")
+        assert isinstance(got.value.__cause__, ConnectionError)
+        with pytest.raises(signals.Terminated):
+            with signals.held_while_starting(fake_utils):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                pytest.fail("a second signal must stop a start at once")
+    finally:
+        signal.signal(signal.SIGTERM, old)
