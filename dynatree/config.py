@@ -100,8 +100,8 @@ class MethodConfig(SamplingConfig):
                              f"({self.kv_sinks} + {self.kv_evict}), with kv_sinks >= 0 and kv_evict >= 1")
         method = next((k for k, v in METHODS.items() if v is type(self)), type(self).__name__)
         for name in _AT_LEAST_ONE:
-            if getattr(self, name, 1) < 1:
-                raise ValueError(f"{method} option {name} must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name, 1) <= MAX_COUNT:
+                raise ValueError(f"{method} option {name} must be within [1, {MAX_COUNT}], got {getattr(self, name)}")
         for name in ("tau", "threshold"):
             if not 0 <= getattr(self, name, 0) <= 1:
                 raise ValueError(f"{method} option {name} must be within [0, 1], got {getattr(self, name)}")
@@ -260,7 +260,8 @@ def cache_rows(cfg, held: int, context: int) -> int:
     and generation; at most the ``context``, or with a cache window the window), and room for a tree
     (the engine, and the job driver's memory estimate, jobs/footprint.py)."""
     window = getattr(cfg, "kv_window", 0)
-    return min(held, window or context) + max(cfg.node_budget, 1) + 8
+    room = window or context  # (a tree never holds more tokens than the context: max_depth)
+    return min(held, room) + min(max(cfg.node_budget, 1), room) + 8
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingConfig's
@@ -448,6 +449,7 @@ def check_samples(cfg, samples) -> int:
 
 
 _AT_LEAST_ONE = ("k", "depth", "branch", "max_nodes", "window", "budget", "max_depth", "max_branch")  # counts and sizes
+MAX_COUNT = 2**24  # (no tree, window or text here comes near it; 2**63 overflowed torch's sizes)
 
 
 def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:

@@ -139,7 +139,7 @@ def row_bytes(config: dict, method, kv_bytes: int, slots: int) -> int | None:
         return None
     kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    tree = max(method.node_budget, 1) + 1
+    tree = min(max(method.node_budget, 1), slots) + 1  # (no tree outgrows the row's cache slots)
     return layers * 2 * kv_heads * head_dim * kv_bytes * slots + tree * (cfg.get("vocab_size") or 0) * 4
 
 

@@ -37,7 +37,7 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     slots = cache_rows(spec.method_config, 50, 128)  # the engine's allocation: text and a tree's room
     assert fp.fixed == footprint.RUNTIME_BYTES and fp.row_tokens == slots
     vocab = json.loads((pair_dirs / "target" / "config.json").read_text())["vocab_size"]
-    logits = (spec.method_config.node_budget + 1) * vocab * 4  # a full tree's logits, per model
+    logits = (min(spec.method_config.node_budget, slots) + 1) * vocab * 4  # a full tree's logits, per model
     assert fp.per_row == sum(2 * layers * 32 * 4 * slots + logits for layers in (2, 1))  # hidden 32; 2 + 1 layers
     assert fp.total(3) == fp.loaded + 3 * fp.per_row and fp.total(0) == fp.base  # the load, then rows
     # each matrix freed as it is packed: the load peaks at the weights, not the weights plus their copies
@@ -47,6 +47,8 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     assert _footprint(job(pair_dirs, dtype="float64")).packed == 0
     bf = _footprint(job(pair_dirs, options={"kv_dtype": "bfloat16"}))
     assert fp.per_row - bf.per_row == sum(layers * 32 * 4 * slots for layers in (2, 1))  # caches halve
+    huge = job(pair_dirs, options={"max_nodes": 10**6})  # a tree never outgrows the context (max_depth)
+    assert cache_rows(huge.method_config, 50, 128) == 50 + 128 + 8 and _footprint(huge).per_row < 2 * fp.per_row
     windowed = job(pair_dirs, options={"kv_window": 40, "kv_evict": 8})
     assert _footprint(windowed).row_tokens == cache_rows(windowed.method_config, 50, 128) < slots
     whole = dataclasses.replace(spec, max_prompt_tokens=None)  # whole prompts: up to the context
@@ -72,7 +74,7 @@ def test_headers_are_read_without_the_weights(tmp_path, pair_dirs):
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "b": ("BF16", [6]), "x.attention.bias": ("BOOL", [1, 64]),
                                  "y.inv_freq": ("F32", [4])}, LLAMA)
     weights, packed, released, per_row = footprint._model(tmp_path / "m", spec, 4, 10)  # buffers, non-floats left out
-    tree = spec.method_config.node_budget + 1
+    tree = min(spec.method_config.node_budget, 10) + 1  # (no tree outgrows the row's 10 slots)
     assert (weights, packed, released, per_row) == (30 * 4, 24 * 2, 24 * 4, 2 * 2 * 1 * 4 * 4 * 10 + tree * 10 * 4)
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "c": ("F16", [6, 6])}, LLAMA)  # no one 16-bit format
     assert footprint._model(tmp_path / "m", spec, 4, 10)[1] == 60 * 4

@@ -94,8 +94,10 @@ def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="d0 < d_max"):
         make_config("dynatree", {"d0": "9"})
     assert make_config("dynatree", {"history": "off"}).history is False
-    with pytest.raises(ValueError, match="linear option k must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="linear option k must be within \\[1, 16777216\\], got 0"):
         make_config("linear", {"k": "0"})
+    with pytest.raises(ValueError, match="option max_nodes must be within .*got 2147483647"):  # (torch sized a cache by it)
+        make_config("dynatree", {"max_nodes": "2147483647"})
     with pytest.raises(ValueError, match="tau must be within"):
         make_config("fixed_tree", {"tau": "2"})
     with pytest.raises(ValueError, match="draft_context must be >= 0"):
@@ -119,12 +121,12 @@ def test_configs_built_directly_are_checked_as_make_config_checks():
     it is made, not deep in the engine."""
     from dynatree.config import ARConfig, DySpecConfig, FixedTreeConfig, LinearConfig
 
-    for build, msg in ((lambda: LinearConfig(k=0), "linear option k must be >= 1"),
+    for build, msg in ((lambda: LinearConfig(k=0), "linear option k must be within"),
                        (lambda: LinearConfig(lookup=-3), "lookup must be >= 0"),
                        (lambda: LinearConfig(kv_update="bogus"), "kv_update must be"),
                        (lambda: FixedTreeConfig(tau=5.0), "fixed_tree option tau must be within"),
                        (lambda: DySpecConfig(mode="bogus"), "dyspec mode must be"),
-                       (lambda: DySpecConfig(max_branch=0), "max_branch must be >= 1"),
+                       (lambda: DySpecConfig(max_branch=0), "max_branch must be within"),
                        (lambda: ARConfig(temperature="1"), "option temperature: expected float, got '1'"),
                        (lambda: LinearConfig(k=True), "option k: expected int")):
         with pytest.raises(ValueError, match=msg):
