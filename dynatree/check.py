@@ -31,9 +31,10 @@ def reference_logits(pair: ModelPair, prompt_ids: list[int], tokens: list[int], 
 
     runner, dev = pair.runner("target"), pair.device
     cache = new_cache(runner, len(prompt_ids) + len(tokens) + 1, getattr(cfg, "kv_dtype", "model"))
-    out = runner.forward([Seq(torch.tensor(prompt_ids, device=dev), cache, keep=1)])[0]
-    for tok in tokens:  # one step each, as ar ran them (a single forward may round differently off the native kernel)
-        out = runner.forward([Seq(torch.tensor([tok], device=dev), cache, keep=1)])[0]
+    with pair.lock:  # (the runner's buffers are the pair's: ModelPair.lock)
+        out = runner.forward([Seq(torch.tensor(prompt_ids, device=dev), cache, keep=1)])[0]
+        for tok in tokens:  # one step each, as ar ran them (a single forward may round differently off the native kernel)
+            out = runner.forward([Seq(torch.tensor([tok], device=dev), cache, keep=1)])[0]
     return out.logits[0, -1].float()
 
 

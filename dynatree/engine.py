@@ -281,7 +281,12 @@ class BatchDecoder:
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], str, Metrics]]:
         """One iteration for every row (prefilling the ones that joined); returns the rows that
-        finished, as (key, new token ids, finish reason, metrics)."""
+        finished, as (key, new token ids, finish reason, metrics).  Holds the pair's lock (other
+        threads decoding with the pair wait for the step)."""
+        with self.pair.lock:
+            return self._step()
+
+    def _step(self) -> list[tuple[object, list[int], str, Metrics]]:
         if self.joining:
             self._prefill(self.joining)
             self.active += self.joining

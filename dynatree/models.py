@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -237,6 +238,10 @@ class ModelPair:
     # actors, whose forwards all take the kernel (config.within_native_rows), set it before the first
     # runner() -- loading then peaks near the float32 model, not it plus the packed copy
     release_packed: bool = False
+    # held by every step of decoding and every runner build: a runner's buffers and caches, the
+    # prefix store and the budget's measurements are the pair's, so two threads decoding with one
+    # pair take turns (without it the native forward's shared work buffer mixed their tokens)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -268,13 +273,17 @@ class ModelPair:
 
         Runners take the engine's compact :class:`~dynatree.runtime.KeyMask` as ``attention_mask``, and
         ``forward(seqs)`` scores several sequences (runtime.py)."""
+        model = getattr(self, which)
+        if model is None:
+            return None
+        with self.lock:
+            return self._runner(model, which)
+
+    def _runner(self, model, which: str):
         from . import packed
         from .packed import PackedRunner
         from .lean import LeanNeoX, supports as lean_supports
 
-        model = getattr(self, which)
-        if model is None:
-            return None
         key = (self.kernel, which)
         if key not in self.state:
             gem = self.kernel == "lean"

@@ -109,6 +109,36 @@ def test_batched_sample_does_not_depend_on_neighbours():
             assert [m.iterations for _, _, m in together] == [m.iterations for m in solo]
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_threads_sharing_a_pair_take_turns():
+    """Two threads decoding with one pair get what each gets alone (the native forward's work
+    buffer, the caches' runners and the prefix store are the pair's: ModelPair.lock)."""
+    import threading
+
+    pair = f32_pair()
+    prompts = random_prompts(4, seed=27, lo=3, hi=30)
+    alone = {i: decode(pair, p, make_config(m), max_new_tokens=24, ignore_eos=True)[0]
+             for i, (p, m) in enumerate(zip(prompts, ("ar", "dynatree", "ar", "linear")))}
+    got, errors = {}, []
+
+    def work(ids):
+        try:
+            for _ in range(4):
+                for i in ids:
+                    m = ("ar", "dynatree", "ar", "linear")[i]
+                    got.setdefault(i, []).append(decode(pair, prompts[i], make_config(m), max_new_tokens=24,
+                                                        ignore_eos=True)[0])
+        except Exception as e:  # (a thread's failure fails the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(ids,)) for ids in ((0, 1), (2, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(runs == [alone[i]] * 4 for i, runs in got.items()) and len(got) == 4
+
+
 def test_generate_batch_is_generate_per_prompt(close_pair):
     from dynatree import generate, generate_batch
 
