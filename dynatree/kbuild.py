@@ -121,6 +121,14 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
     lib_path = cache / f"libdtgemm-{key}.so"
     if lib_path.exists():
         return lib_path, ""
+    try:
+        return _build_into(cache, key, cc, flags)
+    except OSError as e:  # (an unwritable or misplaced DYNATREE_CACHE)
+        return None, f"cannot build in {cache} (DYNATREE_CACHE): {e.strerror or e}"
+
+
+def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path | None, str]:
+    lib_path = cache / f"libdtgemm-{key}.so"
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"libdtgemm-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this object: wait for its result

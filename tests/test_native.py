@@ -574,6 +574,11 @@ def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
     assert res.exit_code != 0 and "generic: not built: false failed" in res.output
     res = CliRunner().invoke(main, ["build"])  # the install step on a machine without a compiler: a warning
     assert res.exit_code == 0 and "not built: false failed" in res.output
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "a-file" / "cache"))  # a cache that cannot be made: said
+    res = CliRunner().invoke(main, ["build", "--isa", "generic"])
+    assert res.exit_code != 0 and "generic: not built: cannot build in" in res.output and res.exception is not None
+    assert isinstance(res.exception, SystemExit)  # (no traceback)
     res = CliRunner().invoke(main, ["build", "--isa", "avx9"])  # a typo: said as the flag typed, nothing built
     assert res.exit_code != 0 and "--isa avx9: choose native, avx2, generic or all" in res.output
 
