@@ -455,6 +455,10 @@ class BenchSpec:
     sweep_methods: tuple[str, ...] = SWEEP_DEFAULT  # methods run in the T / L sweeps (labels; the default's absent ones are left out)
     batch_sizes: tuple[int, ...] = ()  # B values: throughput per actor with the batched engine
 
+    def __post_init__(self):
+        for ms in grid_methods(self.grid):  # a bad grid value fails here, not after the main table has run
+            make_config(ms.method, ms.options)
+
     @property
     def hf_peers(self) -> bool:
         """Whether transformers' peers run: they call transformers' generate, so the pair needs

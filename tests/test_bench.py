@@ -230,9 +230,13 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
                        (["check", *pair, "--prompts", str(tmp_path / "prompts.parquet"), "--methods", ""],
                         "--methods is empty"),
                        (base[:-2] + ["--methods", "hf_foo", "--out", str(tmp_path / "b")],
-                        "or (bench only) transformers' peers hf_ar")):
+                        "or (bench only) transformers' peers hf_ar"),
+                       (base + ["--grid-tau", "2"], "tau must be within [0, 1]")):  # (not after the main table)
         res = CliRunner().invoke(main, args)
         assert res.exit_code != 0 and says in res.output and isinstance(res.exception, SystemExit), (args, res.output)
+    from dynatree.bench import BenchSpec
+    with pytest.raises(ValueError, match="tau must be within"):  # the spec itself: before the main table runs
+        BenchSpec(datasets=(), methods=(), grid={"tau": [2.0]})
     (tmp_path / "results.parquet").write_text("not parquet")
     res = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert res.exit_code == 1 and "cannot read its bench results" in res.output
