@@ -109,8 +109,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
                       samples=samples)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
-        results = [{**({"prompt": i // samples, "sample": i % samples} if len(gens) > 1 else {}), **g.as_dict()}
-                   for i, g in enumerate(gens)]
+        # (the same keys for one generation as for several: a parser need not tell the cases apart)
+        results = [{"prompt": i // samples, "sample": i % samples, **g.as_dict()} for i, g in enumerate(gens)]
         if check_ar:  # ar with the method's seed and cache window
             refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
             for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
@@ -130,7 +130,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
             click.echo(json.dumps(result))
             continue
         which = (f"prompt {result['prompt']}" + (f" sample {result['sample']}" if samples > 1 else "")
-                 if "prompt" in result else "")
+                 if len(gens) > 1 else "")
         if which:  # several texts on stdout: each under its own header (--json for a parser)
             click.echo(f"--- {which} ---")
         click.echo(gen.text)

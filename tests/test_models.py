@@ -145,6 +145,7 @@ def test_cli_generate_json(pair_dirs):
     assert len(out["token_ids"]) == 10 and isinstance(out["text"], str)
     assert out["matches_ar"] is True
     assert out["options"]["d0"] == 3 and out["metrics"]["new_tokens"] == 10
+    assert (out["prompt"], out["sample"]) == (0, 0)  # the keys several generations have
     bad = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
            "--device", "cpu", "--method", "dynatree", "--option", "depth=3", "--prompt", "x"]
     res = runner.invoke(main, bad)
