@@ -14,7 +14,9 @@ def _load(out: Path) -> list[dict]:
 
 def _ms(vals, fmt="{:.1f}") -> str:
     vals = [v for v in vals if v is not None]
-    return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(_sd(vals))}" if vals else "-"
+    if len(vals) < 2:  # (one prompt has no spread to show)
+        return fmt.format(vals[0]) + " (n = 1)" if vals else "-"
+    return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(_sd(vals))}"
 
 
 def _sd(vals) -> float:
