@@ -103,41 +103,51 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
     Plain greedy ``ar`` runs too on every prompt whose generation fits the context (methods with a
     cache window decode past it; it cannot).
     """
+    rows, pi = [], 0
+    try:
+        for pi, prompt in enumerate(prompts):
+            _check_prompt(pair, pi, prompt, methods, rows, max_new_tokens, ignore_eos)
+            if progress:
+                progress(pi + 1, len(prompts))
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the prompts checked whole stay reportable
+        e.partial_rows = [r for r in rows if r["prompt"] < pi]
+        raise
+    return rows
+
+
+def _check_prompt(pair: ModelPair, pi: int, prompt: list[int], methods: dict, rows: list[dict], max_new_tokens: int,
+                  ignore_eos: bool) -> None:
+    """check_methods' rows for prompt number ``pi``, appended to ``rows``."""
     from .config import ARConfig, ar_reference, reference_label
     from .engine import decode
 
-    rows = []
-    for pi, prompt in enumerate(prompts):
-        refs = {}  # ar per reference config (plain greedy ar first)
+    refs = {}  # ar per reference config (plain greedy ar first)
 
-        def ar(cfg: ARConfig, label: str | None = None) -> list[int]:
-            """The reference's tokens, its row decoded once (under the user's label when it is a
-            method given with one; again under another label given to the same config).  A bare
-            ``ar`` is labelled by its config (``ar_t0.5``): plain greedy ``ar`` is ``ar``."""
-            if label == "ar" or label in {row["method"] for c, (_, row) in refs.items() if c != cfg}:
-                label = None
-            if cfg not in refs:
-                pair.forget_prefixes()  # each decode prefills its prompt itself, as the methods' do
-                ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-                rows.append({"prompt": pi, "method": label or reference_label(cfg),
-                             "matches_ar": True, "first_divergence": None, "divergence_margin": None,
-                             **mref.as_dict()})
-                refs[cfg] = (ref, rows[-1])
-            elif label and label != refs[cfg][1]["method"]:
-                rows.append({**refs[cfg][1], "method": label})
-            return refs[cfg][0]
+    def ar(cfg: ARConfig, label: str | None = None) -> list[int]:
+        """The reference's tokens, its row decoded once (under the user's label when it is a
+        method given with one; again under another label given to the same config).  A bare
+        ``ar`` is labelled by its config (``ar_t0.5``): plain greedy ``ar`` is ``ar``."""
+        if label == "ar" or label in {row["method"] for c, (_, row) in refs.items() if c != cfg}:
+            label = None
+        if cfg not in refs:
+            pair.forget_prefixes()  # each decode prefills its prompt itself, as the methods' do
+            ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+            rows.append({"prompt": pi, "method": label or reference_label(cfg),
+                         "matches_ar": True, "first_divergence": None, "divergence_margin": None,
+                         **mref.as_dict()})
+            refs[cfg] = (ref, rows[-1])
+        elif label and label != refs[cfg][1]["method"]:
+            rows.append({**refs[cfg][1], "method": label})
+        return refs[cfg][0]
 
-        if len(prompt) + max_new_tokens <= pair.max_context:
-            ar(ARConfig())
-        for label, cfg in methods.items():
-            ref = ar(ar_reference(cfg), label if isinstance(cfg, ARConfig) else None)
-            if isinstance(cfg, ARConfig):
-                continue
-            pair.forget_prefixes()
-            toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-            idx, margin = divergence(pair, prompt, ref, toks, cfg)
-            rows.append({"prompt": pi, "method": label, "matches_ar": idx is None,
-                         "first_divergence": idx, "divergence_margin": margin, **m.as_dict()})
-        if progress:
-            progress(pi + 1, len(prompts))
-    return rows
+    if len(prompt) + max_new_tokens <= pair.max_context:
+        ar(ARConfig())
+    for label, cfg in methods.items():
+        ref = ar(ar_reference(cfg), label if isinstance(cfg, ARConfig) else None)
+        if isinstance(cfg, ARConfig):
+            continue
+        pair.forget_prefixes()
+        toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+        idx, margin = divergence(pair, prompt, ref, toks, cfg)
+        rows.append({"prompt": pi, "method": label, "matches_ar": idx is None,
+                     "first_divergence": idx, "divergence_margin": margin, **m.as_dict()})

@@ -170,6 +170,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .metrics import freeze_heap
     from .models import PairError, load_pair
     from .policies import make_policy
+    from .signals import end_on_sigterm, interrupted
 
     try:
         from .bench import parse_methods
@@ -179,6 +180,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
         pair.check_methods(cfgs)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-decode)
+        end_on_sigterm()  # (SIGTERM ends it as Ctrl-C does: with the table of what was checked)
     except (PairError, ValueError) as e:
         _fail(str(e))
     drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]
@@ -203,24 +205,43 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         if not texts:
             _fail(f"{path}: no prompts to check")
         prompts = [truncate_prompt(pair.encode(t), keep) for t in texts]
-        rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
-                             progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
-        for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
-            rs = [r for r in rows if r["method"] == label]
-            bad = [r for r in rs if not r["matches_ar"]]
-            tps = sum(r["tokens_per_s"] for r in rs) / len(rs)
-            summary.append((path, label, len(rs), len(rs) - len(bad), tps,
-                            sum(r["tokens_per_iteration"] for r in rs) / len(rs),
-                            [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
-                             for r in bad]))
+        try:
+            rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
+                                 progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the table of what was checked whole
+            summary += _check_summary(path, getattr(e, "partial_rows", []))
+            how, code = interrupted(e)
+            click.echo(f"\n{how}: the prompts checked so far" + (":" if summary else ": none"), err=True)
+            _check_table(summary)
+            sys.exit(code)
+        summary += _check_summary(path, rows)
+    _check_table(summary)
+    if any(s[6] for s in summary):
+        sys.exit(1)
+
+
+def _check_summary(path: str, rows: list[dict]) -> list[tuple]:
+    """check's table rows for one prompts file: (path, method, checked, matching, tok/s, tok/iter, mismatches)."""
+    out = []
+    for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
+        rs = [r for r in rows if r["method"] == label]
+        bad = [r for r in rs if not r["matches_ar"]]
+        out.append((path, label, len(rs), len(rs) - len(bad), sum(r["tokens_per_s"] for r in rs) / len(rs),
+                    sum(r["tokens_per_iteration"] for r in rs) / len(rs),
+                    [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
+                     for r in bad]))
+    return out
+
+
+def _check_table(summary: list[tuple]) -> None:
+    if not summary:
+        return
     w = max(11, *(len(s[1]) for s in summary))
     pw = max(12, *(len(s[0]) for s in summary))  # whole paths: a cut one can name the wrong file
     click.echo(f"{'prompts file':<{pw}} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
     for path, label, n, ok, tps, tpi, bad in summary:
         click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
                    + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
-    if any(s[6] for s in summary):
-        sys.exit(1)
 
 
 def _spec_options(f):

@@ -366,3 +366,26 @@ def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_re
     with pytest.raises(ValueError, match="--option kv_evict: no method in --methods has a cache window"):
         parse_methods("ar,dynatree", ["kv_evict=8"])
     assert parse_methods("streaming_spec,hf_ar", ["kv_evict=32"])[2].options == {}  # a peer is not refused for it
+
+
+def test_an_interrupted_check_prints_the_prompts_it_finished(pair_dirs, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM mid-check: the table of the prompts checked whole, then exit 130 (it
+    printed only click's "Aborted!")."""
+    import dynatree.engine
+
+    bench_args(pair_dirs, tmp_path, 1, 1)  # (writes prompts.parquet)
+    real, calls = dynatree.engine.decode, []
+
+    def decode(*a, **k):  # the 5th decode: prompt 2's first (ar, linear: 2 per prompt), after two whole prompts
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(dynatree.engine, "decode", decode)  # (check imports it when it runs)
+    res = CliRunner().invoke(main, ["check", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--device", "cpu", "--dtype", "float64", "--prompts", str(tmp_path / "prompts.parquet"),
+                                    "--methods", "linear", "--max-new-tokens", "4", "--max-prompt-tokens", "16"])
+    assert res.exit_code == 130 and "interrupted: the prompts checked so far:" in res.output, res.output
+    table = [line.split() for line in res.output.splitlines() if line.startswith(str(tmp_path))]
+    assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "2"), ("linear", "2", "2")], res.output
