@@ -548,6 +548,9 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
             had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
                    f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
+        if len(texts) < spec.prompts:  # (said, not measured quietly on fewer)
+            log(f"note: dataset {ds} has {len(texts)} usable prompts (texts of at least 200 characters), "
+                f"fewer than --prompts {spec.prompts}: measuring {len(texts) - spec.warmup}")
     cfgs = {m.label: None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     # a window the context cannot hold fails here, not after the methods before it ran
     pair.check_methods({label: c for label, c in cfgs.items() if c is not None})
