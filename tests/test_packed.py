@@ -231,7 +231,7 @@ def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
     res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
                                     "--device", "cpu", "--prefix", "16", "--prefill", "20", "--repeats", "1"])
     assert res.exit_code == 0, res.output
-    assert "native kernel: " in res.output and "target, native ÷ lean-mkl time: 1 token " in res.output
+    assert "native kernel: " in res.output and "target, native ÷ lean-mkl time (median of" in res.output
     assert "not on dynatree's kernel" not in res.output
     res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
                                     "--device", "cpu", "--dtype", "float64", "--prefix", "16", "--prefill", "0",
