@@ -521,7 +521,7 @@ def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, r
     ``rounds`` rounds and each ratio is the median of the rounds' ratios: timed one after the
     other, a drift of the host between them (±20% over seconds on the shared 2-vCPU VMs) read as a
     kernel difference -- the same code's 300-token prefill came out 1.09x and 1.44x MKL's in two
-    runs minutes apart (Sapphire Rapids, 2026-11-28)."""
+    runs minutes apart (Intel Emerald Rapids, 2026-11-28)."""
     from . import kbuild
     from .budget import _profile_model, time_prefill
     native = pair.runner("target")
