@@ -196,47 +196,76 @@ class Governor:
     The budget's model of a batched iteration leaves things out (per-row bookkeeping, the draft's
     real cost at that width), and a wrong model could make trees slower than plain batched ``ar``.
     So iterations are of two kinds: *drafted* ones, and ones where the budgeted rows draft nothing
-    (every row a bare root: exactly a batched ``ar`` step).  The realised tokens per ms of each
-    kind are tracked (EMAs).  While drafted iterations win, every ``every``-th iteration is an
-    ``ar`` probe; while they lose, only every ``every``-th iteration drafts (so the comparison
-    stays measured and trees come back when they pay again).  ``scale`` -- the factor on every
-    node's and draft level's marginal cost (:class:`BatchView`) -- rises while drafted iterations
-    lose, shrinking trees, and falls back toward 1 while they win.  While they keep losing, the
-    gap between drafted iterations doubles (up to ``max_gap``): where the forward is compute
-    bound (many rows on a few cores) a verified node costs about a token's compute, trees cannot
-    pay, and each exploration is a loss (measured: 0.8x batched ``ar`` at B = 16 without the
-    backoff, bench pair, 2-core Zen 4).
+    (every row a bare root: exactly a batched ``ar`` step).  They run in *segments* of ``segment``
+    iterations of one kind, and each segment's realised tokens per ms (its iterations but the
+    first, summed) updates that kind's rate (bias-corrected EMAs over segments).  While drafted
+    segments win, every ``every``-th segment is plain (so ``ar``'s rate stays measured); while they
+    lose, ``gap`` plain segments run between drafted ones, doubling up to ``max_gap``.  ``scale``
+    -- the factor on every node's and draft level's marginal cost (:class:`BatchView`) -- rises
+    while drafted segments lose, shrinking trees, and falls back toward 1 while they win.
 
-    The first ``warm`` drafted iterations run before the comparison decides anything, and each
-    rate starts as the plain mean of its first 1/ema samples (a bias-corrected EMA): a batch's
-    first trees are grown with a fresh history and cost more than later ones, and one such
-    sample used to switch trees off for over a hundred iterations (measured at B = 4: drafted
-    iterations 1.3x the plain ones, but 55% of the iterations plain).
+    Why segments, not single iterations (until 2026-11-28: one plain probe every 8 iterations, each
+    judged alone): an iteration's rate varies by ±30% on a shared 2-vCPU host, and the plain
+    iteration right after a drafted one ran up to 1.6x slower than the same step in a plain run
+    (Intel Emerald Rapids, B = 4: 3.4-3.6 ms against 2.2 ms for four bare roots; cause not
+    found), so the few probes of a tree-heavy decode said trees won while they lost: batched
+    ``dynatree`` ran at 0.79-0.93x ``ar`` with trees always on, 0.81-0.89x with that governor,
+    0.99-1.01x with trees off.  Summing a segment's iterations and leaving out its first (what
+    the switch of kind costs, transiently) compares the two kinds as they run.  Where the forward
+    is compute bound (many rows on a few cores) a verified node costs about a token's compute,
+    trees cannot pay, and each exploration is a loss, hence the backoff.  :meth:`carry` starts a
+    later batch's governor where this one left off (engine.BatchDecoder keeps one per batch size),
+    so a run of short batches does not pay to learn the same thing again.
     """
 
-    every: int = 8
-    max_gap: int = 64
-    warm: int = 4
-    gap: int = 0  # iterations between drafted ones while drafting loses (from ``every``)
-    ema: float = 0.25
+    segment: int = 8
+    every: int = 4
+    max_gap: int = 8
+    ema: float = 0.3
+    margin: float = 0.05  # drafted segments must beat plain ones by this much (what they cost outside them)
     scale: float = 1.0
     max_scale: float = 64.0
+    gap: int = 1  # plain segments between drafted ones while drafting loses
     ar_rate: float | None = None
     tree_rate: float | None = None
     iteration: int = 0
-    ar_n: int = 0  # samples of each kind so far
+    ar_n: int = 0  # segments of each kind so far
     tree_n: int = 0
+    drafting: bool = False  # the current segment's kind (the first is plain: ar's rate first)
+    left: int = 0  # iterations left in the current segment
+    plain_run: int = 0  # plain segments since the last drafted one
+    seg_tokens: float = 0.0
+    seg_ms: float = 0.0
 
-    def __post_init__(self):
-        self.gap = self.gap or self.every
+    def carry(self) -> "Governor":
+        """A governor for the next batch of this size: what this one learned about trees (scale,
+        gap), rates measured afresh (the next batch's prompts and caches are its own)."""
+        return Governor(segment=self.segment, every=self.every, max_gap=self.max_gap, ema=self.ema,
+                        margin=self.margin, scale=self.scale, max_scale=self.max_scale, gap=self.gap)
+
+    def winning(self) -> bool:
+        """Whether drafted segments beat plain ones by the margin: a drafted segment's rate leaves out
+        what drafting costs beside it -- the drafts' catch-up after plain segments, the draft's
+        prefill of every joining prompt -- 3-4% of a B = 4 batch's wall time (Emerald Rapids), so
+        at a tie trees lose."""
+        return (self.tree_rate is not None and self.ar_rate is not None
+                and self.tree_rate >= self.ar_rate * (1 + self.margin))
 
     def skip_drafting(self) -> bool:
-        """Whether the coming iteration runs without drafting (see the class).  The first is an
-        ``ar`` probe, so the comparison starts at once."""
-        if self.ar_rate is None:
-            return True
-        winning = self.tree_n < self.warm or self.tree_rate >= self.ar_rate
-        return self.iteration % self.every == 0 if winning else self.iteration % self.gap != 0
+        """Whether the coming iteration runs without drafting (see the class).  The first segment
+        is plain, so the comparison starts at once; the next drafts, or, where the last batch of
+        this size found trees losing (a carried ``gap``), the one after ``gap`` plain segments."""
+        if self.left <= 0:
+            if self.ar_rate is None:
+                self.drafting = False
+            elif self.tree_rate is None:  # (a carried gap: trees lost in the last batch of this size)
+                self.drafting = self.plain_run >= self.gap
+            elif self.winning():
+                self.drafting = (self.ar_n + self.tree_n) % self.every != 0
+            else:
+                self.drafting = self.plain_run >= self.gap
+            self.left, self.seg_tokens, self.seg_ms = self.segment, 0.0, 0.0
+        return not self.drafting
 
     def _mean(self, old: float | None, rate: float, n: int) -> float:
         return rate if old is None else old + max(self.ema, 1 / n) * (rate - old)
@@ -244,22 +273,28 @@ class Governor:
     def observe(self, tokens: int, ms: float, skipped: bool) -> None:
         """One iteration's committed tokens (all rows), wall ms, and whether it drafted."""
         self.iteration += 1
-        if ms <= 0:
+        self.left -= 1
+        self.seg_tokens += tokens
+        self.seg_ms += max(ms, 0.0)
+        if self.left > 0 or self.seg_ms <= 0:
             return
-        rate = tokens / ms
+        rate = self.seg_tokens / self.seg_ms
         if skipped:
             self.ar_n += 1
+            self.plain_run += 1
             self.ar_rate = self._mean(self.ar_rate, rate, self.ar_n)
             return
         self.tree_n += 1
+        self.plain_run = 0
         self.tree_rate = self._mean(self.tree_rate, rate, self.tree_n)
-        if self.ar_rate is not None and self.tree_n >= self.warm:
-            if self.tree_rate < self.ar_rate:
-                self.scale = min(self.scale * 1.1, self.max_scale)
-                self.gap = min(self.gap * 2, self.max_gap)
-            else:
-                self.scale = max(self.scale / 1.05, 1.0)
-                self.gap = self.every
+        if self.ar_rate is None:
+            return
+        if not self.winning():
+            self.scale = min(self.scale * 1.1, self.max_scale)
+            self.gap = min(self.gap * 2, self.max_gap)
+        else:  # (halved, not reset: one lucky segment -- a stretch of text the lookup copies -- is not a trend)
+            self.scale = max(self.scale / 1.05, 1.0)
+            self.gap = max(self.gap // 2, 1)
 
 
 def _time_ms(fn, repeats: int) -> float:

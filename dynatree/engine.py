@@ -242,11 +242,22 @@ class BatchDecoder:
         self.chains_only = bool(getattr(self.target, "tree_problem", ""))
         self.joining: list[_Row] = []
         self.active: list[_Row] = []
-        self.governor = Governor()  # batched budget against measured batched ar (B > 1)
+        self.governors: dict[int, Governor] = {}  # batched budget against measured batched ar, per batch size
         self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
+
+    def governor(self, rows: int) -> Governor:
+        """The Governor of batches of ``rows`` rows (by power of two: trees pay at a few rows and
+        not at many, and a static batch shrinks as its rows finish), started where the pair's last
+        one of that size left off (Governor.carry): a run of short batches learns once."""
+        size = 1 << (rows - 1).bit_length()
+        if size not in self.governors:
+            last = self.pair.state.get(("governor", size))
+            self.governors[size] = last.carry() if last is not None else Governor()
+            self.pair.state[("governor", size)] = self.governors[size]
+        return self.governors[size]
 
     def add(self, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
             stop: Stop | None = None, key=None, again: bool = False) -> None:
@@ -379,11 +390,12 @@ class BatchDecoder:
 
     def _iterate(self, rows: list[_Row]) -> None:
         budgeted = [r for r in rows if r.budgeted]
-        probe = len(rows) > 1 and bool(budgeted) and self.governor.skip_drafting()
+        governor = self.governor(len(rows))
+        probe = len(rows) > 1 and bool(budgeted) and governor.skip_drafting()
+        t_iter = time.perf_counter()  # (the Governor charges the catch-up to the drafted iteration)
         if not probe:
             _catch_up(rows)
-        t_iter = time.perf_counter()
-        steps = self._draft(rows, probe)
+        steps = self._draft(rows, governor, probe)
         cuda = self.dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
         if cuda:
             _sync(self.dev)
@@ -408,9 +420,9 @@ class BatchDecoder:
             s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
         if len(rows) > 1 and budgeted:
-            self.governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
+            governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
 
-    def _draft(self, rows: list[_Row], probe: bool = False) -> list[_Step]:
+    def _draft(self, rows: list[_Row], governor: Governor, probe: bool = False) -> list[_Step]:
         """draft: every row's policy grows its tree; drafting rows share packed draft forwards.
         In a probe (budget.Governor) the rows under the hardware budget draft nothing (bare
         roots)."""
@@ -422,7 +434,7 @@ class BatchDecoder:
             if r.sampler is not None:
                 r.sampler.at(len(r.out))  # the root's next token is this generated index
             # what the budget prices its nodes against: the batch's other tokens, and this cache
-            batch = (total - r.last_n, len(rows), self.governor.scale, s.prefix_len)
+            batch = (total - r.last_n, len(rows), governor.scale, s.prefix_len)
             max_depth = r.max_depth(s.prefix_len)
             s.chain, s.match, hint = [], 0, ()
             skip = probe and r.budgeted
@@ -489,11 +501,11 @@ def _bounded(r: _Row) -> bool:
 
 def _catch_up(rows: list[_Row]) -> None:
     """Before a drafted iteration: drafts that sat out iterations (budget.Governor's plain ones)
-    are fed the tokens committed meanwhile, and lookup indexes take them in, outside the
-    iteration's timing -- the Governor compares drafting with a current draft against plain steps;
-    after a gap of 64 iterations the catch-up alone made a drafted iteration cost 4x a plain one
-    (16 rows), so trees could never win an exploration back.  (What catching up costs is the
-    price of exploring, bounded by the gap between explorations.)"""
+    are fed the tokens committed meanwhile, and lookup indexes take them in.  It is timed with the
+    iteration: switching between plain and drafted segments costs this, and the Governor's
+    segments (8 iterations) amortise it -- judged alone, after a gap of 64 iterations the catch-up
+    made a drafted iteration cost 4x a plain one (16 rows), so trees could never win an
+    exploration back; left out altogether, trees that lost 12% looked like a tie (B = 4)."""
     late = [r.drafter for r in rows if r.drafter is not None and len(r.drafter.pending) > 2]
     if late:
         drive([(d, d.prefill()) for d in late])

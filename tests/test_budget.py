@@ -125,29 +125,32 @@ def test_a_batch_releases_every_held_node(close_pair):
     assert sum(map(sum, cal.tested)) > 0 and not any(map(any, cal.held))
 
 
+def _drive(g, n: int, plain: float, drafted: float) -> list[bool]:
+    """n iterations of 1 ms committing ``plain`` or ``drafted`` tokens; whether each was plain."""
+    kinds = []
+    for _ in range(n):
+        skip = g.skip_drafting()
+        kinds.append(skip)
+        g.observe(plain if skip else drafted, 1.0, skip)
+    return kinds
+
+
 def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
     from dynatree.budget import Governor
 
-    g = Governor(every=4)
-    kinds = []
-    for _ in range(40):  # drafted iterations commit 1 token/ms, plain ones 2: drafting loses
-        skip = g.skip_drafting()
-        kinds.append(skip)
-        g.observe(2 if skip else 1, 1.0, skip)
-    assert kinds[0]  # an ar probe first
-    assert g.scale > 1.3 and sum(kinds[-20:]) >= 14  # mostly plain iterations, trees still explored
-    drafted = [i for i, k in enumerate(kinds) if not k]
-    assert len(drafted) >= 4 and drafted[-1] > 20
-    assert g.gap > g.every and drafted[-1] - drafted[-2] > drafted[2] - drafted[1]  # explored ever more rarely
-    for _ in range(200):  # now drafting wins
-        skip = g.skip_drafting()
-        g.observe(2 if skip else 4, 1.0, skip)
-    assert g.scale == 1.0
-    skips = []
-    for _ in range(8):
-        skips.append(g.skip_drafting())
-        g.observe(2 if skips[-1] else 4, 1.0, skips[-1])
-    assert sum(skips) == 2  # only the ar probes
+    g = Governor(segment=2, every=4)
+    kinds = _drive(g, 80, plain=2, drafted=1)  # drafting loses
+    assert kinds[:4] == [True, True, False, False]  # a plain segment first, then a drafted one
+    assert g.scale > 1.3 and sum(kinds[-40:]) >= 34  # mostly plain iterations, trees still explored
+    starts = [i for i in range(0, 80, 2) if not kinds[i]]  # drafted segments
+    assert len(starts) >= 4 and starts[-1] > 40
+    assert g.gap == g.max_gap and starts[-1] - starts[-2] > starts[2] - starts[1]  # explored ever more rarely
+    _drive(g, 400, plain=2, drafted=4)  # now drafting wins
+    assert g.scale == 1.0 and g.gap == 1
+    assert sum(_drive(g, 16, plain=2, drafted=4)) == 4  # only every 4th segment is plain
+    g = Governor(segment=2, every=4)
+    _drive(g, 80, plain=2, drafted=2.05)  # a tie, inside the margin, goes to plain steps
+    assert g.gap == g.max_gap
 
 
 def test_governor_is_not_turned_off_by_one_slow_first_tree():
@@ -155,11 +158,43 @@ def test_governor_is_not_turned_off_by_one_slow_first_tree():
 
     g = Governor()
     kinds = []
-    for i in range(40):  # the first drafted iteration is slow (a fresh batch), the rest win 1.3x
+    for i in range(80):  # the first drafted iteration is slow (a fresh batch), the rest win 1.3x
         skip = g.skip_drafting()
         kinds.append(skip)
         g.observe(2 if skip else (0.5 if kinds.count(False) == 1 else 2.6), 1.0, skip)
-    assert sum(kinds) <= 6 and g.gap == g.every  # only the ar probes
+    assert sum(kinds) == 3 * g.segment and g.gap == 1  # the first segment and every 4th: the ar probes
+
+
+def test_a_governor_carries_what_it_learned_to_the_next_batch_of_its_size():
+    """A run of short batches does not pay to learn the same thing again: where trees lost, the
+    next batch's governor starts with their shrunk trees and long gap -- its first drafted segment
+    comes after `gap` plain ones -- and measures both rates afresh."""
+    from dynatree.budget import Governor
+
+    g = Governor(segment=2)
+    _drive(g, 80, plain=2, drafted=1)
+    nxt = g.carry()
+    assert (nxt.scale, nxt.gap) == (g.scale, g.max_gap) and nxt.ar_rate is None and nxt.tree_rate is None
+    kinds = _drive(nxt, 2 * (g.max_gap + 1), plain=2, drafted=1)
+    assert all(kinds[:-2]) and kinds[-2:] == [False, False]
+
+
+def test_batch_decoders_keep_a_governor_per_batch_size_and_carry_it(close_pair):
+    """engine.BatchDecoder asks the governor of its row count's power of two; a later decoder's
+    starts from the pair's last one of that size."""
+    from conftest import random_prompts
+    from dynatree import make_config
+    from dynatree.engine import BatchDecoder, decode_batch
+
+    decode_batch(close_pair, random_prompts(4, seed=3), make_config("dynatree"), max_new_tokens=20, ignore_eos=True)
+    first = close_pair.state[("governor", 4)]
+    assert first.iteration > 0
+    first.scale, first.gap = 3.0, 4  # as if trees had lost
+    dec = BatchDecoder(close_pair)
+    g = dec.governor(3)
+    assert g is dec.governor(4) is close_pair.state[("governor", 4)] and g is not first
+    assert (g.scale, g.gap, g.iteration, g.ar_rate) == (3.0, 4, 0, None)
+    assert dec.governor(5) is not g and dec.governor(5).scale == 1.0
 
 
 def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tmp_path, monkeypatch):

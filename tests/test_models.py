@@ -206,7 +206,7 @@ def test_rows_that_lost_their_draft_leave_the_batched_budget():
     while dec:
         done.update({key: out for key, out, *_ in dec.step()})
     assert done == {i: [45] * 6 for i in range(4)}
-    assert dec.governor.iteration == 0 and dec.governor.ar_rate is None
+    assert all(g.iteration == 0 and g.ar_rate is None for g in dec.governors.values())
 
 
 def test_generate_needs_at_least_one_new_token():
