@@ -197,32 +197,33 @@ class Governor:
     real cost at that width), and a wrong model could make trees slower than plain batched ``ar``.
     So iterations are of two kinds: *drafted* ones, and ones where the budgeted rows draft nothing
     (every row a bare root: exactly a batched ``ar`` step).  They run in *segments* of ``segment``
-    iterations of one kind, and each segment's realised tokens per ms (its iterations but the
-    first, summed) updates that kind's rate (bias-corrected EMAs over segments).  While drafted
-    segments win, every ``every``-th segment is plain (so ``ar``'s rate stays measured); while they
-    lose, ``gap`` plain segments run between drafted ones, doubling up to ``max_gap``.  ``scale``
-    -- the factor on every node's and draft level's marginal cost (:class:`BatchView`) -- rises
-    while drafted segments lose, shrinking trees, and falls back toward 1 while they win.
+    iterations of one kind and one row count (a segment whose row count changes -- rows finished
+    -- is dropped and begins again), and each whole segment's tokens per ms, the drafts' catch-up
+    after plain stretches included, updates that kind's rate (bias-corrected EMAs over segments).
+    Drafted segments *win* when they beat plain ones by ``margin`` (:meth:`winning`).  While they
+    win, every ``every``-th segment is plain (so ``ar``'s rate stays measured); while they lose,
+    ``gap`` plain segments run between drafted ones, doubling up to ``max_gap``, halved by a win.
+    ``scale`` -- the factor on every node's and draft level's marginal cost (:class:`BatchView`)
+    -- rises while drafted segments lose, shrinking trees, and falls back toward 1 while they win.
 
-    Why segments, not single iterations (until 2026-11-28: one plain probe every 8 iterations, each
-    judged alone): an iteration's rate varies by ±30% on a shared 2-vCPU host, and the plain
-    iteration right after a drafted one ran up to 1.6x slower than the same step in a plain run
-    (Intel Emerald Rapids, B = 4: 3.4-3.6 ms against 2.2 ms for four bare roots; cause not
-    found), so the few probes of a tree-heavy decode said trees won while they lost: batched
-    ``dynatree`` ran at 0.79-0.93x ``ar`` with trees always on, 0.81-0.89x with that governor,
-    0.99-1.01x with trees off.  Summing a segment's iterations and leaving out its first (what
-    the switch of kind costs, transiently) compares the two kinds as they run.  Where the forward
-    is compute bound (many rows on a few cores) a verified node costs about a token's compute,
-    trees cannot pay, and each exploration is a loss, hence the backoff.  :meth:`carry` starts a
-    later batch's governor where this one left off (engine.BatchDecoder keeps one per batch size),
-    so a run of short batches does not pay to learn the same thing again.
+    Why segments, not single iterations (until 2026-11-28: one plain probe every 8 iterations,
+    judged alone, the catch-up left out): an iteration's rate varies by ±30% on a shared 2-vCPU
+    host, and a plain iteration inside a tree-heavy decode sometimes ran 1.6x slower than the same
+    step in a plain run (Intel Emerald Rapids, B = 4: 3.4-3.6 ms against 2.2 ms for four bare
+    roots; cause not found -- it stays in plain segments, biasing them a few percent, which the
+    margin also absorbs), so the few probes of a tree-heavy decode said trees won while they lost:
+    batched ``dynatree`` ran at 0.73-0.89x ``ar``, as with trees always on, where trees off ran at
+    0.87-1.01x.  Where the forward is compute bound (many rows on a few cores) a verified node
+    costs about a token's compute, trees cannot pay, and each exploration is a loss, hence the
+    backoff.  :meth:`carry` starts a later batch's governor from this one (engine.BatchDecoder
+    keeps one per batch size and method), so a run of short batches does not learn from scratch.
     """
 
     segment: int = 8
     every: int = 4
     max_gap: int = 8
     ema: float = 0.3
-    margin: float = 0.05  # drafted segments must beat plain ones by this much (what they cost outside them)
+    margin: float = 0.05
     scale: float = 1.0
     max_scale: float = 64.0
     gap: int = 1  # plain segments between drafted ones while drafting loses
@@ -233,39 +234,52 @@ class Governor:
     tree_n: int = 0
     drafting: bool = False  # the current segment's kind (the first is plain: ar's rate first)
     left: int = 0  # iterations left in the current segment
+    rows: int = 0  # its row count
     plain_run: int = 0  # plain segments since the last drafted one
     seg_tokens: float = 0.0
     seg_ms: float = 0.0
 
     def carry(self) -> "Governor":
-        """A governor for the next batch of this size: what this one learned about trees (scale,
-        gap), rates measured afresh (the next batch's prompts and caches are its own)."""
+        """A governor for the next batch of this size: the scale, the gap and how far this one had
+        counted through it (so batches too short to reach a drafted segment still do, in turn:
+        restarting the count each batch kept trees off for good), rates measured afresh (the next
+        batch's prompts and caches are its own).  The scale is carried whole: decayed toward 1 at
+        each batch (its square root), explorations where trees lose drafted full trees again, and
+        batched ``dynatree`` fell from 0.92 to 0.85x ``ar`` (Gutenberg, B = 4, Emerald Rapids); a
+        winning drafted segment still lowers it."""
         return Governor(segment=self.segment, every=self.every, max_gap=self.max_gap, ema=self.ema,
-                        margin=self.margin, scale=self.scale, max_scale=self.max_scale, gap=self.gap)
+                        margin=self.margin, scale=self.scale, max_scale=self.max_scale, gap=self.gap,
+                        plain_run=min(self.plain_run, self.gap))
 
     def winning(self) -> bool:
-        """Whether drafted segments beat plain ones by the margin: a drafted segment's rate leaves out
-        what drafting costs beside it -- the drafts' catch-up after plain segments, the draft's
-        prefill of every joining prompt -- 3-4% of a B = 4 batch's wall time (Emerald Rapids), so
-        at a tie trees lose."""
+        """Whether drafted segments beat plain ones by the margin, which stands for what trees cost
+        outside the segments -- a static batch's ragged end (rows that drafted finish apart, and the
+        last ones decode in a smaller batch) and each prompt's prefill through the draft -- so a
+        tie goes to plain steps."""
         return (self.tree_rate is not None and self.ar_rate is not None
                 and self.tree_rate >= self.ar_rate * (1 + self.margin))
 
-    def skip_drafting(self) -> bool:
-        """Whether the coming iteration runs without drafting (see the class).  The first segment
-        is plain, so the comparison starts at once; the next drafts, or, where the last batch of
-        this size found trees losing (a carried ``gap``), the one after ``gap`` plain segments."""
+    def skip_drafting(self, rows: int = 0) -> bool:
+        """Whether the coming iteration, over ``rows`` rows, runs without drafting (see the class).
+        The first segment is plain, so the comparison starts at once; the next drafts, or, after a
+        carried ``gap`` (trees lost in the last batch of this size), the one after ``gap`` plain
+        segments."""
+        if self.left > 0 and rows != self.rows:
+            self.left = 0  # rows left the batch: the segment's iterations so far are not comparable
         if self.left <= 0:
             if self.ar_rate is None:
                 self.drafting = False
-            elif self.tree_rate is None:  # (a carried gap: trees lost in the last batch of this size)
-                self.drafting = self.plain_run >= self.gap
             elif self.winning():
                 self.drafting = (self.ar_n + self.tree_n) % self.every != 0
             else:
                 self.drafting = self.plain_run >= self.gap
-            self.left, self.seg_tokens, self.seg_ms = self.segment, 0.0, 0.0
+            self.left, self.rows, self.seg_tokens, self.seg_ms = self.segment, rows, 0.0, 0.0
         return not self.drafting
+
+    def pause(self) -> None:
+        """The batch moved to another size's governor: drop the segment under way (its iterations
+        and the ones after the batch comes back would be far apart)."""
+        self.left = 0
 
     def _mean(self, old: float | None, rate: float, n: int) -> float:
         return rate if old is None else old + max(self.ema, 1 / n) * (rate - old)

@@ -242,22 +242,32 @@ class BatchDecoder:
         self.chains_only = bool(getattr(self.target, "tree_problem", ""))
         self.joining: list[_Row] = []
         self.active: list[_Row] = []
-        self.governors: dict[int, Governor] = {}  # batched budget against measured batched ar, per batch size
+        self.governors: dict[tuple, Governor] = {}  # batched budget against measured batched ar (B > 1)
+        self.last_governor: Governor | None = None
         self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
 
-    def governor(self, rows: int) -> Governor:
-        """The Governor of batches of ``rows`` rows (by power of two: trees pay at a few rows and
-        not at many, and a static batch shrinks as its rows finish), started where the pair's last
-        one of that size left off (Governor.carry): a run of short batches learns once."""
-        size = 1 << (rows - 1).bit_length()
-        if size not in self.governors:
-            last = self.pair.state.get(("governor", size))
-            self.governors[size] = last.carry() if last is not None else Governor()
-            self.pair.state[("governor", size)] = self.governors[size]
-        return self.governors[size]
+    def governor(self, size: int, budgeted: list["_Row"]) -> Governor:
+        """The Governor of a batch of ``size`` rows with these budgeted ones: one per batch size (by
+        power of two: trees pay at a few rows and not at many, and a static batch shrinks as its
+        rows finish) and method config (budgeted rows of several configs share one), started from
+        the pair's last one of that key (Governor.carry): a run of short batches does not learn
+        from scratch."""
+        cfg = budgeted[0].cfg
+        if any(r.cfg is not cfg and r.cfg != cfg for r in budgeted):
+            cfg = None
+        key = ("governor", 1 << (size - 1).bit_length(), cfg)
+        if key not in self.governors:
+            last = self.pair.state.get(key)
+            self.governors[key] = last.carry() if last is not None else Governor()
+            self.pair.state[key] = self.governors[key]
+        gov = self.governors[key]
+        if self.last_governor is not None and self.last_governor is not gov:
+            self.last_governor.pause()
+        self.last_governor = gov
+        return gov
 
     def add(self, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
             stop: Stop | None = None, key=None, again: bool = False) -> None:
@@ -390,8 +400,8 @@ class BatchDecoder:
 
     def _iterate(self, rows: list[_Row]) -> None:
         budgeted = [r for r in rows if r.budgeted]
-        governor = self.governor(len(rows))
-        probe = len(rows) > 1 and bool(budgeted) and governor.skip_drafting()
+        governor = self.governor(len(rows), budgeted) if len(rows) > 1 and budgeted else None
+        probe = governor is not None and governor.skip_drafting(len(rows))
         t_iter = time.perf_counter()  # (the Governor charges the catch-up to the drafted iteration)
         if not probe:
             _catch_up(rows)
@@ -419,10 +429,10 @@ class BatchDecoder:
             s.row.verify_time += dt
             s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
-        if len(rows) > 1 and budgeted:
+        if governor is not None:
             governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
 
-    def _draft(self, rows: list[_Row], governor: Governor, probe: bool = False) -> list[_Step]:
+    def _draft(self, rows: list[_Row], governor: Governor | None, probe: bool = False) -> list[_Step]:
         """draft: every row's policy grows its tree; drafting rows share packed draft forwards.
         In a probe (budget.Governor) the rows under the hardware budget draft nothing (bare
         roots)."""
@@ -434,7 +444,7 @@ class BatchDecoder:
             if r.sampler is not None:
                 r.sampler.at(len(r.out))  # the root's next token is this generated index
             # what the budget prices its nodes against: the batch's other tokens, and this cache
-            batch = (total - r.last_n, len(rows), governor.scale, s.prefix_len)
+            batch = (total - r.last_n, len(rows), governor.scale if governor else 1.0, s.prefix_len)
             max_depth = r.max_depth(s.prefix_len)
             s.chain, s.match, hint = [], 0, ()
             skip = probe and r.budgeted

@@ -240,7 +240,7 @@ def test_drafts_that_sat_out_iterations_restart_and_tokens_stay_ars(close_pair, 
     from dynatree.drafting import Drafter
 
     calls = iter(range(1 << 20))
-    monkeypatch.setattr(Governor, "skip_drafting", lambda self: next(calls) % 6 != 5)  # 5 plain, 1 drafted
+    monkeypatch.setattr(Governor, "skip_drafting", lambda self, rows=0: next(calls) % 6 != 5)  # 5 plain, 1 drafted
     restarts, prefill = [], Drafter.prefill
 
     def counted(self):

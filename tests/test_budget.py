@@ -125,11 +125,11 @@ def test_a_batch_releases_every_held_node(close_pair):
     assert sum(map(sum, cal.tested)) > 0 and not any(map(any, cal.held))
 
 
-def _drive(g, n: int, plain: float, drafted: float) -> list[bool]:
+def _drive(g, n: int, plain: float, drafted: float, rows: int = 4) -> list[bool]:
     """n iterations of 1 ms committing ``plain`` or ``drafted`` tokens; whether each was plain."""
     kinds = []
     for _ in range(n):
-        skip = g.skip_drafting()
+        skip = g.skip_drafting(rows)
         kinds.append(skip)
         g.observe(plain if skip else drafted, 1.0, skip)
     return kinds
@@ -153,48 +153,85 @@ def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
     assert g.gap == g.max_gap
 
 
-def test_governor_is_not_turned_off_by_one_slow_first_tree():
+def test_governor_brings_trees_back_after_a_losing_first_segment():
+    """A batch's first trees cost more than later ones (a fresh history): a slow first drafted
+    iteration is one of a segment's eight, and a whole losing first segment sends trees away only
+    until they are measured winning."""
     from dynatree.budget import Governor
 
     g = Governor()
     kinds = []
-    for i in range(80):  # the first drafted iteration is slow (a fresh batch), the rest win 1.3x
-        skip = g.skip_drafting()
+    for i in range(80):  # the first drafted iteration commits 0.5 tokens in its ms, the rest 2.6 against 2
+        skip = g.skip_drafting(4)
         kinds.append(skip)
         g.observe(2 if skip else (0.5 if kinds.count(False) == 1 else 2.6), 1.0, skip)
-    assert sum(kinds) == 3 * g.segment and g.gap == 1  # the first segment and every 4th: the ar probes
+    assert sum(kinds) == 3 * g.segment and g.gap == 1  # the first segment and every 4th: ar's
+    g = Governor()
+    kinds = []
+    for i in range(320):  # now the whole first drafted segment commits 1 token/ms
+        skip = g.skip_drafting(4)
+        kinds.append(skip)
+        g.observe(2 if skip else (1 if kinds.count(False) <= g.segment else 2.6), 1.0, skip)
+    assert kinds[8:16] == [False] * 8 and kinds[16:24] == [True] * 8  # lost: plain segments follow
+    assert g.gap == 1 and sum(kinds[-64:]) == 2 * g.segment  # back: only every 4th segment plain
 
 
-def test_a_governor_carries_what_it_learned_to_the_next_batch_of_its_size():
-    """A run of short batches does not pay to learn the same thing again: where trees lost, the
-    next batch's governor starts with their shrunk trees and long gap -- its first drafted segment
-    comes after `gap` plain ones -- and measures both rates afresh."""
+def test_a_governor_segment_is_one_row_count():
+    """Rows that finish change what a step costs and commits: a segment under way when the row
+    count changes is dropped, not mixed into a rate."""
+    from dynatree.budget import Governor
+
+    g = Governor(segment=4)
+    _drive(g, 3, plain=4, drafted=4, rows=4)
+    _drive(g, 4, plain=1, drafted=1, rows=3)  # a 3-row segment from its start
+    assert g.ar_n == 1 and g.ar_rate == 1.0
+
+
+def test_a_governor_carries_its_lesson_to_the_next_batch_of_its_size():
+    """A run of short batches does not learn from scratch, nor is locked out: the next batch's
+    governor keeps the scale, the losing gap and its count through it, and measures both rates
+    afresh; batches too short to reach a drafted segment reach one in turn."""
     from dynatree.budget import Governor
 
     g = Governor(segment=2)
-    _drive(g, 80, plain=2, drafted=1)
+    kinds = _drive(g, 80, plain=2, drafted=1)
     nxt = g.carry()
-    assert (nxt.scale, nxt.gap) == (g.scale, g.max_gap) and nxt.ar_rate is None and nxt.tree_rate is None
-    kinds = _drive(nxt, 2 * (g.max_gap + 1), plain=2, drafted=1)
-    assert all(kinds[:-2]) and kinds[-2:] == [False, False]
+    assert (nxt.gap, nxt.plain_run, nxt.scale) == (g.max_gap, g.plain_run, g.scale)
+    assert nxt.ar_rate is None and nxt.tree_rate is None
+    drafted = 0
+    for _ in range(12):  # short batches of 3 segments: with the count carried, trees are still tried
+        kinds = _drive(nxt, 6, plain=2, drafted=1)
+        drafted += kinds.count(False)
+        nxt = nxt.carry()
+    assert drafted >= 2 * 2  # at least twice: 36 segments over gaps of 8
 
 
-def test_batch_decoders_keep_a_governor_per_batch_size_and_carry_it(close_pair):
-    """engine.BatchDecoder asks the governor of its row count's power of two; a later decoder's
-    starts from the pair's last one of that size."""
+def test_batch_decoders_keep_a_governor_per_batch_size_and_method_and_carry_it(close_pair):
+    """engine.BatchDecoder asks the governor of its row count's power of two and its rows' config;
+    a later decoder's starts from the pair's last one of that key; a batch of one asks none."""
     from conftest import random_prompts
     from dynatree import make_config
     from dynatree.engine import BatchDecoder, decode_batch
 
-    decode_batch(close_pair, random_prompts(4, seed=3), make_config("dynatree"), max_new_tokens=20, ignore_eos=True)
-    first = close_pair.state[("governor", 4)]
+    for key in [k for k in close_pair.state if isinstance(k, tuple) and k[:1] == ("governor",)]:
+        del close_pair.state[key]  # (the pair is shared by other tests' batches)
+    cfg = make_config("dynatree")
+    decode_batch(close_pair, random_prompts(4, seed=3), cfg, max_new_tokens=20, ignore_eos=True)
+    first = close_pair.state[("governor", 4, cfg)]
     assert first.iteration > 0
-    first.scale, first.gap = 3.0, 4  # as if trees had lost
+    first.scale, first.gap = 4.0, 8  # as if trees had lost
     dec = BatchDecoder(close_pair)
-    g = dec.governor(3)
-    assert g is dec.governor(4) is close_pair.state[("governor", 4)] and g is not first
-    assert (g.scale, g.gap, g.iteration, g.ar_rate) == (3.0, 4, 0, None)
-    assert dec.governor(5) is not g and dec.governor(5).scale == 1.0
+    for i, p in enumerate(random_prompts(3, seed=4)):
+        dec.add(p, cfg, max_new_tokens=20, key=i)
+    dec.step()
+    (key, g), = dec.governors.items()
+    assert key == ("governor", 4, cfg) and g is close_pair.state[key] and g is not first
+    assert (g.scale, g.gap, g.ar_rate) == (4.0, 8, None)
+    other = make_config("dynatree", {"lookup": 0})
+    decode_batch(close_pair, random_prompts(2, seed=5), [cfg, other], max_new_tokens=4, ignore_eos=True)
+    assert ("governor", 2, None) in close_pair.state  # mixed configs share one
+    decode_batch(close_pair, random_prompts(1, seed=6), cfg, max_new_tokens=4, ignore_eos=True)
+    assert not any(k[1] == 1 for k in close_pair.state if isinstance(k, tuple) and k[:1] == ("governor",))
 
 
 def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tmp_path, monkeypatch):
