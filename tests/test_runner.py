@@ -956,6 +956,7 @@ def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
         raise Unheld()
 
     old = signal.signal(signal.SIGTERM, unheld)
+    sigint = signal.getsignal(signal.SIGINT)  # (SIG_IGN, not Python's handler, in a job started with `&`)
     try:
         swapped = []
         fake_utils = types.SimpleNamespace(set_sigterm_handler=swapped.append)  # ray._private.utils
@@ -969,7 +970,7 @@ def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
                     finished.append(True)  # the start runs to its end
             assert finished == [True] and swapped == []
         assert fake_utils.set_sigterm_handler == swapped.append  # (put back)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is sigint  # (put back)
         with pytest.raises(signals.Terminated):  # SIGTERM now ends the command
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
