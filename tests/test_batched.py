@@ -257,6 +257,33 @@ def test_drafts_that_sat_out_iterations_restart_and_tokens_stay_ars(close_pair, 
     assert sum(restarts) >= 4 * 4, restarts  # every row, most of its ~6 drafted iterations
 
 
+def test_a_rows_prompt_goes_through_its_draft_at_its_first_tree_and_never_without_one(close_pair, monkeypatch):
+    """A batch the governor keeps on bare roots throughout never runs its drafts (not even over the
+    prompts: that had cost a tree-less batched dynatree row ~2% beside ar); rows that draft later
+    feed the draft their prompt first, by itself (as a prefill, outside the iteration's timing),
+    then catch up on what was committed meanwhile.  Tokens are ar's either way."""
+    from dynatree.budget import Governor
+    from dynatree.drafting import Drafter
+
+    prompts = random_prompts(3, seed=4, lo=5, hi=9)
+    refs = [decode(close_pair, p, make_config("ar"), max_new_tokens=12, ignore_eos=True)[0] for p in prompts]
+    monkeypatch.setattr(Governor, "skip_drafting", lambda self, rows=0: True)
+    got = decode_batch(close_pair, prompts, make_config("dynatree"), max_new_tokens=12, ignore_eos=True)
+    assert [g[0] for g in got] == refs and [g[2].draft_forwards for g in got] == [0, 0, 0]
+    calls = iter(range(1 << 20))
+    monkeypatch.setattr(Governor, "skip_drafting", lambda self, rows=0: next(calls) < 4)  # 4 plain, then trees
+    fed, prefill = [], Drafter.prefill
+
+    def counted(self):
+        fed.append(len(self.pending) - 1)
+        yield from prefill(self)
+
+    monkeypatch.setattr(Drafter, "prefill", counted)
+    got = decode_batch(close_pair, prompts, make_config("dynatree"), max_new_tokens=12, ignore_eos=True)
+    assert [g[0] for g in got] == refs and all(g[2].draft_forwards > 0 for g in got)
+    assert fed[:6] == [len(p) for p in prompts] + [4] * 3  # each prompt, then the 4 plain iterations' tokens
+
+
 def test_prefill_time_is_the_prefill_and_ttft_adds_the_wait_to_join(close_pair):
     dec = BatchDecoder(close_pair)
     dec.add([5, 6, 7], make_config("ar"), max_new_tokens=4, key="a")

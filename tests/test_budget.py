@@ -138,7 +138,7 @@ def _drive(g, n: int, plain: float, drafted: float, rows: int = 4) -> list[bool]
 def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
     from dynatree.budget import Governor
 
-    g = Governor(segment=2, every=4)
+    g = Governor(segment=2, every=4, max_gap=8)
     kinds = _drive(g, 80, plain=2, drafted=1)  # drafting loses
     assert kinds[:4] == [True, True, False, False]  # a plain segment first, then a drafted one
     assert g.scale > 1.3 and sum(kinds[-40:]) >= 34  # mostly plain iterations, trees still explored
@@ -148,7 +148,7 @@ def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
     _drive(g, 400, plain=2, drafted=4)  # now drafting wins
     assert g.scale == 1.0 and g.gap == 1
     assert sum(_drive(g, 16, plain=2, drafted=4)) == 4  # only every 4th segment is plain
-    g = Governor(segment=2, every=4)
+    g = Governor(segment=2, every=4, max_gap=8)
     _drive(g, 80, plain=2, drafted=2.05)  # a tie, inside the margin, goes to plain steps
     assert g.gap == g.max_gap
 
@@ -193,7 +193,7 @@ def test_a_governor_carries_its_lesson_to_the_next_batch_of_its_size():
     afresh; batches too short to reach a drafted segment reach one in turn."""
     from dynatree.budget import Governor
 
-    g = Governor(segment=2)
+    g = Governor(segment=2, max_gap=8)
     kinds = _drive(g, 80, plain=2, drafted=1)
     nxt = g.carry()
     assert (nxt.gap, nxt.plain_run, nxt.scale) == (g.max_gap, g.plain_run, g.scale)

@@ -196,6 +196,7 @@ def test_copied_prefixes_are_the_bits_a_prefill_writes_native(method):
         for i, p in enumerate(prompts):
             dec.add(p, cfg, max_new_tokens=8, ignore_eos=True, key=i)
         dec._prefill(dec.joining)
+        dec._draft_prefill([r for r in dec.joining if r.drafter])  # (the drafts' part, at a row's first tree)
         for r in dec.joining:  # the kernel reads shared slots from the store's copy; a torch forward would copy them in
             for c in (r.cache, *([r.drafter.cache] if r.drafter else [])):
                 assert c.shared is None or c.shared.own == (c.shared.length == 0 or r is dec.joining[0])
@@ -237,12 +238,15 @@ def test_the_kernel_reads_a_shared_prefix_from_its_one_copy(isa, family, stepped
 
     def run(wipe):
         pair.forget_prefixes()
-        if stepped:  # the first block stored first (target and draft), as a segment of its own
-            decode_batch(pair, [HEADER[:BLOCK] + rng.choices(vocab, k=9) for _ in range(2)], cfg, max_new_tokens=2)
+        if stepped:  # the first block stored first (target and draft), as a segment of its own (one
+            # prompt at a time: a batch's first iterations are plain, drafts fed at a row's first tree)
+            for _ in range(2):
+                decode_batch(pair, [HEADER[:BLOCK] + rng.choices(vocab, k=9)], cfg, max_new_tokens=2)
         dec = BatchDecoder(pair)
         for i, p in enumerate(prompts):
             dec.add(p, cfg, max_new_tokens=16, ignore_eos=True, key=i)
         dec._prefill(dec.joining)
+        dec._draft_prefill(dec.joining)  # (what the rows' first tree does)
         dec.active, dec.joining = dec.joining, []  # what step() does after its prefill
         caches = [c for r in dec.active for c in (r.cache, r.drafter.cache)]
         assert all(c.shared is not None and c.shared.length == 2 * BLOCK for c in caches[2:])
