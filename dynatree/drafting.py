@@ -108,10 +108,10 @@ class Drafter:
     def prefill(self):
         """Feed the queued tokens before the root the way the target cached them, leaving the root
         queued.  A prompt runs in draft forwards of its own before the row's first tree
-        (engine.BatchDecoder._draft_prefill), so that tree costs its levels alone, as every later
-        one does (the batched budget compares iterations' costs).  With a window, the tokens go in the pieces the target's prefill uses, evicting
-        between them, so the draft keeps the same sinks and recent tokens as the target.  A
-        generator (see the class)."""
+        (engine.BatchDecoder._draft_prefill), so that tree costs its levels alone, as every
+        later one does (the batched budget compares iterations' costs).  With a window, the
+        tokens go in the pieces the target's prefill uses, evicting between them, so the draft
+        keeps the same sinks and recent tokens as the target.  A generator (see the class)."""
         todo, self.pending = self.pending[:-1], self.pending[-1:]
         if self.context and len(todo) > self.context:
             # catching up would feed len(todo) tokens; a restart on the latest `context` costs fewer,

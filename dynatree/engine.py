@@ -129,7 +129,7 @@ class _Row:
         self.capacity = cache_rows(cfg, len(prompt) + max_new_tokens, pair.max_context)
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
-        self.draft_has_prompt = False  # the prompt goes through the draft at the row's first tree (_draft_prefill)
+        self.draft_has_prompt = False  # the prompt goes through the draft at the row's first drafted iteration
         self.draft_spent = (0.0, 0, 0.0)  # a retired drafter's seconds, forwards, forward seconds
         self.index: NgramIndex | None = None
         self.out: list[int] = []
@@ -370,22 +370,29 @@ class BatchDecoder:
     def _draft_prefill(self, rows: list[_Row]) -> None:
         """The prompts through these rows' drafts, before each row's first drafted iteration: not at
         join, so a row the Governor keeps on bare roots throughout never pays it (it had cost a
-        tree-less batched ``dynatree`` row ~2% beside ``ar``), and not in the iteration's time (a
-        prompt's prefill is no cost of the iteration the Governor weighs).  Feeds what the join
+        tree-less batched ``dynatree`` row ~1.6% of ``ar``'s time), and not in the iteration's time
+        (a prompt's prefill is no cost of the iteration the Governor weighs).  Feeds what the join
         fed -- the prompt, leaving its first token queued -- and tokens committed since join stay
-        queued for the catch-up (_catch_up), as after any plain stretch."""
-        later = []
+        queued for the catch-up (_catch_up), as after any plain stretch; a row whose draft would
+        restart on those alone (more than its draft_context of them) skips the prompt."""
+        fresh, later = [], []
         for r in rows:
             d = r.drafter
-            later.append(d.pending[len(r.prompt) + 1:])
-            d.pending = d.pending[:len(r.prompt) + 1]
-        for r, held in zip(rows, self._prefixes(rows, "draft")[0]):
-            r.drafter.pending = r.drafter.pending[held:]  # what prefix caching gave needs no feeding
-        drive([(r.drafter, r.drafter.prefill()) for r in rows])
-        self._prefixes(rows, "draft", after=True)
-        for r, tokens in zip(rows, later):
-            r.drafter.pending += tokens
             r.draft_has_prompt = True
+            tokens = d.pending[len(r.prompt) + 1:]
+            if d.context and len(tokens) > d.context:
+                continue  # (the catch-up restarts on the latest tokens: the prompt's keys would go unread)
+            fresh.append(r)
+            later.append(tokens)
+            d.pending = d.pending[:len(r.prompt) + 1]
+        if not fresh:
+            return
+        for r, held in zip(fresh, self._prefixes(fresh, "draft")[0]):
+            r.drafter.pending = r.drafter.pending[held:]  # what prefix caching gave needs no feeding
+        drive([(r.drafter, r.drafter.prefill()) for r in fresh])
+        self._prefixes(fresh, "draft", after=True)
+        for r, tokens in zip(fresh, later):
+            r.drafter.pending += tokens
 
     def _prefixes(self, rows: list[_Row], which: str, after: bool = False) -> tuple[list[int], list[int]]:
         """Prefix caching (prefix.py) for ``which`` model's caches of these rows' prompts, before their
@@ -418,8 +425,9 @@ class BatchDecoder:
         budgeted = [r for r in rows if r.budgeted]
         governor = self.governor(len(rows), budgeted) if len(rows) > 1 and budgeted else None
         probe = governor is not None and governor.skip_drafting(len(rows))
-        self._draft_prefill([r for r in rows if r.drafter is not None and not r.draft_has_prompt
-                             and not (probe and r.budgeted)])
+        fresh = [r for r in rows if r.drafter is not None and not r.draft_has_prompt and not (probe and r.budgeted)]
+        if fresh:
+            self._draft_prefill(fresh)
         t_iter = time.perf_counter()  # (the Governor charges the catch-up to the drafted iteration)
         if not probe:
             _catch_up(rows)
@@ -533,8 +541,11 @@ def _catch_up(rows: list[_Row]) -> None:
     iteration: switching between plain and drafted segments costs this, and the Governor's
     segments (8 iterations) amortise it -- judged alone, after a gap of 64 iterations the catch-up
     made a drafted iteration cost 4x a plain one (16 rows), so trees could never win an
-    exploration back; left out altogether, trees that lost 12% looked like a tie (B = 4)."""
-    late = [r.drafter for r in rows if r.drafter is not None and len(r.drafter.pending) > 2]
+    exploration back; left out altogether, trees that lost 12% looked like a tie (B = 4).  After
+    a long gap (up to 256 iterations) a draft restarts on its last draft_context tokens instead
+    (Drafter.prefill).  A row whose prompt has not gone through its draft is not caught up: that
+    is a prefill (_draft_prefill), not this iteration's cost."""
+    late = [r.drafter for r in rows if r.drafter is not None and r.draft_has_prompt and len(r.drafter.pending) > 2]
     if late:
         drive([(d, d.prefill()) for d in late])
     for r in rows:

@@ -17,7 +17,8 @@ What is stored.  A chain is stored once two prompts have started with it: a boun
 hashes counts how many prompts began with each (a hash collision can only waste a store, never
 share wrong keys), so a corpus whose prompts never repeat pays for the hashing alone.  When
 several prompts that join together share a chain nobody stored, one of them computes it first (one
-forward for all such chains) and the others copy it (:func:`prefill_shared`).
+forward for all such chains) and the others copy it (:func:`prefill_shared`); for the drafts'
+caches, rows whose first drafted iteration is the same one (engine.BatchDecoder._draft_prefill).
 
 Memory.  The stored keys/values are capped (``max_bytes``); the least recently used chains go
 first, each with its descendants (they are unreachable without it).

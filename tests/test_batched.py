@@ -275,13 +275,20 @@ def test_a_rows_prompt_goes_through_its_draft_at_its_first_tree_and_never_withou
     fed, prefill = [], Drafter.prefill
 
     def counted(self):
-        fed.append(len(self.pending) - 1)
+        before = self.fed_tokens
         yield from prefill(self)
+        fed.append(self.fed_tokens - before)
 
     monkeypatch.setattr(Drafter, "prefill", counted)
     got = decode_batch(close_pair, prompts, make_config("dynatree"), max_new_tokens=12, ignore_eos=True)
     assert [g[0] for g in got] == refs and all(g[2].draft_forwards > 0 for g in got)
     assert fed[:6] == [len(p) for p in prompts] + [4] * 3  # each prompt, then the 4 plain iterations' tokens
+    # more tokens since join than the draft reads (draft_context): it starts on the latest ones alone
+    fed.clear()
+    calls = iter(range(1 << 20))
+    got = decode_batch(close_pair, prompts, make_config("dynatree", {"draft_context": 3}), max_new_tokens=12,
+                       ignore_eos=True)
+    assert [g[0] for g in got] == refs and fed[:3] == [3, 3, 3]
 
 
 def test_prefill_time_is_the_prefill_and_ttft_adds_the_wait_to_join(close_pair):

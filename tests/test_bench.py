@@ -1,5 +1,6 @@
 """The bench runs end to end on tiny models; report rebuilds tables and plots from Parquet alone."""
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -162,7 +163,9 @@ def test_profile_command_on_a_context_too_short_for_its_largest_forwards(pair_di
                                     str(tmp_path / "draft"), "--device", "cpu", "--repeats", "1"])
     assert res.exit_code == 0, res.output
     assert "leaves no room for a 32-token forward in the 48-token context: timing at 15" in res.output
-    assert "ms per extra token at 16-32 tokens" in res.output
+    # (one repeat on a busy host may time 32 tokens under 16: then the noise message, same sizes)
+    assert (re.search(r"target: [\d.]+ ms per extra token at 16-32 tokens", res.output)
+            or "target: the extra tokens at 16-32 tokens cost less than the timing noise" in res.output), res.output
     assert "target prefill of 47 tokens" in res.output
 
 
