@@ -547,11 +547,28 @@ def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, r
                f"{', range' if rounds > 1 else ''}): "
                + ", ".join(f"{k} {mid(r):.2f}x{spread(r)}" for k, r in ratios.items())
                + (f" -- native is SLOWER than MKL at {', '.join(slower)} on this CPU" if slower else ""))
-    if kbuild.variant() == "avx2" and kbuild.has_avx512() and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
-        # MKL picks its code path from the CPU, not from DYNATREE_ISA: here it runs 512-bit FMAs at up to
-        # twice the AVX2 variant's peak, which an AVX2-only CPU's MKL cannot.
-        click.echo("note: MKL runs AVX-512 on this CPU; for the comparison an AVX2-only CPU sees, run with "
-                   "MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2")
+    held = _mkl_held_to(kbuild.variant())
+    if held and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
+        # MKL picks its code path from the CPU, not from DYNATREE_ISA: here it runs wider FMAs than the
+        # variant's (up to 2x or 4x its peak), which MKL on a CPU that has only the variant's cannot.
+        wide, mkl, onednn = held
+        click.echo(f"note: MKL runs {wide} on this CPU; for the comparison a CPU with only this variant's vectors "
+                   f"sees, run with MKL_ENABLE_INSTRUCTIONS={mkl} ONEDNN_MAX_CPU_ISA={onednn}")
+
+
+def _mkl_held_to(variant: str) -> tuple[str, str, str] | None:
+    """For a kernel variant narrower than this x86 CPU's vectors: (what MKL runs here, and the
+    MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA values that hold torch's MKL and oneDNN to the
+    variant's width); None otherwise.  (The generic build's 128-bit GEMM ran 0.44-0.54x MKL's time
+    at 16-300 rows with MKL held to SSE4.2, 1.3-3.1x against MKL's AVX-512: Emerald Rapids.)"""
+    from . import kbuild
+    flags = set(kbuild.cpu_flags().split()) if kbuild._X86 else set()
+    wide = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    if variant == "avx2" and wide == "AVX-512":
+        return wide, "AVX2", "AVX2"
+    if variant == "generic" and wide:
+        return wide, "SSE4_2", "SSE41"
+    return None
 
 
 def matmul_params(runner) -> int:
