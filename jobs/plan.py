@@ -26,7 +26,7 @@ from dynatree.data import InputError, InputSource
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
-from .spec import PATH_FIELDS, JobSpec, canonical_path
+from .spec import PATH_FIELDS, JobSpec, canonical_options, canonical_path
 
 META_KEY = b"dynatree"
 
@@ -292,6 +292,8 @@ def _legacy(old: dict) -> dict:
     """An older manifest's identity and input fingerprint with paths as this version keeps them:
     absolute (they were stored as typed, resolved here from the current directory)."""
     ident = {k: canonical_path(k, v) if k in PATH_FIELDS else v for k, v in old.get("identity", {}).items()}
+    if isinstance(ident.get("options"), dict) and isinstance(ident.get("method"), str):  # (kept as typed until 2026-11-28)
+        ident["options"] = json.loads(json.dumps(canonical_options(ident["method"], ident["options"]), default=str))
     fp = json.loads(json.dumps(old.get("input_fingerprint")))
     if isinstance(fp, dict):
         fp["source"] = canonical_path("input", fp.get("source"))
@@ -311,6 +313,11 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
         before = old.get("identity", {})
         changed = sorted(k for k in {*new["identity"], *before} if json.dumps(new["identity"].get(k), default=str)
                          != json.dumps(before.get(k), default=str))
+        if "options" in changed and isinstance(before.get("options"), dict):
+            was, now = before["options"], json.loads(json.dumps(new["identity"]["options"], default=str))
+            keys = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+            changed[changed.index("options")] = "options " + ", ".join(
+                f"{k}: {was.get(k, 'default')} -> {now.get(k, 'default')}" for k in keys)
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it

@@ -186,6 +186,7 @@ class JobSpec:
     def identity(self) -> dict:
         out = {k: getattr(self, k) for k in OUTPUT_IDENTITY
                if k not in _LATER_FIELDS or getattr(self, k) != _LATER_FIELDS[k]}
+        out["options"] = canonical_options(self.method, self.options)
         for k in ("stop", "stop_token_ids"):  # a rule's order and repeats do not change the output
             if k in out:
                 out[k] = sorted(set(out[k]))
@@ -197,6 +198,19 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def canonical_options(method: str, options: dict | None) -> dict:
+    """A method's options as its config resolves them, only those away from their defaults: an
+    option given at its default (``d_max=8``, ``temperature=0``) or spelled as a string (``"8"``)
+    is the same job as one left out, so a resume that spells it otherwise is not refused.  Options
+    the method does not take are kept as given (the spec's check reports them)."""
+    try:
+        cfg, default = make_config(method, options), make_config(method)
+    except (ValueError, TypeError):
+        return dict(options or {})
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(default, f.name)}
 
 
 def _is(value, t: type) -> bool:

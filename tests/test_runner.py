@@ -107,6 +107,13 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     # a field a job without it leaves out of its identity is still named when it changes
     with pytest.raises(JobError, match=r"different config \(changed: stop\)"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
+    # options given at their defaults, or as strings, are the same job; a changed one is named with its values
+    again = dict(verify_fraction=0.0, max_new_tokens=5, stop=("zq",))
+    plan = run_job(spec(pair_dirs, tmp_path, **again, options={"d_max": "8", "temperature": 0}), progress=False,
+                   log=quiet, dry_run=True)
+    assert (plan["shards_done"], plan["rows_to_decode"]) == (3, 0)
+    with pytest.raises(JobError, match=r"different config \(changed: options d_max: default -> 6\)"):
+        run_job(spec(pair_dirs, tmp_path, **again, options={"d_max": 6}), progress=False, log=quiet, dry_run=True)
 
 
 def faults(monkeypatch, **kw):
