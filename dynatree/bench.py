@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
-from .config import ARConfig, ar_reference, make_config, reference_label
+from .config import METHODS, ARConfig, ar_reference, make_config, reference_label
 from .engine import decode
 from .metrics import Metrics, release_freed_memory, rss_bytes
 from .models import ModelPair
@@ -85,12 +85,17 @@ def _method_labels(methods: str) -> dict[str, list]:
         raise ValueError("--methods is empty: name at least one method (e.g. --methods dynatree)")
     for item in (m.strip() for m in methods.split(",")):
         if item:
-            label, _, meth = item.partition("=")
-            meth, preset = PRESETS.get(meth or label, (meth or label, {}))
+            label, eq, named = (p.strip() for p in item.partition("="))
+            if not label or (eq and not named):
+                raise ValueError(f"--methods {item!r}: give a method's name, or LABEL=METHOD with both parts")
+            meth, preset = PRESETS.get(named or label, (named or label, {}))
             if label in specs:
                 raise ValueError(f"--methods names {label!r} twice: give each method its own label (LABEL=METHOD)")
             if label == "ar" and meth != "ar":
                 raise ValueError(f"--methods ar={meth}: the label ar names the ar every method is compared with")
+            if named and named != label and label in (*METHODS, *HF_METHODS, *PRESETS):
+                raise ValueError(f"--methods {item}: {label!r} is the name of another method; give this one "
+                                 f"another label (its rows would read as {label}'s)")
             specs[label] = [meth, dict(preset)]
     return specs if "ar" in specs else {"ar": ["ar", {}], **specs}
 

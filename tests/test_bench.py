@@ -252,6 +252,11 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     assert res.exit_code == 1 and "--methods names 'x' twice" in res.output
     res = CliRunner().invoke(main, base + ["--methods", "ar=dynatree,linear"])
     assert res.exit_code == 1 and "the label ar names the ar every method is compared with" in res.output
+    for bad in ("ar,=dynatree", "ar,dynatree="):  # a blank label, a blank method
+        res = CliRunner().invoke(main, base + ["--methods", bad])
+        assert res.exit_code == 1 and "LABEL=METHOD with both parts" in res.output, res.output
+    res = CliRunner().invoke(main, base + ["--methods", "ar,dynatree=dyspec"])  # rows would read as dynatree's
+    assert res.exit_code == 1 and "'dynatree' is the name of another method" in res.output
     res = CliRunner().invoke(main, base + ["--methods", "ar,dynatree", "--option", "ar.kv_window=128"])
     assert res.exit_code == 1 and "give a configured ar a label of its own" in res.output
     res = CliRunner().invoke(main, base + ["--batch-sizes", "1,1"])
