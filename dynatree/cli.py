@@ -279,10 +279,9 @@ def _spec_options(f):
 def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
-    from .jobs.driver import ClusterLost, JobError, run_job
+    from .jobs.driver import ClusterLost, JobError, MismatchError, run_job
     from .signals import ask, interrupted
     from .jobs.spec import SpecError, build_spec
-    from .jobs.summary import format_table
 
     ask()  # SIGTERM ends the job as Ctrl-C does, once Ray is up
     try:
@@ -293,6 +292,9 @@ def run(config_file, quiet, dry_run, **fields):
         click.echo(f"Error: {e}", err=True)
         sys.stderr.flush()
         os._exit(1)
+    except MismatchError as e:  # the job finished: its table first, as for any finished job
+        _print_summary(e.summary, spec)
+        _fail(str(e))
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
@@ -307,13 +309,18 @@ def run(config_file, quiet, dry_run, **fields):
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))
         click.echo(f"{'options':<22} " + " ".join(f"{k}={v}" for k, v in summary["options"].items()))
         return
-    click.echo(format_table(summary))
-    out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
-    click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
+    _print_summary(summary, spec)
     if summary["rows"] and summary["errors"] == summary["rows"]:
         kinds = summary["error_messages"]
         _fail(f"every row failed ({summary['errors']}); the most common error: {next(iter(kinds))!r}"
               + (f" (and {len(kinds) - 1} other kinds: see the error column)" if len(kinds) > 1 else ""))
+
+
+def _print_summary(summary: dict, spec) -> None:
+    from .jobs.summary import format_table
+    click.echo(format_table(summary))
+    out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
+    click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
 
 
 def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:

@@ -41,7 +41,7 @@ from .plan import (JobError, Plan, as_stored, check_output, default_ids, finishe
 from .spec import FAULTS_ENV, JobSpec
 from .summary import summarize, write_summary
 
-__all__ = ["ClusterLost", "JobError", "run_job"]
+__all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
 
 QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
 RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
@@ -107,6 +107,15 @@ def _init_ray(spec: JobSpec):
                        "authentication, this client needs the same RAY_AUTH_MODE and token)") from e
     end_on_sigterm(only_if_asked=True)
     return ray
+
+
+class MismatchError(JobError):
+    """--fail-on-mismatch: the job finished -- its shards and summary are written -- with checked
+    rows that differ from ar; ``summary`` is the job's summary."""
+
+    def __init__(self, message: str, summary: dict):
+        super().__init__(message)
+        self.summary = summary
 
 
 class ClusterLost(JobError):
@@ -290,8 +299,8 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     summary = summarize(out, spec, run_stats, startup)
     write_summary(out, summary)
     if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:
-        raise JobError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
-                       f"(--fail-on-mismatch); see summary.json")
+        raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
+                            f"(--fail-on-mismatch); see summary.json", summary)
     return summary
 
 

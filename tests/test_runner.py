@@ -723,6 +723,14 @@ def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp
     monkeypatch.setattr(driver, "run_job", lambda *a, **k: s2)
     assert CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o"]).exit_code == 0
 
+    def mismatched(*a, **k):  # --fail-on-mismatch: the job finished, so its table comes before the error
+        raise driver.MismatchError("1 generation(s) differ from ar (--fail-on-mismatch); see summary.json", s2)
+
+    monkeypatch.setattr(driver, "run_job", mismatched)
+    res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o", "--fail-on-mismatch"])
+    assert res.exit_code == 1 and "rows " in res.output and f"results: {tmp_path / 'o'}/shards" in res.output
+    assert res.output.index("results:") < res.output.index("1 generation(s) differ from ar")
+
 
 def test_a_relative_output_under_ray_job_submit_is_named_in_full(pair_dirs, tmp_path, monkeypatch):
     from dynatree.jobs import driver
