@@ -70,7 +70,8 @@ def _pair_options(f):
               help="method option, repeatable (listed below)")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt", "prompts", multiple=True,
-              help="prompt text (default: read stdin); repeat it to decode several prompts together, "
+              help="prompt text (default: read stdin, less the newline that ends its last line); repeat it "
+                   "to decode several prompts together, "
                    "many sequences per forward")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1),
               help="keep each prompt's last N tokens (default: all; unlike `dynatree run`, no cut to fit the context)")
@@ -97,7 +98,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     from .models import PairError, load_pair
 
     _threads(threads)
-    prompts = list(prompts) or [sys.stdin.read()]
+    # (`echo text | dynatree generate` must decode "text", not "text\n": another prompt, other tokens)
+    prompts = list(prompts) or [_chomp(sys.stdin.read())]
     if not all(p.strip() for p in prompts):
         _fail("empty prompt")
     try:
@@ -321,6 +323,11 @@ def _print_summary(summary: dict, spec) -> None:
     click.echo(format_table(summary))
     out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
     click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
+
+
+def _chomp(text: str) -> str:
+    """Text read from stdin without the line end its last line carries (one, as a shell's echo adds)."""
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:

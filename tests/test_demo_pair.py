@@ -66,3 +66,18 @@ def test_cli_generate_without_model_flags():
     from dynatree import native
     if native.library() is not None:  # what ran, not only what was asked for (the demo pair: the native kernel)
         assert out["forward"].startswith("native kernel (")
+
+
+def test_cli_generate_reads_stdin_without_its_last_line_end():
+    """`echo text | dynatree generate` decodes "text" (the newline echo adds is no part of the prompt),
+    as --prompt text does; only that one line end goes."""
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+    args = ["generate", "--max-new-tokens", "4", "--device", "cpu", "--method", "ar", "--json"]
+    got = [json.loads(CliRunner().invoke(main, args + extra, input=stdin).stdout.strip().splitlines()[-1])
+           for extra, stdin in (([], "The old man\n"), ([], "The old man\r\n"), (["--prompt", "The old man"], ""),
+                                ([], "The old man\n\n"))]
+    assert got[0]["token_ids"] == got[1]["token_ids"] == got[2]["token_ids"]
+    n = [g["metrics"]["prompt_tokens"] for g in got]
+    assert n[0] == n[1] == n[2] < n[3]
