@@ -189,6 +189,8 @@ def _speedup_line(s: dict) -> str:
     sp, checked = s["speedup_vs_ar"], s["equivalence"]["checked"]
     if sp["n"] or not checked:
         mean = "-" if sp["mean"] is None else f"{sp['mean']:.2f} ± {sp['std']:.2f}"
+        if sp["n"] < checked:  # (a job resumed at another batch size: some checked rows shared forwards)
+            return f"{mean}  (over the {sp['n']} of {checked} checked rows decoded one at a time)"
         return f"{mean}  (rows re-decoded with ar: {sp['n']})"
     return ("-  (checked rows shared forwards at batch size > 1, so per-row times are the batch's: "
             "compare whole jobs' tokens/s, or `dynatree bench --batch-sizes`)")

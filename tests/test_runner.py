@@ -1006,3 +1006,19 @@ def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
                 pytest.fail("a second signal must stop a start at once")
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_the_speedup_line_says_which_checked_rows_it_covers():
+    """Per-row speedups exist only for rows decoded one at a time: a job resumed at another batch size
+    says over how many of its checked rows the speedup is (it had read "re-decoded with ar: 8" beside
+    "matches ar 21/21")."""
+    from dynatree.jobs.summary import _speedup_line
+
+    def line(n, checked):
+        return _speedup_line({"speedup_vs_ar": {"n": n, "mean": 1.5 if n else None, "std": 0.1 if n else None},
+                              "equivalence": {"checked": checked}})
+
+    assert line(8, 21) == "1.50 ± 0.10  (over the 8 of 21 checked rows decoded one at a time)"
+    assert line(21, 21) == "1.50 ± 0.10  (rows re-decoded with ar: 21)"
+    assert line(0, 21).startswith("-  (checked rows shared forwards at batch size > 1")
+    assert line(0, 0) == "-  (rows re-decoded with ar: 0)"
