@@ -58,3 +58,8 @@ def __getattr__(name: str):
     if name in _WHERE:
         return getattr(import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy public names too (tab completion, help(); the module's globals alone hide them)."""
+    return sorted({*globals(), *__all__})

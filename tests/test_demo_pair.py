@@ -81,3 +81,13 @@ def test_cli_generate_reads_stdin_without_its_last_line_end():
     assert got[0]["token_ids"] == got[1]["token_ids"] == got[2]["token_ids"]
     n = [g["metrics"]["prompt_tokens"] for g in got]
     assert n[0] == n[1] == n[2] < n[3]
+
+
+def test_the_package_lists_its_lazy_names_without_importing_torch():
+    """dir(dynatree) shows generate, load_pair, ... (tab completion) though they load on first use,
+    and listing them imports neither torch nor transformers (the job driver never needs them)."""
+    code = ("import dynatree, sys; names = dir(dynatree); "
+            "assert {'generate', 'generate_batch', 'load_pair', 'make_config', '__version__'} <= set(names), names; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
