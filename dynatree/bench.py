@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
-from .config import METHODS, ARConfig, ar_reference, make_config, reference_label
+from .config import METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label
 from .engine import decode
 from .metrics import Metrics, release_freed_memory, rss_bytes
 from .models import ModelPair
@@ -57,8 +57,6 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
     kv_evict, the methods with a window), so one flag samples them all.  A :data:`PRESETS` name
     is its method with the preset's options (which options given override).
     """
-    import dataclasses
-
     from .config import WINDOW_FIELDS
 
     specs = _method_labels(methods)
@@ -73,8 +71,7 @@ def parse_methods(methods: str, options: list[str] | tuple = ()) -> list[MethodS
         raise ValueError(f"--option {unused[0]}: no method in --methods has a cache window (kv_window) for it to shape")
     for ref in dict.fromkeys(reference_config(m) for m in out):
         if ref != ARConfig() and not any(m.method == "ar" and reference_config(m) == ref for m in out):
-            opts = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref) if getattr(ref, f.name) != f.default}
-            out.append(MethodSpec(reference_label(ref), "ar", opts))
+            out.append(MethodSpec(reference_label(ref), "ar", non_default_options(ref)))
     return out
 
 

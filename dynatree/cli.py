@@ -576,8 +576,7 @@ def _mkl_held_to(variant: str) -> tuple[str, str, str] | None:
     variant's width); None otherwise.  (The generic build's 128-bit GEMM ran 0.44-0.54x MKL's time
     at 16-300 rows with MKL held to SSE4.2, 1.3-3.1x against MKL's AVX-512: Emerald Rapids.)"""
     from . import kbuild
-    flags = set(kbuild.cpu_flags().split()) if kbuild._X86 else set()
-    wide = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    wide = "AVX-512" if kbuild.has_avx512() else "AVX2" if "avx2" in kbuild.variants_here() else None
     if variant == "avx2" and wide == "AVX-512":
         return wide, "AVX2", "AVX2"
     if variant == "generic" and wide:

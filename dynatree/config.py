@@ -281,6 +281,14 @@ def ar_reference(cfg) -> ARConfig:
     return ARConfig(**fields)
 
 
+def non_default_options(cfg) -> dict:
+    """A method config's fields set away from the method's defaults, as options
+    (``make_config(method, them)`` builds the same config)."""
+    default = type(cfg)()
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
 def reference_label(ref: ARConfig) -> str:
     """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024`` (``_sinks2_evict16``
     where those differ from their defaults), ``ar_kvbfloat16``, ``ar_t0.6_p0.9_s3`` (sampling:

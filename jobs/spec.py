@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import ANNOTATION_TYPES, KERNELS, METHODS, check_samples, make_config
+from dynatree.config import ANNOTATION_TYPES, KERNELS, METHODS, check_samples, make_config, non_default_options
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -206,11 +206,9 @@ def canonical_options(method: str, options: dict | None) -> dict:
     is the same job as one left out, so a resume that spells it otherwise is not refused.  Options
     the method does not take are kept as given (the spec's check reports them)."""
     try:
-        cfg, default = make_config(method, options), make_config(method)
+        return non_default_options(make_config(method, options))
     except (ValueError, TypeError):
         return dict(options or {})
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(default, f.name)}
 
 
 def _is(value, t: type) -> bool:
