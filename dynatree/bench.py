@@ -439,6 +439,8 @@ def _batch_row(dataset: str, ms: MethodSpec, b: int, prompts: list, got: list, w
 
 
 def _avg(xs: list) -> float | None:
+    """Mean of the defined values (Metrics leaves a ratio with nothing to divide by None)."""
+    xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
 

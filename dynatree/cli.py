@@ -139,7 +139,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         m = gen.metrics
         which += ": " if which else ""
         click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
-                   f"{m.iterations} iterations, {m.tokens_per_iteration:.2f} tokens/iteration, "
+                   f"{m.iterations} iterations"
+                   + (f", {m.tokens_per_iteration:.2f} tokens/iteration" if m.iterations else "") + ", "
                    f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else "")
                    + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
                       f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
@@ -229,10 +230,16 @@ def _check_summary(path: str, rows: list[dict]) -> list[tuple]:
         rs = [r for r in rows if r["method"] == label]
         bad = [r for r in rs if not r["matches_ar"]]
         out.append((path, label, len(rs), len(rs) - len(bad), sum(r["tokens_per_s"] for r in rs) / len(rs),
-                    sum(r["tokens_per_iteration"] for r in rs) / len(rs),
+                    _mean(r["tokens_per_iteration"] for r in rs),
                     [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
                      for r in bad]))
     return out
+
+
+def _mean(values) -> float | None:
+    """The mean of the values that are defined (a row with no iteration has no tokens/iteration)."""
+    got = [v for v in values if v is not None]
+    return sum(got) / len(got) if got else None
 
 
 def _check_table(summary: list[tuple]) -> None:
@@ -242,7 +249,7 @@ def _check_table(summary: list[tuple]) -> None:
     pw = max(12, *(len(s[0]) for s in summary))  # whole paths: a cut one can name the wrong file
     click.echo(f"{'prompts file':<{pw}} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
     for path, label, n, ok, tps, tpi, bad in summary:
-        click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {tpi:>8.2f}"
+        click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {'-' if tpi is None else f'{tpi:.2f}':>8}"
                    + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
 
 

@@ -4,6 +4,12 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 
 * ``tokens_per_iteration`` (L-bar): tokens committed by iterations / iterations.  The first
   token comes from the prefill pass and is not counted here.
+* A ratio with nothing to divide by is None (null in the Parquet output), not 0: the
+  per-iteration ones (``tokens_per_iteration``, ``avg_path_length``, ``mean_tree_size``) for a row
+  whose one token came from the prefill (``max_new_tokens`` 1, an EOS or stop first); the
+  per-draft ones (``acceptance_rate``, ``accepted_per_node``) for a row that drafted nothing
+  (``ar``, or trees the budget kept bare); ``tpot_s`` for a row of fewer than two tokens.  A 0
+  there had read as "every drafted token rejected" and pulled means down.
 * ``avg_path_length`` (l-bar): mean number of *drafted* tokens accepted per iteration (the
   bonus token excluded), so L-bar = l-bar + 1 except where a stop rule or the token limit
   truncates a commit.
@@ -51,13 +57,13 @@ class Metrics:
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
     ttft_s: float = 0.0
-    tpot_s: float = 0.0
+    tpot_s: float | None = None
     iterations: int = 0
-    tokens_per_iteration: float = 0.0
-    avg_path_length: float = 0.0
-    acceptance_rate: float = 0.0
-    accepted_per_node: float = 0.0
-    mean_tree_size: float = 0.0
+    tokens_per_iteration: float | None = None
+    avg_path_length: float | None = None
+    acceptance_rate: float | None = None
+    accepted_per_node: float | None = None
+    mean_tree_size: float | None = None
     lookup_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -194,13 +200,13 @@ def finish(tally: Tally, *, prompt_tokens: int, new_tokens: int, wall: float, tt
         wall_time_s=wall,
         tokens_per_s=new_tokens / wall if wall > 0 else 0.0,
         ttft_s=ttft,
-        tpot_s=(wall - ttft) / (new_tokens - 1) if new_tokens > 1 else 0.0,
+        tpot_s=(wall - ttft) / (new_tokens - 1) if new_tokens > 1 else None,
         iterations=it,
-        tokens_per_iteration=tally.iter_tokens / it if it else 0.0,
-        avg_path_length=tally.accepted / it if it else 0.0,
-        acceptance_rate=tally.accepted / tally.depth_sum if tally.depth_sum else 0.0,
-        accepted_per_node=tally.accepted / tally.nodes if tally.nodes else 0.0,
-        mean_tree_size=tally.nodes / it if it else 0.0,
+        tokens_per_iteration=tally.iter_tokens / it if it else None,
+        avg_path_length=tally.accepted / it if it else None,
+        acceptance_rate=tally.accepted / tally.depth_sum if tally.depth_sum else None,
+        accepted_per_node=tally.accepted / tally.nodes if tally.nodes else None,
+        mean_tree_size=tally.nodes / it if it else None,
         lookup_tokens=tally.lookup,
         target_forwards=target_forwards,
         draft_forwards=draft_forwards,

@@ -52,10 +52,8 @@ class _Moments:
 
 _COLUMNS = ["id", "sample", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
             "acceptance_rate", "lookup_tokens", "ttft_s", "tpot_s", "ar_tokens_per_s", "matches_ar",
-            "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens", "iterations"]
+            "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens"]
 _MOMENTS = ("tokens_per_s", "tokens_per_iteration", "acceptance_rate", "ttft_s", "tpot_s")
-_PER_ITERATION = ("tokens_per_iteration", "acceptance_rate")  # undefined for a row with no iteration (its
-# one token came from the prefill: max_new_tokens 1, an EOS or stop first), so such rows sit out their means
 _SUMS = {"tokens": "num_generated_tokens", "lookup": "lookup_tokens", "prompt": "prompt_tokens",
          "cached": "cached_prompt_tokens"}
 
@@ -98,9 +96,8 @@ def _tally(out: Path, sampled: bool = False) -> dict:
         ok = table.filter(pc.invert(failed))
         for key, name in _SUMS.items():
             t[key] += _total(ok, name)
-        iterated = ok.filter(pc.fill_null(pc.greater(ok["iterations"], 0), False)) if "iterations" in have else ok
-        for k in _MOMENTS:
-            t[k].add((iterated if k in _PER_ITERATION else ok)[k])
+        for k in _MOMENTS:  # (null where undefined -- no iteration, nothing drafted: metrics.Metrics)
+            t[k].add(ok[k])
         checked = ok.filter(pc.is_valid(ok["matches_ar"]))
         t["checked"] += checked.num_rows
         timed = checked.filter(pc.and_(pc.fill_null(pc.not_equal(checked["ar_tokens_per_s"], 0), False),

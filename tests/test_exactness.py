@@ -85,6 +85,22 @@ def test_trees_speculate_on_the_close_pair(close_pair):
         assert 0 < m.acceptance_rate <= 1
 
 
+def test_undefined_ratios_are_none_not_zero(close_pair):
+    """A row's ratio with nothing to divide by is None (null in the output), not a 0 that reads as
+    "every drafted token rejected": per-iteration ones without an iteration, per-draft ones
+    without a drafted node, the time per output token with one token."""
+    per_iteration = ("tokens_per_iteration", "avg_path_length", "mean_tree_size")
+    per_draft = ("acceptance_rate", "accepted_per_node")
+    _, _, one = decode(close_pair, PROMPTS[0], make_config("dynatree"), max_new_tokens=1, ignore_eos=True)
+    assert one.iterations == 0 and one.new_tokens == 1
+    assert all(getattr(one, k) is None for k in per_iteration + per_draft + ("tpot_s",))
+    _, _, plain = decode(close_pair, PROMPTS[0], make_config("ar"), max_new_tokens=8, ignore_eos=True)
+    assert (plain.tokens_per_iteration, plain.avg_path_length, plain.mean_tree_size) == (1.0, 0.0, 0.0)
+    assert all(getattr(plain, k) is None for k in per_draft) and plain.tpot_s > 0
+    _, _, tree = decode(close_pair, PROMPTS[0], make_config("linear"), max_new_tokens=8, ignore_eos=True)
+    assert all(getattr(tree, k) is not None for k in per_iteration + per_draft)
+
+
 def test_draft_is_never_reprefilled(close_pair):
     prompt = PROMPTS[3]
     for method in ["linear", "dynatree", "dyspec"]:

@@ -922,10 +922,11 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
         if r["error"] is None:
             r.update(finish_reason="length" if i % 2 else "eos", num_generated_tokens=10 + i, lookup_tokens=i % 3,
                      prompt_tokens=50, cached_prompt_tokens=32 if i % 4 == 0 else 0, tokens_per_s=1e6 + i * 0.25,
-                     tokens_per_iteration=1 + i / 10, acceptance_rate=None if i == 5 else i / 30, ttft_s=0.01 * i,
+                     tokens_per_iteration=None if i == 6 else 1 + i / 10,
+                     acceptance_rate=None if i in (5, 6) else i / 30, ttft_s=0.01 * i,
                      tpot_s=0.002, matches_ar=None if i % 5 == 0 else i != 8, ar_tokens_per_s=0.0 if i == 9 else 5e5,
                      first_divergence=3 if i == 8 else None, iterations=0 if i == 6 else 4 + i)  # (6: its token
-            # came from the prefill -- no iteration: no tokens per iteration or acceptance to average)
+            # came from the prefill -- no iteration: its per-iteration ratios are null, metrics.Metrics)
         rows.append(r)
     (tmp_path / "shards").mkdir()
     for k, part in enumerate((rows[:10], rows[10:], [])):
@@ -940,7 +941,7 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     assert s["finish_reasons"] == {"eos": 11, "error": 3, "length": 9}
     for name, key in (("tokens_per_s_per_prompt", "tokens_per_s"), ("acceptance_rate", "acceptance_rate"),
                       ("tokens_per_iteration", "tokens_per_iteration")):
-        vals = [r[key] for r in ok if r[key] is not None and (key == "tokens_per_s" or r["iterations"])]
+        vals = [r[key] for r in ok if r[key] is not None]
         assert s[name]["n"] == len(vals) and s[name]["mean"] == pytest.approx(statistics.fmean(vals), rel=1e-12)
         assert s[name]["std"] == pytest.approx(statistics.stdev(vals), rel=1e-9)  # (1e6 + small: no cancellation)
     speedups = [r["tokens_per_s"] / r["ar_tokens_per_s"] for r in checked if r["ar_tokens_per_s"]]
