@@ -152,7 +152,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 @click.option("--prompts", "prompt_files", multiple=True, required=True,
               help="prompt source: Parquet/Arrow/JSONL file, directory or glob (repeatable)")
 @click.option("--prompt-column", default="text", show_default=True)
-@click.option("--limit", type=click.IntRange(min=1), help="first N prompts of each file")
+@click.option("--limit", type=click.IntRange(min=1),
+              help="first N prompts of each file (rows that are null, empty or not text are skipped, not counted)")
 @click.option("--methods", default="linear,fixed_tree,dynatree,dyspec", show_default=True,
               help="comma-separated methods; LABEL=METHOD runs a method under another name "
                    "(e.g. dyspec_heap=dyspec with --option dyspec_heap.mode=heap)")
@@ -196,31 +197,39 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     summary = []
     for path in prompt_files:
         try:
-            texts = read_texts(path, prompt_column)[:limit]
+            at, texts = _usable_prompts(path, read_texts(path, prompt_column), limit)
         except InputError as e:
             _fail(str(e))
-        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
-        if bad:
-            click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty or not text "
-                       f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
-            skip = set(bad)
-            texts = [t for i, t in enumerate(texts) if i not in skip]
-        if not texts:
-            _fail(f"{path}: no prompts to check")
         prompts = [truncate_prompt(pair.encode(t), keep) for t in texts]
         try:
             rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the table of what was checked whole
-            summary += _check_summary(path, getattr(e, "partial_rows", []))
+            summary += _check_summary(path, [dict(r, prompt=at[r["prompt"]]) for r in getattr(e, "partial_rows", [])])
             how, code = interrupted(e)
             click.echo(f"\n{how}: the prompts checked so far" + (":" if summary else ": none"), err=True)
             _check_table(summary)
             sys.exit(code)
-        summary += _check_summary(path, rows)
+        summary += _check_summary(path, [dict(r, prompt=at[r["prompt"]]) for r in rows])  # (the file's row numbers)
     _check_table(summary)
     if any(s[6] for s in summary):
         sys.exit(1)
+
+
+def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[int], list[str]]:
+    """The first ``limit`` (all with None) values that are prompts, and their row numbers in the file;
+    rows that are null, empty or not text are skipped and named, not counted (as bench's --prompts)."""
+    at, bad = [], []
+    for i, t in enumerate(values):
+        if limit is not None and len(at) == limit:
+            break
+        (at if isinstance(t, str) and t.strip() else bad).append(i)
+    if bad:
+        click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty or not text "
+                   f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
+    if not at:
+        _fail(f"{path}: no prompts to check")
+    return at, [values[i] for i in at]
 
 
 def _check_summary(path: str, rows: list[dict]) -> list[tuple]:

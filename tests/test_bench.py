@@ -397,3 +397,31 @@ def test_an_interrupted_check_prints_the_prompts_it_finished(pair_dirs, tmp_path
     assert res.exit_code == 130 and "interrupted: the prompts checked so far:" in res.output, res.output
     table = [line.split() for line in res.output.splitlines() if line.startswith(str(tmp_path))]
     assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "2"), ("linear", "2", "2")], res.output
+
+
+def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, tmp_path, monkeypatch):
+    """`check --limit N` checks N usable prompts (rows that are null, empty or not text are skipped
+    and named, as bench's --prompts skips them), and a mismatch names the prompt's row in the file,
+    not its place among the usable ones."""
+    import dynatree.check
+
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"text": [TEXTS[0], "", None, TEXTS[1], TEXTS[2]]}), data)
+    real = dynatree.check.check_methods
+
+    def flagged(*a, **k):  # the second usable prompt (file row 3) made to mismatch under linear
+        rows = real(*a, **k)
+        for r in rows:
+            if r["prompt"] == 1 and r["method"] == "linear":
+                r.update(matches_ar=False, first_divergence=2, divergence_margin=None)
+        return rows
+
+    monkeypatch.setattr(dynatree.check, "check_methods", flagged)
+    res = CliRunner().invoke(main, ["check", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--device", "cpu", "--dtype", "float64", "--prompts", str(data), "--limit", "2",
+                                    "--methods", "linear", "--max-new-tokens", "4", "--max-prompt-tokens", "16"])
+    assert res.exit_code == 1, res.output
+    assert "skipping 2 prompt(s) that are null, empty or not text (rows 1, 2)" in res.output
+    table = [line.split(maxsplit=6) for line in res.output.splitlines() if line.startswith(str(data))]
+    assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "2"), ("linear", "2", "1")], res.output
+    assert "(3, 2, None)" in table[1][6], res.output
