@@ -29,7 +29,7 @@ import torch
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
 from .config import METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label
 from .engine import decode
-from .metrics import Metrics, release_freed_memory, rss_bytes
+from .metrics import Metrics, defined_mean, release_freed_memory, rss_bytes
 from .models import ModelPair
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
@@ -432,16 +432,10 @@ def _batch_row(dataset: str, ms: MethodSpec, b: int, prompts: list, got: list, w
         "setting": json.dumps({"sweep": "batch", "B": b}, sort_keys=True), "max_new_tokens": max_new_tokens,
         "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),
         "new_tokens": new_tokens, "tokens_per_s": new_tokens / wall, "wall_time_s": wall,
-        "tokens_per_iteration": _avg([m.tokens_per_iteration for m in mets]),
-        "mean_tree_size": _avg([m.mean_tree_size for m in mets]), "matches_ar": same == len(prompts),
+        "tokens_per_iteration": defined_mean(m.tokens_per_iteration for m in mets),
+        "mean_tree_size": defined_mean(m.mean_tree_size for m in mets), "matches_ar": same == len(prompts),
         "rows_matching_ar": same, "rows": len(prompts),
     }
-
-
-def _avg(xs: list) -> float | None:
-    """Mean of the defined values (Metrics leaves a ratio with nothing to divide by None)."""
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 @dataclass(frozen=True)

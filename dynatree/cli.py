@@ -234,21 +234,17 @@ def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[in
 
 def _check_summary(path: str, rows: list[dict]) -> list[tuple]:
     """check's table rows for one prompts file: (path, method, checked, matching, tok/s, tok/iter, mismatches)."""
+    from .metrics import defined_mean
+
     out = []
     for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
         rs = [r for r in rows if r["method"] == label]
         bad = [r for r in rs if not r["matches_ar"]]
         out.append((path, label, len(rs), len(rs) - len(bad), sum(r["tokens_per_s"] for r in rs) / len(rs),
-                    _mean(r["tokens_per_iteration"] for r in rs),
+                    defined_mean(r["tokens_per_iteration"] for r in rs),
                     [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
                      for r in bad]))
     return out
-
-
-def _mean(values) -> float | None:
-    """The mean of the values that are defined (a row with no iteration has no tokens/iteration)."""
-    got = [v for v in values if v is not None]
-    return sum(got) / len(got) if got else None
 
 
 def _check_table(summary: list[tuple]) -> None:

@@ -148,6 +148,13 @@ class Tally:
         self.nodes += nodes
 
 
+def defined_mean(values) -> float | None:
+    """The mean of the values that are not None (Metrics leaves a ratio with nothing to divide by
+    None), or None when there are none."""
+    got = [v for v in values if v is not None]
+    return sum(got) / len(got) if got else None
+
+
 def rss_bytes() -> int:
     """This process's resident memory now (Linux)."""
     with open("/proc/self/statm") as f:
