@@ -52,7 +52,7 @@ def divergence(pair: ModelPair, prompt_ids: list[int], reference: list[int],
     if window and len(prompt_ids) + i > window:
         return i, None
     logits = reference_logits(pair, prompt_ids, reference[:i], cfg)
-    sampler = Sampler.from_config(cfg) if cfg is not None else None
+    sampler = Sampler.from_config(cfg, prompt_ids) if cfg is not None else None
     if sampler is not None:  # the draw at index i is the argmax of the perturbed scores
         sampler.at(i)
         logits = sampler.scores(logits[None], [0])[0]

@@ -121,7 +121,7 @@ class _Row:
         self.stop_hit = stop.watch(pair.decode) if stop is not None else None
         self.max_context = pair.max_context
         self.rope_switch = rope_switch(pair.target.config)
-        self.sampler = Sampler.from_config(cfg)
+        self.sampler = Sampler.from_config(cfg, prompt)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = cfg.lookup_length

@@ -4,7 +4,8 @@ Terms (every distribution is after the same temperature / top-k / top-p warping)
 
 * ``j``       a generated token's index in its generation (0 = the token the prefill produces);
 * ``g_j``     Gumbel noise for index j, one value per vocabulary entry, a fixed function of
-              (seed, j): ``-log(-log(U))`` with U a hash of (seed, j, entry) (:func:`gumbel`);
+              (seed, prompt, j): ``-log(-log(U))`` with U a hash of (key, j, entry), the key the
+              seed mixed with a hash of the prompt's token ids (:func:`gumbel`, :func:`noise_key`);
 * ``s(x)``    the *perturbed scores* ``warp(logits) + g_j``: logits times 1 / T (rounded, then
               the noise added), -inf outside the top-k / top-p set;
 * the token at index j is ``argmax s`` over the target's logits at that position.
@@ -27,6 +28,9 @@ probability of the proposal).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import torch
 
 from . import native
@@ -41,6 +45,19 @@ def _mix(seed: int, j: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def noise_key(seed: int, prompt=()) -> int:
+    """A generation's noise key: the seed mixed with a 64-bit hash of its prompt's token ids (no
+    prompt: the seed).  Why the prompt: with the noise a function of (seed, j) alone, distinct
+    prompts drawn with one seed -- every `generate` call at the default seed 0 -- shared their
+    noise, and similar ones came out nearly the same text (bench pair, T = 1: 65% of positions
+    equal between prompt pairs, 0.4% with distinct seeds).  A seed still reproduces a prompt's
+    sample, and an ``ar`` reference (same prompt, same seed) draws with the same noise."""
+    if len(prompt) == 0:
+        return seed
+    h = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=8).digest()
+    return seed ^ int.from_bytes(h, "little")
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -93,14 +110,15 @@ class Sampler:
     ``base`` is the index of the next token to commit (the engine sets it each iteration); a
     tree node at depth d predicts index ``base + d``."""
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int):
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int, prompt=()):
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.key = noise_key(seed, prompt)  # prompt: the generation's prompt token ids
         self.base = 0
         self._noise: dict[int, torch.Tensor] = {}  # j -> (V,) Gumbel noise, while j may still be drafted
 
     @classmethod
-    def from_config(cls, cfg) -> "Sampler | None":
-        return cls(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed) if cfg.temperature > 0 else None
+    def from_config(cls, cfg, prompt=()) -> "Sampler | None":
+        return cls(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, prompt) if cfg.temperature > 0 else None
 
     def at(self, base: int) -> None:
         """The next token to commit has index ``base``; noise of earlier indices is dropped."""
@@ -113,7 +131,7 @@ class Sampler:
         ``like``'s dtype and device, where the scores are added up)."""
         g = self._noise.get(j)
         if g is None or g.shape[0] < width:
-            g = gumbel(_mix(self.seed, j), width)  # (width,)
+            g = gumbel(_mix(self.key, j), width)  # (width,)
             if like is not None:
                 g = g.to(device=like.device, dtype=like.dtype)
             self._noise[j] = g
