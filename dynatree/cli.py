@@ -325,9 +325,9 @@ def run(config_file, quiet, dry_run, **fields):
         return
     _print_summary(summary, spec)
     if summary["rows"] and summary["errors"] == summary["rows"]:
-        kinds = summary["error_messages"]
-        _fail(f"every row failed ({summary['errors']}); the most common error: {next(iter(kinds))!r}"
-              + (f" (and {len(kinds) - 1} other kinds: see the error column)" if len(kinds) > 1 else ""))
+        kind, n = next(iter(summary["error_messages"].items()))
+        _fail(f"every row failed ({summary['errors']}); the most common error, on {n} row{'s' * (n > 1)}: {kind!r}"
+              + (" (other kinds: see the error column)" if n < summary["errors"] else ""))
 
 
 def _print_summary(summary: dict, spec) -> None:

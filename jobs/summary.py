@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import math
+import platform
+import re
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -58,6 +59,15 @@ _SUMS = {"tokens": "num_generated_tokens", "lookup": "lookup_tokens", "prompt": 
          "cached": "cached_prompt_tokens"}
 
 
+OTHER_ERRORS = "(other kinds: see the error column)"
+
+
+def error_kind(message: str) -> str:
+    """A row's error message with its numbers written N: one kind for the rows that failed alike
+    ("chat prompt of 610 tokens ..." and "... of 617 tokens ..." had counted as two)."""
+    return re.sub(r"\d+", "N", message)
+
+
 def shard_files(out: Path) -> list[Path]:
     return sorted((Path(out) / "shards").glob("part-*.parquet"))
 
@@ -81,7 +91,7 @@ def _total(table: pa.Table, name: str) -> int:
 
 def _tally(out: Path, sampled: bool = False) -> dict:
     t = {"rows": 0, "errors": 0, "checked": 0, "mismatched": [], "mismatches": 0, "reasons": Counter(),
-         "error_kinds": Counter(), "speedup": _Moments(), **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
+         "error_kinds": Counter(), "other_errors": 0, "speedup": _Moments(), **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
         have = set(pq.read_schema(f).names) - (set() if sampled else {"sample"})  # an older version's shard
         # may lack newer columns; a 1-sample job's "sample" is an input column
@@ -89,9 +99,12 @@ def _tally(out: Path, sampled: bool = False) -> dict:
         t["rows"] += table.num_rows
         t["reasons"].update({r: n for r, n in _counts(table["finish_reason"]) if r})
         failed = pc.is_valid(table["error"])
-        for kind, n in _counts(table["error"]):
+        for message, n in _counts(table["error"]):
+            kind = error_kind(message)
             if kind in t["error_kinds"] or len(t["error_kinds"]) < 10:
                 t["error_kinds"][kind] += n
+            else:
+                t["other_errors"] += n
         t["errors"] += pc.sum(failed).as_py() or 0
         ok = table.filter(pc.invert(failed))
         for key, name in _SUMS.items():
@@ -117,7 +130,8 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> 
     return {
         "rows": t["rows"],
         "errors": t["errors"],
-        "error_messages": dict(t["error_kinds"].most_common()),  # up to 10 distinct ones, with counts
+        "error_messages": {**dict(t["error_kinds"].most_common()),  # up to 10 kinds, with counts that sum
+                           **({OTHER_ERRORS: t["other_errors"]} if t["other_errors"] else {})},  # to "errors"
         "generated_tokens": t["tokens"],
         "finish_reasons": dict(sorted(t["reasons"].items())),
         "this_run": {**run_stats,

@@ -717,7 +717,8 @@ def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp
     monkeypatch.setattr(driver, "run_job", lambda *a, **k: s)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o"])
-    assert res.exit_code == 1 and "every row failed (3); the most common error: 'prompt is empty or only whitespace'" in res.output
+    assert res.exit_code == 1 and ("every row failed (3); the most common error, on 2 rows: 'prompt is empty or only "
+                                   "whitespace' (other kinds: see the error column)\n") in res.output, res.output
     assert f"results: {tmp_path / 'o'}/shards" in res.output  # absolute (`ray job submit` runs elsewhere)
     s2 = dict(s, errors=2)
     monkeypatch.setattr(driver, "run_job", lambda *a, **k: s2)
@@ -919,6 +920,8 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     rows = []
     for i in range(23):
         r = result_row(f"r{i}", "dynatree", error="too long" if i % 7 == 3 else None)
+        if i in (12, 13):  # one kind of error: the messages differ in their numbers only
+            r.update(error=f"prompt of {600 + i} tokens is longer than the 512", finish_reason="error")
         if r["error"] is None:
             r.update(finish_reason="length" if i % 2 else "eos", num_generated_tokens=10 + i, lookup_tokens=i % 3,
                      prompt_tokens=50, cached_prompt_tokens=32 if i % 4 == 0 else 0, tokens_per_s=1e6 + i * 0.25,
@@ -934,11 +937,11 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     s = summarize(tmp_path, types.SimpleNamespace(to_dict=dict, samples=1), {})
     ok = [r for r in rows if r["error"] is None]
     checked = [r for r in ok if r["matches_ar"] is not None]
-    assert (s["rows"], s["errors"], s["error_messages"]) == (23, 3, {"too long": 3})
+    assert (s["rows"], s["errors"], s["error_messages"]) == (23, 5, {"too long": 3, "prompt of N tokens is longer than the N": 2})
     assert s["generated_tokens"] == sum(r["num_generated_tokens"] for r in ok)
     assert (s["lookup_tokens"], s["cached_prompt_tokens"]) == (sum(r["lookup_tokens"] for r in ok),
                                                                sum(r["cached_prompt_tokens"] for r in ok))
-    assert s["finish_reasons"] == {"eos": 11, "error": 3, "length": 9}
+    assert s["finish_reasons"] == {"eos": 10, "error": 5, "length": 8}
     for name, key in (("tokens_per_s_per_prompt", "tokens_per_s"), ("acceptance_rate", "acceptance_rate"),
                       ("tokens_per_iteration", "tokens_per_iteration")):
         vals = [r[key] for r in ok if r[key] is not None]
@@ -950,6 +953,17 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     eq = s["equivalence"]
     assert (eq["checked"], eq["mismatches"]) == (len(checked), 1)
     assert eq["mismatched_rows"] == [{"id": "r8", "first_divergence": 3, "divergence_margin": None}]
+
+
+def test_the_summary_counts_ten_kinds_of_error_and_the_rest_together(tmp_path):
+    from dynatree.jobs.summary import OTHER_ERRORS, summarize
+    from dynatree.metrics import output_schema, result_row
+
+    rows = [result_row(f"r{i}", "ar", error=f"kind {chr(97 + i // 2)}") for i in range(24)]  # 12 kinds, 2 rows each
+    (tmp_path / "shards").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=output_schema()), tmp_path / "shards" / "part-000000.parquet")
+    kinds = summarize(tmp_path, types.SimpleNamespace(to_dict=dict, samples=1), {})["error_messages"]
+    assert len(kinds) == 11 and kinds[OTHER_ERRORS] == 4 and sum(kinds.values()) == 24
 
 
 def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):
