@@ -123,9 +123,28 @@ def _tally(out: Path, sampled: bool = False) -> dict:
     return t
 
 
-def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> dict:
+def previous_decoding_run(out: Path) -> dict | None:
+    """The record ("this_run" and "startup") of the last run of the job in ``out`` that decoded
+    rows, from its summary.json, or None: a run with nothing left to decode carries it on, so
+    re-running a finished job does not lose the real run's throughput, forward and start-up."""
+    try:
+        prev = json.loads((Path(out) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(prev, dict):
+        return None
+    if prev.get("last_decoding_run"):
+        return prev["last_decoding_run"]
+    run = prev.get("this_run") or {}
+    return {"this_run": run, "startup": prev.get("startup") or {}} if run.get("rows_this_run") else None
+
+
+def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, last_run: dict | None = None) -> dict:
+    """The job's summary from its shards; ``run_stats``/``startup``: this run's; ``last_run``
+    (previous_decoding_run): kept as "last_decoding_run" when this run decoded nothing."""
     t = _tally(out, getattr(spec, "samples", 1) > 1)
     wall = run_stats.get("wall_time_s") or 0.0
+    tokens = run_stats.get("tokens_this_run", 0)
     checked = t["checked"]
     return {
         "rows": t["rows"],
@@ -134,9 +153,9 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None) -> 
                            **({OTHER_ERRORS: t["other_errors"]} if t["other_errors"] else {})},  # to "errors"
         "generated_tokens": t["tokens"],
         "finish_reasons": dict(sorted(t["reasons"].items())),
-        "this_run": {**run_stats,
-                     "job_tokens_per_s": run_stats.get("tokens_this_run", 0) / wall if wall else None},
+        "this_run": {**run_stats, "job_tokens_per_s": tokens / wall if wall and tokens else None},
         "startup": startup or {},
+        **({"last_decoding_run": last_run} if last_run and not run_stats.get("rows_this_run") else {}),
         **{k: t[k].as_dict() for k in _MOMENTS if k != "tokens_per_s"},
         "tokens_per_s_per_prompt": t["tokens_per_s"].as_dict(),
         "lookup_tokens": t["lookup"],
@@ -176,9 +195,7 @@ def format_table(s: dict) -> str:
     lines = [
         f"rows                     {s['rows']}  ({_per_prompt(s)}errors {s['errors']})",
         f"generated tokens         {s['generated_tokens']}",
-        "job tokens/s (this run)  " + (f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
-        + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
-          f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries; start-up included)",
+        "job tokens/s (this run)  " + _run_line(run) + _last_run_note(s.get("last_decoding_run")),
         f"start-up                 {startup_line(s.get('startup') or {})}",
         "batch size per actor     " + (", ".join(str(a["batch_size"]) for a in run.get("actors", [])) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
@@ -192,6 +209,18 @@ def format_table(s: dict) -> str:
         "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
     ]
     return "\n".join(lines)
+
+
+def _run_line(run: dict) -> str:
+    return ((f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
+            + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
+              f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries; start-up included)")
+
+
+def _last_run_note(last: dict | None) -> str:
+    if not last:
+        return ""
+    return f"\n  (nothing left to decode; the last run that decoded: {_run_line(last.get('this_run') or {})})"
 
 
 def _speedup_line(s: dict) -> str:

@@ -13,7 +13,7 @@ import yaml
 
 from dynatree.jobs.driver import JobError, run_job, start_local_ray
 from dynatree.jobs.spec import FAULTS_ENV, SpecError, build_spec
-from dynatree.jobs.summary import read_rows
+from dynatree.jobs.summary import format_table, read_rows
 
 PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael.", "Some years ago",
            "never mind how long", "The lazy dog", "it was the worst", "precisely the best",
@@ -95,6 +95,13 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert after["part-000000.parquet"] == before["part-000000.parquet"]
     assert after["part-000002.parquet"] == before["part-000002.parquet"]
     assert [r["id"] for r in read_rows(tmp_path / "out")] == [f"k{i}" for i in range(len(PROMPTS))]
+    for _ in range(2):  # runs with nothing left to decode keep the record of the last run that decoded
+        noop = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
+        assert noop["this_run"]["rows_this_run"] == 0 and noop["this_run"]["job_tokens_per_s"] is None
+        assert noop["last_decoding_run"] == json.loads(json.dumps({k: summary[k] for k in ("this_run", "startup")},
+                                                                  default=str))
+        assert noop["rows"] == summary["rows"]
+    assert "nothing left to decode; the last run that decoded: " in format_table(noop)
     # a different config on the same directory is refused, unless overwrite
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
