@@ -100,8 +100,10 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     _threads(threads)
     # (`echo text | dynatree generate` must decode "text", not "text\n": another prompt, other tokens)
     prompts = list(prompts) or [_chomp(sys.stdin.read())]
-    if not all(p.strip() for p in prompts):
-        _fail("empty prompt")
+    blank = [i for i, p in enumerate(prompts) if not p.strip()]
+    if blank:
+        _fail(("prompt is" if len(prompts) == 1 else f"prompt {blank[0]} (of 0..{len(prompts) - 1}) is")
+              + " empty or only whitespace")
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
@@ -122,7 +124,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                     res["first_divergence"], res["divergence_margin"] = divergence(
                         pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
     except (PairError, ValueError) as e:
-        _fail(str(e))
+        hint = " -- or --max-prompt-tokens N keeps its last N" if "leaves no room" in str(e) else ""
+        _fail(f"{e}{hint}")
     forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
     if not as_json:
         click.echo(f"target forward: {forward}", err=True)

@@ -566,20 +566,33 @@ def _draw_masked(rows: list[_Row], outs: list, depths: list[list[int]]) -> None:
 
 
 def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new_tokens: int = 128,
-                 ignore_eos: bool = False, stop: Stop | None = None) -> list[tuple[list[int], str, Metrics]]:
+                 ignore_eos: bool = False, stop: Stop | None = None,
+                 per_prompt: int = 1) -> list[tuple[list[int], str, Metrics]]:
     """Decode several prompts together (one BatchDecoder); returns (new token ids, finish reason,
-    metrics) per prompt, in order.  ``cfg`` is one config for all or a list with one per prompt."""
+    metrics) per prompt, in order.  ``cfg`` is one config for all or a list with one per prompt.
+    ``per_prompt``: consecutive entries that are draws of one prompt (how an error names it)."""
     cfgs = cfg if isinstance(cfg, (list, tuple)) else [cfg] * len(prompts)
     if len(cfgs) != len(prompts):
         raise ValueError(f"{len(cfgs)} configs for {len(prompts)} prompts: give one, or one per prompt")
     dec = BatchDecoder(pair)
     for i, (p, c) in enumerate(zip(prompts, cfgs)):
-        dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, key=i)
+        try:
+            dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, key=i)
+        except (ValueError, TypeError) as e:  # (a row's problem: which row, of many)
+            n = len(prompts) // per_prompt
+            if n <= 1:
+                raise
+            raise type(e)(f"{_which(i // per_prompt, n)}: {e}") from None
     results: dict = {}
     while dec:
         for key, toks, reason, m in dec.step():
             results[key] = (toks, reason, m)
     return [results[i] for i in range(len(prompts))]
+
+
+def _which(i: int, n: int) -> str:
+    """How an error names prompt i of n (just "prompt" when it is the only one)."""
+    return "prompt" if n <= 1 else f"prompt {i} (of 0..{n - 1})"
 
 
 def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128,
@@ -635,8 +648,9 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     prompts = list(prompts)  # (a generator is read once)
     if any(isinstance(p, bytes) for p in prompts):
         raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
-    if any(isinstance(p, str) and not p.strip() for p in prompts):
-        raise ValueError("prompt is empty or only whitespace")  # as `dynatree run` treats it
+    blank = [i for i, p in enumerate(prompts) if isinstance(p, str) and not p.strip()]
+    if blank:
+        raise ValueError(f"{_which(blank[0], len(prompts))} is empty or only whitespace")  # as `dynatree run` treats it
     _check_max_new_tokens(max_new_tokens)
     bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist")]
     if bad:
@@ -650,4 +664,5 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     ids = [p for p in ids for _ in range(int(samples))]
     return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(c))
             for c, (toks, reason, metrics) in zip(cfgs, decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens,
-                                                                     ignore_eos=ignore_eos, stop=rule))]
+                                                                     ignore_eos=ignore_eos, stop=rule,
+                                                                     per_prompt=int(samples)))]

@@ -231,6 +231,21 @@ def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
         decode_batch(close_pair, [[3], [4]], [make_config("ar")])
 
 
+def test_a_bad_prompt_among_several_is_named(close_pair):
+    """Of several prompts, the one an error is about is named by its index (it was not)."""
+    from dynatree import ContextError, generate, generate_batch
+
+    with pytest.raises(ValueError, match=r"^prompt 2 \(of 0..2\) is empty or only whitespace"):
+        generate_batch(close_pair, ["a b", "c", " "], "ar")
+    long = [5] * close_pair.max_context
+    with pytest.raises(ContextError, match=r"^prompt 1 \(of 0..2\): prompt of \d+ tokens leaves no room"):
+        generate_batch(close_pair, [[3], long, [4]], "ar")
+    with pytest.raises(ContextError, match=r"^prompt 1 \(of 0..1\): prompt of"):  # two draws each: still prompt 1
+        generate_batch(close_pair, [[3], long], "ar", {"temperature": 1.0}, samples=2)
+    with pytest.raises(ContextError, match=r"^prompt of \d+ tokens"):  # the only prompt: no index
+        generate(close_pair, long, "ar")
+
+
 def _watch_prefills(monkeypatch) -> list[tuple[int, int]]:
     """Every Drafter.prefill from now on: (tokens it fed, restarts it made), in call order."""
     from dynatree.drafting import Drafter
