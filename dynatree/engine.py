@@ -643,6 +643,8 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     ``samples`` Generations per prompt, a prompt's together, computing the prompt once (prefix
     caching).  Sampling, every draw has its own seed, the first the config's (each Generation's
     ``options["seed"]`` reproduces it alone)."""
+    if not isinstance(pair, ModelPair):
+        raise TypeError(f"pair must be a ModelPair from load_pair(target, draft), got {type(pair).__name__}")
     if isinstance(prompts, (str, bytes)) or is_chat(prompts):
         raise ValueError("generate_batch takes a list of prompts; for one, use generate (or pass [prompt])")
     prompts = list(prompts)  # (a generator is read once)

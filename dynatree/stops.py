@@ -24,7 +24,10 @@ class Stop:
     token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.strings, str) or not all(isinstance(s, str) and s for s in self.strings):
+        if not isinstance(self.strings, (tuple, list)) or not isinstance(self.token_ids, (tuple, list)):
+            raise ValueError(f"Stop takes a tuple of strings and a tuple of token ids, got {self.strings!r} and "
+                             f"{self.token_ids!r} (Stop.of, like generate's stop=, also takes a single one)")
+        if not all(isinstance(s, str) and s for s in self.strings):
             raise ValueError(f"stop strings must be non-empty strings, got {self.strings!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids):
             raise ValueError(f"stop token ids must be whole numbers >= 0, got {self.token_ids!r}")

@@ -211,6 +211,9 @@ def test_generate_batch_takes_a_list_of_prompts(close_pair):
                               max_new_tokens=2, samples=np.int64(2))) == 2  # numpy's numbers are numbers
     assert len(generate_batch(close_pair, [torch.tensor([3, 4]), np.array([5])], "ar",
                               max_new_tokens=np.int64(2))[1].token_ids) == 2
+    for pair in ("demo", None):
+        with pytest.raises(TypeError, match="pair must be a ModelPair from load_pair"):
+            generate_batch(pair, ["hi"], "ar")
     for bad in ([None], [7]):
         with pytest.raises(ValueError, match="a prompt is a text, token ids or chat messages, got"):
             generate_batch(close_pair, bad, "ar", max_new_tokens=2)

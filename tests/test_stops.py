@@ -112,6 +112,13 @@ def test_api_forms_and_bad_ids(demo, free_run):
         generate(demo, PROMPT, "ar", stop_token_ids=[demo.vocab])
 
 
+def test_a_stop_built_directly_says_what_it_takes():
+    for kw in ({"strings": "pim"}, {"token_ids": 390}):
+        with pytest.raises(ValueError, match="Stop takes a tuple of strings and a tuple of token ids"):
+            Stop(**kw)
+    assert Stop(("pim",), (390,)) == Stop.of("pim", 390)
+
+
 def test_stop_strings_need_a_tokenizer(close_pair):
     with pytest.raises(ValueError, match="need a tokenizer"):
         generate(close_pair, [5, 6, 7], "ar", stop="x")
