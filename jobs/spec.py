@@ -87,9 +87,9 @@ class JobSpec:
     gpus_per_actor: float | None = _f(None, "GPUs per actor (default: 1 when the cluster has GPUs)")
     memory_per_actor: float | None = _f(None, "GB of memory each actor reserves (Ray's memory resource: "
                                               "actors go only where it is free; default: none reserved)")
-    prefix_cache_gb: float = _f(1.0, "GB per actor for the keys/values of prompt beginnings that several "
-                                     "prompts share (a template, few-shot examples): computed once, copied "
-                                     "after; 0 turns it off")
+    prefix_cache_gb: float = _f(1.0, "GB per model (target and draft: up to twice this per actor) for the "
+                                     "keys/values of prompt beginnings that several prompts share (a template, "
+                                     "few-shot examples): computed once, copied after; 0 turns it off")
     shard_size: int = _f(64, "rows per output file (the unit of resume and retry)")
     max_inflight_per_actor: int | None = _f(None, "shards queued per actor (default: enough to keep "
                                                   "its batch full)")
