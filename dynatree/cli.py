@@ -79,7 +79,7 @@ def _pair_options(f):
 @click.option("--chat-template", is_flag=True,
               help="send each prompt as a user message through the target tokenizer's chat template")
 @click.option("--stop", "stop", multiple=True, help="end where the generated text contains this string "
-              "(repeatable; the text ends before it)")
+              "(repeatable; the text ends before it; a newline in a shell: $'\\n')")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=click.IntRange(min=0),
               help="end when this token id is generated (repeatable)")
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1),

@@ -474,11 +474,22 @@ def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
 
 
 def options_help() -> str:
-    lines = []
+    """Every method's options: the ones every method (then every drafting method) takes with one
+    default listed once, then each method's own."""
+    def common(classes) -> list:
+        first, rest = classes[0], classes[1:]
+        return [f for f in dataclasses.fields(first)
+                if all(any(g.name == f.name and g.default == f.default for g in dataclasses.fields(c)) for c in rest)]
+
+    def line(f) -> str:
+        return f"    {f.name}={f.default}  {f.metadata.get('help', '')}"
+
+    every = common(list(METHODS.values()))
+    drafting = [f for f in common([c for c in METHODS.values() if issubclass(c, SpecConfig)])
+                if f.name not in {g.name for g in every}]
+    shown = {f.name for f in every + drafting}
+    lines = ["every method:", *map(line, every), "every method but ar:", *map(line, drafting)]
     for name, cls in METHODS.items():
-        # the method's own options first, the shared ones (kv_update, sampling, cache) last
-        fs = sorted(dataclasses.fields(cls), key=lambda f: f.name in {g.name for g in dataclasses.fields(SpecConfig)})
         lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
-        for f in fs:
-            lines.append(f"    {f.name}={f.default}  {f.metadata.get('help', '')}")
+        lines += [line(f) for f in dataclasses.fields(cls) if f.name not in shown]
     return "\n".join(lines)

@@ -93,7 +93,7 @@ def _latency_table(g: dict, datasets: list, methods: list) -> str:
 
 def _efficiency_table(g: dict, datasets: list, methods: list) -> str:
     lines = ["## Verification efficiency", "",
-             "| dataset | method | acceptance | L̄ tokens/iter | ℓ̄ accepted/iter | iterations | tree nodes | draft s | verify s | outside forwards |",
+             "| dataset | method | acceptance | L̄ tokens/iter | ℓ̄ accepted/iter | iterations | tree nodes | draft ms | verify ms | outside forwards |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for d in datasets:
         for m in methods:
@@ -104,9 +104,13 @@ def _efficiency_table(g: dict, datasets: list, methods: list) -> str:
                          f"{_ms([r['tokens_per_iteration'] for r in rs], '{:.2f}')} | "
                          f"{_ms([r['avg_path_length'] for r in rs], '{:.2f}')} | "
                          f"{_ms([r['iterations'] for r in rs])} | {_ms([r['mean_tree_size'] for r in rs])} | "
-                         f"{_ms([r['draft_time_s'] for r in rs], '{:.2f}')} | {_ms([r['verify_time_s'] for r in rs], '{:.2f}')} | "
+                         f"{_ms([_ms_of(r['draft_time_s']) for r in rs])} | {_ms([_ms_of(r['verify_time_s']) for r in rs])} | "
                          f"{_ms([100 * r['overhead_fraction'] if r.get('overhead_fraction') is not None else None for r in rs], '{:.1f}%')} |")
     return "\n".join(lines)
+
+
+def _ms_of(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _options_of(g: dict, datasets: list, m: str) -> tuple[str, dict]:
@@ -211,7 +215,7 @@ def _sweep_table(srows: list[dict], key: str, title: str) -> str:
     tokens/s, speedup, tokens per iteration) plus memory, the iteration's time split and exactness."""
     lines = [f"## {title} (tokens/s; × ar = speedup vs plain ar at the same {key}; × ref = vs the ar with the "
              "same cache window, which greedy tokens must equal)", "",
-             f"| dataset | {key} | method | tokens/s | × ar | × ref | L̄ | KV cache MB | peak RSS MB "
+             f"| dataset | {key} | method | tokens/s | × ar | × ref | L̄ | KV cache MB | peak MB above start "
              "| draft / verify / other ms per iteration | identical to ref |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in dict.fromkeys(r["dataset"] for r in srows):

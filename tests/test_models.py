@@ -431,3 +431,14 @@ def test_an_architecture_without_sdpa_loads_with_its_own_attention(tmp_path):
     _auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp_path / "bloom")
     pair = load_pair(str(tmp_path / "bloom"), None, device="cpu", dtype="float32")
     assert len(decode(pair, [1, 2, 3], make_config("ar"), max_new_tokens=3, ignore_eos=True)[0]) == 3
+
+
+def test_options_help_lists_shared_options_once():
+    """generate/check/bench's method-option help: options every method takes alike appear once."""
+    from dynatree.config import options_help
+
+    text = options_help()
+    for name in ("temperature", "seed", "kv_window", "kv_update", "draft_context"):
+        assert text.count(f"    {name}=") == 1, name
+    assert text.count("    lookup=") == 3  # (defaults differ: linear, fixed_tree, dyspec 0; dynatree -1)
+    assert "    d_max=8" in text and "    k=5" in text and "    mode=threshold" in text
