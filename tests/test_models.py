@@ -440,5 +440,5 @@ def test_options_help_lists_shared_options_once():
     text = options_help()
     for name in ("temperature", "seed", "kv_window", "kv_update", "draft_context"):
         assert text.count(f"    {name}=") == 1, name
-    assert text.count("    lookup=") == 3  # (defaults differ: linear, fixed_tree, dyspec 0; dynatree -1)
+    assert text.count("    lookup=") == 4  # (defaults differ: 0 for linear, fixed_tree, dyspec; -1 for dynatree)
     assert "    d_max=8" in text and "    k=5" in text and "    mode=threshold" in text
