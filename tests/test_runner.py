@@ -764,6 +764,14 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     prepare_output(job, make_plan(job, quiet))  # an output begun (by an older version) with row indexes
     assert default_ids(job, logs.append)[0].id_column is None
     assert default_ids(dataclasses.replace(job, overwrite=True), logs.append)[0].id_column == "id"
+    nested = pa.table({"id": [{"n": i} for i in range(4)], "meta": [[i] for i in range(4)], "text": PROMPTS[:4]})
+    pq.write_table(nested, tmp_path / "in.parquet")  # struct or list columns hold no ids
+    assert default_ids(spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o4")),
+                       logs.append)[0].id_column is None
+    assert "row indexes, not the input's id column (it holds struct<n: int64> values)" in logs[-1]
+    for col in ("id", "meta"):
+        with pytest.raises(JobError, match=f"--id-column '{col}' holds (struct|list).* values; ids are strings or"):
+            make_plan(spec(pair_dirs, tmp_path, id_column=col), quiet)
     pq.write_table(pa.table({"id": ["a", "a", "b", "c"], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
     other = spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o2"))
     other, source = default_ids(other, logs.append)
