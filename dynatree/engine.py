@@ -55,6 +55,10 @@ from .tree import Tree, accept_path, ancestor_matrix, best_chain, flatten_bfs, l
 
 @dataclass
 class Generation:
+    """One generated continuation: its new token ids and their text (cut before a stop string),
+    why it ended ("length", "eos", "stop" or "context"), the method and every option it ran with
+    (``options["seed"]`` reproduces a sample), and its metrics (metrics.Metrics)."""
+
     token_ids: list[int]
     text: str
     finish_reason: str  # "length" | "eos" | "stop" | "context"

@@ -51,6 +51,9 @@ import pyarrow as pa
 
 @dataclass
 class Metrics:
+    """One generation's measurements (the module's docstring defines each); also the job output's
+    metric columns, in this order (output_schema)."""
+
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     new_tokens: int = 0
