@@ -77,7 +77,8 @@ def _pair_options(f):
               help="keep each prompt's last N tokens (default: all; unlike `dynatree run`, no cut to fit the context)")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--chat-template", is_flag=True,
-              help="send each prompt as a user message through the target tokenizer's chat template")
+              help="send each prompt through the target tokenizer's chat template: a text as a user message, a "
+                   "JSON list of {\"role\", \"content\"} messages as that conversation")
 @click.option("--stop", "stop", multiple=True, help="end where the generated text contains this string "
               "(repeatable; the text ends before it; a newline in a shell: $'\\n')")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=click.IntRange(min=0),
@@ -108,8 +109,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         if chat_template or max_prompt_tokens:
-            prompts = [truncate_prompt(pair.encode_chat(p) if chat_template else pair.encode(p), max_prompt_tokens,
-                                       chat_template) for p in prompts]
+            prompts = [truncate_prompt(pair.encode_chat(_conversation(p)) if chat_template else pair.encode(p),
+                                       max_prompt_tokens, chat_template) for p in prompts]
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
                       samples=samples)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
@@ -338,6 +339,19 @@ def _print_summary(summary: dict, spec) -> None:
     click.echo(format_table(summary))
     out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
     click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
+
+
+def _conversation(text: str) -> str | list:
+    """A --chat-template prompt: a JSON list of messages is that conversation (a system message,
+    several turns), any other text one user message."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+            return value
+    return text
 
 
 def _chomp(text: str) -> str:

@@ -46,6 +46,26 @@ def test_messages_render_with_the_template(chat_pair):
     assert by_messages[0].metrics.prompt_tokens == len(ids)
 
 
+def test_generate_on_the_command_line_takes_a_conversation(chat_dirs, chat_pair):
+    """generate --chat-template: a JSON list of messages is that conversation (a system message,
+    turns), as generate_batch takes it; other text (even starting with '[') one user message."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    args = ["generate", "--target", str(chat_dirs / "target"), "--draft", str(chat_dirs / "draft"), "--device", "cpu",
+            "--dtype", "float64", "--chat-template", "--max-new-tokens", "6", "--json", "--method", "ar"]
+    for prompt, as_api in ((json.dumps(CHATS[0]), CHATS[0]), ("[not json] hi", "[not json] hi")):
+        res = CliRunner().invoke(main, args + ["--prompt", prompt])
+        assert res.exit_code == 0, res.output
+        got = json.loads(res.output.strip().splitlines()[-1])
+        want = generate_batch(chat_pair, [as_api if isinstance(as_api, list) else [{"role": "user", "content": as_api}]],
+                              "ar", max_new_tokens=6)[0]
+        assert got["token_ids"] == want.token_ids and got["metrics"]["prompt_tokens"] == want.metrics.prompt_tokens
+
+
 def test_prompt_policy_with_chat(chat_pair, close_pair):
     assert prompt_ids(chat_pair, "hello", 8, None, chat=True) == rendered(chat_pair, "hello")
     assert prompt_ids(chat_pair, CHATS[0], 8, 50, chat=True) == rendered(chat_pair, CHATS[0])
