@@ -51,8 +51,8 @@ def noise_key(seed: int, prompt=()) -> int:
     """A generation's noise key: the seed mixed with a 64-bit hash of its prompt's token ids (no
     prompt: the seed).  Why the prompt: with the noise a function of (seed, j) alone, distinct
     prompts drawn with one seed -- every `generate` call at the default seed 0 -- shared their
-    noise, and similar ones came out nearly the same text (bench pair, T = 1: 65% of positions
-    equal between prompt pairs, 0.4% with distinct seeds).  A seed still reproduces a prompt's
+    noise, and similar ones came out nearly the same text (bench pair, 8 WikiText prompts, 32
+    tokens, T = 1: 53% of positions equal between prompt pairs; 0.7% with the prompt mixed in).  A seed still reproduces a prompt's
     sample, and an ``ar`` reference (same prompt, same seed) draws with the same noise."""
     if len(prompt) == 0:
         return seed
