@@ -74,6 +74,10 @@ def test_tuner_climbs_to_the_best_size_and_rechecks():
     assert max(_drive(t, rate.get, available=20)) == 8  # too few rows left to try 16 and profit from it
     t = BatchTuner(max_size=64, start=8, window_s=1.0)
     assert max(_drive(t, rate.get, available=100)) == 16  # 4 x 32 rows are not left
+    small_wins = {1: 60, 2: 110, 4: 300, 8: 250, 16: 200, 32: 150, 64: 100}  # (caches outgrow the L3)
+    t = BatchTuner(max_size=64, start=16, window_s=1.0)
+    sizes = _drive(t, small_wins.get, available=48)  # a 64-prompt job after its first turnover at 16:
+    assert t.best() == 4 and sizes[-40:].count(4) > 30  # smaller sizes need fewer rows left to try
     t = BatchTuner(max_size=4, start=8, window_s=1.0)
     _drive(t, rate.get)
     assert t.best() == 4 and t.size <= 4
