@@ -95,7 +95,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import divergence, truncate_prompt
-    from .config import ar_reference, make_config, parse_options
+    from .config import ContextError, ar_reference, make_config, parse_options
     from .models import PairError, load_pair
 
     _threads(threads)
@@ -103,8 +103,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     prompts = list(prompts) or [_chomp(sys.stdin.read())]
     blank = [i for i, p in enumerate(prompts) if not p.strip()]
     if blank:
-        _fail(("prompt is" if len(prompts) == 1 else f"prompt {blank[0]} (of 0..{len(prompts) - 1}) is")
-              + " empty or only whitespace")
+        _fail(f"{engine.prompt_name(blank[0], len(prompts))} is empty or only whitespace")
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
@@ -125,8 +124,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                     res["first_divergence"], res["divergence_margin"] = divergence(
                         pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
     except (PairError, ValueError) as e:
-        hint = " -- or --max-prompt-tokens N keeps its last N" if "leaves no room" in str(e) else ""
-        _fail(f"{e}{hint}")
+        cut = getattr(e, "prompt_problem", False) and isinstance(e, ContextError) and not chat_template
+        _fail(f"{e}" + (" -- or --max-prompt-tokens N keeps its last N" if cut else ""))
     forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
     if not as_json:
         click.echo(f"target forward: {forward}", err=True)

@@ -288,7 +288,8 @@ class BatchDecoder:
         problem = self.pair.method_problem(cfg)
         if problem:
             raise ValueError(problem)
-        prompt_ids = _token_ids(prompt_ids, self.pair.vocab)  # checked here: a bad row must not break the batch
+        check_window(cfg, self.pair.max_context)
+        prompt_ids = self._prompt(prompt_ids, cfg)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):
             raise ValueError(f"key {key!r} names a row still decoding: results would be told apart by key")
@@ -297,12 +298,22 @@ class BatchDecoder:
             stop.check_vocab(self.pair.vocab)
         if stop is not None and stop.strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
-        check_window(cfg, self.pair.max_context)
-        if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
-            raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                               f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
-                               f"window: option kv_window, e.g. {self.pair.max_context // 2})")
+
         self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
+
+    def _prompt(self, prompt_ids, cfg) -> list[int]:
+        """The prompt's ids, checked; an error about the prompt itself (not the config or the pair,
+        which every prompt shares) is marked ``prompt_problem``, so decode_batch names the prompt."""
+        try:
+            prompt_ids = _token_ids(prompt_ids, self.pair.vocab)
+            if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
+                raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                                   f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
+                                   f"window: option kv_window, e.g. {self.pair.max_context // 2})")
+        except ValueError as e:
+            e.prompt_problem = True
+            raise
+        return prompt_ids
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int], str, Metrics]]:
@@ -582,11 +593,11 @@ def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new
     for i, (p, c) in enumerate(zip(prompts, cfgs)):
         try:
             dec.add(p, c, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, key=i)
-        except (ValueError, TypeError) as e:  # (a row's problem: which row, of many)
+        except ValueError as e:  # a prompt's own problem: which prompt, of several
             n = len(prompts) // per_prompt
-            if n <= 1:
-                raise
-            raise type(e)(f"{_which(i // per_prompt, n)}: {e}") from None
+            if getattr(e, "prompt_problem", False) and n > 1:
+                e.args = (f"{prompt_name(i // per_prompt, n)}: {e}",)
+            raise
     results: dict = {}
     while dec:
         for key, toks, reason, m in dec.step():
@@ -594,7 +605,7 @@ def decode_batch(pair: ModelPair, prompts: list[list[int]], cfg=None, *, max_new
     return [results[i] for i in range(len(prompts))]
 
 
-def _which(i: int, n: int) -> str:
+def prompt_name(i: int, n: int) -> str:
     """How an error names prompt i of n (just "prompt" when it is the only one)."""
     return "prompt" if n <= 1 else f"prompt {i} (of 0..{n - 1})"
 
@@ -656,7 +667,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
         raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
     blank = [i for i, p in enumerate(prompts) if isinstance(p, str) and not p.strip()]
     if blank:
-        raise ValueError(f"{_which(blank[0], len(prompts))} is empty or only whitespace")  # as `dynatree run` treats it
+        raise ValueError(f"{prompt_name(blank[0], len(prompts))} is empty or only whitespace")  # as `dynatree run` treats it
     _check_max_new_tokens(max_new_tokens)
     bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist")]
     if bad:

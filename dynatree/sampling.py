@@ -29,7 +29,7 @@ probability of the proposal).
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 
 import torch
 
@@ -49,14 +49,14 @@ def _mix(seed: int, j: int) -> int:
 
 def noise_key(seed: int, prompt=()) -> int:
     """A generation's noise key: the seed mixed with a 64-bit hash of its prompt's token ids (no
-    prompt: the seed).  Why the prompt: with the noise a function of (seed, j) alone, distinct
-    prompts drawn with one seed -- every `generate` call at the default seed 0 -- shared their
-    noise, and similar ones came out nearly the same text (bench pair, 8 WikiText prompts, 32
-    tokens, T = 1: 53% of positions equal between prompt pairs; 0.7% with the prompt mixed in).  A seed still reproduces a prompt's
-    sample, and an ``ar`` reference (same prompt, same seed) draws with the same noise."""
+    prompt: the seed; the ids as little-endian int64, so every machine draws alike).  Why the
+    prompt: with noise keyed by the seed alone, distinct prompts drawn with one seed (every
+    `generate` call at the default seed 0) shared their noise, and similar prompts came out
+    nearly the same text (README, *Sampling*).  A seed still reproduces a prompt's sample, and an
+    ``ar`` reference (the same prompt ids, the same seed) draws with the same noise."""
     if len(prompt) == 0:
         return seed
-    h = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=8).digest()
+    h = hashlib.blake2b(struct.pack(f"<{len(prompt)}q", *prompt), digest_size=8).digest()
     return seed ^ int.from_bytes(h, "little")
 
 

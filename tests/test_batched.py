@@ -247,6 +247,10 @@ def test_a_bad_prompt_among_several_is_named(close_pair):
         generate_batch(close_pair, [[3], long], "ar", {"temperature": 1.0}, samples=2)
     with pytest.raises(ContextError, match=r"^prompt of \d+ tokens"):  # the only prompt: no index
         generate(close_pair, long, "ar")
+    with pytest.raises(ValueError, match=r"^stop token ids \[1000000\] are outside"):  # every prompt's: none named
+        generate_batch(close_pair, [[3], [4]], "ar", stop_token_ids=[10**6])
+    with pytest.raises(ContextError, match=r"^kv_window"):
+        generate_batch(close_pair, [[3], [4]], "ar", {"kv_window": 10**6})
 
 
 def _watch_prefills(monkeypatch) -> list[tuple[int, int]]:

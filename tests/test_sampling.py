@@ -95,6 +95,8 @@ def test_distinct_prompts_drawn_with_one_seed_draw_independently(small_pair):
     assert abs(same / n - q) < 4 * (q * (1 - q) / n) ** 0.5, (same / n, q)
     assert Sampler(1.0, 0, 1.0, 7).key == 7 and Sampler(1.0, 0, 1.0, 7, PROMPT).key == Sampler(1.0, 0, 1.0, 7, PROMPT).key
     assert Sampler(1.0, 0, 1.0, 7, PROMPT).key != Sampler(1.0, 0, 1.0, 7, other).key
+    assert sampling.noise_key(0, [1, 2, 3]) == 13041116711478803063  # fixed: a seed's samples do not move
+    assert sampling._mix(7, 3) == 17879212502255054029
 
 
 def test_ar_matches_target_distribution(small_pair):
