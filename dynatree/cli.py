@@ -208,12 +208,12 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the table of what was checked whole
-            summary += _check_summary(path, [dict(r, prompt=at[r["prompt"]]) for r in getattr(e, "partial_rows", [])])
+            summary += _check_summary(path, getattr(e, "partial_rows", []), at)
             how, code = interrupted(e)
             click.echo(f"\n{how}: the prompts checked so far" + (":" if summary else ": none"), err=True)
             _check_table(summary)
             sys.exit(code)
-        summary += _check_summary(path, [dict(r, prompt=at[r["prompt"]]) for r in rows])  # (the file's row numbers)
+        summary += _check_summary(path, rows, at)
     _check_table(summary)
     if any(s[6] for s in summary):
         sys.exit(1)
@@ -235,8 +235,9 @@ def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[in
     return at, [values[i] for i in at]
 
 
-def _check_summary(path: str, rows: list[dict]) -> list[tuple]:
-    """check's table rows for one prompts file: (path, method, checked, matching, tok/s, tok/iter, mismatches)."""
+def _check_summary(path: str, rows: list[dict], at: list[int]) -> list[tuple]:
+    """check's table rows for one prompts file: (path, method, checked, matching, tok/s, tok/iter, mismatches);
+    ``at``: the file's row number of each prompt checked (what a mismatch is named by)."""
     from .metrics import defined_mean
 
     out = []
@@ -245,7 +246,7 @@ def _check_summary(path: str, rows: list[dict]) -> list[tuple]:
         bad = [r for r in rs if not r["matches_ar"]]
         out.append((path, label, len(rs), len(rs) - len(bad), sum(r["tokens_per_s"] for r in rs) / len(rs),
                     defined_mean(r["tokens_per_iteration"] for r in rs),
-                    [(r["prompt"], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
+                    [(at[r["prompt"]], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
                      for r in bad]))
     return out
 
@@ -299,6 +300,7 @@ def run(config_file, quiet, dry_run, **fields):
     from .jobs.driver import ClusterLost, JobError, MismatchError, run_job
     from .signals import ask, interrupted
     from .jobs.spec import SpecError, build_spec
+    from .jobs.summary import OTHER_ERRORS
 
     ask()  # SIGTERM ends the job as Ctrl-C does, once Ray is up
     try:
@@ -330,7 +332,7 @@ def run(config_file, quiet, dry_run, **fields):
     if summary["rows"] and summary["errors"] == summary["rows"]:
         kind, n = next(iter(summary["error_messages"].items()))
         _fail(f"every row failed ({summary['errors']}); the most common error, on {n} row{'s' * (n > 1)}: {kind!r}"
-              + (" (other kinds: see the error column)" if n < summary["errors"] else ""))
+              + (f" {OTHER_ERRORS}" if n < summary["errors"] else ""))
 
 
 def _print_summary(summary: dict, spec) -> None:

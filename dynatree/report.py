@@ -5,6 +5,8 @@ import json
 import statistics
 from pathlib import Path
 
+from .metrics import defined_mean
+
 
 def _load(out: Path) -> list[dict]:
     import pyarrow.parquet as pq
@@ -24,11 +26,6 @@ def _sd(vals) -> float:
     return statistics.stdev(vals) if len(vals) > 1 else 0.0
 
 
-def _mean(vals):
-    vals = [v for v in vals if v is not None]
-    return statistics.fmean(vals) if vals else None
-
-
 def _groups(rows, sweep="main"):
     """{dataset: {method: [measured rows]}} in first-seen order, warm-up dropped."""
     out: dict = {}
@@ -40,7 +37,7 @@ def _groups(rows, sweep="main"):
 
 
 def _speedup(rs, ar_rs) -> float | None:
-    a, b = _mean([r["tokens_per_s"] for r in rs]), _mean([r["tokens_per_s"] for r in ar_rs])
+    a, b = defined_mean([r["tokens_per_s"] for r in rs]), defined_mean([r["tokens_per_s"] for r in ar_rs])
     return a / b if a and b else None
 
 
@@ -204,7 +201,7 @@ def _per_iteration_ms(rs) -> str:
     its = [r for r in rs if r.get("iterations")]
     if not its or not any(r.get("draft_forwards") for r in its):
         return "-"
-    parts = [_mean([1e3 * f(r) / r["iterations"] for r in its]) for f in (
+    parts = [defined_mean([1e3 * f(r) / r["iterations"] for r in its]) for f in (
         lambda r: r["draft_time_s"], lambda r: r["verify_time_s"],
         lambda r: r["wall_time_s"] - r["prefill_time_s"] - r["draft_time_s"] - r["verify_time_s"])]
     return " / ".join(f"{v:.2f}" for v in parts)
@@ -286,7 +283,7 @@ def _throughput_plot(rows: list[dict], out: Path, plt) -> Path | None:
     width = 0.8 / len(datasets)
     for k, d in enumerate(datasets):
         xs = [i + k * width for i in range(len(methods))]
-        tps = [_mean([r["tokens_per_s"] for r in g[d].get(m, [])]) or 0 for m in methods]
+        tps = [defined_mean([r["tokens_per_s"] for r in g[d].get(m, [])]) or 0 for m in methods]
         sds = [_sd([r["tokens_per_s"] for r in g[d].get(m, [])]) for m in methods]
         sps = [_ref_speedup(g[d], m) or 0 for m in methods]
         axes[0].bar(xs, tps, width, yerr=sds, label=d, capsize=2)
@@ -368,9 +365,9 @@ def _sweep_plots(rows: list[dict], out: Path, plt) -> list[Path]:
             for i, m in enumerate(methods):  # a colour per method, a line style per dataset
                 mine = {v: [r for r in at[v] if r["method"] == m] for v in vs}
                 line = dict(marker="o", ls=style, color=f"C{i % 10}", label=f"{d} {m}")
-                axes[0].plot(vs, [_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], **line)
+                axes[0].plot(vs, [defined_mean([r["tokens_per_s"] for r in mine[v]]) or 0 for v in vs], **line)
                 axes[1].plot(vs, [_speedup(mine[v], [r for r in at[v] if r["method"] == "ar"]) or 0 for v in vs], **line)
-                axes[2].plot(vs, [_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], **line)
+                axes[2].plot(vs, [defined_mean([r.get("kv_cache_mb") for r in mine[v]]) or 0 for v in vs], **line)
         for ax, ylabel in zip(axes, ("tokens/s", "speedup vs ar", "KV cache MB (target + draft)")):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)

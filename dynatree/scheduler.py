@@ -73,11 +73,9 @@ class BatchTuner:
     A size is tried only while the rows left (``available``: in flight, queued and the caller's
     backlog) number ``lookahead`` times it: a window at a worse size is paid for by the rows
     decoded at a better one afterwards, and a short job has none -- trying 32 and 64 in a
-    64-prompt job cost it up to 40% against staying at 16.  A smaller size needs fewer (until
-    2026-11-28 it needed lookahead x the best too, so a 64-prompt job never left 16 whatever the
-    smaller sizes gave: on an Intel Emerald Rapids host, whose L3 share the rows' caches outgrow
-    at 16, one run read `ar` at B = 4 807 tokens/s against 516 for B = 16 and 560 for `auto`;
-    after, two runs read `auto` at 691 and 824 against 611-683 for B = 4 and 535-640 for 16).
+    64-prompt job cost it up to 40% against staying at 16.  A smaller size needs fewer: its window
+    is short and cheap, and where the rows' caches outgrow the L3 it can be much faster (README,
+    the Emerald Rapids host: a 64-prompt job had never left 16).
     """
 
     max_size: int = 64

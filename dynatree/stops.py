@@ -27,6 +27,8 @@ class Stop:
         if not isinstance(self.strings, (tuple, list)) or not isinstance(self.token_ids, (tuple, list)):
             raise ValueError(f"Stop takes a tuple of strings and a tuple of token ids, got {self.strings!r} and "
                              f"{self.token_ids!r} (Stop.of, like generate's stop=, also takes a single one)")
+        object.__setattr__(self, "strings", tuple(self.strings))  # (lists: a frozen, hashable rule all the same)
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
         if not all(isinstance(s, str) and s for s in self.strings):
             raise ValueError(f"stop strings must be non-empty strings, got {self.strings!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids):

@@ -296,7 +296,7 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     if todo:
         _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
     run_stats["wall_time_s"] = time.time() - t_start
-    summary = summarize(out, spec, run_stats, startup, None if todo else previous_decoding_run(out))
+    summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out))
     write_summary(out, summary)
     if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:
         raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "

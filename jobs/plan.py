@@ -156,8 +156,9 @@ def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
     except (InputError, OSError, ValueError, JobError):
         return spec, None  # make_plan (the input) or check_output (the manifest) says what is wrong
     try:
-        if _nested(source, "id"):
-            raise InputError(f"it holds {_nested(source, 'id')} values")
+        nested = _nested(source, "id")
+        if nested:
+            raise InputError(f"it holds {nested} values")
         source.check_ids("id")
     except InputError as e:
         log(f"ids: row indexes, not the input's id column ({e})")
@@ -182,10 +183,10 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
                 raise JobError(f"input {spec.input}: {len(lacking)} file(s) have no {flag} {col!r} column: "
                                f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
         if spec.id_column and cols:
-            if _nested(source, spec.id_column):  # (its ids would be Python reprs of structs or lists)
-                raise JobError(f"input {spec.input}: --id-column {spec.id_column!r} holds "
-                               f"{_nested(source, spec.id_column)} values; ids are strings or numbers: name another "
-                               "column, or leave --id-column out (the row index)")
+            nested = _nested(source, spec.id_column)  # (its ids would be Python reprs of structs or lists)
+            if nested:
+                raise JobError(f"input {spec.input}: --id-column {spec.id_column!r} holds {nested} values; ids are "
+                               "strings or numbers: name another column, or leave --id-column out (the row index)")
             source.check_ids(spec.id_column)
         keep, renamed = _kept_columns(spec, source, log)
     except InputError as e:

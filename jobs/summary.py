@@ -53,19 +53,29 @@ class _Moments:
 
 _COLUMNS = ["id", "sample", "error", "num_generated_tokens", "finish_reason", "tokens_per_s", "tokens_per_iteration",
             "acceptance_rate", "lookup_tokens", "ttft_s", "tpot_s", "ar_tokens_per_s", "matches_ar",
-            "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens"]
+            "first_divergence", "divergence_margin", "prompt_tokens", "cached_prompt_tokens", "iterations"]
 _MOMENTS = ("tokens_per_s", "tokens_per_iteration", "acceptance_rate", "ttft_s", "tpot_s")
+_PER_ITERATION = ("tokens_per_iteration", "acceptance_rate")
 _SUMS = {"tokens": "num_generated_tokens", "lookup": "lookup_tokens", "prompt": "prompt_tokens",
          "cached": "cached_prompt_tokens"}
 
 
 OTHER_ERRORS = "(other kinds: see the error column)"
+_KINDS_KEPT = 1000  # kinds counted one by one (a corpus's kinds are few; this bounds the driver's memory)
 
 
 def error_kind(message: str) -> str:
     """A row's error message with its numbers written N: one kind for the rows that failed alike
     ("chat prompt of 610 tokens ..." and "... of 617 tokens ..." had counted as two)."""
     return re.sub(r"\d+", "N", message)
+
+
+def _error_messages(t: dict) -> dict:
+    """The ten commonest kinds of error, each under its first message, then the rest together:
+    counts that sum to the errors."""
+    top = t["error_kinds"].most_common(10)
+    rest = t["other_errors"] + sum(t["error_kinds"].values()) - sum(n for _, n in top)
+    return {**{t["error_example"][k]: n for k, n in top}, **({OTHER_ERRORS: rest} if rest else {})}
 
 
 def shard_files(out: Path) -> list[Path]:
@@ -91,7 +101,7 @@ def _total(table: pa.Table, name: str) -> int:
 
 def _tally(out: Path, sampled: bool = False) -> dict:
     t = {"rows": 0, "errors": 0, "checked": 0, "mismatched": [], "mismatches": 0, "reasons": Counter(),
-         "error_kinds": Counter(), "other_errors": 0, "speedup": _Moments(), **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
+         "error_kinds": Counter(), "error_example": {}, "other_errors": 0, "speedup": _Moments(), **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard's columns at a time: memory stays flat
         have = set(pq.read_schema(f).names) - (set() if sampled else {"sample"})  # an older version's shard
         # may lack newer columns; a 1-sample job's "sample" is an input column
@@ -101,16 +111,18 @@ def _tally(out: Path, sampled: bool = False) -> dict:
         failed = pc.is_valid(table["error"])
         for message, n in _counts(table["error"]):
             kind = error_kind(message)
-            if kind in t["error_kinds"] or len(t["error_kinds"]) < 10:
+            if kind in t["error_kinds"] or len(t["error_kinds"]) < _KINDS_KEPT:
                 t["error_kinds"][kind] += n
+                t["error_example"].setdefault(kind, message)
             else:
                 t["other_errors"] += n
         t["errors"] += pc.sum(failed).as_py() or 0
         ok = table.filter(pc.invert(failed))
         for key, name in _SUMS.items():
             t[key] += _total(ok, name)
-        for k in _MOMENTS:  # (null where undefined -- no iteration, nothing drafted: metrics.Metrics)
-            t[k].add(ok[k])
+        iterated = ok.filter(pc.fill_null(pc.greater(ok["iterations"], 0), False)) if "iterations" in have else ok
+        for k in _MOMENTS:  # null where undefined (metrics.Metrics); shards written before 2026-11-28
+            t[k].add((iterated if k in _PER_ITERATION else ok)[k])  # hold 0.0 for a row with no iteration
         checked = ok.filter(pc.is_valid(ok["matches_ar"]))
         t["checked"] += checked.num_rows
         timed = checked.filter(pc.and_(pc.fill_null(pc.not_equal(checked["ar_tokens_per_s"], 0), False),
@@ -141,7 +153,7 @@ def previous_decoding_run(out: Path) -> dict | None:
 
 def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, last_run: dict | None = None) -> dict:
     """The job's summary from its shards; ``run_stats``/``startup``: this run's; ``last_run``
-    (previous_decoding_run): kept as "last_decoding_run" when this run decoded nothing."""
+    (previous_decoding_run): kept as "last_decoding_run" when this run decoded no row."""
     t = _tally(out, getattr(spec, "samples", 1) > 1)
     wall = run_stats.get("wall_time_s") or 0.0
     tokens = run_stats.get("tokens_this_run", 0)
@@ -149,8 +161,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
     return {
         "rows": t["rows"],
         "errors": t["errors"],
-        "error_messages": {**dict(t["error_kinds"].most_common()),  # up to 10 kinds, with counts that sum
-                           **({OTHER_ERRORS: t["other_errors"]} if t["other_errors"] else {})},  # to "errors"
+        "error_messages": _error_messages(t),
         "generated_tokens": t["tokens"],
         "finish_reasons": dict(sorted(t["reasons"].items())),
         "this_run": {**run_stats, "job_tokens_per_s": tokens / wall if wall and tokens else None},

@@ -940,11 +940,12 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
         if r["error"] is None:
             r.update(finish_reason="length" if i % 2 else "eos", num_generated_tokens=10 + i, lookup_tokens=i % 3,
                      prompt_tokens=50, cached_prompt_tokens=32 if i % 4 == 0 else 0, tokens_per_s=1e6 + i * 0.25,
-                     tokens_per_iteration=None if i == 6 else 1 + i / 10,
+                     tokens_per_iteration=None if i == 6 else 0.0 if i == 14 else 1 + i / 10,
                      acceptance_rate=None if i in (5, 6) else i / 30, ttft_s=0.01 * i,
                      tpot_s=0.002, matches_ar=None if i % 5 == 0 else i != 8, ar_tokens_per_s=0.0 if i == 9 else 5e5,
-                     first_divergence=3 if i == 8 else None, iterations=0 if i == 6 else 4 + i)  # (6: its token
-            # came from the prefill -- no iteration: its per-iteration ratios are null, metrics.Metrics)
+                     first_divergence=3 if i == 8 else None, iterations=0 if i in (6, 14) else 4 + i)  # (6: its
+            # token came from the prefill -- no iteration: its per-iteration ratios are null, metrics.Metrics;
+            # 14: the same row as a shard written before 2026-11-28 holds it, 0.0)
         rows.append(r)
     (tmp_path / "shards").mkdir()
     for k, part in enumerate((rows[:10], rows[10:], [])):
@@ -952,14 +953,14 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     s = summarize(tmp_path, types.SimpleNamespace(to_dict=dict, samples=1), {})
     ok = [r for r in rows if r["error"] is None]
     checked = [r for r in ok if r["matches_ar"] is not None]
-    assert (s["rows"], s["errors"], s["error_messages"]) == (23, 5, {"too long": 3, "prompt of N tokens is longer than the N": 2})
+    assert (s["rows"], s["errors"], s["error_messages"]) == (23, 5, {"too long": 3, "prompt of 612 tokens is longer than the 512": 2})
     assert s["generated_tokens"] == sum(r["num_generated_tokens"] for r in ok)
     assert (s["lookup_tokens"], s["cached_prompt_tokens"]) == (sum(r["lookup_tokens"] for r in ok),
                                                                sum(r["cached_prompt_tokens"] for r in ok))
     assert s["finish_reasons"] == {"eos": 10, "error": 5, "length": 8}
     for name, key in (("tokens_per_s_per_prompt", "tokens_per_s"), ("acceptance_rate", "acceptance_rate"),
                       ("tokens_per_iteration", "tokens_per_iteration")):
-        vals = [r[key] for r in ok if r[key] is not None]
+        vals = [r[key] for r in ok if r[key] is not None and (key == "tokens_per_s" or r["iterations"])]
         assert s[name]["n"] == len(vals) and s[name]["mean"] == pytest.approx(statistics.fmean(vals), rel=1e-12)
         assert s[name]["std"] == pytest.approx(statistics.stdev(vals), rel=1e-9)  # (1e6 + small: no cancellation)
     speedups = [r["tokens_per_s"] / r["ar_tokens_per_s"] for r in checked if r["ar_tokens_per_s"]]
@@ -975,10 +976,13 @@ def test_the_summary_counts_ten_kinds_of_error_and_the_rest_together(tmp_path):
     from dynatree.metrics import output_schema, result_row
 
     rows = [result_row(f"r{i}", "ar", error=f"kind {chr(97 + i // 2)}") for i in range(24)]  # 12 kinds, 2 rows each
+    rows += [result_row(f"s{i}", "ar", error=f"row {i} of 2048 tokens is long") for i in range(5)]  # a 13th, seen last
     (tmp_path / "shards").mkdir()
-    pq.write_table(pa.Table.from_pylist(rows, schema=output_schema()), tmp_path / "shards" / "part-000000.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:24], schema=output_schema()), tmp_path / "shards" / "part-000000.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[24:], schema=output_schema()), tmp_path / "shards" / "part-000001.parquet")
     kinds = summarize(tmp_path, types.SimpleNamespace(to_dict=dict, samples=1), {})["error_messages"]
-    assert len(kinds) == 11 and kinds[OTHER_ERRORS] == 4 and sum(kinds.values()) == 24
+    assert next(iter(kinds.items())) == ("row 0 of 2048 tokens is long", 5)  # the commonest, under a real message
+    assert len(kinds) == 11 and kinds[OTHER_ERRORS] == 6 and sum(kinds.values()) == 29
 
 
 def test_signals_while_ray_starts_are_held_then_raised(monkeypatch):

@@ -116,7 +116,8 @@ def test_a_stop_built_directly_says_what_it_takes():
     for kw in ({"strings": "pim"}, {"token_ids": 390}):
         with pytest.raises(ValueError, match="Stop takes a tuple of strings and a tuple of token ids"):
             Stop(**kw)
-    assert Stop(("pim",), (390,)) == Stop.of("pim", 390)
+    assert Stop(("pim",), (390,)) == Stop.of("pim", 390) == Stop(["pim"], [390])
+    assert Stop.of(Stop(["pim"], [390]), 5).token_ids == (390, 5)
 
 
 def test_stop_strings_need_a_tokenizer(close_pair):
