@@ -228,6 +228,34 @@ def test_an_actor_caps_auto_by_what_it_holds_once_loaded(pair_dirs, tmp_path):
     assert tight.ready()["batch_cap"] == tight.batch_cap
 
 
+def test_an_ar_reference_computes_its_prompt_as_its_row_did(pair_dirs, tmp_path, monkeypatch):
+    """A checked row's ar reference is timed against the row (speedup vs ar), so it must not copy the
+    prompt the row just computed from the prefix store: with prefix caching on, both compute a
+    fresh prompt, and both copy a prompt beginning that other rows share."""
+    from dynatree.actors.worker import ShardWorker
+    from dynatree.engine import BatchDecoder
+
+    seen = []
+    real = BatchDecoder._prefill
+
+    def prefill(self, rows):
+        real(self, rows)
+        seen.extend((type(r.cfg).__name__, r.cached_tokens) for r in rows)
+
+    monkeypatch.setattr(BatchDecoder, "_prefill", prefill)
+    job = spec(pair_dirs, tmp_path, dtype="float32", batch_size=1, verify_fraction=1.0, max_new_tokens=4)
+    worker = ShardWorker(job, 1)
+    shared = "Call me Ishmael. Some years ago, never mind how long precisely. Call me Ishmael. "  # ~72 tokens
+    fresh = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in (0, 1)]  # ~80 tokens, beginning apart
+    rows = [{"id": f"r{i}", "text": t} for i, t in enumerate(fresh + [shared + p for p in PROMPTS[2:5]])]
+    results = worker.run_shard("s0", rows)
+    assert all(r["matches_ar"] for r in results)
+    gen = [c for kind, c in seen if kind != "ARConfig"]
+    ref = [c for kind, c in seen if kind == "ARConfig"]
+    assert gen[:2] == ref[:2] == [0, 0]  # fresh prompts: the reference computes it too
+    assert gen[-1] > 0 and ref[-1] == gen[-1]  # a shared beginning: both copy it
+
+
 def test_jsonl_and_arrow_inputs(ray_cluster, pair_dirs, tmp_path):
     recs = [{"key": f"j{i}", "text": t} for i, t in enumerate(PROMPTS[:5])]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
