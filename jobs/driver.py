@@ -150,7 +150,9 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 
 
 def preflight(spec: JobSpec) -> None:
-    """Model problems found before any actor starts: missing paths, mismatched tokenizers."""
+    """Problems found before any actor starts: missing model paths, mismatched tokenizers, a GPU
+    asked of a local job on a machine without one."""
+    _check_local_device(spec)
     names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
     for flag, name in names.items():
         problem = model_problem(name) if name else None
@@ -257,6 +259,18 @@ def _check_output_outside_input(spec: JobSpec) -> None:
     if any(would_read(spec.input, str(out / f)) for f in ("shards/part-000000.parquet", "manifest.json")):
         raise JobError(f"--output {spec.output} is where the input {spec.input} reads: a re-run would read the "
                        "job's own output as input; write it elsewhere")
+
+
+def _check_local_device(spec: JobSpec) -> None:
+    """A job without --address runs its actors on this machine: --device cuda needs a GPU here,
+    known before Ray starts (it was found after the cluster's start, the output begun)."""
+    if spec.address or not spec.device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise JobError(f"--device {spec.device}: this machine has no CUDA GPU, and a job without --address runs "
+                       "here; use --device cpu or auto")
 
 
 def _check_devices(spec: JobSpec, resources: dict) -> None:

@@ -636,9 +636,15 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
 
 
 def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
+    from dynatree.jobs.driver import _check_devices
+
     write_input(tmp_path)
-    with pytest.raises(JobError, match="no GPUs"):
-        run_job(spec(pair_dirs, tmp_path, device="cuda"), progress=False, log=quiet)
+    for dry_run in (True, False):  # a local job: this machine's GPUs, known before Ray starts, nothing written
+        with pytest.raises(JobError, match="--device cuda: this machine has no CUDA GPU"):
+            run_job(spec(pair_dirs, tmp_path, device="cuda"), progress=False, log=quiet, dry_run=dry_run)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(JobError, match="the Ray cluster has no GPUs"):  # a cluster's (--address): its resources
+        _check_devices(spec(pair_dirs, tmp_path, device="cuda", address="127.0.0.1:1"), {"CPU": 2.0})
     with pytest.raises(JobError, match=r"memory: 9000\.0 GB}.*lower --memory-per-actor"):  # more than any node has
         run_job(spec(pair_dirs, tmp_path, memory_per_actor=9000.0), progress=False, log=quiet)
     # no shard was written, so another config on the same output is not refused (memory that fits: placed)
