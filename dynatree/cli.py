@@ -640,6 +640,9 @@ def build(isas):
     unknown = [i for i in isas if i != "all" and i not in kbuild.VARIANTS]
     if unknown:
         _fail(f"--isa {unknown[0]}: choose {', '.join(kbuild.VARIANTS)} or all")
+    named = os.environ.get("DYNATREE_ISA")
+    if not isas and named and named not in kbuild.VARIANTS:  # a typo there would leave every job on torch's
+        _fail(f"DYNATREE_ISA={named!r}: choose {', '.join(kbuild.VARIANTS)} (or unset it: native)")
     isas = kbuild.variants_here() if "all" in isas else list(isas) or [kbuild.variant()]
     failed = False
     for isa in isas:

@@ -588,6 +588,9 @@ def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
     assert isinstance(res.exception, SystemExit)  # (no traceback)
     res = CliRunner().invoke(main, ["build", "--isa", "avx9"])  # a typo: said as the flag typed, nothing built
     assert res.exit_code != 0 and "--isa avx9: choose native, avx2, generic or all" in res.output
+    monkeypatch.setenv("DYNATREE_ISA", "avx512")  # a variant named in the environment must build, or say so
+    res = CliRunner().invoke(main, ["build"])
+    assert res.exit_code != 0 and "DYNATREE_ISA='avx512': choose native, avx2, generic" in res.output
 
 
 @pytest.mark.parametrize("arch", ["neox", "qwen3"])
