@@ -394,7 +394,11 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
             "batch sweep")
     methods = [ms for ms in methods if (ms.method not in HF_METHODS or ms.method == "hf_ar")  # assisted: B = 1 only
                and ms.label not in greedy_only]
-    for b in batch_sizes:
+    over = [b for b in batch_sizes if b > len(prompts)]
+    if over:  # (a batch of the prompts there are, not B of them: labelled as what ran)
+        log(f"  B = {', '.join(map(str, over))}: only {len(prompts)} prompts are measured, so the largest batch is "
+            f"{len(prompts)} (give --prompts of at least B plus the warm-up)")
+    for b in dict.fromkeys(min(b, len(prompts)) for b in batch_sizes):
         def run(ms, chunk, n):
             pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares
             if ms.method == "hf_ar":
