@@ -316,7 +316,7 @@ class ModelPair:
         if hasattr(run, "native"):  # dynatree's forward on torch's ops
             return run.refusal
         if self.kernel == "hf":  # models.HFRunner
-            return "--kernel hf asks for transformers' forward"
+            return "transformers' forward (--kernel hf)"
         if run.window is not None:
             return f"transformers' forward (the model's {run.window}-token sliding attention window)"
         from .packed import FAMILY

@@ -125,7 +125,7 @@ def test_profile_command(pair_dirs):
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert "kernel hf" in lines[0]
-    assert "target: not on dynatree's kernel: --kernel hf asks for transformers' forward" in lines
+    assert "target: not on dynatree's kernel: transformers' forward (--kernel hf)" in lines
     assert any(line.startswith("target ") and "64:" in line for line in lines)
     assert any(line.startswith("draft ") and "16:" in line for line in lines)
 
