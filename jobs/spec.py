@@ -229,6 +229,24 @@ def _type_problems(spec: JobSpec) -> list[str]:
     return out
 
 
+def _check_file_relative(config_file: str | None, data: dict, overrides: dict) -> None:
+    """A job file's relative paths are read from the directory dynatree runs in, not the file's;
+    where one is missing from there but found from the file's directory or one above it (the
+    repository's examples are relative to its root), say where to run (the later error named only
+    the missing path)."""
+    for k in PATH_FIELDS:
+        value = data.get(k)
+        if (not config_file or overrides.get(k) is not None or not isinstance(value, str) or os.path.isabs(value)
+                or any(c in value for c in "*?[") or os.path.exists(value)):
+            continue
+        base = Path(config_file).resolve().parent
+        found = next((d for d in (base, *base.parents) if (d / value).exists()), None)
+        if found is not None:
+            raise SpecError(f"{k} {value!r} of {config_file} is not found from here ({os.getcwd()}): a job file's "
+                            f"relative paths are read from where dynatree runs, not from the file's directory; "
+                            f"run from {found}, or give {found / value}")
+
+
 def _load_file(path: str) -> dict:
     p = Path(path)
     if not p.exists():
@@ -250,6 +268,7 @@ def _load_file(path: str) -> dict:
 def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     """Job file fields, then non-None overrides (CLI flags); unknown fields are errors."""
     data = _load_file(config_file) if config_file else {}
+    _check_file_relative(config_file, data, overrides)
     names = {f.name for f in dataclasses.fields(JobSpec)}
     unknown = sorted(set(data) - names)
     if unknown:

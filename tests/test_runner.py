@@ -414,6 +414,23 @@ def test_spec_validation_messages(tmp_path):
             build_spec(str(job))
 
 
+def test_a_job_files_relative_path_found_elsewhere_says_where_to_run(tmp_path, monkeypatch):
+    """Relative paths in a job file are read from where dynatree runs; one missing from there but
+    found from the file's directory or above it is named with where to run (the error named only the
+    missing path); from there, or given by a flag, the same file is fine."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "data.jsonl").write_text('{"text": "hi"}\n')
+    job = tmp_path / "jobs" / "job.yaml"
+    job.write_text("input: data.jsonl\noutput: out\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(SpecError, match=f"input 'data.jsonl' of .*job.yaml is not found from here .*run from {tmp_path}"):
+        build_spec(str(job))
+    assert build_spec(str(job), input=str(tmp_path / "data.jsonl")).input == str(tmp_path / "data.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert build_spec(str(job)).input == str(tmp_path / "data.jsonl")
+
+
 def test_context_overflow_truncates_or_errors(ray_cluster, pair_dirs, tmp_path):
     long_text = " ".join(PROMPTS * 12)  # far more tokens than the 128-token context
     write_input(tmp_path, [long_text, "short one"])
