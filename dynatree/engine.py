@@ -298,7 +298,6 @@ class BatchDecoder:
             stop.check_vocab(self.pair.vocab)
         if stop is not None and stop.strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
-
         self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
 
     def _prompt(self, prompt_ids, cfg) -> list[int]:

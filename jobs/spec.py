@@ -234,12 +234,14 @@ def _check_file_relative(config_file: str | None, data: dict, overrides: dict) -
     where one is missing from there but found from the file's directory or one above it (the
     repository's examples are relative to its root), say where to run (the later error named only
     the missing path)."""
+    if not config_file:
+        return
+    base = Path(config_file).resolve().parent
     for k in PATH_FIELDS:
         value = data.get(k)
-        if (not config_file or overrides.get(k) is not None or not isinstance(value, str) or os.path.isabs(value)
+        if (overrides.get(k) is not None or not isinstance(value, str) or os.path.isabs(value)
                 or any(c in value for c in "*?[") or os.path.exists(value)):
             continue
-        base = Path(config_file).resolve().parent
         found = next((d for d in (base, *base.parents) if (d / value).exists()), None)
         if found is not None:
             raise SpecError(f"{k} {value!r} of {config_file} is not found from here ({os.getcwd()}): a job file's "
