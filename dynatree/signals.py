@@ -9,6 +9,7 @@ import sys
 import threading
 
 _asked = False  # a command line asked for it (library callers keep their own SIGTERM handling)
+_terminated = False  # a SIGTERM was raised and not yet reported (interrupted)
 
 
 class Terminated(KeyboardInterrupt):
@@ -27,6 +28,8 @@ def end_on_sigterm(only_if_asked: bool = False) -> None:
     Main thread only (Python delivers signals there)."""
     if (_asked or not only_if_asked) and threading.current_thread() is threading.main_thread():
         def terminated(_signum, _frame):
+            global _terminated
+            _terminated = True
             raise Terminated()
 
         signal.signal(signal.SIGTERM, terminated)
@@ -34,11 +37,17 @@ def end_on_sigterm(only_if_asked: bool = False) -> None:
 
 def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
     """How an interrupted command says it ended, and its exit code (the shell's, so scripts can
-    tell Ctrl-C and SIGTERM from a failure)."""
-    return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+    tell Ctrl-C and SIGTERM from a failure).  By the flag the handler set, not only by ``e``'s
+    type: Ray's ``get``/``wait`` turn any KeyboardInterrupt raised inside them into a plain one,
+    and a job's SIGTERM mostly lands there."""
+    global _terminated
+    term, _terminated = isinstance(e, Terminated) or _terminated, False
+    return ("terminated (SIGTERM)", 143) if term else ("interrupted", 130)
 
 
 def _raised(signum: int) -> KeyboardInterrupt:
+    global _terminated
+    _terminated = _terminated or signum == signal.SIGTERM
     return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 

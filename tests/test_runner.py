@@ -1107,3 +1107,31 @@ def test_the_speedup_line_says_which_checked_rows_it_covers():
     assert line(21, 21) == "1.50 ± 0.10  (rows re-decoded with ar: 21)"
     assert line(0, 21).startswith("-  (checked rows shared forwards at batch size > 1")
     assert line(0, 0) == "-  (rows re-decoded with ar: 0)"
+
+
+def test_sigterm_inside_ray_get_still_reads_as_sigterm(ray_cluster):
+    """SIGTERM landing inside ray.get, where a job's driver mostly waits: Ray turns the handler's
+    Terminated into a plain KeyboardInterrupt, which read as Ctrl-C (exit 130, "interrupted")
+    although the job was terminated; it reads as SIGTERM (143)."""
+    import signal
+    import threading
+
+    import ray
+    from dynatree import signals
+
+    @ray.remote(num_cpus=0)
+    def sleep():
+        time.sleep(30)
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        signals.end_on_sigterm()
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt) as got:
+            ray.get(sleep.remote(), timeout=20)
+        timer.join()
+        assert signals.interrupted(got.value) == ("terminated (SIGTERM)", 143)
+        assert signals.interrupted(KeyboardInterrupt()) == ("interrupted", 130)  # reported once: Ctrl-C after it is Ctrl-C
+    finally:
+        signal.signal(signal.SIGTERM, old)
