@@ -76,6 +76,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
             text = text.decode("utf-8")
         except UnicodeDecodeError:
             raise ValueError("prompt is not UTF-8 text") from None
+    keep = prompt_budget(pair.max_context, windowed, max_prompt_tokens, max_new_tokens)
     if chat and isinstance(text, (list, tuple)):
         ids = pair.encode_chat(text)
     elif not isinstance(text, str):
@@ -85,10 +86,10 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
     elif not text.strip():
         raise ValueError("prompt is empty or only whitespace")
     else:
-        ids = pair.encode_chat(text) if chat else pair.encode(text)
+        ids = pair.encode_chat(text) if chat else pair.encode(text, last=keep)
     if not ids:
         raise ValueError("prompt has no tokens")
-    return truncate_prompt(ids, prompt_budget(pair.max_context, windowed, max_prompt_tokens, max_new_tokens), chat)
+    return truncate_prompt(ids, keep, chat)
 
 
 class ShardWorker:

@@ -108,7 +108,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         if chat_template or max_prompt_tokens:
-            prompts = [truncate_prompt(pair.encode_chat(_conversation(p)) if chat_template else pair.encode(p),
+            prompts = [truncate_prompt(pair.encode_chat(_conversation(p)) if chat_template else pair.encode(p, last=max_prompt_tokens),
                                        max_prompt_tokens, chat_template) for p in prompts]
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
                       samples=samples)
@@ -203,7 +203,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             at, texts = _usable_prompts(path, read_texts(path, prompt_column), limit)
         except InputError as e:
             _fail(str(e))
-        prompts = [truncate_prompt(pair.encode(t), keep) for t in texts]
+        prompts = [truncate_prompt(pair.encode(t, last=keep), keep) for t in texts]
         try:
             rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))

@@ -216,6 +216,9 @@ def _probed(run, model, which: str, twin):
     return twin
 
 
+TAIL_CHARS_PER_TOKEN = 16  # ModelPair._encode_tail: the first suffix's characters per wanted token
+
+
 @dataclass
 class ModelPair:
     target: torch.nn.Module
@@ -388,7 +391,9 @@ class ModelPair:
         if self.draft is not None and make_policy(cfg).needs_draft:
             self.window(cfg, "draft")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, last: int | None = None) -> list[int]:
+        """The text's token ids; ``last``: only (at most) its last ``last`` tokens are wanted, and a
+        long text is then tokenized from its end (_encode_tail)."""
         if self.tokenizer is None:
             raise PairError(f"this pair has no tokenizer (none was given, or the target's directory has none of "
                             f"{', '.join(TOKENIZER_FILES)}); pass token ids")
@@ -398,7 +403,25 @@ class ModelPair:
             text.encode("utf-8")  # (a command line's or a pipe's bad bytes arrive as lone surrogates)
         except UnicodeEncodeError as e:
             raise PairError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        tail = self._encode_tail(text, last) if last else None
+        return tail if tail is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _encode_tail(self, text: str, last: int) -> list[int] | None:
+        """The last ``last`` tokens of a long text's ids, read from suffixes of the text: a
+        tokenizer's pieces depend on nearby text only, so far enough from a cut a suffix's tokens are
+        the whole text's.  Taken where two suffixes (n and 4n characters, each at least 2 * ``last``
+        tokens) end in the same ``last`` tokens; None (tokenize it whole) where none do before the
+        suffix would be a quarter of the text.  (A 40 MB prompt took a minute to tokenize whole for
+        the 512 tokens a job keeps, stalling its actor's batch.)"""
+        n, seen = TAIL_CHARS_PER_TOKEN * last, None
+        while 4 * n <= len(text):
+            ids = self.tokenizer(text[-n:], add_special_tokens=False)["input_ids"]
+            if len(ids) >= 2 * last:
+                if ids[-last:] == seen:
+                    return seen
+                seen = ids[-last:]
+            n *= 4
+        return None
 
     @property
     def has_chat_template(self) -> bool:

@@ -61,6 +61,35 @@ def test_a_prompt_that_is_not_utf8_text_is_a_clear_error(pair_dirs):
         generate(pair, "abc\udcff def", "ar", max_new_tokens=2)
 
 
+def test_a_long_prompts_last_tokens_come_from_its_end(pair_dirs):
+    """encode(text, last=n) is the whole text's last n tokens, read from suffixes of the text (a 40
+    MB prompt took a minute to tokenize whole for the 512 tokens a job keeps): on words, on a
+    run without whitespace (whose pieces depend on where the run starts) and on mixed scripts;
+    the suffixes it tokenizes are far shorter than the text."""
+    pair = load_pair(pair_dirs / "target", None, device="cpu")
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "über", "日本語", "\n\n", "42,", "'s", "  "]
+    texts = ["".join(rng.choice(words, 60000)), "x" * 50001 + " y" + "a" * 120001,
+             "word " * 30000 + "b" * 99999]
+    seen, tok = [], pair.tokenizer
+
+    def counting(text, **kw):
+        seen.append(len(text))
+        return tok(text, **kw)
+
+    pair.tokenizer = counting
+    try:
+        for text in texts:
+            full = tok(text, add_special_tokens=False)["input_ids"]
+            for n in (1, 16, 300):
+                seen.clear()
+                assert pair.encode(text, last=n) == full[-n:]
+                assert max(seen) <= len(text) // 4 or n == 300 and len(full) < 3000, (n, seen)
+        assert pair.encode("short text", last=100) == tok("short text", add_special_tokens=False)["input_ids"]
+    finally:
+        pair.tokenizer = tok
+
+
 def test_mismatched_tokenizers_are_a_clear_error(pair_dirs):
     with pytest.raises(PairError, match="do not share a tokenizer"):
         load_pair(pair_dirs / "target", pair_dirs / "foreign", device="cpu")
