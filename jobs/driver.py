@@ -103,8 +103,7 @@ def _init_ray(spec: JobSpec):
         raise JobError(f"Ray token authentication failed{f' for the cluster at {address}' if address else ''}: "
                        f"{e}") from e
     except ConnectionError as e:
-        raise JobError(f"cannot reach the Ray cluster at {address}: {e} (if the head uses token "
-                       "authentication, this client needs the same RAY_AUTH_MODE and token)") from e
+        raise JobError(f"cannot reach the Ray cluster at {address}: {e} {_connect_hint(e)}") from e
     end_on_sigterm(only_if_asked=True)
     return ray
 
@@ -131,6 +130,13 @@ def start_local_ray(**kw):
 
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kw)
     return ray
+
+
+def _connect_hint(e: ConnectionError) -> str:
+    if "client server failed" in str(e):  # Ray's proxier could not start this client's server
+        return ("(the head reached, but its Ray client server could not start a session for this driver -- "
+                "it happens when the head is busy; try again, and see ray_client_server_*.err in the head's logs)")
+    return "(if the head uses token authentication, this client needs the same RAY_AUTH_MODE and token)"
 
 
 def _probe(address: str, timeout_s: float = 5.0) -> None:

@@ -1135,3 +1135,13 @@ def test_sigterm_inside_ray_get_still_reads_as_sigterm(ray_cluster):
         assert signals.interrupted(KeyboardInterrupt()) == ("interrupted", 130)  # reported once: Ctrl-C after it is Ctrl-C
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_ray_client_session_that_fails_to_start_is_not_blamed_on_tokens():
+    """Ray's client server failing to start a session (under load, a `ray://` address) read as a
+    token-authentication problem; the hint now names what failed."""
+    from dynatree.jobs.driver import _connect_hint
+
+    busy = ConnectionError("Starting Ray client server failed. See ray_client_server_23000.err for detailed logs.")
+    assert "client server could not start a session" in _connect_hint(busy) and "token" not in _connect_hint(busy)
+    assert "RAY_AUTH_MODE" in _connect_hint(ConnectionError("Failed to connect to GCS"))
