@@ -206,20 +206,52 @@ def _decoded(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema])
 
 
-def _unify(parts: list[Part]) -> pa.Schema:
-    schema = parts[0].schema
+def _textual(t: pa.DataType) -> bool:
+    return (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_boolean(t) or pa.types.is_decimal(t))
+
+
+def _as_text(a: pa.Schema, b: pa.Schema) -> list[str]:
+    """Columns of both schemas whose types no type holds (int64 ids in one file, strings in the
+    next) but text does: those are read as strings, as mixed values in one JSONL file are."""
+    names = []
+    for f in a:
+        if f.name not in b.names or b.field(f.name).type.equals(f.type):
+            continue
+        g = b.field(f.name)
+        try:
+            pa.unify_schemas([pa.schema([f]), pa.schema([g])], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            if _textual(f.type) and _textual(g.type):
+                names.append(f.name)
+    return names
+
+
+def _texts(schema: pa.Schema, names: list[str]) -> pa.Schema:
+    return pa.schema([f.with_type(pa.string()) if f.name in names else f for f in schema])
+
+
+def _unify(parts: list[Part]) -> tuple[pa.Schema, list[str]]:
+    """The input's schema, and notes on columns read as text because files disagree on their type."""
+    schema, notes = parts[0].schema, []
     for part in parts[1:]:
         if part.schema.equals(schema):
             continue
+        text = _as_text(schema, part.schema)
+        if text:
+            notes += [f"column {c!r} is {schema.field(c).type} in files before {part.info.path} and "
+                      f"{part.schema.field(c).type} there: read as text (string) in every file" for c in text]
+            schema = _texts(schema, text)
         try:
             try:
-                schema = pa.unify_schemas([schema, part.schema], promote_options="permissive")
+                schema = pa.unify_schemas([schema, _texts(part.schema, text)], promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-                schema = pa.unify_schemas([_decoded(schema), _decoded(part.schema)], promote_options="permissive")
+                schema = pa.unify_schemas([_decoded(schema), _decoded(_texts(part.schema, text))],
+                                          promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise InputError(f"{part.info.path}: schema does not match the files before it "
                              f"({parts[0].info.path}, ...): {e}") from e
-    return schema
+    return schema, notes
 
 
 def id_strings(col) -> list[str | None]:
@@ -238,8 +270,10 @@ class InputSource:
     increasing order is cheap (each file keeps a forward cursor); going back restarts a cursor.
     """
 
-    def __init__(self, source: str, parts: list[Part], schema: pa.Schema, dataset: dict | None = None):
+    def __init__(self, source: str, parts: list[Part], schema: pa.Schema, dataset: dict | None = None,
+                 notes: list[str] | tuple = ()):
         self.source, self._parts, self.schema, self._dataset = source, parts, schema, dataset
+        self.notes = list(notes)  # what a reader should know about how the input is read (_unify)
         self.files = [p.info for p in parts]
         self._starts = [0, *itertools.accumulate(f.rows for f in self.files)]
         self.num_rows = self._starts[-1]
@@ -260,7 +294,8 @@ class InputSource:
             if len(set(names)) < len(names):
                 dup = next(n for n in names if names.count(n) > 1)
                 raise InputError(f"{part.info.path}: two columns named {dup!r}; rename one")
-        return cls(source, parts, _unify(parts))
+        schema, notes = _unify(parts)
+        return cls(source, parts, schema, notes=notes)
 
     def files_without(self, column: str) -> list[str]:
         """The input's files with rows but no ``column`` (their rows would read it as null)."""

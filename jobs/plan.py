@@ -126,7 +126,8 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
         renamed = ()
     if renamed:
         taken = f"; the input has a column {INPUT_ID}" if renamed[0][1] != INPUT_ID else ""
-        log(f"input column id copied as {renamed[0][1]} (the output's id is the row id{taken})")
+        whose = "the row index" if spec.id_column is None else f"column {spec.id_column!r}"
+        log(f"input column id copied as {renamed[0][1]} (the output's id is {whose}{taken})")
     names = dict(renamed)
     skipped = [c for c in source.column_names if c in result_cols and c != spec.id_column and c not in names]
     if skipped:
@@ -189,6 +190,8 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
                                "strings or numbers: name another column, or leave --id-column out (the row index)")
             source.check_ids(spec.id_column)
         keep, renamed = _kept_columns(spec, source, log)
+        for note in source.notes:
+            log(note)
     except InputError as e:
         raise JobError(str(e)) from e
     schema = output_schema(spec.samples > 1)

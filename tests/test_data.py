@@ -112,8 +112,17 @@ def test_directory_and_glob_order_and_schema_unification(tmp_path):
     assert table.to_pylist() == [{"text": "b", "n": 2}, {"text": "c", "n": 3}, {"text": "d", "n": None}]
     glob_src = InputSource.open(str(d / "p*.parquet"))
     assert glob_src.read(0, 10, ["text"])[0].column("text").to_pylist() == ["a", "b", "c"]
-    pq.write_table(pa.table({"text": [1]}), d / "p3.parquet")
-    with pytest.raises(InputError, match="p3.parquet"):
+    # types no type holds both of: text, as in one JSONL file (ids from two sources, int and string)
+    pq.write_table(pa.table({"text": [1], "n": ["x"]}), d / "p3.parquet")
+    mixed = InputSource.open(str(d / "p*.parquet"))
+    assert mixed.schema.field("text").type == mixed.schema.field("n").type == pa.string()
+    assert len(mixed.notes) == 2 and all("p3.parquet" in n and "read as text" in n for n in mixed.notes)
+    table, raw = mixed.read(1, 4, ["text", "n"], raw=["text"])
+    assert table.to_pylist() == [{"text": "b", "n": "2"}, {"text": "c", "n": "3"}, {"text": "1", "n": "x"}]
+    assert raw["text"] == ["b", "c", 1]  # a job's prompt as the file holds it: not text, a per-row error
+    assert not InputSource.open(str(d / "p0.parquet")).notes
+    pq.write_table(pa.table({"text": ["e"], "n": [{"k": 1}]}), d / "p4.parquet")  # no text for a struct
+    with pytest.raises(InputError, match="p4.parquet.*Field n"):
         InputSource.open(str(d / "p*.parquet"))
 
 

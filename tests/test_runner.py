@@ -828,7 +828,9 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     other, source = default_ids(other, logs.append)
     assert other.id_column is None and "duplicate ids" in logs[-1]
     plan = make_plan(other, logs.append, source)  # the user's ids are still there to join on
-    assert plan.kept_names == ["input_id", "text"] and "copied as input_id" in logs[-1]
+    assert plan.kept_names == ["input_id", "text"] and "copied as input_id (the output's id is the row index)" in logs[-1]
+    make_plan(spec(pair_dirs, tmp_path, id_column="text", output=str(tmp_path / "o5")), logs.append)
+    assert "copied as input_id (the output's id is column 'text')" in logs[-1]  # (it said "the row id")
     from dynatree.jobs.driver import _read_shard
     assert _read_shard(other, plan, 0)[1].column("input_id").to_pylist() == ["a", "a", "b", "c"]
     named = dataclasses.replace(other, keep_columns=("id",))  # asked for by name: the same input_id
