@@ -345,7 +345,9 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),
             "id_column": spec.id_column or "(row index)", "kept_columns": plan.kept_names,
             "output": os.path.abspath(spec.output), "shards": plan.num_shards, "shards_done": len(done),
-            "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples, "method": spec.method,
+            "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples,
+            "target": spec.target or "(the bundled demo pair's)",
+            "draft": spec.draft or ("(none)" if spec.target else "(the bundled demo pair's)"), "method": spec.method,
             "options": dataclasses.asdict(spec.method_config), "batch_size": spec.batch_size,
             "overwrite": spec.overwrite}
 

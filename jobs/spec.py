@@ -150,8 +150,9 @@ class JobSpec:
                             "(start more actors to use more GPUs)")
         if self.kernel not in KERNELS:
             problems.append(f"kernel must be one of {', '.join(KERNELS)}")
-        if (self.target is None) != (self.draft is None) and self.method != "ar":
-            problems.append("give both target and draft, or neither (the bundled demo pair)")
+        if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None):
+            problems.append("give both target and draft, or neither (the bundled demo pair)"
+                            + ("; ar needs only a target" if self.method == "ar" else ""))
         try:
             check_samples(make_config(self.method, self.options), self.samples)
         except (ValueError, TypeError) as e:

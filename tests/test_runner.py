@@ -72,6 +72,7 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     manifest = (tmp_path / "out" / "manifest.json").read_bytes()
     plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     assert (plan["shards"], plan["shards_done"], plan["rows_to_decode"]) == (3, 2, 4)
+    assert (plan["target"], plan["draft"]) == (str(pair_dirs / "target"), str(pair_dirs / "draft"))  # the models named
     assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest and len(os.listdir(shards)) == 2
     with pytest.raises(JobError, match="different config .*max_new_tokens"):  # what a run would refuse
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet,
@@ -395,6 +396,9 @@ def test_spec_validation_messages(tmp_path):
     assert build_spec(None, input="x", output="y", keep_columns="None").keep_columns == ()
     with pytest.raises(SpecError, match="placement_timeout_s must be > 0"):
         build_spec(None, input="x", output="y", placement_timeout_s=-5.0)
+    with pytest.raises(SpecError, match="give both target and draft, or neither.*ar needs only a target"):
+        build_spec(None, input="x", output="y", method="ar", draft="d")  # (ran ar on the demo target)
+    assert build_spec(None, input="x", output="y", method="ar", target="t").draft is None
     with pytest.raises(SpecError, match="no option 'depth'"):
         build_spec(None, input="x", output="y", options={"depth": "3"})
     job = tmp_path / "job.yaml"
