@@ -158,7 +158,7 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 def preflight(spec: JobSpec) -> None:
     """Problems found before any actor starts: missing model paths, mismatched tokenizers, a GPU
     asked of a local job on a machine without one."""
-    _check_local_device(spec)
+    _check_this_machine(spec)
     names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
     for flag, name in names.items():
         problem = model_problem(name) if name else None
@@ -267,16 +267,31 @@ def _check_output_outside_input(spec: JobSpec) -> None:
                        "job's own output as input; write it elsewhere")
 
 
-def _check_local_device(spec: JobSpec) -> None:
+def _check_this_machine(spec: JobSpec) -> None:
     """A job without --address runs its actors on this machine: --device cuda needs a GPU here,
-    known before Ray starts (it was found after the cluster's start, the output begun)."""
-    if spec.address or not spec.device.startswith("cuda"):
-        return
+    and its actors' CPUs and GPUs must fit it -- known before Ray starts (found after the
+    cluster's start, the output begun, or ~15 s later)."""
+    import ray
     import torch
 
-    if not torch.cuda.is_available():
+    if spec.address or os.environ.get("RAY_ADDRESS"):  # (set inside `ray job submit`: the cluster's nodes run it)
+        return
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec.device.startswith("cuda") and not gpus:
         raise JobError(f"--device {spec.device}: this machine has no CUDA GPU, and a job without --address runs "
                        "here; use --device cpu or auto")
+    if ray.is_initialized():  # (a Python caller's cluster: placement checks it once connected)
+        return
+    from ray._private.utils import get_num_cpus  # what the local cluster will hold
+
+    here = {"CPU": get_num_cpus(), "GPU": gpus}
+    n, cpus, gpus = _actor_shape(spec, here)
+    try:
+        placement.check_request([{"NodeManagerAddress": "this machine (no --address: the job runs here)",
+                                  "Resources": here}], n, cpus, gpus)
+    except placement.PlacementError as e:
+        raise JobError(str(e)) from e
 
 
 def _check_devices(spec: JobSpec, resources: dict) -> None:

@@ -63,8 +63,8 @@ def _fmt_mem(nbytes: float) -> str:
 
 
 def _fmt_resources(res: dict) -> str:
-    return (f"{_fmt_num(res.get('CPU', 0))} CPU, {_fmt_num(res.get('GPU', 0))} GPU, "
-            f"{_fmt_mem(res.get('memory', 0))} memory")
+    memory = f", {_fmt_mem(res['memory'])} memory" if "memory" in res else ""  # (this machine before Ray starts)
+    return f"{_fmt_num(res.get('CPU', 0))} CPU, {_fmt_num(res.get('GPU', 0))} GPU{memory}"
 
 
 def _fmt_nodes(nodes: list[dict], limit: int = 4) -> str:

@@ -108,6 +108,22 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
             assert not ran.startswith(str(ROOT)) and "working_dir" in ran, ran
 
 
+def test_a_local_job_too_big_for_this_machine_fails_before_ray_starts(pair_dirs, tmp_path):
+    """Without --address the job's cluster is this machine: actors it cannot hold are refused
+    before a Ray cluster starts (it started one, then refused ~15 s later), dry run or not."""
+    pq.write_table(pa.table({"text": ["a prompt"]}), tmp_path / "in.parquet")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cpus = os.cpu_count() or 1
+    for flags in (["--cpus-per-actor", str(cpus + 1)], ["--num-actors", str(cpus + 1), "--cpus-per-actor", "1"],
+                  ["--dry-run", "--cpus-per-actor", str(cpus + 1)]):
+        res = subprocess.run([str(Path(sys.executable).parent / "dynatree"), "run", "--input", str(tmp_path / "in.parquet"),
+                              "--output", str(tmp_path / "out"), "--target", str(pair_dirs / "target"),
+                              "--draft", str(pair_dirs / "draft"), "--device", "cpu", *flags],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and "cannot place" in res.stderr and "this machine" in res.stderr, res.stderr[-2000:]
+        assert "Ray instance" not in res.stderr and not (tmp_path / "out").exists()
+
+
 def test_unplaceable_requests_fail_within_a_minute(pair_dirs, tmp_path):
     """On a real 2-CPU head started by hand, requests it cannot hold end with a message naming
     the shortfall (they used to wait forever)."""
