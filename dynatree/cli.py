@@ -78,7 +78,7 @@ def _pair_options(f):
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--chat-template", is_flag=True,
               help="send each prompt through the target tokenizer's chat template: a text as a user message, a "
-                   "JSON list of {\"role\", \"content\"} messages as that conversation")
+                   "JSON list of {\"role\", \"content\"} messages (or one message) as that conversation")
 @click.option("--stop", "stop", multiple=True, help="end where the generated text contains this string "
               "(repeatable; the text ends before it; a newline in a shell: $'\\n')")
 @click.option("--stop-token-id", "stop_token_ids", multiple=True, type=click.IntRange(min=0),
@@ -156,7 +156,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
               help="prompt source: Parquet/Arrow/JSONL file, directory or glob (repeatable)")
 @click.option("--prompt-column", default="text", show_default=True)
 @click.option("--limit", type=click.IntRange(min=1),
-              help="first N prompts of each file (rows that are null, empty or not text are skipped, not counted)")
+              help="first N prompts of each file (rows that are null, empty, only whitespace or not text are skipped, not counted)")
 @click.option("--methods", default="linear,fixed_tree,dynatree,dyspec", show_default=True,
               help="comma-separated methods; LABEL=METHOD runs a method under another name "
                    "(e.g. dyspec_heap=dyspec with --option dyspec_heap.mode=heap)")
@@ -221,14 +221,14 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
 
 def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[int], list[str]]:
     """The first ``limit`` (all with None) values that are prompts, and their row numbers in the file;
-    rows that are null, empty or not text are skipped and named, not counted (as bench's --prompts)."""
+    rows that are null, empty, only whitespace or not text are skipped and named, not counted (as bench's --prompts)."""
     at, bad = [], []
     for i, t in enumerate(values):
         if limit is not None and len(at) == limit:
             break
         (at if isinstance(t, str) and t.strip() else bad).append(i)
     if bad:
-        click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty or not text "
+        click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty, only whitespace or not text "
                    f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
     if not at:
         _fail(f"{path}: no prompts to check")
@@ -343,14 +343,18 @@ def _print_summary(summary: dict, spec) -> None:
 
 
 def _conversation(text: str) -> str | list:
-    """A --chat-template prompt: a JSON list of messages is that conversation (a system message,
-    several turns), any other text one user message."""
-    if text.lstrip().startswith("["):
+    """A --chat-template prompt: JSON meant as messages -- a list that is empty or holds an object,
+    or one object with a "role" -- is that conversation (refused unless {role, content} messages:
+    '[]' and '{"role": ...}' went to the model as text, '[{"role": "user"}]' was refused); any
+    other text (a list of numbers, '[not json]') one user message."""
+    if text.lstrip()[:1] in ("[", "{"):
         try:
             value = json.loads(text)
         except ValueError:
             return text
-        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        if isinstance(value, dict) and "role" in value:
+            return [value]
+        if isinstance(value, list) and (not value or any(isinstance(m, dict) for m in value)):
             return value
     return text
 

@@ -401,7 +401,7 @@ def test_an_interrupted_check_prints_the_prompts_it_finished(pair_dirs, tmp_path
 
 
 def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, tmp_path, monkeypatch):
-    """`check --limit N` checks N usable prompts (rows that are null, empty or not text are skipped
+    """`check --limit N` checks N usable prompts (rows that are null, empty, only whitespace or not text are skipped
     and named, as bench's --prompts skips them), and a mismatch names the prompt's row in the file,
     not its place among the usable ones."""
     import dynatree.check
@@ -422,7 +422,7 @@ def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, 
                                     "--device", "cpu", "--dtype", "float64", "--prompts", str(data), "--limit", "2",
                                     "--methods", "linear", "--max-new-tokens", "4", "--max-prompt-tokens", "16"])
     assert res.exit_code == 1, res.output
-    assert "skipping 2 prompt(s) that are null, empty or not text (rows 1, 2)" in res.output
+    assert "skipping 2 prompt(s) that are null, empty, only whitespace or not text (rows 1, 2)" in res.output
     table = [line.split(maxsplit=6) for line in res.output.splitlines() if line.startswith(str(data))]
     assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "2"), ("linear", "2", "1")], res.output
     assert "(3, 2, None)" in table[1][6], res.output

@@ -64,6 +64,13 @@ def test_generate_on_the_command_line_takes_a_conversation(chat_dirs, chat_pair)
         want = generate_batch(chat_pair, [as_api if isinstance(as_api, list) else [{"role": "user", "content": as_api}]],
                               "ar", max_new_tokens=6)[0]
         assert got["token_ids"] == want.token_ids and got["metrics"]["prompt_tokens"] == want.metrics.prompt_tokens
+    one = CliRunner().invoke(main, args + ["--prompt", json.dumps(CHATS[0][-1])])  # one message: a conversation of it
+    assert json.loads(one.output.strip().splitlines()[-1])["token_ids"] == generate_batch(
+        chat_pair, [[CHATS[0][-1]]], "ar", max_new_tokens=6)[0].token_ids
+    for meant in ("[]", '[{"role": "user"}]', '[{"role": "user", "content": "hi"}, 3]'):  # JSON meant as messages
+        res = CliRunner().invoke(main, args + ["--prompt", meant])
+        assert res.exit_code == 1 and "list of {role, content} messages" in res.output, (meant, res.output)
+    assert CliRunner().invoke(main, args + ["--prompt", "[1, 2]"]).exit_code == 0  # numbers: text
 
 
 def test_prompt_policy_with_chat(chat_pair, close_pair):
