@@ -401,9 +401,9 @@ def test_an_interrupted_check_prints_the_prompts_it_finished(pair_dirs, tmp_path
 
 
 def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, tmp_path, monkeypatch):
-    """`check --limit N` checks N usable prompts (rows that are null, empty, only whitespace or not text are skipped
-    and named, as bench's --prompts skips them), and a mismatch names the prompt's row in the file,
-    not its place among the usable ones."""
+    """`check --limit N` checks N usable prompts (rows that are null, empty, only whitespace or not
+    text are skipped and named, as bench's --prompts skips them), and a mismatch names the prompt's
+    row in the file, not its place among the usable ones."""
     import dynatree.check
 
     data = tmp_path / "prompts.parquet"
