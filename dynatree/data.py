@@ -295,7 +295,7 @@ class InputSource:
                 dup = next(n for n in names if names.count(n) > 1)
                 raise InputError(f"{part.info.path}: two columns named {dup!r}; rename one")
         schema, notes = _unify(parts)
-        return cls(source, parts, schema, notes=notes)
+        return cls(source, parts, schema, notes=[n for p in parts for n in p.notes] + notes)
 
     def files_without(self, column: str) -> list[str]:
         """The input's files with rows but no ``column`` (their rows would read it as null)."""

@@ -111,15 +111,22 @@ def _infer_schema(rows) -> pa.Schema:
     a struct field or a wider type first seen at row 9M is as much the file's as one in row 1
     (inferred from the first rows alone, they were dropped without a word)."""
     types: dict[str, pa.DataType] = {}
+    not_text: set[str] = set()  # columns with a value that is not a string
     while chunk := list(itertools.islice(rows, JSONL_INFER_ROWS)):
         for k in dict.fromkeys(k for row in chunk for k in row):
-            t = _infer_type([row.get(k) for row in chunk])
+            values = [row.get(k) for row in chunk]
+            t = _infer_type(values)
             types[k] = _merge_types(types[k], t) if k in types else t
+            if k not in not_text and any(v is not None and not isinstance(v, str) for v in values):
+                not_text.add(k)
     # a column with no value anywhere: string, which takes any value as text
-    return pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
+    schema = pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
+    mixed = [k for k in not_text if pa.types.is_string(types[k])]  # values of several types, read as text
+    return schema.with_metadata({MIXED_KEY: json.dumps(sorted(mixed))}) if mixed else schema
 
 
-SCHEMA_CACHE_VERSION = 1  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
+MIXED_KEY = "dynatree.mixed_as_text"  # the inferred schema's note of columns whose mixed values are read as text
+SCHEMA_CACHE_VERSION = 2  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
 
 
 def _cached_schema(info: InputFile, infer) -> pa.Schema:
@@ -164,7 +171,11 @@ class JsonlPart(Part):
             raise InputError(f"cannot read {path}: {e}") from e
         self._every = JSONL_CHECKPOINT_EVERY
         info = stat(path, "jsonl", rows)
-        super().__init__(info, _cached_schema(info, lambda: _infer_schema(row for _, row in self._lines(0))))
+        schema = _cached_schema(info, lambda: _infer_schema(row for _, row in self._lines(0)))
+        super().__init__(info, schema)
+        mixed = json.loads((schema.metadata or {}).get(MIXED_KEY.encode(), b"[]"))
+        self.notes = [f"{path}: column {c!r} holds values of several types (numbers, strings, lists...): read as "
+                      "text (string)" for c in mixed]
 
     def _lines(self, row: int):
         """(line number, parsed row) from `row`, a multiple of the checkpoint interval."""

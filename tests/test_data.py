@@ -190,8 +190,12 @@ def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
                                     ("k", pa.string())])
     assert src.read(0, 5, ["n", "m", "k"])[0].to_pylist()[3:] == [{"n": 1.5, "m": {"a": 2, "b": "x"}, "k": None},
                                                                    {"n": None, "m": None, "k": "late"}]
-    _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": "three"}])
-    assert InputSource.open(str(tmp_path / "mixed.jsonl")).read(0, 3, ["n"])[0].column("n").to_pylist() == ["1", "2", "three"]
+    _jsonl(tmp_path / "mixed.jsonl", [{"n": 1, "s": "a"}, {"n": 2, "s": None}, {"n": "three", "s": "c"}])
+    for _ in range(2):  # inferred, then from the cache: the plan says so (they became text without a word)
+        src = InputSource.open(str(tmp_path / "mixed.jsonl"))
+        assert src.read(0, 3, ["n"])[0].column("n").to_pylist() == ["1", "2", "three"]
+        assert len(src.notes) == 1 and "column 'n' holds values of several types" in src.notes[0]
+    assert not InputSource.open(str(tmp_path / "late.jsonl")).notes  # ints widened to floats: no note ("s": none)
     _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}])
     src = InputSource.open(str(tmp_path / "mixed.jsonl"))
     _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 2.5}])  # changed after planning (a job refuses it)
