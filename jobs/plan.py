@@ -385,7 +385,11 @@ def output_lock(output: str):
         f.truncate(0)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
-        yield
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # (the pid left behind read as a job still running)
+                f.truncate(0)
 
 
 def check_output(spec: JobSpec, plan: Plan) -> dict:
