@@ -217,6 +217,17 @@ def _probed(run, model, which: str, twin):
 
 
 TAIL_CHARS_PER_TOKEN = 16  # ModelPair._encode_tail: the first suffix's characters per wanted token
+_WORD_GAP = re.compile(r"[^\W\d_](?= [^\W\d_])")  # a letter before " " and a letter
+
+
+def _word_boundary(text: str, at: int, within: int) -> int | None:
+    """The index of the last space between two letters at or before ``at`` (no further back than
+    ``within`` characters), or None."""
+    lo = max(at - within, 0)
+    found = None
+    for found in _WORD_GAP.finditer(text, lo, at + 1):
+        pass
+    return None if found is None else found.end()
 
 
 @dataclass
@@ -392,8 +403,8 @@ class ModelPair:
             self.window(cfg, "draft")
 
     def encode(self, text: str, last: int | None = None) -> list[int]:
-        """The text's token ids; ``last``: only (at most) its last ``last`` tokens are wanted, and a
-        long text is then tokenized from its end (_encode_tail)."""
+        """The text's token ids; ``last``: only (at most) its last ``last`` tokens, a long text's
+        tokenized from its end (_encode_tail)."""
         if self.tokenizer is None:
             raise PairError(f"this pair has no tokenizer (none was given, or the target's directory has none of "
                             f"{', '.join(TOKENIZER_FILES)}); pass token ids")
@@ -404,18 +415,23 @@ class ModelPair:
         except UnicodeEncodeError as e:
             raise PairError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
         tail = self._encode_tail(text, last) if last else None
-        return tail if tail is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tail if tail is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[-last:] if last else ids
 
     def _encode_tail(self, text: str, last: int) -> list[int] | None:
         """The last ``last`` tokens of a long text's ids, read from suffixes of the text: a
-        tokenizer's pieces depend on nearby text only, so far enough from a cut a suffix's tokens are
-        the whole text's.  Taken where two suffixes (n and 4n characters, each at least 2 * ``last``
+        tokenizer's pieces depend on nearby text only, so past a cut at a word boundary (a space
+        between two letters, where every pre-tokenizer splits) a suffix's tokens are the whole
+        text's.  Taken where two such suffixes (about n and 4n characters, each at least 2 * ``last``
         tokens) end in the same ``last`` tokens; None (tokenize it whole) where none do before the
-        suffix would be a quarter of the text.  (A 40 MB prompt took a minute to tokenize whole for
-        the 512 tokens a job keeps, stalling its actor's batch.)"""
+        suffix would be a quarter of the text.  A cut at a fixed length could land inside a long
+        run of one character (padding spaces, blank lines) at the same phase for both suffixes and
+        split it unlike the whole text.  (A 40 MB prompt took a minute to tokenize whole for the
+        512 tokens a job keeps, stalling its actor's batch.)"""
         n, seen = TAIL_CHARS_PER_TOKEN * last, None
         while 4 * n <= len(text):
-            ids = self.tokenizer(text[-n:], add_special_tokens=False)["input_ids"]
+            cut = _word_boundary(text, len(text) - n, n)
+            ids = self.tokenizer(text[cut:], add_special_tokens=False)["input_ids"] if cut is not None else []
             if len(ids) >= 2 * last:
                 if ids[-last:] == seen:
                     return seen

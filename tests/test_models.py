@@ -69,9 +69,18 @@ def test_a_long_prompts_last_tokens_come_from_its_end(pair_dirs):
     pair = load_pair(pair_dirs / "target", None, device="cpu")
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "über", "日本語", "\n\n", "42,", "'s", "  "]
-    texts = ["".join(rng.choice(words, 60000)), "x" * 50001 + " y" + "a" * 120001,
-             "word " * 30000 + "b" * 99999]
-    seen, tok = [], pair.tokenizer
+    book = " ".join(rng.choice(words, 40000))
+    texts = [book, "x" * 50001 + " y" + "a" * 120001, "word " * 30000 + "b" * 99999,
+             # a long run of one character near the end (padding, blank lines): a cut inside it at the
+             # same phase for both suffixes split it unlike the whole text
+             book + " " * 100001 + "The end", book + "\n" * 30001 + "The end", book + " " * 100001,
+             "x" + " " * 100001 + "end"]
+    from transformers import AutoTokenizer
+
+    from dynatree.names import default_pair_dir
+
+    seen, kept = [], pair.tokenizer
+    tok = AutoTokenizer.from_pretrained(default_pair_dir() / "target")  # byte-level BPE that merges space runs
 
     def counting(text, **kw):
         seen.append(len(text))
@@ -84,10 +93,11 @@ def test_a_long_prompts_last_tokens_come_from_its_end(pair_dirs):
             for n in (1, 16, 300):
                 seen.clear()
                 assert pair.encode(text, last=n) == full[-n:]
-                assert max(seen) <= len(text) // 4 or n == 300 and len(full) < 3000, (n, seen)
+                if text is book:  # word boundaries near its end: read from the end
+                    assert max(seen) <= len(text) // 4, (n, seen)
         assert pair.encode("short text", last=100) == tok("short text", add_special_tokens=False)["input_ids"]
     finally:
-        pair.tokenizer = tok
+        pair.tokenizer = kept
 
 
 def test_mismatched_tokenizers_are_a_clear_error(pair_dirs):
