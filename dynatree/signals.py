@@ -18,15 +18,18 @@ class Terminated(KeyboardInterrupt):
 
 def ask() -> None:
     """A command line wants SIGTERM to end it as Ctrl-C does, from when it can (end_on_sigterm)."""
-    global _asked
-    _asked = True
+    global _asked, _terminated
+    _asked, _terminated = True, False  # (a new command: no SIGTERM of an earlier one is pending)
 
 
 def end_on_sigterm(only_if_asked: bool = False) -> None:
     """Raise :class:`Terminated` on SIGTERM from here on (a job calls it after ray.init, which
     installs its own handler; ``only_if_asked``: only when a command line asked, see :func:`ask`).
     Main thread only (Python delivers signals there)."""
+    global _terminated
     if (_asked or not only_if_asked) and threading.current_thread() is threading.main_thread():
+        _terminated = False  # (one an earlier command caught elsewhere would mislabel a Ctrl-C as SIGTERM)
+
         def terminated(_signum, _frame):
             global _terminated
             _terminated = True

@@ -1141,6 +1141,11 @@ def test_sigterm_inside_ray_get_still_reads_as_sigterm(ray_cluster):
         timer.join()
         assert signals.interrupted(got.value) == ("terminated (SIGTERM)", 143)
         assert signals.interrupted(KeyboardInterrupt()) == ("interrupted", 130)  # reported once: Ctrl-C after it is Ctrl-C
+        with pytest.raises(signals.Terminated):  # one caught where no command reports it (a library, a notebook)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        signals.end_on_sigterm()  # the next command's Ctrl-C is Ctrl-C
+        assert signals.interrupted(KeyboardInterrupt()) == ("interrupted", 130)
     finally:
         signal.signal(signal.SIGTERM, old)
 
