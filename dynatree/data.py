@@ -5,6 +5,7 @@ import bisect
 import fnmatch
 import glob
 import itertools
+import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -207,41 +208,47 @@ def _decoded(schema: pa.Schema) -> pa.Schema:
 
 
 def _textual(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):  # (pandas' categoricals)
+        t = t.value_type
     return (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
             or pa.types.is_boolean(t) or pa.types.is_decimal(t))
 
 
-def _as_text(a: pa.Schema, b: pa.Schema) -> list[str]:
+def _stringlike(t: pa.DataType) -> bool:
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _text_columns(a: pa.Schema, b: pa.Schema) -> list[str]:
     """Columns of both schemas whose types no type holds (int64 ids in one file, strings in the
     next) but text does: those are read as strings, as mixed values in one JSONL file are."""
     names = []
     for f in a:
         if f.name not in b.names or b.field(f.name).type.equals(f.type):
             continue
-        g = b.field(f.name)
+        pair = [_decoded(pa.schema([f])), _decoded(pa.schema([b.field(f.name)]))]  # (categoricals as their values)
         try:
-            pa.unify_schemas([pa.schema([f]), pa.schema([g])], promote_options="permissive")
+            pa.unify_schemas(pair, promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            if _textual(f.type) and _textual(g.type):
+            if _textual(f.type) and _textual(b.field(f.name).type):
                 names.append(f.name)
     return names
 
 
-def _texts(schema: pa.Schema, names: list[str]) -> pa.Schema:
-    return pa.schema([f.with_type(pa.string()) if f.name in names else f for f in schema])
+def _texts(schema: pa.Schema, names) -> pa.Schema:
+    """``schema`` with its ``names`` columns as text, where their type is one text holds (a struct
+    stays itself, and the files' schemas then fail to unite)."""
+    return pa.schema([f.with_type(pa.string()) if f.name in names and _textual(f.type) else f for f in schema])
 
 
 def _unify(parts: list[Part]) -> tuple[pa.Schema, list[str]]:
     """The input's schema, and notes on columns read as text because files disagree on their type."""
-    schema, notes = parts[0].schema, []
+    schema, text = parts[0].schema, set()
     for part in parts[1:]:
         if part.schema.equals(schema):
             continue
-        text = _as_text(schema, part.schema)
-        if text:
-            notes += [f"column {c!r} is {schema.field(c).type} in files before {part.info.path} and "
-                      f"{part.schema.field(c).type} there: read as text (string) in every file" for c in text]
-            schema = _texts(schema, text)
+        text.update(_text_columns(schema, part.schema))
+        schema = _texts(schema, text)
         try:
             try:
                 schema = pa.unify_schemas([schema, _texts(part.schema, text)], promote_options="permissive")
@@ -251,7 +258,23 @@ def _unify(parts: list[Part]) -> tuple[pa.Schema, list[str]]:
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise InputError(f"{part.info.path}: schema does not match the files before it "
                              f"({parts[0].info.path}, ...): {e}") from e
+    notes = []
+    for c in sorted(text):
+        kinds: dict[str, str] = {}  # type -> the first file holding it
+        for p in parts:
+            if c in p.schema.names:
+                kinds.setdefault(str(p.schema.field(c).type), p.info.path)
+        notes.append(f"column {c!r} is " + ", ".join(f"{t} in {path}" for t, path in kinds.items())
+                     + " (the first file of each type): read as text (string) in every file")
     return schema, notes
+
+
+def _text_of(col) -> pa.Array:
+    """A column's values as their JSON text (1.0, true), as a JSONL column of mixed values is read,
+    and as ids of one numeric type are written (id_strings: str(1.0)); Arrow's cast wrote 1.0 as
+    "1", a false duplicate of a string id "1"."""
+    return pa.array([None if v is None else json.dumps(v) if isinstance(v, (bool, int, float)) else str(v)
+                     for v in col.to_pylist()], pa.string())
 
 
 def id_strings(col) -> list[str | None]:
@@ -352,7 +375,9 @@ class InputSource:
                 arrays.append(pa.nulls(n, field.type))
                 continue
             col = table.column(c)
-            if col.type != field.type:
+            if pa.types.is_string(field.type) and _textual(col.type) and not _stringlike(col.type):
+                col = _text_of(col)  # (a column read as text across files: _unify)
+            elif col.type != field.type:
                 try:
                     col = col.cast(field.type)
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:

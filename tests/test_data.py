@@ -410,3 +410,25 @@ def test_a_jsonl_schema_is_inferred_once_per_file_version(tmp_path, monkeypatch)
     path.write_text(text.replace('"n": 1.5', '"n": "x"'))  # same size, same mtime: the contents tell
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert InputSource.open(str(path)).schema.field("n").type == pa.string() and len(calls) == 3
+
+
+def test_values_read_as_text_across_files_are_written_as_in_one_jsonl_file(tmp_path):
+    """Ids of two sources (floats and bools in one file, strings in the next) read as text: their
+    JSON text, as one JSONL file holding the same values is read (Arrow's cast wrote 1.0 as "1", a
+    false duplicate of a string id "1"); a categorical column beside numbers too; one note per
+    column, naming each type's first file."""
+    d = tmp_path / "two"
+    d.mkdir()
+    pq.write_table(pa.table({"id": [1.0, 2.5], "flag": [True, False], "cat": [1, 2], "text": ["a", "b"]}), d / "a.parquet")
+    pq.write_table(pa.table({"id": ["1", "x"], "flag": ["yes", None], "cat": pa.array(["u", "v"]).dictionary_encode(),
+                             "text": ["c", "d"]}), d / "b.parquet")
+    rows = [{"id": 1.0, "flag": True, "cat": 1, "text": "a"}, {"id": 2.5, "flag": False, "cat": 2, "text": "b"},
+            {"id": "1", "flag": "yes", "cat": "u", "text": "c"}, {"id": "x", "flag": None, "cat": "v", "text": "d"}]
+    _jsonl(tmp_path / "one.jsonl", rows)
+    two, one = InputSource.open(str(d)), InputSource.open(str(tmp_path / "one.jsonl"))
+    cols = ["id", "flag", "cat"]
+    assert two.read(0, 4, cols)[0].to_pylist() == one.read(0, 4, cols)[0].to_pylist()
+    assert two.read(0, 4, ["id"])[0].column("id").to_pylist() == ["1.0", "2.5", "1", "x"]
+    two.check_ids("id")  # 1.0 and "1" are two ids
+    assert [n.split(" is ")[0] for n in two.notes] == ["column 'cat'", "column 'flag'", "column 'id'"]
+    assert "double in " + str(d / "a.parquet") + ", string in " + str(d / "b.parquet") in two.notes[2]
