@@ -108,8 +108,9 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         if chat_template or max_prompt_tokens:
-            prompts = [truncate_prompt(pair.encode_chat(_conversation(p)) if chat_template else pair.encode(p, last=max_prompt_tokens),
-                                       max_prompt_tokens, chat_template) for p in prompts]
+            prompts = [truncate_prompt(pair.encode_chat(_conversation(p)) if chat_template
+                                       else pair.encode(p, last=max_prompt_tokens), max_prompt_tokens, chat_template)
+                       for p in prompts]
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
                       samples=samples)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
@@ -352,7 +353,7 @@ def _conversation(text: str) -> str | list:
             value = json.loads(text)
         except ValueError:
             return text
-        if isinstance(value, dict) and "role" in value:
+        if isinstance(value, dict) and ("role" in value or "content" in value):
             return [value]
         if isinstance(value, list) and (not value or any(isinstance(m, dict) for m in value)):
             return value

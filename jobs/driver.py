@@ -283,8 +283,11 @@ def _check_this_machine(spec: JobSpec) -> None:
                        "here; use --device cpu or auto")
     if ray.is_initialized():  # (a Python caller's cluster: placement checks it once connected)
         return
-    from ray._private.utils import get_num_cpus  # what the local cluster will hold
-
+    try:
+        from ray._private.utils import get_num_cpus  # what the local cluster will hold (cgroup quotas included)
+    except ImportError:  # (a private helper: another Ray version may move it)
+        def get_num_cpus():
+            return os.cpu_count() or 1
     here = {"CPU": get_num_cpus(), "GPU": gpus}
     n, cpus, gpus = _actor_shape(spec, here)
     try:
@@ -362,7 +365,8 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             "output": os.path.abspath(spec.output), "shards": plan.num_shards, "shards_done": len(done),
             "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples,
             "target": spec.target or "(the bundled demo pair's)",
-            "draft": spec.draft or ("(none)" if spec.target else "(the bundled demo pair's)"), "method": spec.method,
+            "draft": "(none: ar drafts nothing)" if spec.method == "ar" else spec.draft or "(the bundled demo pair's)",
+            "method": spec.method,
             "options": dataclasses.asdict(spec.method_config), "batch_size": spec.batch_size,
             "overwrite": spec.overwrite}
 

@@ -67,7 +67,7 @@ def test_generate_on_the_command_line_takes_a_conversation(chat_dirs, chat_pair)
     one = CliRunner().invoke(main, args + ["--prompt", json.dumps(CHATS[0][-1])])  # one message: a conversation of it
     assert json.loads(one.output.strip().splitlines()[-1])["token_ids"] == generate_batch(
         chat_pair, [[CHATS[0][-1]]], "ar", max_new_tokens=6)[0].token_ids
-    for meant in ("[]", '[{"role": "user"}]', '[{"role": "user", "content": "hi"}, 3]'):  # JSON meant as messages
+    for meant in ("[]", '[{"role": "user"}]', '[{"role": "user", "content": "hi"}, 3]', '{"content": "hi"}'):  # meant as messages
         res = CliRunner().invoke(main, args + ["--prompt", meant])
         assert res.exit_code == 1 and "list of {role, content} messages" in res.output, (meant, res.output)
     assert CliRunner().invoke(main, args + ["--prompt", "[1, 2]"]).exit_code == 0  # numbers: text
