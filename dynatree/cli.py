@@ -345,9 +345,9 @@ def _print_summary(summary: dict, spec) -> None:
 
 def _conversation(text: str) -> str | list:
     """A --chat-template prompt: JSON meant as messages -- a list that is empty or holds an object,
-    or one object with a "role" or "content" -- is that conversation (refused unless {role, content} messages:
-    '[]' and '{"role": ...}' went to the model as text, '[{"role": "user"}]' was refused); any
-    other text (a list of numbers, '[not json]') one user message."""
+    or one object with a "role" or "content" -- is that conversation (refused unless {role,
+    content} messages: '[]' and '{"role": ...}' went to the model as text, '[{"role": "user"}]'
+    was refused); any other text (a list of numbers, '[not json]') one user message."""
     if text.lstrip()[:1] in ("[", "{"):
         try:
             value = json.loads(text)
