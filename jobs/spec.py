@@ -152,7 +152,8 @@ class JobSpec:
             problems.append(f"kernel must be one of {', '.join(KERNELS)}")
         if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None):
             problems.append("give both target and draft, or neither (the bundled demo pair)"
-                            + ("; ar needs only a target" if self.method == "ar" else ""))
+                            + ("; ar needs only a target" if self.target is None else
+                               "; a target alone runs --method ar only"))
         try:
             check_samples(make_config(self.method, self.options), self.samples)
         except (ValueError, TypeError) as e:
