@@ -195,8 +195,9 @@ def test_job_prompts_under_a_window_are_not_cut_to_the_context():
     class Pair:
         max_context = 64
 
-        def encode(self, text):
-            return list(range(len(text.split())))
+        def encode(self, text, last=None):  # (ModelPair.encode: at most the last `last` tokens)
+            ids = list(range(len(text.split())))
+            return ids[-last:] if last else ids
 
     text = "word " * 100
     assert len(prompt_ids(Pair(), text, 500, None, windowed=True)) == 100
