@@ -219,18 +219,29 @@ def _stringlike(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
+def _int_and_float(a: pa.DataType, b: pa.DataType) -> bool:
+    return {pa.types.is_integer(a), pa.types.is_integer(b)} == {True, False} and (
+        pa.types.is_floating(a) or pa.types.is_floating(b))
+
+
 def _text_columns(a: pa.Schema, b: pa.Schema) -> list[str]:
     """Columns of both schemas whose types no type holds (int64 ids in one file, strings in the
-    next) but text does: those are read as strings, as mixed values in one JSONL file are."""
+    next) but text does: those are read as strings, as mixed values in one JSONL file are.  So
+    are integers in one file beside floats in another: a float64 would turn ids 1 into "1.0"
+    and cannot hold 2**60."""
     names = []
     for f in a:
         if f.name not in b.names or b.field(f.name).type.equals(f.type):
             continue
-        pair = [_decoded(pa.schema([f])), _decoded(pa.schema([b.field(f.name)]))]  # (categoricals as their values)
+        g = b.field(f.name)
+        if _int_and_float(f.type, g.type):  # (Arrow would unite them as float64: ids 1 -> "1.0", 2**60 unreadable)
+            names.append(f.name)
+            continue
+        pair = [_decoded(pa.schema([f])), _decoded(pa.schema([g]))]  # (categoricals as their values)
         try:
             pa.unify_schemas(pair, promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            if _textual(f.type) and _textual(b.field(f.name).type):
+            if _textual(f.type) and _textual(g.type):
                 names.append(f.name)
     return names
 

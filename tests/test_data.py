@@ -432,3 +432,8 @@ def test_values_read_as_text_across_files_are_written_as_in_one_jsonl_file(tmp_p
     two.check_ids("id")  # 1.0 and "1" are two ids
     assert [n.split(" is ")[0] for n in two.notes] == ["column 'cat'", "column 'flag'", "column 'id'"]
     assert "double in " + str(d / "a.parquet") + ", string in " + str(d / "b.parquet") in two.notes[2]
+    # integers beside floats: text too (float64 turned ids 1 into "1.0" and could not read 2**60)
+    pq.write_table(pa.table({"id": [1, 2**60], "text": ["a", "b"]}), tmp_path / "i.parquet")
+    pq.write_table(pa.table({"id": [2.5], "text": ["c"]}), tmp_path / "j.parquet")
+    both = InputSource.open(str(tmp_path / "[ij].parquet"))
+    assert both.read(0, 3, ["id"])[0].column("id").to_pylist() == ["1", str(2**60), "2.5"] and len(both.notes) == 1
