@@ -17,9 +17,11 @@ class Terminated(KeyboardInterrupt):
 
 
 def ask() -> None:
-    """A command line wants SIGTERM to end it as Ctrl-C does, from when it can (end_on_sigterm)."""
-    global _asked, _terminated
-    _asked, _terminated = True, False  # (a new command: no SIGTERM of an earlier one is pending)
+    """A command line wants SIGTERM to end it as Ctrl-C does: from now (a job being planned died of
+    it with no word), held while Ray starts (held_while_starting), and after."""
+    global _asked
+    _asked = True
+    end_on_sigterm()  # (and no SIGTERM of an earlier command is pending)
 
 
 def end_on_sigterm(only_if_asked: bool = False) -> None:

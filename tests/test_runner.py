@@ -1158,3 +1158,28 @@ def test_a_ray_client_session_that_fails_to_start_is_not_blamed_on_tokens():
     busy = ConnectionError("Starting Ray client server failed. See ray_client_server_23000.err for detailed logs.")
     assert "client server could not start a session" in _connect_hint(busy) and "token" not in _connect_hint(busy)
     assert "RAY_AUTH_MODE" in _connect_hint(ConnectionError("Failed to connect to GCS"))
+
+
+def test_a_command_line_ends_on_sigterm_from_its_start(monkeypatch):
+    """`dynatree run` asks for SIGTERM to end it as Ctrl-C does: from the start, not only once Ray
+    runs (SIGTERM while the job was planned killed it with no message and no exit code of its own)."""
+    import signal
+
+    from dynatree import signals
+
+    class Unheld(Exception):
+        pass
+
+    def unheld(_signum, _frame):  # what a regressed ask leaves: fails the test instead of killing pytest
+        raise Unheld()
+
+    monkeypatch.setattr(signals, "_asked", False)
+    old = signal.signal(signal.SIGTERM, unheld)
+    try:
+        signals.ask()
+        with pytest.raises(signals.Terminated) as got:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert signals.interrupted(got.value) == ("terminated (SIGTERM)", 143)
+    finally:
+        signal.signal(signal.SIGTERM, old)
