@@ -36,8 +36,8 @@ from dynatree.metrics import output_schema
 from dynatree.config import FLOAT16_ON_CPU
 
 from . import footprint, placement
-from .plan import (JobError, Plan, as_stored, check_output, default_ids, finished_shards, make_plan, output_lock,
-                   prepare_output, write_shard)
+from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
+                   output_lock, prepare_output, write_shard)
 from .spec import FAULTS_ENV, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
@@ -350,6 +350,7 @@ def _progress_of(out: Path, spec: JobSpec, plan: Plan) -> tuple[set[int], list[i
 
 def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     """The plan of a run, checked against what the output holds (read only)."""
+    check_unlocked(spec.output)
     check_output(spec, plan)
     out = Path(spec.output)
     # what prepare_output's probe finds, asked without writing: the run writes its lock and manifest

@@ -364,6 +364,22 @@ def _refuse_other_schema(out: Path, spec: JobSpec, plan: Plan) -> None:
                        "to start again or another --output")
 
 
+def check_unlocked(output: str) -> None:
+    """What output_lock would refuse, asked without writing (a dry run): JobError while another
+    job's driver holds ``output``."""
+    path = Path(output) / ".dynatree.lock"
+    try:
+        f = open(path)
+    except OSError:
+        return  # none yet (or unreadable: the run's own lock says so)
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JobError(f"another dynatree job is writing {output} ({f.read().strip() or 'pid unknown'}); "
+                           "wait for it, or choose another --output") from None
+
+
 @contextlib.contextmanager
 def output_lock(output: str):
     """Held by the job's driver while it writes ``output``: a second job on the same directory

@@ -915,6 +915,8 @@ def test_a_second_job_on_an_output_being_written_is_refused(pair_dirs, tmp_path)
     with output_lock(str(tmp_path / "out")):  # the first job's driver, mid-run
         with pytest.raises(JobError, match=f"another dynatree job is writing {tmp_path / 'out'} \\(pid {os.getpid()}"):
             run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet)
+        with pytest.raises(JobError, match="another dynatree job is writing"):  # a dry run says what the run would
+            run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)
         assert (tmp_path / "out" / ".dynatree.lock").read_text().startswith(f"pid {os.getpid()}")  # (the refused one's not)
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert (tmp_path / "out" / ".dynatree.lock").read_text() == ""  # released: no pid reads as a job still running
