@@ -94,7 +94,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
              ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json, threads):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
-    from .check import divergence, truncate_prompt
+    from .check import divergence
     from .config import ContextError, ar_reference, make_config, parse_options
     from .models import PairError, load_pair
 
@@ -108,9 +108,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
         if chat_template or max_prompt_tokens:
-            prompts = [truncate_prompt(pair.encode_chat(_conversation(p)) if chat_template
-                                       else pair.encode(p, last=max_prompt_tokens), max_prompt_tokens, chat_template)
-                       for p in prompts]
+            prompts = [_prompt_ids(pair, p, chat_template, max_prompt_tokens, engine.prompt_name(i, len(prompts)))
+                       for i, p in enumerate(prompts)]
         limits = dict(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=stop, stop_token_ids=stop_token_ids,
                       samples=samples)
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
@@ -341,6 +340,18 @@ def _print_summary(summary: dict, spec) -> None:
     click.echo(format_table(summary))
     out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
     click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
+
+
+def _prompt_ids(pair, prompt: str, chat: bool, keep: int | None, name: str) -> list[int]:
+    """A generate prompt's ids under --chat-template / --max-prompt-tokens; a ValueError names the
+    prompt among several."""
+    from .check import truncate_prompt
+
+    try:
+        ids = pair.encode_chat(_conversation(prompt)) if chat else pair.encode(prompt, last=keep)
+        return truncate_prompt(ids, keep, chat)
+    except ValueError as e:
+        raise type(e)(str(e) if name == "prompt" else f"{name}: {e}") from e
 
 
 def _conversation(text: str) -> str | list:

@@ -174,8 +174,8 @@ class JsonlPart(Part):
         schema = _cached_schema(info, lambda: _infer_schema(row for _, row in self._lines(0)))
         super().__init__(info, schema)
         mixed = json.loads((schema.metadata or {}).get(MIXED_KEY.encode(), b"[]"))
-        self.notes = [f"{path}: column {c!r} holds values of several types (numbers and strings, integers past "
-                      "64 bits, ...): read as text (string)" for c in mixed]
+        self.notes = [f"{path}: column {c!r} holds values of several types (numbers beside strings, lists or "
+                      "objects beside text, integers past 64 bits, ...): read as text (string)" for c in mixed]
 
     def _lines(self, row: int):
         """(line number, parsed row) from `row`, a multiple of the checkpoint interval."""

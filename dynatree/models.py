@@ -429,6 +429,8 @@ class ModelPair:
         split it unlike the whole text.  (A 40 MB prompt took a minute to tokenize whole for the
         512 tokens a job keeps, stalling its actor's batch.)"""
         n, seen = TAIL_CHARS_PER_TOKEN * last, None
+        if 16 * n > len(text):  # (no room for two suffixes: one would only add to the whole's cost)
+            return None
         while 4 * n <= len(text):
             cut = _word_boundary(text, len(text) - n, n)
             ids = self.tokenizer(text[cut:], add_special_tokens=False)["input_ids"] if cut is not None else []

@@ -289,10 +289,15 @@ def _check_this_machine(spec: JobSpec) -> None:
         def get_num_cpus():
             return os.cpu_count() or 1
     here = {"CPU": get_num_cpus(), "GPU": gpus}
+    memory = spec.memory_per_actor * 1e9 if spec.memory_per_actor else None
+    if memory:  # the machine's whole memory: more than Ray will offer, so a request past it cannot fit
+        import psutil
+
+        here["memory"] = psutil.virtual_memory().total
     n, cpus, gpus = _actor_shape(spec, here)
     try:
         placement.check_request([{"NodeManagerAddress": "this machine (no --address: the job runs here)",
-                                  "Resources": here}], n, cpus, gpus)
+                                  "Resources": here}], n, cpus, gpus, memory)
     except placement.PlacementError as e:
         raise JobError(str(e)) from e
 

@@ -71,6 +71,8 @@ def test_generate_on_the_command_line_takes_a_conversation(chat_dirs, chat_pair)
         res = CliRunner().invoke(main, args + ["--prompt", meant])
         assert res.exit_code == 1 and "list of {role, content} messages" in res.output, (meant, res.output)
     assert CliRunner().invoke(main, args + ["--prompt", "[1, 2]"]).exit_code == 0  # numbers: text
+    two = CliRunner().invoke(main, args + ["--prompt", "hi", "--prompt", "[]"])  # which of several
+    assert two.exit_code == 1 and "prompt 1 (of 0..1): prompt is not a list of {role, content}" in two.output, two.output
 
 
 def test_prompt_policy_with_chat(chat_pair, close_pair):

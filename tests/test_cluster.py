@@ -109,13 +109,14 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
 
 
 def test_a_local_job_too_big_for_this_machine_fails_before_ray_starts(pair_dirs, tmp_path):
-    """Without --address the job's cluster is this machine: actors it cannot hold are refused
-    before a Ray cluster starts (it started one, then refused ~15 s later), dry run or not."""
+    """Without --address the job's cluster is this machine: actors it cannot hold (CPUs, memory
+    past all it has) are refused before a Ray cluster starts (it started one, then refused ~15 s
+    later), dry run or not."""
     pq.write_table(pa.table({"text": ["a prompt"]}), tmp_path / "in.parquet")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cpus = os.cpu_count() or 1
     for flags in (["--cpus-per-actor", str(cpus + 1)], ["--num-actors", str(cpus + 1), "--cpus-per-actor", "1"],
-                  ["--dry-run", "--cpus-per-actor", str(cpus + 1)]):
+                  ["--dry-run", "--cpus-per-actor", str(cpus + 1)], ["--memory-per-actor", "100000"]):
         res = subprocess.run([str(Path(sys.executable).parent / "dynatree"), "run", "--input", str(tmp_path / "in.parquet"),
                               "--output", str(tmp_path / "out"), "--target", str(pair_dirs / "target"),
                               "--draft", str(pair_dirs / "draft"), "--device", "cpu", *flags],
