@@ -538,9 +538,10 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
         vocab = min(wt, wd)
         n_tok = len(tokenizer) if tokenizer is not None else None
         if n_tok is not None and n_tok > vocab:
+            who = "target and draft score" if wt == wd else f"the {'draft' if wd < wt else 'target'} scores"
             raise PairError(
-                f"target and draft vocabularies do not match: the tokenizer has {n_tok} tokens but the "
-                f"{'draft' if wd < wt else 'target'} scores only {vocab} (target {wt}, draft {wd} logits)")
+                f"the tokenizer and the models' vocabularies do not match: the tokenizer has {n_tok} tokens but "
+                f"{who} only {vocab} (target {wt}, draft {wd} logits)")
         if n_tok is None and wt != wd and abs(wt - wd) > 128:
             raise PairError(f"target and draft vocabularies do not match ({wt} vs {wd} logits)")
     eos_ids = _eos_ids(tokenizer, target, eos_token_id)
