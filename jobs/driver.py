@@ -156,8 +156,8 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 
 
 def preflight(spec: JobSpec) -> None:
-    """Problems found before any actor starts: missing model paths, mismatched tokenizers, a GPU
-    asked of a local job on a machine without one."""
+    """Problems found before any actor starts: missing model paths, mismatched tokenizers, a local
+    job's actors this machine cannot hold (a GPU it lacks, more CPUs or memory than it has)."""
     _check_this_machine(spec)
     names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
     for flag, name in names.items():
@@ -269,7 +269,7 @@ def _check_output_outside_input(spec: JobSpec) -> None:
 
 def _check_this_machine(spec: JobSpec) -> None:
     """A job without --address runs its actors on this machine: --device cuda needs a GPU here,
-    and its actors' CPUs and GPUs must fit it -- known before Ray starts (found after the
+    and its actors' CPUs, GPUs and memory must fit it -- known before Ray starts (found after the
     cluster's start, the output begun, or ~15 s later)."""
     import ray
     import torch
