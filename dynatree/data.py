@@ -5,7 +5,6 @@ import bisect
 import fnmatch
 import glob
 import itertools
-import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -15,7 +14,7 @@ import pyarrow as pa
 
 from .jsonl import JsonlPart
 from .names import hub_problem
-from .parts import ArrowPart, InputError, InputFile, ParquetPart, Part, TextPart
+from .parts import ArrowPart, InputError, InputFile, ParquetPart, Part, TextPart, as_text
 
 __all__ = ["InputError", "InputSource", "id_strings", "input_root", "read_table", "read_texts", "would_read"]
 
@@ -281,11 +280,10 @@ def _unify(parts: list[Part]) -> tuple[pa.Schema, list[str]]:
 
 
 def _text_of(col) -> pa.Array:
-    """A column's values as their JSON text (1.0, true), as a JSONL column of mixed values is read,
-    and as ids of one numeric type are written (id_strings: str(1.0)); Arrow's cast wrote 1.0 as
-    "1", a false duplicate of a string id "1"."""
-    return pa.array([None if v is None else json.dumps(v) if isinstance(v, (bool, int, float)) else str(v)
-                     for v in col.to_pylist()], pa.string())
+    """A column's values as text the way a JSONL column of mixed values is read (parts.as_text: 1.0,
+    true), and as ids of one numeric type are written (id_strings: str(1.0)); Arrow's cast wrote 1.0
+    as "1", a false duplicate of a string id "1"."""
+    return pa.array([as_text(v) for v in col.to_pylist()], pa.string())
 
 
 def id_strings(col) -> list[str | None]:

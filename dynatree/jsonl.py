@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from . import parts
-from .parts import CONVERT_ERRORS, InputError, InputFile, Part, stat
+from .parts import CONVERT_ERRORS, InputError, InputFile, Part, as_text, stat
 
 JSONL_CHECKPOINT_EVERY = 4096  # rows between remembered byte offsets (10M lines -> ~2.5k offsets)
 JSONL_INFER_ROWS = 10000       # rows whose types are inferred together (a JSONL file's schema: all its rows)
@@ -211,7 +211,7 @@ class JsonlPart(Part):
         if pa.types.is_string(t):
             # A string column takes any value: non-strings as their JSON text, so a mixed
             # prompt column still reads and the caller can reject single rows.
-            return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], t)
+            return pa.array([as_text(v) for v in values], t)
         try:
             if not any(_truncates(v, t) for v in values):
                 return pa.array(values, t)

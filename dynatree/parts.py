@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,18 @@ class InputError(ValueError):
 
 BATCH_ROWS = 1024  # rows decoded per step; bounds what a cursor holds between reads
 CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
+
+
+def as_text(v):
+    """A value read into a text column: a string as itself, anything else as its JSON text (1.0,
+    true, [1, 2]) -- how a JSONL column of mixed values and a column whose files disagree on its
+    type (data.py) are both read; str() where JSON has no form (a Decimal)."""
+    if v is None or isinstance(v, str):
+        return v
+    try:
+        return json.dumps(v)
+    except TypeError:
+        return str(v)
 
 
 @dataclass(frozen=True)
