@@ -364,6 +364,13 @@ def _refuse_other_schema(out: Path, spec: JobSpec, plan: Plan) -> None:
                        "to start again or another --output")
 
 
+def _held(output, f) -> JobError:
+    """The refusal of a job whose output another job's driver holds (its lock file names it)."""
+    f.seek(0)
+    return JobError(f"another dynatree job is writing {output} ({f.read().strip() or 'pid unknown'}); "
+                    "wait for it, or choose another --output")
+
+
 def check_unlocked(output: str) -> None:
     """What output_lock would refuse, asked without writing (a dry run): JobError while another
     job's driver holds ``output``."""
@@ -376,8 +383,7 @@ def check_unlocked(output: str) -> None:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise JobError(f"another dynatree job is writing {output} ({f.read().strip() or 'pid unknown'}); "
-                           "wait for it, or choose another --output") from None
+            raise _held(output, f) from None
 
 
 @contextlib.contextmanager
@@ -395,9 +401,7 @@ def output_lock(output: str):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            raise JobError(f"another dynatree job is writing {out} ({f.read().strip() or 'pid unknown'}); "
-                           "wait for it, or choose another --output") from None
+            raise _held(out, f) from None
         f.truncate(0)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
