@@ -171,7 +171,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
           max_new_tokens, max_prompt_tokens, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     _threads(threads)
-    from .check import all_windowed, check_methods, prompt_budget, truncate_prompt
+    from .check import all_windowed, check_methods, prompt_budget
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
     from .metrics import freeze_heap
@@ -203,7 +203,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             at, texts = _usable_prompts(path, read_texts(path, prompt_column), limit)
         except InputError as e:
             _fail(str(e))
-        prompts = [truncate_prompt(pair.encode(t, last=keep), keep) for t in texts]
+        prompts = [pair.encode(t, last=keep) for t in texts]  # (its last `keep` tokens: the prompt policy)
         try:
             rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
