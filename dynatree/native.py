@@ -200,7 +200,7 @@ class PackedLinear:
         n_in, n_out = blocks[0].shape[1], sum(b.shape[0] for b in blocks)  # K, N
         self.n_in, self.n_out = n_in, n_out
         self.n_pad = -(-n_out // tw) * tw
-        self.packed = _pack(blocks, n_in, self.n_pad, tw, FORMATS[fmt])  # (N/TW, K, TW)
+        self.packed = _pack(blocks, n_in, self.n_pad, tw, FORMATS[fmt], lib.dt_vector_floats())  # (N/TW, K, TW)
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(self.n_pad, dtype=torch.float32)
@@ -220,11 +220,12 @@ class PackedLinear:
 
 
 @torch.no_grad()
-def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: torch.dtype) -> torch.Tensor:
+def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: torch.dtype, w: int) -> torch.Tensor:
     """The row blocks of W (N, K) stacked and packed into (n_pad/TW, K, TW) tiles of ``dtype``
     (columns N..n_pad zero) by one strided copy, from W itself when it is one block of whole tiles
     (either layout: plain, or models.cpu_layout's (K, N)), else from a (K, n_pad) copy of this one
-    matrix in the packed dtype."""
+    matrix in the packed dtype.  bfloat16 tiles store each k's columns in csrc/vec.h's pair order
+    for ``w``-float vectors: column h*w + 4l + i at position 8l + 4h + i."""
     cols = [b.detach().t() for b in blocks]  # (K, n_i) each
     if len(cols) == 1 and cols[0].shape[1] == n_pad:
         wt = cols[0]
@@ -235,7 +236,11 @@ def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: tor
             wt[:, n0:n0 + c.shape[1]] = c
             n0 += c.shape[1]
     packed = torch.empty(n_pad // tw, n_in, tw, dtype=dtype)
-    return packed.copy_(wt.unflatten(1, (n_pad // tw, tw)).transpose(0, 1))
+    tiles = wt.unflatten(1, (n_pad // tw, tw)).transpose(0, 1)  # (N/TW, K, TW), column order
+    if dtype == torch.bfloat16:  # TW = 2w columns (h, l, i) -> positions (l, h, i), still one copy
+        packed.unflatten(2, (w // 4, 2, 4)).copy_(tiles.unflatten(2, (2, w // 4, 4)).transpose(2, 3))
+        return packed
+    return packed.copy_(tiles)
 
 
 def _cpu_lib(x: torch.Tensor):

@@ -10,6 +10,7 @@
  * is bitwise the same alone (an AR step) or inside a tree of any size (verification).
  *
  * Layout: wp is (N/TW, K, TW) -- tile t holds columns t*TW .. t*TW+TW-1 for every k, contiguous.
+ * bfloat16 tiles hold each k's TW columns in vec.h's pair order (ld2_bf16; native._pack).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -32,7 +33,10 @@
 /* Weights come as float32 or, when every weight of the model is exactly representable in it
  * (a bf16 or fp16 checkpoint loaded as float32), as 16-bit bfloat16 or IEEE half: half the bytes
  * to stream, the same float32 values in the same FMA chain, so bitwise the same outputs. */
-static inline vf ld_f32(const float *p) { return ld(p); }
+_Static_assert(NVT == 2, "a tile row is read as two vectors (ld2_bf16)");
+static inline void row_f32(const float *p, vf *wv) { wv[0] = ld(p), wv[1] = ld(p + DT_W); }
+static inline void row_f16(const _Float16 *p, vf *wv) { wv[0] = ld_f16(p), wv[1] = ld_f16(p + DT_W); }
+static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0], &wv[1]); } /* pair order */
 
 /* R rows of x (stride ldx) times one K x TW weight tile of type T -> R x TW outputs (stride ldy).
  * The _save variant also writes the tile, widened to float32, to ws (see dt_gemm_for).  With nxt,
@@ -55,7 +59,7 @@ static inline vf ld_f32(const float *p) { return ld(p); }
             if (nxt)                                                                                \
                 for (long o = 0; o < nrow; o += 64) __builtin_prefetch(nxt + k * nrow + o, 0, 2);   \
             vf wv[NVT];                                                                             \
-            _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) wv[c] = LD(w + k * TW + c * DT_W); \
+            LD(w + k * TW, wv);                                                                     \
             if (SAVE)                                                                               \
                 _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) st(ws + k * TW + c * DT_W, wv[c]); \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
@@ -78,11 +82,11 @@ typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, 
     KERN(10, T, LD, NAME, SAVE) KERN(11, T, LD, NAME, SAVE) KERN(12, T, LD, NAME, SAVE)             \
     static const kern_fn NAME[13] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
                                      NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
-KERNS_OF(float, ld_f32, kern_f32, 0)
-KERNS_OF(unsigned short, ld_bf16, kern_bf16, 0)
-KERNS_OF(unsigned short, ld_bf16, kern_bf16_save, 1)
-KERNS_OF(_Float16, ld_f16, kern_f16, 0)
-KERNS_OF(_Float16, ld_f16, kern_f16_save, 1)
+KERNS_OF(float, row_f32, kern_f32, 0)
+KERNS_OF(unsigned short, row_bf16, kern_bf16, 0)
+KERNS_OF(unsigned short, row_bf16, kern_bf16_save, 1)
+KERNS_OF(_Float16, row_f16, kern_f16, 0)
+KERNS_OF(_Float16, row_f16, kern_f16_save, 1)
 
 /* The short last pass of a 16-register ISA: R = 1 or 2 rows over G tiles at once (tiles ts
  * elements apart), R x G x NVT = 8 accumulator chains.  Why: after the full RMAX-row passes
@@ -104,7 +108,7 @@ KERNS_OF(_Float16, ld_f16, kern_f16_save, 1)
         for (long k = 0; k < K; k++)                                                                \
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {                                   \
                 vf wv[NVT];                                                                         \
-                _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) wv[c] = LD(w + g * ts + k * TW + c * DT_W); \
+                LD(w + g * ts + k * TW, wv);                                                        \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                               \
                     vf xv = bc(x[r * ldx + k]);                                                     \
                     _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                           \
@@ -125,9 +129,9 @@ typedef void (*kernt_fn)(const float *, long, const void *, long, long, float *,
     static const kernt_fn NAME[3][5] = {{0}, {0, NAME##_1x1, NAME##_1x2, NAME##_1x3, NAME##_1x4},   \
                                         {0, NAME##_2x1, NAME##_2x2}};
 #if TAIL_ROWS
-KERNTS_OF(float, ld_f32, kernt_f32)
-KERNTS_OF(unsigned short, ld_bf16, kernt_bf16)
-KERNTS_OF(_Float16, ld_f16, kernt_f16)
+KERNTS_OF(float, row_f32, kernt_f32)
+KERNTS_OF(unsigned short, row_bf16, kernt_bf16)
+KERNTS_OF(_Float16, row_f16, kernt_f16)
 #endif
 
 /* A tile widened to float32, per thread (grown on demand, kept for the thread's life: the callers
