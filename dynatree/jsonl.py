@@ -112,6 +112,7 @@ def _infer_schema(rows) -> pa.Schema:
     (inferred from the first rows alone, they were dropped without a word)."""
     types: dict[str, pa.DataType] = {}
     not_text: set[str] = set()  # columns with a value that is not a string
+    big: set[str] = set()  # columns with an integer no double holds exactly (past 2**53)
     while chunk := list(itertools.islice(rows, JSONL_INFER_ROWS)):
         for k in dict.fromkeys(k for row in chunk for k in row):
             values = [row.get(k) for row in chunk]
@@ -119,6 +120,11 @@ def _infer_schema(rows) -> pa.Schema:
             types[k] = _merge_types(types[k], t) if k in types else t
             if k not in not_text and any(v is not None and not isinstance(v, str) for v in values):
                 not_text.add(k)
+            if pa.types.is_integer(t) and k not in big and any(abs(v) > 2**53 for v in values if type(v) is int):
+                big.add(k)
+    for k in big:  # beside floats from other chunks: text, as pyarrow makes them within one chunk
+        if pa.types.is_floating(types[k]):
+            types[k] = pa.string()
     # a column with no value anywhere: string, which takes any value as text
     schema = pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
     mixed = [k for k in not_text if pa.types.is_string(types[k])]  # values of several types, read as text
@@ -126,7 +132,7 @@ def _infer_schema(rows) -> pa.Schema:
 
 
 MIXED_KEY = "dynatree.mixed_as_text"  # the inferred schema's note of columns whose mixed values are read as text
-SCHEMA_CACHE_VERSION = 2  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
+SCHEMA_CACHE_VERSION = 3  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
 
 
 def _cached_schema(info: InputFile, infer) -> pa.Schema:
@@ -175,7 +181,8 @@ class JsonlPart(Part):
         super().__init__(info, schema)
         mixed = json.loads((schema.metadata or {}).get(MIXED_KEY.encode(), b"[]"))
         self.notes = [f"{path}: column {c!r} holds values of several types (numbers beside strings, lists or "
-                      "objects beside text, integers past 64 bits, ...): read as text (string)" for c in mixed]
+                      "objects beside text, integers past 64 bits, integers past 2**53 beside floats, ...): read as "
+                      "text (string)" for c in mixed]
 
     def _lines(self, row: int):
         """(line number, parsed row) from `row`, a multiple of the checkpoint interval."""
