@@ -43,7 +43,7 @@ from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair, is_chat
-from .names import rope_switch
+from .names import rope_resets, rope_switch
 from .budget import Governor
 from .policies import make_policy
 from .prefix import prefill_shared, remember
@@ -125,6 +125,7 @@ class _Row:
         self.stop_hit = stop.watch(pair.decode) if stop is not None else None
         self.max_context = pair.max_context
         self.rope_switch = rope_switch(pair.target.config)
+        self.rope_reset = rope_resets(pair.target.config)
         self.sampler = Sampler.from_config(cfg, prompt)
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
@@ -185,7 +186,24 @@ class _Row:
             depth = min(room - 1, self.window.size - 1 - prefix_len)
         if self.rope_switch is not None and prefix_len < self.rope_switch:  # the root at position prefix_len
             depth = min(depth, self.rope_switch - 1 - prefix_len)
+        if self.resets_rope(prefix_len):
+            depth = 0
         return depth
+
+    def resets_rope(self, prefix_len: int) -> bool:
+        """Whether the forward of a root at ``prefix_len`` recomputes the row's whole cache: the
+        first past the LongRoPE switch of a model whose generate() does (names.ROPE_RESET), so its
+        earlier keys take the long factors too, as in that model's own greedy decoding."""
+        return self.rope_reset and prefix_len == self.rope_switch
+
+    def verify_seq(self, tree: Tree, prefix_len: int, dev: torch.device) -> Seq:
+        """The row's part of the iteration's target forward (verify_seq), or at a LongRoPE reset
+        (resets_rope; the tree is a bare root) the whole text again over an emptied cache."""
+        perturb = head(self.sampler, tree.depths)
+        if not self.resets_rope(prefix_len):
+            return verify_seq(tree, prefix_len, self.cache, dev, perturb)
+        self.cache.truncate(0)
+        return Seq(long_tensor([*self.prompt, *self.out], dev), self.cache, keep=1, perturb=perturb)
 
     def metrics(self, dev: torch.device) -> Metrics:
         d = self.drafter
@@ -450,8 +468,7 @@ class BatchDecoder:
         if cuda:
             _sync(self.dev)
         t0 = time.perf_counter()
-        seqs = [verify_seq(s.tree, s.prefix_len, s.row.cache, self.dev, head(s.row.sampler, s.tree.depths))
-                for s in steps]
+        seqs = [s.row.verify_seq(s.tree, s.prefix_len, self.dev) for s in steps]
         outs = self.target.forward(seqs, argmax=True)
         _draw_masked([s.row for s in steps], outs, [s.tree.depths for s in steps])
         t_forward = time.perf_counter() - t0
@@ -462,12 +479,14 @@ class BatchDecoder:
             _sync(self.dev)  # one wait for every row's cache gathers, shared out below (the draft
             # caches' gathers, queued after each row's commit, fall in it too: small beside the target's)
         wait = (time.perf_counter() - t1) / len(steps)
+        typical = not any(len(q.ids) > len(s.tree) for q, s in zip(seqs, steps))  # no LongRoPE reset's whole text
         for s in steps:
             dt = t_forward + s.commit_time + wait  # what verifying this row cost: the forward and its commit
             s.row.target_forwards += 1
             s.row.forward_time += t_forward
             s.row.verify_time += dt
-            s.row.policy.observe_verify(n_total, dt, s.prefix_len)
+            if typical:
+                s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
         if governor is not None:
             governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)

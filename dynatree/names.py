@@ -117,6 +117,17 @@ def rope_switch(config) -> int | None:
     return min((int(a) for a in at if a), default=None)
 
 
+# Models whose generate() recomputes the whole cache with the long factors when a sequence first
+# passes its LongRoPE switch (transformers' Phi3ForCausalLM.prepare_inputs_for_generation and its
+# copies): their greedy decoding does so here too (engine._Row.resets_rope).
+ROPE_RESET = ("phi3", "phimoe", "phi4_multimodal")
+
+
+def rope_resets(config) -> bool:
+    """Whether the model's own decoding recomputes its cache at the LongRoPE switch (ROPE_RESET)."""
+    return _getter(config)("model_type") in ROPE_RESET and rope_switch(config) is not None
+
+
 # Models whose attention rotates the first r dims of each head by halves (rotate_half), which is
 # what kvcache.BufferLayer.evict turns back.  GPT-J-style interleaved rotary and absolute positions are not.
 ROTATE_HALF = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3", "stablelm", "phi3", "olmo", "olmo2", "granite")

@@ -510,6 +510,41 @@ def test_longrope_rows_get_the_rotary_their_own_ar_steps_get():
         check_windows({"dynatree": make_config("dynatree", {"kv_window": 40, "kv_evict": 4})}, 128, pair.windows)
 
 
+def test_phi3_recomputes_its_cache_at_the_longrope_switch_as_its_generate_does():
+    """Phi-3's generate() (transformers' Phi3ForCausalLM.prepare_inputs_for_generation) drops its
+    cache when a text first passes the switch and runs the whole text again, so every earlier key
+    takes the long factors too -- its greedy text is then the uncached forward's.  Every method
+    does the same here (a battery found them parting from generate() at the token after the
+    switch, margins 0.07-0.71); a prompt past the switch needs no reset (float64)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    def model(seed):
+        torch.manual_seed(seed)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                "long_factor": [1.0, 5.0, 25.0, 125.0], "original_max_position_embeddings": 24}
+        cfg = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         original_max_position_embeddings=24, rope_parameters=rope, initializer_range=0.25,
+                         eos_token_id=None, bos_token_id=0, pad_token_id=0)
+        return Phi3ForCausalLM(cfg).double().eval()
+
+    target = model(5)
+    pair = related_pair(target, model(6))
+    prompts = [random_prompts(1, seed=s, lo=n, hi=n + 1, vocab=64)[0] for s, n in ((1, 6), (2, 20), (3, 24), (4, 30))]
+    refs = [hf_greedy(target, p, 14) for p in prompts]  # uncached: the whole text every step
+    with torch.no_grad():
+        gen = target.generate(torch.tensor([prompts[1]]), max_new_tokens=14, do_sample=False, eos_token_id=None)
+    assert gen[0, len(prompts[1]):].tolist() == refs[1]  # generate() resets: the uncached text
+    assert refs[1] != hf_greedy(target, prompts[1], 14, cached=True)  # (which a cache kept across differs from)
+    for method in ("ar", "linear", "dynatree"):
+        got = decode_batch(pair, prompts, make_config(method), max_new_tokens=14, ignore_eos=True)
+        assert [toks for toks, _, _ in got] == refs, method
+        assert [decode(pair, p, make_config(method), max_new_tokens=14, ignore_eos=True)[0] for p in prompts] == refs
+    sampled = [[toks for toks, _, _ in decode_batch(pair, prompts, make_config(m, {"temperature": 0.8, "seed": 3}),
+                                                    max_new_tokens=14, ignore_eos=True)] for m in ("ar", "dynatree")]
+    assert sampled[0] == sampled[1]  # a draw at the reset is the same draw too
+
+
 def test_prefix_caching_never_cuts_a_prompt_past_the_longrope_switch():
     """Prefix caching (on by default) shares 32-token blocks computed in forwards of their own: a
     block below the switch holds short-factor keys, while a prompt past the switch, prefilled in
