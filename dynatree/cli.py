@@ -185,6 +185,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
+        cfgs = pair.decodable(cfgs, lambda msg: click.echo(msg, err=True)) if cfgs else cfgs
         pair.check_methods(cfgs)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-decode)
         end_on_sigterm()  # (SIGTERM ends it as Ctrl-C does: with the table of what was checked)

@@ -13,7 +13,7 @@ import torch
 from .config import FLOAT16_ON_CPU, KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
-from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
+from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, model_window, with_heads
 
 DTYPES = {
@@ -135,7 +135,8 @@ def _tree_problem(run: HFRunner, model, which: str) -> tuple[str, bool]:
         got = run.forward([Seq(long_tensor(nodes, dev), cache, long_tensor([n, n + 1, n + 1, n + 2], dev),
                                KeyMask(n, ancestor_matrix([-1, 0, 0, 1]).to(dev)))])[0].logits[0].float()
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises
-        return f"a token tree's forward fails ({type(e).__name__}: {str(e)[:120]})", True
+        why = no_tree_mask(cfg)
+        return f"{why + ': ' if why else ''}a token tree's forward fails ({type(e).__name__}: {str(e)[:120]})", True
     gap = _gap(got, torch.stack([ar[u] for u in range(4)]))
     return ("" if gap <= rtol else f"a token tree's logits part from AR's by {gap:.3g} of their scale"), False
 
@@ -351,7 +352,9 @@ class ModelPair:
             return f"native kernel ({native.library().dt_isa().decode()})"
         why = self.not_native(which)
         if not hasattr(run, "native") and run.tree_problem:  # models.HFRunner
-            why += f"; token trees verified as chains ({run.tree_problem})"
+            role = ("it drafts chains only: methods that grow trees are refused" if which == "draft" and run.tree_fails
+                    else "token trees verified as chains")
+            why += f"; {role} ({run.tree_problem})"
         return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
 
     def window(self, cfg, which: str = "target"):
@@ -380,6 +383,18 @@ class ModelPair:
             return ""
         return (f"the draft model cannot expand token trees on transformers' forward ({draft.tree_problem}): "
                 "use method linear, or another draft")
+
+    def decodable(self, cfgs: dict, note) -> dict:
+        """``cfgs`` without the methods this pair cannot decode (method_problem), each one dropped
+        named through ``note``; a ValueError when none is left (`dynatree check` runs the rest)."""
+        problems = {label: self.method_problem(cfg) for label, cfg in cfgs.items()}
+        bad = {label: why for label, why in problems.items() if why}
+        if bad and len(bad) == len(cfgs):
+            label, why = next(iter(bad.items()))
+            raise ValueError(f"{label}: {why}")
+        for label, why in bad.items():
+            note(f"note: skipping {label}: {why}")
+        return {label: cfg for label, cfg in cfgs.items() if label not in bad}
 
     def check_methods(self, cfgs: dict) -> None:
         """Before any decoding (check, bench): each labelled method config's cache window fits the

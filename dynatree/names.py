@@ -117,6 +117,18 @@ def rope_switch(config) -> int | None:
     return min((int(a) for a in at if a), default=None)
 
 
+def no_tree_mask(config) -> str:
+    """Why the architecture's attention takes no tree (4-D) mask ("" when nothing says so here):
+    transformers' forward fails on a token tree, so as a draft it serves ``linear`` only
+    (models._tree_problem finds it by trying; the job driver refuses before any actor starts)."""
+    get = _getter(config)
+    if get("model_type") == "bloom":
+        return "BLOOM's ALiBi attention takes no tree mask"
+    if get("model_type") == "falcon" and get("alibi"):
+        return "Falcon's ALiBi attention (alibi=true) takes no tree mask"
+    return ""
+
+
 # Models whose generate() recomputes the whole cache with the long factors when a sequence first
 # passes its LongRoPE switch (transformers' Phi3ForCausalLM.prepare_inputs_for_generation and its
 # copies): their greedy decoding does so here too (engine._Row.resets_rope).

@@ -31,7 +31,8 @@ import pyarrow as pa
 
 from dynatree.data import id_strings, would_read
 from dynatree.signals import end_on_sigterm, held_while_starting
-from dynatree.names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem
+from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem,
+                            no_tree_mask)
 from dynatree.metrics import output_schema
 from dynatree.config import FLOAT16_ON_CPU
 
@@ -167,6 +168,7 @@ def preflight(spec: JobSpec) -> None:
     t, d = _model_dirs(spec)
     _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
+    _check_draft_trees(spec, d)
     if t is not None and lacks_tokenizer(t):
         raise JobError(f"the target ({spec.target or 'the bundled demo pair'}) has no tokenizer (none of "
                        f"{', '.join(TOKENIZER_FILES)}), and a job's prompts are text")
@@ -188,6 +190,18 @@ def preflight(spec: JobSpec) -> None:
     reason = tokenizer_difference(tt, dt)
     if reason:
         raise JobError(f"target {spec.target} and draft {spec.draft} do not share a tokenizer: {reason}")
+
+
+def _check_draft_trees(spec: JobSpec, draft: Path | None) -> None:
+    """A local draft whose attention takes no tree mask serves ``linear`` only (names.no_tree_mask):
+    a tree method with it is refused here, not once Ray and the actors have started (their load
+    probe finds it by trying, models.ModelPair.method_problem)."""
+    if draft is None or spec.method in ("ar", "linear") or not (draft / "config.json").is_file():
+        return
+    why = no_tree_mask(json.loads((draft / "config.json").read_text()))
+    if why:
+        raise JobError(f"--method {spec.method}: the draft model cannot expand token trees ({why}): "
+                       "use --method linear, or another draft")
 
 
 def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:

@@ -419,7 +419,13 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     bloom = pair_from_models(_auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4),
                              _auto("bloom", 1, vocab_size=96, hidden_size=32, n_layer=2, n_head=4), None,
                              eos_token_id=None)
-    assert "a token tree's forward fails" in bloom.runner("target").tree_problem
+    assert bloom.runner("target").tree_problem.startswith("BLOOM's ALiBi attention takes no tree mask: a token tree's")
+    assert "it drafts chains only: methods that grow trees are refused" in bloom.forward_in_use("draft")
+    notes = []  # dynatree check runs what it can, saying what it skips (it ran nothing)
+    assert list(bloom.decodable({"linear": make_config("linear"), "dyspec": make_config("dyspec")}, notes.append)) == ["linear"]
+    assert notes == [f"note: skipping dyspec: {bloom.method_problem(make_config('dyspec'))}"]
+    with pytest.raises(ValueError, match="^dyspec: the draft model cannot expand token trees"):
+        bloom.decodable({"dyspec": make_config("dyspec")}, notes.append)
     bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     ref = decode(bloom_gpt2, prompts[0], make_config("ar"), max_new_tokens=12, ignore_eos=True)[0]
     # dynatree's defaults: the budget's profile times chains on such a target, never a tree's mask

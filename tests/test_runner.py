@@ -648,6 +648,11 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
     with pytest.raises(JobError, match="yarn: kv_window does not support scaled rotary embeddings"):
         run_job(spec(pair_dirs, tmp_path, target=str(tmp_path / "yarn"), options={"kv_window": 64, "kv_evict": 8}),
                 progress=False, log=quiet)
+    shutil.copytree(pair_dirs / "draft", tmp_path / "bloomish")  # an architecture that takes no tree mask
+    config = json.loads((tmp_path / "bloomish" / "config.json").read_text())
+    (tmp_path / "bloomish" / "config.json").write_text(json.dumps({**config, "model_type": "bloom"}))
+    with pytest.raises(JobError, match=r"^--method dynatree: the draft model cannot expand token trees \(BLOOM's"):
+        run_job(spec(pair_dirs, tmp_path, draft=str(tmp_path / "bloomish")), progress=False, log=quiet)
     (tmp_path / "in").mkdir()
     (tmp_path / "in.parquet").rename(tmp_path / "in" / "in.parquet")
     for inp in (tmp_path / "in", tmp_path / "in" / "**" / "*.parquet"):
