@@ -43,7 +43,7 @@ from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair, is_chat
-from .names import rope_resets, rope_switch
+from .names import rope_resets, rope_switch, window_refusal
 from .budget import Governor
 from .policies import make_policy
 from .prefix import prefill_shared, remember
@@ -318,6 +318,18 @@ class BatchDecoder:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
         self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
 
+    def _window_hint(self) -> str:
+        """What to do about a prompt that fills the context: shorten it, or -- where both models
+        take a StreamingLLM window (names.window_refusal) -- decode with one that fits (a window
+        W and eviction E with W > kv_sinks + E and W + E within the context)."""
+        models = [m for m in (self.pair.target, self.pair.draft) if m is not None]
+        if any(window_refusal(m.config) for m in models):
+            return "shorten it"
+        size = self.pair.max_context // 2
+        evict = min(ARConfig.kv_evict, size // 4)
+        extra = f" kv_evict={evict}" if evict != ARConfig.kv_evict else ""
+        return f"shorten it, or decode with a cache window: option{'s' if extra else ''} kv_window={size}{extra}"
+
     def _prompt(self, prompt_ids, cfg) -> list[int]:
         """The prompt's ids, checked; an error about the prompt itself (not the config or the pair,
         which every prompt shares) is marked ``prompt_problem``, so decode_batch names the prompt."""
@@ -325,8 +337,7 @@ class BatchDecoder:
             prompt_ids = _token_ids(prompt_ids, self.pair.vocab)
             if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
                 raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                                   f"{self.pair.max_context}-token context (shorten it, or decode with a cache "
-                                   f"window: option kv_window, e.g. {self.pair.max_context // 2})")
+                                   f"{self.pair.max_context}-token context ({self._window_hint()})")
         except ValueError as e:
             e.prompt_problem = True
             raise

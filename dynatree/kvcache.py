@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import native
-from .names import ROTATE_HALF, window_refusal
+from .names import window_refusal
 from .runtime import model_window, rotate_half
 
 
@@ -244,7 +244,8 @@ def make_window(model, size: int, sinks: int, chunk: int) -> Window:
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     refusal = window_refusal(cfg, model_window(model))
     if refusal or rotary is None or not hasattr(rotary, "inv_freq"):
-        raise ValueError(refusal or f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)})")
+        raise ValueError(refusal or "kv_window needs a model with rotary positions (this one has no rotary_emb module "
+                         "with inv_freq)")
     if getattr(rotary, "attention_scaling", 1.0) != 1.0:
         raise ValueError("kv_window does not support scaled rotary embeddings (rope_type "
                          f"{getattr(rotary, 'rope_type', '?')!r})")

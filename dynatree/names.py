@@ -153,7 +153,8 @@ def window_refusal(config, window="config") -> str | None:
     only an architecture that applies one), else the config's (binding_window)."""
     get = _getter(config)
     if get("model_type") not in ROTATE_HALF:
-        return f"kv_window needs a model with rotary positions ({', '.join(ROTATE_HALF)}); {get('model_type')!r} is not supported"
+        return (f"kv_window runs on {', '.join(ROTATE_HALF)} models (rotate-half rotary positions, checked to "
+                f"re-rotate exactly when the cache evicts); {get('model_type')!r} is not one of them")
     window = binding_window(config) if window == "config" else window
     if window:  # (its mask is in positions, which eviction moves keys away from)
         return f"kv_window cannot be combined with the model's own {window}-token sliding attention window"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dynatree import PairError, decode, generate, load_pair, make_config, pair_from_models
+from dynatree import ContextError, PairError, decode, generate, load_pair, make_config, pair_from_models
 from dynatree.cli import main
 
 from conftest import random_prompts, tiny_neox
@@ -194,6 +194,10 @@ def test_cli_generate_json(pair_dirs):
     long = args[:-5] + ["--prompt", "It was the best of times. " * 60, "--json"]  # past the 128-token context
     res = runner.invoke(main, long)
     assert res.exit_code != 0 and "leaves no room" in res.output
+    hint = "decode with a cache window: options kv_window=64 kv_evict=16"  # one that fits the context
+    assert hint in res.output
+    res = runner.invoke(main, long + ["--option", "kv_window=64", "--option", "kv_evict=16"])
+    assert res.exit_code == 0, res.output
     res = runner.invoke(main, long + ["--max-prompt-tokens", "50"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["metrics"]["prompt_tokens"] == 50
@@ -427,6 +431,8 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     with pytest.raises(ValueError, match="^dyspec: the draft model cannot expand token trees"):
         bloom.decodable({"dyspec": make_config("dyspec")}, notes.append)
     bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
+    with pytest.raises(ContextError, match=r"context \(shorten it\)$"):  # no cache window to suggest: none runs
+        decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)
     ref = decode(bloom_gpt2, prompts[0], make_config("ar"), max_new_tokens=12, ignore_eos=True)[0]
     # dynatree's defaults: the budget's profile times chains on such a target, never a tree's mask
     assert decode(bloom_gpt2, prompts[0], make_config("dynatree"), max_new_tokens=12, ignore_eos=True)[0] == ref
@@ -468,7 +474,7 @@ def test_a_draft_is_asked_for_a_cache_window_only_where_the_method_drafts():
     pair = pair_from_models(tiny_neox(1, vocab=96), _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     window = {"kv_window": 64, "kv_evict": 8}
     check_windows({"ar": make_config("ar", window)}, pair.max_context, pair.windows)
-    with pytest.raises(ValueError, match="^linear: kv_window needs a model with rotary positions.*'gpt2'"):
+    with pytest.raises(ValueError, match="^linear: kv_window runs on gpt_neox, llama.*'gpt2' is not one of them"):
         check_windows({"linear": make_config("linear", window)}, pair.max_context, pair.windows)
 
 

@@ -272,7 +272,7 @@ def test_window_refusals_read_from_a_config_alone():
     assert "4096-token sliding attention window" in window_refusal(
         {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768})
     assert "rope_type 'longrope'" in window_refusal({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope"}})
-    assert "'gpt2' is not supported" in window_refusal({"model_type": "gpt2"})
+    assert "'gpt2' is not one of them" in window_refusal({"model_type": "gpt2"})
     assert "'yarn'" in window_refusal({"model_type": "qwen2", "rope_scaling": {"type": "yarn", "factor": 4.0}})
     assert "'longrope'" in window_refusal({"model_type": "llama", "rope_parameters": {
         "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "longrope"}}})
