@@ -196,9 +196,9 @@ class _Row:
         earlier keys take the long factors too, as in that model's own greedy decoding."""
         return self.rope_reset and prefix_len == self.rope_switch
 
-    def verify_seq(self, tree: Tree, prefix_len: int, dev: torch.device) -> Seq:
+    def target_seq(self, tree: Tree, prefix_len: int, dev: torch.device) -> Seq:
         """The row's part of the iteration's target forward (verify_seq), or at a LongRoPE reset
-        (resets_rope; the tree is a bare root) the whole text again over an emptied cache."""
+        (resets_rope; the tree is a bare root) the whole text again over the cache, emptied now."""
         perturb = head(self.sampler, tree.depths)
         if not self.resets_rope(prefix_len):
             return verify_seq(tree, prefix_len, self.cache, dev, perturb)
@@ -318,11 +318,12 @@ class BatchDecoder:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
         self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
 
-    def _window_hint(self) -> str:
-        """What to do about a prompt that fills the context: shorten it, or -- where both models
-        take a StreamingLLM window (names.window_refusal) -- decode with one that fits (a window
-        W and eviction E with W > kv_sinks + E and W + E within the context)."""
-        models = [m for m in (self.pair.target, self.pair.draft) if m is not None]
+    def _window_hint(self, cfg) -> str:
+        """What to do about a prompt that fills the context: shorten it, or -- where the models the
+        method runs take a StreamingLLM window (names.window_refusal) -- decode with one that fits
+        (a window W and eviction E with W > kv_sinks + E and W + E within the context)."""
+        drafts = self.pair.draft is not None and make_policy(cfg).needs_draft
+        models = [self.pair.target] + ([self.pair.draft] if drafts else [])
         if any(window_refusal(m.config) for m in models):
             return "shorten it"
         size = self.pair.max_context // 2
@@ -337,7 +338,7 @@ class BatchDecoder:
             prompt_ids = _token_ids(prompt_ids, self.pair.vocab)
             if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
                 raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                                   f"{self.pair.max_context}-token context ({self._window_hint()})")
+                                   f"{self.pair.max_context}-token context ({self._window_hint(cfg)})")
         except ValueError as e:
             e.prompt_problem = True
             raise
@@ -479,7 +480,8 @@ class BatchDecoder:
         if cuda:
             _sync(self.dev)
         t0 = time.perf_counter()
-        seqs = [s.row.verify_seq(s.tree, s.prefix_len, self.dev) for s in steps]
+        reset = any(s.row.resets_rope(s.prefix_len) for s in steps)  # a forward of some row's whole text
+        seqs = [s.row.target_seq(s.tree, s.prefix_len, self.dev) for s in steps]
         outs = self.target.forward(seqs, argmax=True)
         _draw_masked([s.row for s in steps], outs, [s.tree.depths for s in steps])
         t_forward = time.perf_counter() - t0
@@ -490,16 +492,15 @@ class BatchDecoder:
             _sync(self.dev)  # one wait for every row's cache gathers, shared out below (the draft
             # caches' gathers, queued after each row's commit, fall in it too: small beside the target's)
         wait = (time.perf_counter() - t1) / len(steps)
-        typical = not any(len(q.ids) > len(s.tree) for q, s in zip(seqs, steps))  # no LongRoPE reset's whole text
         for s in steps:
             dt = t_forward + s.commit_time + wait  # what verifying this row cost: the forward and its commit
             s.row.target_forwards += 1
             s.row.forward_time += t_forward
             s.row.verify_time += dt
-            if typical:
+            if not reset:  # (an outlier the budget's and the Governor's timings leave out)
                 s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
-        if governor is not None:
+        if governor is not None and not reset:
             governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
 
     def _draft(self, rows: list[_Row], governor: Governor | None, probe: bool = False) -> list[_Step]:

@@ -106,13 +106,31 @@ def _merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType:
         return pa.string()
 
 
+def _holds(t: pa.DataType, kind) -> bool:
+    """Whether type t is of ``kind`` (a pa.types predicate) or holds one (struct fields, list items)."""
+    if kind(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_holds(t.field(i).type, kind) for i in range(t.num_fields))
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _holds(t.value_type, kind)
+
+
+def _big(v) -> bool:
+    """Whether a JSON value is or holds an integer past 2**53 (pyarrow casts none to double)."""
+    if isinstance(v, dict):
+        return any(map(_big, v.values()))
+    if isinstance(v, list):
+        return any(map(_big, v))
+    return type(v) is int and abs(v) > 2**53
+
+
 def _infer_schema(rows) -> pa.Schema:
     """A JSONL file's schema from every row (``rows``: its parsed rows), chunk by chunk: a key,
     a struct field or a wider type first seen at row 9M is as much the file's as one in row 1
     (inferred from the first rows alone, they were dropped without a word)."""
     types: dict[str, pa.DataType] = {}
     not_text: set[str] = set()  # columns with a value that is not a string
-    big: set[str] = set()  # columns with an integer no double holds exactly (past 2**53)
+    big: set[str] = set()  # columns with an integer past 2**53 (where pyarrow refuses a cast to double)
     while chunk := list(itertools.islice(rows, JSONL_INFER_ROWS)):
         for k in dict.fromkeys(k for row in chunk for k in row):
             values = [row.get(k) for row in chunk]
@@ -120,10 +138,10 @@ def _infer_schema(rows) -> pa.Schema:
             types[k] = _merge_types(types[k], t) if k in types else t
             if k not in not_text and any(v is not None and not isinstance(v, str) for v in values):
                 not_text.add(k)
-            if pa.types.is_integer(t) and k not in big and any(abs(v) > 2**53 for v in values if type(v) is int):
+            if k not in big and _holds(t, pa.types.is_integer) and any(map(_big, values)):
                 big.add(k)
-    for k in big:  # beside floats from other chunks: text, as pyarrow makes them within one chunk
-        if pa.types.is_floating(types[k]):
+    for k in big:  # beside floats from other chunks (a struct field, a list's items too): text, as
+        if _holds(types[k], pa.types.is_floating):  # pyarrow makes them within one chunk
             types[k] = pa.string()
     # a column with no value anywhere: string, which takes any value as text
     schema = pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])

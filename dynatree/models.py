@@ -352,8 +352,9 @@ class ModelPair:
             return f"native kernel ({native.library().dt_isa().decode()})"
         why = self.not_native(which)
         if not hasattr(run, "native") and run.tree_problem:  # models.HFRunner
-            role = ("it drafts chains only: methods that grow trees are refused" if which == "draft" and run.tree_fails
-                    else "token trees verified as chains")
+            role = ("token trees verified as chains" if which == "target" else
+                    "it drafts chains only: methods that grow trees are refused" if run.tree_fails else
+                    "its token trees' proposals inexact (outputs are not: the target verifies them)")
             why += f"; {role} ({run.tree_problem})"
         return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
 

@@ -198,7 +198,10 @@ def _check_draft_trees(spec: JobSpec, draft: Path | None) -> None:
     probe finds it by trying, models.ModelPair.method_problem)."""
     if draft is None or spec.method in ("ar", "linear") or not (draft / "config.json").is_file():
         return
-    why = no_tree_mask(json.loads((draft / "config.json").read_text()))
+    try:
+        why = no_tree_mask(json.loads((draft / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):  # unreadable, or not a JSON object: the actor's load says so
+        return
     if why:
         raise JobError(f"--method {spec.method}: the draft model cannot expand token trees ({why}): "
                        "use --method linear, or another draft")

@@ -196,10 +196,12 @@ def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
         assert src.read(0, 3, ["n"])[0].column("n").to_pylist() == ["1", "2", "three"]
         assert len(src.notes) == 1 and "column 'n' holds values of several types" in src.notes[0]
     assert not InputSource.open(str(tmp_path / "late.jsonl")).notes  # ints widened to floats: no note ("s": none)
-    for first, then in (([2**60, 7], [1.5, None]), ([1.5, None], [7, 2**60])):  # no double holds 2**60 exactly
+    for first, then in (([2**60, 7], [1.5, None]), ([1.5, None], [7, 2**60]),  # pyarrow casts no int past 2**53
+                        ([{"a": 2**60}, None], [{"a": 1.5}, None]), ([[1.5]], [[2**60]])):  # nested too
         _jsonl(tmp_path / "big.jsonl", [{"n": v} for v in first + then])  # chunks of 2: int64 and double
         src = InputSource.open(str(tmp_path / "big.jsonl"))  # was double: reading 2**60 then failed the job
-        assert src.read(0, 4, ["n"])[0].column("n").to_pylist() == [parts.as_text(v) for v in first + then]
+        got = src.read(0, len(first + then), ["n"])[0].column("n").to_pylist()
+        assert got == [parts.as_text(v) for v in first + then]
         assert len(src.notes) == 1 and "column 'n'" in src.notes[0]
     _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}])
     src = InputSource.open(str(tmp_path / "mixed.jsonl"))

@@ -51,8 +51,15 @@ static inline vf ld_bf16(const unsigned short *p) {
 }
 static inline vf ld_f16(const _Float16 *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline void ld2_bf16(const unsigned short *p, vf *a, vf *b) { /* see ld2_bf16 below */
+#ifdef __AVX512BW__
     __m512i v = _mm512_loadu_si512((const void *)p), z = _mm512_setzero_si512();
     *a = (vf)_mm512_unpacklo_epi16(z, v), *b = (vf)_mm512_unpackhi_epi16(z, v);
+#else /* AVX-512F alone (Knights Landing): the same lane-wise interleaves, a 256-bit half at a time */
+    __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)p + 1);
+    __m256i z = _mm256_setzero_si256();
+    *a = (vf)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(z, lo)), _mm256_unpacklo_epi16(z, hi), 1);
+    *b = (vf)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpackhi_epi16(z, lo)), _mm256_unpackhi_epi16(z, hi), 1);
+#endif
 }
 #elif DT_W == 8 && !defined(DT_GENERIC)
 static inline vf ld(const float *p) { return (vf)_mm256_loadu_ps(p); }
@@ -92,8 +99,8 @@ static inline void ld2_bf16(const unsigned short *p, vf *a, vf *b) { *a = ld_bf1
  * stored in *pair order*: per 128-bit lane l, four values of a (columns 4l .. 4l+3) then four of b
  * (columns DT_W + 4l ..) -- what one interleave with zeros per register unpacks (a bf16 is a
  * float32's top half), so one load and two single-uop shuffles, no shifts on the FMA ports: the
- * AVX2 GEMM 7-15% faster from 4 to 300 rows, AVX-512's 4-10% at 1-12 rows (Emerald Rapids, same
- * process, bitwise the same outputs).  With 4-float vectors pair order is plain column order (one
+ * AVX2 GEMM's time 0.81-0.93x at 1-300 rows (one run read 1.08x at 32), AVX-512's 0.88-0.95x at
+ * 1-12 rows (Emerald Rapids, same process, bitwise the same outputs; README).  With 4-float vectors pair order is plain column order (one
  * 16-byte load there measured no faster than two 8-byte ones). */
 
 /* The sum of a logical 16-float vector held in DT_L16 registers, in one fixed tree order
