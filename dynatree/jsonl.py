@@ -130,7 +130,7 @@ def _infer_schema(rows) -> pa.Schema:
     (inferred from the first rows alone, they were dropped without a word)."""
     types: dict[str, pa.DataType] = {}
     not_text: set[str] = set()  # columns with a value that is not a string
-    big: set[str] = set()  # columns with an integer past 2**53 (where pyarrow refuses a cast to double)
+    big: dict[str, list] = {}  # values holding an integer past 2**53 (which pyarrow casts to no double), per column
     while chunk := list(itertools.islice(rows, JSONL_INFER_ROWS)):
         for k in dict.fromkeys(k for row in chunk for k in row):
             values = [row.get(k) for row in chunk]
@@ -138,10 +138,12 @@ def _infer_schema(rows) -> pa.Schema:
             types[k] = _merge_types(types[k], t) if k in types else t
             if k not in not_text and any(v is not None and not isinstance(v, str) for v in values):
                 not_text.add(k)
-            if k not in big and _holds(t, pa.types.is_integer) and any(map(_big, values)):
-                big.add(k)
-    for k in big:  # beside floats from other chunks (a struct field, a list's items too): text, as
-        if _holds(types[k], pa.types.is_floating):  # pyarrow makes them within one chunk
+            if _holds(t, pa.types.is_integer) and len(big.get(k, ())) < BIG_SAMPLES:
+                big.setdefault(k, []).extend(v for v in values if _big(v))
+    for k, values in big.items():  # where floats from other chunks made their field a double: text, as
+        try:  # pyarrow makes such a column within one chunk
+            pa.array(values[:BIG_SAMPLES], type=types[k])
+        except CONVERT_ERRORS:
             types[k] = pa.string()
     # a column with no value anywhere: string, which takes any value as text
     schema = pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
@@ -149,8 +151,9 @@ def _infer_schema(rows) -> pa.Schema:
     return schema.with_metadata({MIXED_KEY: json.dumps(sorted(mixed))}) if mixed else schema
 
 
+BIG_SAMPLES = 4096  # values with integers past 2**53 kept per column to try against its united type
 MIXED_KEY = "dynatree.mixed_as_text"  # the inferred schema's note of columns whose mixed values are read as text
-SCHEMA_CACHE_VERSION = 3  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
+SCHEMA_CACHE_VERSION = 4  # raise when _infer_schema would infer differently (pyarrow's version is in the key too)
 
 
 def _cached_schema(info: InputFile, infer) -> pa.Schema:

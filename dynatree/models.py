@@ -391,8 +391,9 @@ class ModelPair:
         problems = {label: self.method_problem(cfg) for label, cfg in cfgs.items()}
         bad = {label: why for label, why in problems.items() if why}
         if bad and len(bad) == len(cfgs):
-            label, why = next(iter(bad.items()))
-            raise ValueError(f"{label}: {why}")
+            whys = set(bad.values())
+            raise ValueError(f"{', '.join(bad)}: {whys.pop()}" if len(whys) == 1 else
+                             "; ".join(f"{label}: {why}" for label, why in bad.items()))
         for label, why in bad.items():
             note(f"note: skipping {label}: {why}")
         return {label: cfg for label, cfg in cfgs.items() if label not in bad}

@@ -203,6 +203,9 @@ def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
         got = src.read(0, len(first + then), ["n"])[0].column("n").to_pylist()
         assert got == [parts.as_text(v) for v in first + then]
         assert len(src.notes) == 1 and "column 'n'" in src.notes[0]
+    _jsonl(tmp_path / "big.jsonl", [{"n": {"id": 2**60}}, {"n": {"id": 7}}, {"n": {"score": 0.5}}])  # apart: no text
+    src = InputSource.open(str(tmp_path / "big.jsonl"))
+    assert src.schema.field("n").type == pa.struct([("id", pa.int64()), ("score", pa.float64())]) and not src.notes
     _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}])
     src = InputSource.open(str(tmp_path / "mixed.jsonl"))
     _jsonl(tmp_path / "mixed.jsonl", [{"n": 1}, {"n": 2}, {"n": 2.5}])  # changed after planning (a job refuses it)

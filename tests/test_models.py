@@ -428,8 +428,8 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     notes = []  # dynatree check runs what it can, saying what it skips (it ran nothing)
     assert list(bloom.decodable({"linear": make_config("linear"), "dyspec": make_config("dyspec")}, notes.append)) == ["linear"]
     assert notes == [f"note: skipping dyspec: {bloom.method_problem(make_config('dyspec'))}"]
-    with pytest.raises(ValueError, match="^dyspec: the draft model cannot expand token trees"):
-        bloom.decodable({"dyspec": make_config("dyspec")}, notes.append)
+    with pytest.raises(ValueError, match="^dyspec, dynatree: the draft model cannot expand token trees"):
+        bloom.decodable({"dyspec": make_config("dyspec"), "dynatree": make_config("dynatree")}, notes.append)
     bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     with pytest.raises(ContextError, match=r"context \(shorten it\)$"):  # no cache window to suggest: none runs
         decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)
