@@ -170,6 +170,12 @@ def _ar_probe(run: HFRunner, model, which: str, rtol: float):
         full = run(input_ids=long_tensor(prompt + [nodes[u] for u in (0, 1, 3)], dev)[None],
                    use_cache=False).logits[0, -3:].float()  # (3, V): the model's own forward, no cache
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises, the model cannot run here
+        try:  # dynatree's caches to blame only where the model's own uncached forward runs
+            run(input_ids=long_tensor(prompt, dev)[None], use_cache=False)
+        except Exception as own:  # noqa: BLE001
+            dtype = str(run.dtype).replace("torch.", "")
+            raise PairError(f"the {which} model ({model.config.model_type}) does not run in {dtype} on {dev.type}: "
+                            f"transformers' own forward fails ({type(own).__name__}: {own}); try another --dtype") from None
         raise PairError(f"the {which} model ({model.config.model_type}) cannot run on dynatree's KV caches: "
                         f"{type(e).__name__}: {e}") from None
     gap = _gap(torch.stack([ar[u] for u in (0, 1, 3)]), full)

@@ -463,6 +463,10 @@ def test_a_model_that_cannot_use_dynatree_caches_is_refused_at_load():
     for _ in range(2):  # and again: no runner is left behind to fail later with transformers' own error
         with pytest.raises(PairError, match=r"the target model \(falcon_h1\) cannot run on dynatree's KV caches"):
             pair.runner("target")
+    moe = _auto("phimoe", 0, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2).double()
+    with pytest.raises(PairError, match=r"\(phimoe\) does not run in float64 on cpu: transformers' own forward fails"):
+        pair_from_models(moe, None, None, eos_token_id=None).runner("target")  # (its experts take no float64)
 
 
 def test_a_draft_is_asked_for_a_cache_window_only_where_the_method_drafts():
