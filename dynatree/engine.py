@@ -37,13 +37,13 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window,
-                     draws_differ, make_config)
+                     check_windows, draws_differ, make_config)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
 from .models import ModelPair, is_chat
-from .names import rope_resets, rope_switch, window_refusal
+from .names import rope_resets, rope_switch
 from .budget import Governor
 from .policies import make_policy
 from .prefix import prefill_shared, remember
@@ -319,15 +319,17 @@ class BatchDecoder:
         self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
 
     def _window_hint(self, cfg) -> str:
-        """What to do about a prompt that fills the context: shorten it, or -- where the models the
-        method runs take a StreamingLLM window (names.window_refusal) -- decode with one that fits
-        (a window W and eviction E with W > kv_sinks + E and W + E within the context)."""
-        drafts = self.pair.draft is not None and make_policy(cfg).needs_draft
-        models = [self.pair.target] + ([self.pair.draft] if drafts else [])
-        if any(window_refusal(m.config) for m in models):
-            return "shorten it"
+        """What to do about a prompt that fills the context: shorten it, or decode with a StreamingLLM
+        window of half the context (its eviction at most a quarter of that) where that passes the
+        checks a windowed run makes (config.check_windows with ModelPair.windows: it fits the
+        context, and the models the method runs take one)."""
         size = self.pair.max_context // 2
         evict = min(ARConfig.kv_evict, size // 4)
+        try:
+            check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, self.pair.max_context,
+                          self.pair.windows)
+        except ValueError:
+            return "shorten it"
         extra = f" kv_evict={evict}" if evict != ARConfig.kv_evict else ""
         return f"shorten it, or decode with a cache window: option{'s' if extra else ''} kv_window={size}{extra}"
 
