@@ -440,6 +440,12 @@ def check_windows(cfgs: dict, context: int, build=None) -> None:
                 raise ValueError(f"{label}: {e}") from None
 
 
+def grows_trees(cfg) -> bool:
+    """Whether the method drafts token trees (not ``ar``'s nothing or ``linear``'s chains): what a
+    draft that takes no tree mask cannot serve (ModelPair.method_problem, the job driver)."""
+    return not isinstance(cfg, (ARConfig, LinearConfig))
+
+
 def draws_differ(cfg) -> bool:
     """Whether two draws under ``cfg`` can differ: sampling (temperature > 0) among more than one token."""
     return cfg.temperature > 0 and cfg.top_k != 1

@@ -380,10 +380,9 @@ class ModelPair:
         """Why this pair cannot decode with method config ``cfg`` ("" when it can): a draft whose
         tree forward fails (models._tree_problem) grows chains only, so only ``linear`` drafts with
         it.  Checked before any decoding: check, bench, a job's actors, BatchDecoder.add."""
-        from .config import LinearConfig
-        from .policies import make_policy
+        from .config import grows_trees
 
-        if self.draft is None or not make_policy(cfg).needs_draft or isinstance(cfg, LinearConfig):
+        if self.draft is None or not grows_trees(cfg):
             return ""
         draft = self.runner("draft")
         if not getattr(draft, "tree_fails", False):

@@ -34,7 +34,7 @@ from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem,
                             no_tree_mask)
 from dynatree.metrics import output_schema
-from dynatree.config import FLOAT16_ON_CPU
+from dynatree.config import FLOAT16_ON_CPU, grows_trees
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
@@ -196,7 +196,7 @@ def _check_draft_trees(spec: JobSpec, draft: Path | None) -> None:
     """A local draft whose attention takes no tree mask serves ``linear`` only (names.no_tree_mask):
     a tree method with it is refused here, not once Ray and the actors have started (their load
     probe finds it by trying, models.ModelPair.method_problem)."""
-    if draft is None or spec.method in ("ar", "linear") or not (draft / "config.json").is_file():
+    if draft is None or not grows_trees(spec.method_config) or not (draft / "config.json").is_file():
         return
     try:
         why = no_tree_mask(json.loads((draft / "config.json").read_text()))
