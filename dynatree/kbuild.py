@@ -18,7 +18,7 @@ from pathlib import Path
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("gemm.c", "attn.c", "neox.c")]
-HEADERS = [_CSRC / "vec.h", _CSRC / "attn.h"]
+HEADERS = [_CSRC / "vec.h", _CSRC / "attn.h", _CSRC / "neox.h"]
 # the objects of a build, compiled side by side: (source, extra flags); attn.c twice, for float32
 # and bfloat16 caches
 OBJECTS = [(_CSRC / "gemm.c", []), (_CSRC / "attn.c", []), (_CSRC / "attn.c", ["-DDT_KV_BF16"]),

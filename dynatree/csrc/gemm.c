@@ -19,13 +19,21 @@
 #include "vec.h"
 
 /* Register blocking per instruction set (vec.h): a pass keeps RMAX rows x NVT vectors of
- * accumulators, NVT weight vectors and one broadcast in registers -- 12 x 2 zmm on AVX-512
- * (27 of 32), 6 x 2 ymm on AVX2 (15 of 16; BLIS's Haswell shape), 12 x 2 / 6 x 2 on NEON /
- * other 128-bit ISAs.  The blocking never changes a result: it only decides which outputs share
- * a pass, and each output stays one FMA chain over k. */
-#define NVT 2                         /* vectors per tile row */
-#define TW (NVT * DT_W)               /* output columns per tile */
-#define RMAX (DT_NREG >= 32 ? 12 : 6) /* rows per pass */
+ * accumulators, NVT weight vectors and the rows' x values in registers -- 12 x 2 zmm on AVX-512
+ * (27 of 32: x is each FMA's broadcast memory operand), 6 x 2 ymm on AVX2 (15 of 16; BLIS's
+ * Haswell shape), 10 x 2 on aarch64 (32 of 32: its by-element FMAs take x from a register, one
+ * per row, and GCC 12 loads all of them first -- at 12 rows it spilled 4 accumulators, 8 stack
+ * accesses per k), 6 x 2 on other 128-bit ISAs.  The blocking never changes a result: it only
+ * decides which outputs share a pass, and each output stays one FMA chain over k. */
+#define NVT 2           /* vectors per tile row */
+#define TW (NVT * DT_W) /* output columns per tile */
+#if DT_W == 16
+#define RMAX 12 /* rows per pass */
+#elif DT_NREG >= 32
+#define RMAX 10
+#else
+#define RMAX 6
+#endif
 #define PREFETCH_BYTES 8192 /* ahead of the tile row being read: the hardware prefetcher alone
                                left 12-16 rows 1.5x slower (AVX-512 host); 8 KiB instead of 2 cut
                                one-pass GEMMs (1-12 rows AVX-512, 1-6 AVX2) 15-20% on Zen 5 */

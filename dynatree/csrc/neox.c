@@ -31,16 +31,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
-
-/* QN_W, KN_W: per-head RMS norm weights of q and k (Qwen3), NULL for none; *_B NULL: no bias. */
-enum { LN1_W, LN1_B, LN2_W, LN2_B, QKV_W, QKV_B, OUT_W, OUT_B, FC1_W, FC1_B, FC2_W, FC2_B, QN_W, KN_W, NPARAM };
-enum { D_MODEL, HEADS, HEAD_DIM, ROT, FF, PARALLEL, ACT, VOCAB_PAD, EMBED_ROWS, WFMT, KV_HEADS, NORM, NDIM };  /* WFMT: see dt_gemm */
-enum { ACT_GELU = 1, ACT_RELU = 2, ACT_SWIGLU = 3 }; /* SWIGLU: fc1 gives [gate | up] (2 ff), g = silu(gate) * up */
-enum { NORM_LAYER = 0, NORM_RMS = 1 };
-
-#include "vec.h"
 #include "attn.h"
+#include "neox.h"
+#include "vec.h"
+
+void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 
 /* y[i] = layer_norm(x[i]) for n rows of d; statistics in double, one row at a time (rows split
  * between the calling threads). */
@@ -77,13 +72,18 @@ static void norm(const long *dims, const float *x, long n, long d, const float *
     }
 }
 
-/* NeoX partial rotary on the first rot dims of x (rotate_half convention). */
+/* NeoX partial rotary on the first rot dims of x (rotate_half convention).  Products rounded
+ * before the sum, as torch's q * cos + rotate_half(q) * sin: left to the compiler, which product
+ * it fuses into the add differs by target (x86 and aarch64 GCC builds parted by an ulp here;
+ * tests/test_kernel_arm.py), and every variant must compute the same bits. */
+__attribute__((optimize("fp-contract=off")))
 static void rotate(float *x, long rot, const float *cos, const float *sin) {
     long half = rot / 2;
     for (long j = 0; j < half; j++) {
         float x1 = x[j], x2 = x[j + half];
-        x[j] = x1 * cos[j] - x2 * sin[j];
-        x[j + half] = x2 * cos[j + half] + x1 * sin[j + half];
+        float a = x1 * cos[j], b = x2 * sin[j], c = x2 * cos[j + half], d = x1 * sin[j + half];
+        x[j] = a - b; /* (separate statements: clang ignores the attribute but contracts only within one) */
+        x[j + half] = c + d;
     }
 }
 
@@ -91,28 +91,6 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
 static attn_t attn_for(long nv, long kvfmt) { return kvfmt ? dt_attn_bf16(nv) : dt_attn_f32(nv); }
 
 int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && dt_attn_f32(head_dim / 16) != 0; }
-
-/* One sequence's part of a packed forward: `rows` consecutive rows of the batch, after `past`
- * cached tokens.  Its rows see keys j < visible and, for j >= visible, those marked in allowed
- * (rows, past + rows - visible) bool, row-major; allowed NULL = causal.  kc[l], vc[l]: the
- * sequence's own (H, cap, hd) key/value buffers of layer l -- rows never see another
- * sequence's keys.  The logits of its last `keep` rows are returned.  noise (sampling, NULL for
- * none): one row of Gumbel noise per kept row, and the heads read (and the logits return) the
- * perturbed scores logits * inv_temp + noise (perturb_row). */
-typedef struct {
-    long rows, past, visible, cap, keep;
-    const unsigned char *allowed;
-    void *const *kc;
-    void *const *vc;
-    long kvfmt; /* cache element: 0 float32, 1 bfloat16 (rounded to nearest even as it is written) */
-    const float *const *noise;
-    float inv_temp;
-    long nshare;            /* the first ends[nshare - 1] keys are read in pieces from prefix.py's copy of a */
-    const long *ends;       /* prompt prefix other sequences share (the same values, so the same bits, read */
-    void *const *ks;        /* from one place): piece p of layer l at ks[l * nshare + p], vs[...], the key */
-    void *const *vs;        /* at the piece's start in a (KV heads, scaps[p], hd) buffer; see attn.h */
-    const long *scaps;
-} dt_seq;
 
 /* Where each packed row belongs: its sequence and its index among that sequence's rows; where
  * each sequence's rows start. */

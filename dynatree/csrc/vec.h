@@ -2,6 +2,7 @@
  *
  * DT_W floats per register and DT_NREG registers decide every loop's blocking:
  *   AVX-512: 16 x 32;  AVX2 + FMA: 8 x 16;  aarch64 (NEON): 4 x 32;  anything else: 4 x 16.
+ * aarch64 builds are tested against the x86 ones under qemu-user (tests/test_kernel_arm.py).
  * DT_GENERIC (the `generic` build) takes the portable code on any machine: 128-bit GCC vector
  * extensions, no intrinsics -- the path ARM and other CPUs compile, so x86 hosts can test it.
  *
@@ -26,6 +27,9 @@
 #include <immintrin.h>
 #define DT_ISA "avx2"
 #define DT_W 8
+#elif defined(__aarch64__)
+#define DT_ISA "neon" /* the portable code, with NEON's half-precision widening (ld_f16) */
+#define DT_W 4
 #else
 #define DT_ISA "generic"
 #define DT_W 4
@@ -39,6 +43,7 @@
 
 typedef float vf __attribute__((vector_size(4 * DT_W), aligned(4)));
 typedef int vi __attribute__((vector_size(4 * DT_W), aligned(4)));
+static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
 #if DT_W == 16 && !defined(DT_GENERIC)
 static inline vf ld(const float *p) { return (vf)_mm512_loadu_ps(p); }
@@ -77,7 +82,6 @@ static inline void ld2_bf16(const unsigned short *p, vf *a, vf *b) {
 #else /* DT_W == 4 */
 typedef unsigned short u16x8 __attribute__((vector_size(16), aligned(2)));
 typedef unsigned long long u64x2 __attribute__((vector_size(16)));
-typedef _Float16 h16v __attribute__((vector_size(8), aligned(2)));
 static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf bc(float x) { return (vf){x, x, x, x}; } /* not {0} + x, which turns -0.f into +0.f */
@@ -88,11 +92,28 @@ static inline vf ld_bf16(const unsigned short *p) { /* bf16 is a float32's top h
     u16x8 h = (u16x8)(u64x2){bits, 0}, z = {0};
     return (vf)__builtin_shufflevector(z, h, 0, 8, 1, 9, 2, 10, 3, 11);
 }
+/* Half -> float32, exact: GCC 12 turns __builtin_convertvector on 4 halves into 4 scalar
+ * conversions and 7 lane moves (on aarch64 and x86 alike), the GEMM's whole loop for a half
+ * checkpoint (Pythia's) 84 instructions per k instead of ~40.  aarch64 has one instruction for
+ * it; elsewhere the bits are rebuilt with integer lane operations (no subnormal float is formed,
+ * so flush-to-zero modes change nothing). */
+#if defined(__aarch64__) && !defined(DT_GENERIC)
+#include <arm_neon.h>
+static inline vf ld_f16(const _Float16 *p) { return (vf)vcvt_f32_f16(vld1_f16((const float16_t *)p)); }
+#else
 static inline vf ld_f16(const _Float16 *p) {
-    h16v h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, vf);
+    unsigned long long bits;
+    memcpy(&bits, p, 8);
+    u16x8 h = (u16x8)(u64x2){bits, 0}, z = {0};
+    vi u = (vi)__builtin_shufflevector(h, z, 0, 8, 1, 9, 2, 10, 3, 11); /* zero-extended */
+    vi em = u & 0x7fff, sign = (u & 0x8000) << 16;
+    vf normal = (vf)((em << 13) + (112 << 23));                    /* exponent rebiased 15 -> 127 */
+    vf small = __builtin_convertvector(em, vf) * bc(0x1p-24f);      /* subnormal: em * 2^-24 */
+    vf special = (vf)((em << 13) | 0x7f800000);                     /* inf, nan (payload kept) */
+    vf r = vsel(em < 0x400, small, vsel(em >= 0x7c00, special, normal));
+    return (vf)((vi)r | sign);
 }
+#endif
 static inline void ld2_bf16(const unsigned short *p, vf *a, vf *b) { *a = ld_bf16(p), *b = ld_bf16(p + 4); }
 #endif
 /* ld2_bf16(p, a, b): two registers of float32 (2 * DT_W columns) from 2 * DT_W bfloat16 values
@@ -153,7 +174,6 @@ static inline void hsum16_n(const vf *a, int n, float scale, float *out) {
     for (int i = 0; i < n; i++) out[i] = hsum16(a + i * DT_L16) * scale;
 }
 
-static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 /* exp(x) lane-wise, Cephes' expf polynomial (~1 ulp); x below -87 gives ~0. */
 static inline vf vexp(vf x) {
     x = vsel(x < bc(-87.f), bc(-87.f), x);

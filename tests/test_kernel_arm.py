@@ -1,0 +1,68 @@
+"""The native kernel on ARM, from an x86 host: its aarch64 builds cross-compiled and run under
+qemu-user compute bitwise what every x86 build here computes (vec.h's promise, so a corpus decoded
+on a Graviton node is the same corpus).  tests/kernel_bits.c writes every result of the kernel on
+fixed inputs -- GEMMs in each weight format, whole NeoX- and Llama-shaped forwards over float32 and
+bfloat16 caches with trees, shared prefixes and every head, sampling noise -- to a file; the files
+must be equal byte for byte.  Needs gcc-aarch64-linux-gnu and qemu-user (.ci/run installs them
+where apt-get can); skipped, saying so, without them."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dynatree import kbuild
+
+HARNESS = Path(__file__).with_name("kernel_bits.c")
+CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's cross toolchain: the aarch64 libc, libm, libgomp qemu loads
+GEMM_BYTES = 3 * sum(range(1, 28)) * 80 * 4  # kernel_bits.c's GEMM section: 3 formats x rows 1..27 x 80 floats
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None or shutil.which(CROSS) is None or shutil.which(QEMU) is None,
+    reason=f"needs cc, {CROSS} and {QEMU} (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
+
+
+def _bits(cc: str, lib: Path, work: Path, tag: str, run: list[str]) -> bytes:
+    """kernel_bits.c linked against kernel library ``lib`` with ``cc``, run (through ``run``, e.g.
+    qemu); its output file."""
+    exe, out = work / f"bits-{tag}", work / f"bits-{tag}.bin"
+    subprocess.run([cc, "-O1", "-o", str(exe), str(HARNESS), str(lib), f"-Wl,-rpath,{lib.parent}"], check=True,
+                   capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*run, str(exe), str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return out.read_bytes()
+
+
+def _first_difference(a: bytes, b: bytes) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return (f"{len(a)} vs {len(b)} bytes, first difference at byte {at} "
+            f"({'in the GEMMs' if at < GEMM_BYTES else 'in the forwards or heads, after the GEMMs'})")
+
+
+@pytest.fixture(scope="module")
+def x86_bits(tmp_path_factory) -> dict[str, bytes]:
+    """kernel_bits.c's output from each build this host runs (native, avx2, generic)."""
+    work = tmp_path_factory.mktemp("x86")
+    bits = {}
+    for isa in kbuild.variants_here():
+        path, status = kbuild.build(isa)
+        assert path is not None, status
+        bits[isa] = _bits("cc", path, work, isa, [])
+    return bits
+
+
+@pytest.mark.parametrize("march,cpu,extra", [("armv8-a", None, []), ("armv8-a", None, ["-DDT_GENERIC"]),
+                                             ("armv8.2-a+fp16+dotprod", "max", []), ("armv9-a", "max", [])],
+                         ids=["armv8", "armv8-generic", "armv8.2-fp16", "armv9-sve2"])
+def test_aarch64_builds_compute_the_bits_of_every_x86_build(tmp_path, x86_bits, march, cpu, extra):
+    """armv8-a is every 64-bit ARM CPU; armv8.2 adds half-precision arithmetic (Graviton 2);
+    armv9-a lets GCC vectorise with SVE2 (Graviton 4) -- what -march=native picks on those hosts;
+    -DDT_GENERIC is the `generic` variant there (no NEON intrinsics)."""
+    lib = tmp_path / "libdt-aarch64.so"
+    error = kbuild._compile(CROSS, kbuild.FLAGS + [f"-march={march}", *extra], str(lib))  # the objects a build links
+    assert error is None, error
+    arm = _bits(CROSS, lib, tmp_path, "arm", [QEMU, "-L", SYSROOT] + (["-cpu", cpu] if cpu else []))
+    assert len(arm) > GEMM_BYTES
+    for isa, x86 in x86_bits.items():
+        assert x86 == arm, f"{isa} build against aarch64 -march={march}: {_first_difference(x86, arm)}"
