@@ -21,7 +21,7 @@ instruction set found: AVX-512, AVX2 + FMA, NEON or plain 128-bit vectors — se
 ``avx2`` (``-march=x86-64-v3``: what an AVX2-only x86 CPU runs, buildable and testable on an
 AVX-512 host) and ``generic`` (portable 128-bit GCC vectors, no intrinsics: the code ARM -- with
 one NEON intrinsic, as ``neon`` -- and other CPUs compile).  Every variant computes the same bits
-where the CPU fuses multiply-adds, aarch64 builds included (tests/test_kernel_arm.py, qemu-user).
+where the CPU fuses multiply-adds, aarch64 builds included (tests/test_kernel_portable.py, qemu-user).
 
 kbuild.py builds and caches the shared object.  No compiler, a failed build or ``DYNATREE_GEMM=0`` -> ``library()`` returns None and
 callers keep torch's kernels; ``status()`` says why.

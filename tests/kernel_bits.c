@@ -1,4 +1,4 @@
-/* Every result of the native kernel on fixed inputs, written raw to a file: tests/test_kernel_arm.py
+/* Every result of the native kernel on fixed inputs, written raw to a file: tests/test_kernel_portable.py
  * runs it against each build this host runs and against an aarch64 build under qemu-user, and
  * compares the files byte for byte (vec.h: every variant computes the same bits where the CPU
  * fuses a*b+c).  Linked against one build of the kernel library:
@@ -55,6 +55,21 @@ static float *rnd_vec(long n, int scale) {
     return v;
 }
 
+/* The IEEE half holding v, which must be exact in one (every rnd() value is). */
+static unsigned short to_half(float v) {
+    unsigned int b;
+    memcpy(&b, &v, 4);
+    unsigned short sign = (unsigned short)((b >> 16) & 0x8000);
+    int e = (int)((b >> 23) & 0xff) - 127;
+    if ((b & 0x7fffffff) == 0) return sign;
+    if (e < -14) { /* a subnormal half: |v| / 2^-24 is an integer below 1024 */
+        float m = v < 0 ? -v : v;
+        for (int i = 0; i < 24; i++) m *= 2.0f;
+        return (unsigned short)(sign | (unsigned short)m);
+    }
+    return (unsigned short)(sign | (unsigned)(e + 15) << 10 | (b & 0x7fffff) >> 13);
+}
+
 /* W (N, K) row-major, packed into dt_gemm's tiles (N_pad / TW, K, TW) of format fmt: bfloat16 in
  * vec.h's pair order (native._pack: column h*w + 4l + i at position 8l + 4h + i). */
 static void *pack(const float *W, long N, long K, int fmt) {
@@ -69,7 +84,7 @@ static void *pack(const float *W, long N, long K, int fmt) {
                 if (fmt == 0) {
                     ((float *)p)[at] = v;
                 } else if (fmt == 2) {
-                    ((_Float16 *)p)[at] = (_Float16)v;
+                    ((unsigned short *)p)[at] = to_half(v);
                 } else {
                     long h = c / w, l = (c % w) / 4, i = c % 4;
                     unsigned int b;

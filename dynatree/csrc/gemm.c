@@ -43,7 +43,7 @@
  * to stream, the same float32 values in the same FMA chain, so bitwise the same outputs. */
 _Static_assert(NVT == 2, "a tile row is read as two vectors (ld2_bf16)");
 static inline void row_f32(const float *p, vf *wv) { wv[0] = ld(p), wv[1] = ld(p + DT_W); }
-static inline void row_f16(const _Float16 *p, vf *wv) { wv[0] = ld_f16(p), wv[1] = ld_f16(p + DT_W); }
+static inline void row_f16(const dt_half *p, vf *wv) { wv[0] = ld_f16(p), wv[1] = ld_f16(p + DT_W); }
 static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0], &wv[1]); } /* pair order */
 
 /* R rows of x (stride ldx) times one K x TW weight tile of type T -> R x TW outputs (stride ldy).
@@ -93,8 +93,8 @@ typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, 
 KERNS_OF(float, row_f32, kern_f32, 0)
 KERNS_OF(unsigned short, row_bf16, kern_bf16, 0)
 KERNS_OF(unsigned short, row_bf16, kern_bf16_save, 1)
-KERNS_OF(_Float16, row_f16, kern_f16, 0)
-KERNS_OF(_Float16, row_f16, kern_f16_save, 1)
+KERNS_OF(dt_half, row_f16, kern_f16, 0)
+KERNS_OF(dt_half, row_f16, kern_f16_save, 1)
 
 /* The short last pass of a 16-register ISA: R = 1 or 2 rows over G tiles at once (tiles ts
  * elements apart), R x G x NVT = 8 accumulator chains.  Why: after the full RMAX-row passes
@@ -139,7 +139,7 @@ typedef void (*kernt_fn)(const float *, long, const void *, long, long, float *,
 #if TAIL_ROWS
 KERNTS_OF(float, row_f32, kernt_f32)
 KERNTS_OF(unsigned short, row_bf16, kernt_bf16)
-KERNTS_OF(_Float16, row_f16, kernt_f16)
+KERNTS_OF(dt_half, row_f16, kernt_f16)
 #endif
 
 /* A tile widened to float32, per thread (grown on demand, kept for the thread's life: the callers

@@ -75,14 +75,14 @@ static void norm(const long *dims, const float *x, long n, long d, const float *
 /* NeoX partial rotary on the first rot dims of x (rotate_half convention).  Products rounded
  * before the sum, as torch's q * cos + rotate_half(q) * sin: left to the compiler, which product
  * it fuses into the add differs by target (x86 and aarch64 GCC builds parted by an ulp here;
- * tests/test_kernel_arm.py), and every variant must compute the same bits. */
-__attribute__((optimize("fp-contract=off")))
+ * tests/test_kernel_portable.py), and every variant must compute the same bits. */
+DT_UNFUSED
 static void rotate(float *x, long rot, const float *cos, const float *sin) {
     long half = rot / 2;
     for (long j = 0; j < half; j++) {
         float x1 = x[j], x2 = x[j + half];
         float a = x1 * cos[j], b = x2 * sin[j], c = x2 * cos[j + half], d = x1 * sin[j + half];
-        x[j] = a - b; /* (separate statements: clang ignores the attribute but contracts only within one) */
+        x[j] = a - b; /* (separate statements: see DT_UNFUSED) */
         x[j + half] = c + d;
     }
 }
@@ -427,7 +427,7 @@ void dt_argmax(const float *logits, long n, long V, long stride, long *out) { ar
 /* Sampling's perturbed scores in place (dynatree/sampling.py): x = x * inv_temp + g over V entries,
  * the product rounded before the add (no fused multiply-add), as torch computes them on the
  * runners without this kernel. */
-__attribute__((optimize("fp-contract=off")))
+DT_UNFUSED
 static void perturb_row(float *x, long V, float inv_temp, const float *g) {
     long j = 0;
     for (; j + DT_W <= V; j += DT_W) {
@@ -435,8 +435,8 @@ static void perturb_row(float *x, long V, float inv_temp, const float *g) {
         st(x + j, p + ld(g + j));
     }
     for (; j < V; j++) {
-        float p = x[j] * inv_temp; /* two statements, as above: clang ignores the attribute but */
-        x[j] = p + g[j];           /* contracts only within one (its default fp-contract=on) */
+        float p = x[j] * inv_temp; /* two statements: see DT_UNFUSED */
+        x[j] = p + g[j];
     }
 }
 

@@ -2,7 +2,7 @@
  *
  * DT_W floats per register and DT_NREG registers decide every loop's blocking:
  *   AVX-512: 16 x 32;  AVX2 + FMA: 8 x 16;  aarch64 (NEON): 4 x 32;  anything else: 4 x 16.
- * aarch64 builds are tested against the x86 ones under qemu-user (tests/test_kernel_arm.py).
+ * aarch64 builds are tested against the x86 ones under qemu-user (tests/test_kernel_portable.py).
  * DT_GENERIC (the `generic` build) takes the portable code on any machine: 128-bit GCC vector
  * extensions, no intrinsics -- the path ARM and other CPUs compile, so x86 hosts can test it.
  *
@@ -41,6 +41,16 @@
 #endif
 #define DT_L16 (16 / DT_W) /* registers per logical 16-float vector, the unit of every sum */
 
+/* A function whose a*b+c must round the product (GCC contracts across statements by default;
+ * clang knows no such attribute and contracts only within one statement, so such code writes
+ * its products and sums as separate statements). */
+#ifdef __clang__
+#define DT_UNFUSED
+#else
+#define DT_UNFUSED __attribute__((optimize("fp-contract=off")))
+#endif
+
+typedef unsigned short dt_half; /* an IEEE half's bits (not _Float16: clang < 15 has none on x86) */
 typedef float vf __attribute__((vector_size(4 * DT_W), aligned(4)));
 typedef int vi __attribute__((vector_size(4 * DT_W), aligned(4)));
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
@@ -54,7 +64,7 @@ static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a,
 static inline vf ld_bf16(const unsigned short *p) {
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
-static inline vf ld_f16(const _Float16 *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf ld_f16(const dt_half *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline void ld2_bf16(const unsigned short *p, vf *a, vf *b) { /* see ld2_bf16 below */
 #ifdef __AVX512BW__
     __m512i v = _mm512_loadu_si512((const void *)p), z = _mm512_setzero_si512();
@@ -74,7 +84,7 @@ static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a,
 static inline vf ld_bf16(const unsigned short *p) {
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 }
-static inline vf ld_f16(const _Float16 *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf ld_f16(const dt_half *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline void ld2_bf16(const unsigned short *p, vf *a, vf *b) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
     *a = (vf)_mm256_unpacklo_epi16(z, v), *b = (vf)_mm256_unpackhi_epi16(z, v);
@@ -99,9 +109,9 @@ static inline vf ld_bf16(const unsigned short *p) { /* bf16 is a float32's top h
  * so flush-to-zero modes change nothing). */
 #if defined(__aarch64__) && !defined(DT_GENERIC)
 #include <arm_neon.h>
-static inline vf ld_f16(const _Float16 *p) { return (vf)vcvt_f32_f16(vld1_f16((const float16_t *)p)); }
+static inline vf ld_f16(const dt_half *p) { return (vf)vcvt_f32_f16(vld1_f16((const float16_t *)p)); }
 #else
-static inline vf ld_f16(const _Float16 *p) {
+static inline vf ld_f16(const dt_half *p) {
     unsigned long long bits;
     memcpy(&bits, p, 8);
     u16x8 h = (u16x8)(u64x2){bits, 0}, z = {0};

@@ -1,10 +1,11 @@
-"""The native kernel on ARM, from an x86 host: its aarch64 builds cross-compiled and run under
-qemu-user compute bitwise what every x86 build here computes (vec.h's promise, so a corpus decoded
-on a Graviton node is the same corpus).  tests/kernel_bits.c writes every result of the kernel on
-fixed inputs -- GEMMs in each weight format, whole NeoX- and Llama-shaped forwards over float32 and
-bfloat16 caches with trees, shared prefixes and every head, sampling noise -- to a file; the files
-must be equal byte for byte.  Needs gcc-aarch64-linux-gnu and qemu-user (.ci/run installs them
-where apt-get can); skipped, saying so, without them."""
+"""The native kernel built for other CPUs and by another compiler computes the same bits as this
+host's builds (vec.h's promise, so a corpus decoded on a Graviton node, or by a clang build, is
+the same corpus).  tests/kernel_bits.c writes every result of the kernel on fixed inputs -- GEMMs
+in each weight format, whole NeoX- and Llama-shaped forwards over float32 and bfloat16 caches with
+trees, shared prefixes and every head, sampling noise -- to a file; the files must be equal byte
+for byte.  aarch64 builds are cross-compiled and run under qemu-user (gcc-aarch64-linux-gnu,
+qemu-user), clang builds natively (clang, libomp-dev); .ci/run installs them where apt-get can,
+and without them these tests skip, saying so."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,9 +19,9 @@ CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's cross toolchain: the aarch64 libc, libm, libgomp qemu loads
 GEMM_BYTES = 3 * sum(range(1, 28)) * 80 * 4  # kernel_bits.c's GEMM section: 3 formats x rows 1..27 x 80 floats
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None or shutil.which(CROSS) is None or shutil.which(QEMU) is None,
-    reason=f"needs cc, {CROSS} and {QEMU} (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+needs_arm = pytest.mark.skipif(shutil.which(CROSS) is None or shutil.which(QEMU) is None,
+                               reason=f"needs {CROSS} and {QEMU} (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)")
 
 
 def _bits(cc: str, lib: Path, work: Path, tag: str, run: list[str]) -> bytes:
@@ -52,6 +53,7 @@ def x86_bits(tmp_path_factory) -> dict[str, bytes]:
     return bits
 
 
+@needs_arm
 @pytest.mark.parametrize("march,cpu,extra", [("armv8-a", None, []), ("armv8-a", None, ["-DDT_GENERIC"]),
                                              ("armv8.2-a+fp16+dotprod", "max", []), ("armv9-a", "max", [])],
                          ids=["armv8", "armv8-generic", "armv8.2-fp16", "armv9-sve2"])
@@ -66,3 +68,28 @@ def test_aarch64_builds_compute_the_bits_of_every_x86_build(tmp_path, x86_bits, 
     assert len(arm) > GEMM_BYTES
     for isa, x86 in x86_bits.items():
         assert x86 == arm, f"{isa} build against aarch64 -march={march}: {_first_difference(x86, arm)}"
+
+
+def _clang_openmp(work: Path) -> str:
+    """Why clang cannot build OpenMP code here ("" when it can)."""
+    if shutil.which("clang") is None:
+        return "no clang (Debian: apt-get install clang libomp-dev)"
+    src = work / "omp.c"
+    src.write_text("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+    done = subprocess.run(["clang", "-fopenmp", str(src), "-o", str(work / "omp")], capture_output=True, text=True)
+    return f"clang -fopenmp fails (libomp-dev?): {done.stderr.strip()[:200]}" if done.returncode else ""
+
+
+@pytest.mark.parametrize("isa", kbuild.variants_here())
+def test_clang_builds_compute_the_bits_of_the_gcc_builds(tmp_path, x86_bits, isa):
+    """`CC=clang` builds each variant (kbuild's flags) and computes what GCC's build computes:
+    clang contracts a*b+c only within a statement and ignores GCC's optimize attribute, which
+    the unfused code (DT_UNFUSED) is written for."""
+    why = _clang_openmp(tmp_path)
+    if why:
+        pytest.skip(why)
+    lib = tmp_path / f"libdt-clang-{isa}.so"
+    error = kbuild._compile("clang", kbuild.FLAGS + kbuild.VARIANTS[isa], str(lib))
+    assert error is None, error
+    got = _bits("clang", lib, tmp_path, f"clang-{isa}", [])
+    assert got == x86_bits[isa], f"clang's {isa} build against GCC's: {_first_difference(x86_bits[isa], got)}"
