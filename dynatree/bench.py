@@ -486,6 +486,7 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     if spec.hf_peers and not hasattr(pair.target, "generate"):
         raise ValueError("transformers' peers (hf_*) call transformers' generate: load the pair with "
                          "load_pair(..., transformers_models=True) or kernel='hf'")
+    spec = _decodable(pair, spec, log)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -499,6 +500,15 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
         e.saved = bool(rows)
         raise
     return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept)
+
+
+def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
+    """``spec`` without the methods this pair cannot decode (a draft that grows no trees), each one
+    named, as `dynatree check` does (ModelPair.decodable: a ValueError when none is left)."""
+    cfgs = {m.label: make_config(m.method, m.options) for m in spec.methods if m.method not in HF_METHODS}
+    ok = pair.decodable(cfgs, log)
+    methods = tuple(m for m in spec.methods if m.method in HF_METHODS or m.label in ok)
+    return spec if len(methods) == len(spec.methods) else dataclasses.replace(spec, methods=methods)
 
 
 def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: float, loaded, interrupted: bool = False,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dynatree import ContextError, PairError, decode, generate, load_pair, make_config, pair_from_models
+from dynatree import ContextError, PairError, bench, decode, generate, load_pair, make_config, pair_from_models
 from dynatree.cli import main
 
 from conftest import random_prompts, tiny_neox
@@ -430,6 +430,9 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert notes == [f"note: skipping dyspec: {bloom.method_problem(make_config('dyspec'))}"]
     with pytest.raises(ValueError, match="^dyspec, dynatree: the draft model cannot expand token trees"):
         bloom.decodable({"dyspec": make_config("dyspec"), "dynatree": make_config("dynatree")}, notes.append)
+    notes.clear()  # dynatree bench too: its spec keeps the rest
+    spec = bench._decodable(bloom, bench.BenchSpec(("x",), tuple(bench.parse_methods("ar,linear,dynatree"))), notes.append)
+    assert [m.label for m in spec.methods] == ["ar", "linear"] and notes == [notes[0]] and "skipping dynatree" in notes[0]
     bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     with pytest.raises(ContextError, match=r"context \(shorten it\)$"):  # no cache window to suggest: none runs
         decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)
