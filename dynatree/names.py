@@ -164,6 +164,30 @@ def window_refusal(config, window="config") -> str | None:
     return None
 
 
+def model_config(name: str | Path) -> dict | None:
+    """A model's config.json as a dict: a local directory's, or a hub id's copy in the local
+    Hugging Face cache (never downloaded) -- what a job's driver checks before any actor starts;
+    None where there is none to read, or it is not a JSON object (the model's load says why)."""
+    f = Path(name).expanduser() / "config.json"
+    if not f.is_file():
+        if looks_local(str(name)):
+            return None
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            got = try_to_load_from_cache(str(name), "config.json")
+        except (ImportError, ValueError):  # (not a valid repo id)
+            return None
+        if not isinstance(got, str):
+            return None
+        f = Path(got)
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def model_problem(name: str) -> str | None:
     """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
     a hub id that is neither cached nor reachable (:func:`hub_problem`)."""

@@ -31,8 +31,8 @@ import pyarrow as pa
 
 from dynatree.data import id_strings, would_read
 from dynatree.signals import end_on_sigterm, held_while_starting
-from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem,
-                            no_tree_mask)
+from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
+                            model_problem, no_tree_mask)
 from dynatree.metrics import output_schema
 from dynatree.config import FLOAT16_ON_CPU, grows_trees
 
@@ -193,15 +193,12 @@ def preflight(spec: JobSpec) -> None:
 
 
 def _check_draft_trees(spec: JobSpec, draft: Path | None) -> None:
-    """A local draft whose attention takes no tree mask serves ``linear`` only (names.no_tree_mask):
-    a tree method with it is refused here, not once Ray and the actors have started (their load
-    probe finds it by trying, models.ModelPair.method_problem)."""
-    if draft is None or not grows_trees(spec.method_config) or not (draft / "config.json").is_file():
-        return
-    try:
-        why = no_tree_mask(json.loads((draft / "config.json").read_text()))
-    except (OSError, ValueError, AttributeError):  # unreadable, or not a JSON object: the actor's load says so
-        return
+    """A draft whose attention takes no tree mask serves ``linear`` only (names.no_tree_mask): a
+    tree method with it is refused here (its config.json: a local one, or a cached hub copy's),
+    not once Ray and the actors have started (their load probe finds it by trying,
+    models.ModelPair.method_problem)."""
+    config = model_config(draft) if draft is not None and grows_trees(spec.method_config) else None
+    why = config and no_tree_mask(config)
     if why:
         raise JobError(f"--method {spec.method}: the draft model cannot expand token trees ({why}): "
                        "use --method linear, or another draft")
@@ -217,9 +214,9 @@ def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:
 
 
 def _context(dirs: list[Path]) -> int | None:
-    """The smallest context of the local models' config.json files (None: none to read)."""
-    files = [p / "config.json" for p in dirs if (p / "config.json").is_file()]
-    return min((context_len(json.loads(f.read_text())) for f in files), default=None)
+    """The smallest context of the models' config.json files (names.model_config; None: none to read)."""
+    configs = [c for c in map(model_config, dirs) if c is not None]
+    return min((context_len(c) for c in configs), default=None)
 
 
 def _footprint(spec: JobSpec) -> footprint.Footprint | None:
@@ -239,11 +236,11 @@ def _has_chat_template(model_dir: Path) -> bool:
 
 
 def _check_stop_ids(spec: JobSpec, target: Path | None) -> None:
-    """A stop token id past a local target's vocabulary fails every actor; say so first."""
-    f = target / "config.json" if target is not None else None
-    if not spec.stop_token_ids or f is None or not f.is_file():
+    """A stop token id past the target's vocabulary (its config.json) fails every actor; say so first."""
+    config = model_config(target) if spec.stop_token_ids and target is not None else None
+    if config is None:
         return
-    vocab = json.loads(f.read_text()).get("vocab_size")
+    vocab = config.get("vocab_size")
     bad = [i for i in spec.stop_token_ids if vocab and i >= vocab]
     if bad:
         raise JobError(f"--stop-token-id {bad[0]} is outside the target's vocabulary (0 .. {vocab - 1})")
@@ -251,8 +248,8 @@ def _check_stop_ids(spec: JobSpec, target: Path | None) -> None:
 
 def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     """A cache window the models' context cannot hold, or a generation that leaves no room for a
-    prompt, fails every row; say so before any work (local models: their config.json; the
-    engine checks hub models, row by row)."""
+    prompt, fails every row; say so before any work (from the models' config.json: local, or a
+    cached hub copy's; the engine checks others, row by row)."""
     from dynatree.config import ContextError, check_window
 
     cfg = spec.method_config
@@ -270,7 +267,8 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
         from dynatree.names import window_refusal
 
         for p in dirs:
-            why = (p / "config.json").is_file() and window_refusal(json.loads((p / "config.json").read_text()))
+            config = model_config(p)
+            why = config and window_refusal(config)
             if why:
                 raise JobError(f"{p}: {why}")
 

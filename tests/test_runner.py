@@ -624,7 +624,7 @@ def test_awkward_inputs(ray_cluster, pair_dirs, tmp_path):
     assert s["rows"] == 0 and "generated_text" in pq.read_table(tmp_path / "o3" / "shards").column_names
 
 
-def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
+def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
     with pytest.raises(JobError, match="--target /no/such/model: no such file"):
         run_job(spec(pair_dirs, tmp_path, target="/no/such/model"), progress=False, log=quiet)
@@ -653,6 +653,14 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path):
     (tmp_path / "bloomish" / "config.json").write_text(json.dumps({**config, "model_type": "bloom"}))
     with pytest.raises(JobError, match=r"^--method dynatree: the draft model cannot expand token trees \(BLOOM's"):
         run_job(spec(pair_dirs, tmp_path, draft=str(tmp_path / "bloomish")), progress=False, log=quiet)
+    import huggingface_hub  # the same draft as a hub id with a cached copy: its cached config.json is read
+    snapshot = tmp_path / "hub" / "models--someorg--bloomish" / "snapshots" / ("0" * 40)
+    shutil.copytree(tmp_path / "bloomish", snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(JobError, match=r"^--method dynatree: the draft model cannot expand token trees \(BLOOM's"):
+        run_job(spec(pair_dirs, tmp_path, draft="someorg/bloomish"), progress=False, log=quiet)
     (tmp_path / "in").mkdir()
     (tmp_path / "in.parquet").rename(tmp_path / "in" / "in.parquet")
     for inp in (tmp_path / "in", tmp_path / "in" / "**" / "*.parquet"):
