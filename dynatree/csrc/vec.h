@@ -2,9 +2,10 @@
  *
  * DT_W floats per register and DT_NREG registers decide every loop's blocking:
  *   AVX-512: 16 x 32;  AVX2 + FMA: 8 x 16;  aarch64 (NEON): 4 x 32;  anything else: 4 x 16.
- * aarch64 builds are tested against the x86 ones under qemu-user (tests/test_kernel_portable.py).
  * DT_GENERIC (the `generic` build) takes the portable code on any machine: 128-bit GCC vector
- * extensions, no intrinsics -- the path ARM and other CPUs compile, so x86 hosts can test it.
+ * extensions, no intrinsics -- the path other CPUs compile, so x86 hosts can test it; aarch64's
+ * native build (`neon`) is that code with one NEON intrinsic (ld_f16), tested against the x86
+ * builds under qemu-user (tests/test_kernel_portable.py).
  *
  * The same bits on every variant: lane-wise arithmetic does not depend on the width, and every
  * horizontal sum adds a *logical 16-float vector* (DT_L16 registers) in one fixed tree order
