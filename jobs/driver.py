@@ -145,15 +145,41 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     printing only its own connection warnings."""
     import socket
 
+    means = ""
+    if address == "auto":
+        address, means = _resolve_auto()
+        if address is None:
+            return  # nothing recorded: ray.init says so (or finds a GCS process to attach to)
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit() or "://" in host:
-        return  # "auto", http:// and the like: Ray resolves them
+        return  # http:// and the like: Ray resolves them
     try:
         socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
     except OSError as e:
+        if means:
+            raise JobError(f"cannot reach the Ray cluster at {address}, which `auto` means here ({means}): nothing "
+                           f"answers there ({e.strerror or e}); restart its head, or give another --address") from e
         what = "Ray client server address (port 10001 unless set)" if address.startswith("ray://") else "GCS address"
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
                        f"is its head running (`ray start --head`), and is this its {what}?") from e
+
+
+def _resolve_auto() -> tuple[str | None, str]:
+    """The HOST:PORT that Ray's `auto` names, and why: RAY_ADDRESS where it is set, else the
+    address the last `ray start` here recorded -- (None, "") where there is none, or Ray's reader
+    of the record is not there.  Probed first: ray.init waits ~10 minutes on a recorded head that
+    is gone, deaf to Ctrl-C."""
+    env = os.environ.get("RAY_ADDRESS")
+    if env and env != "auto":
+        return env, "RAY_ADDRESS"
+    try:
+        from ray._private.services import find_bootstrap_address  # (private: another Ray may lack it)
+
+        recorded = find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001 -- an unreadable record: ray.init reports on it
+        return None, ""
+    why = "the cluster the last `ray start` on this machine recorded; `ray stop` clears a stale record"
+    return (recorded, why) if recorded else (None, "")
 
 
 def preflight(spec: JobSpec) -> None:

@@ -342,10 +342,13 @@ def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypat
         prepare_output(other, make_plan(other, quiet))
 
 
-def test_an_address_where_nothing_listens_fails_fast():
+def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
     """ray.init would retry such an address for minutes (the driver probes it before ray.init;
-    called directly here: in this test process Ray may already be up)."""
+    called directly here: in this test process Ray may already be up) -- `auto` included, which
+    names the cluster the last `ray start` recorded (ray.init waited ~10 minutes, deaf to Ctrl-C,
+    on a recorded head that had died), or RAY_ADDRESS's."""
     import socket
+    import ray._private.services
     from dynatree.jobs.driver import _probe
     with socket.socket() as s:  # a free port, closed again: nothing listens there
         s.bind(("127.0.0.1", 0))
@@ -360,7 +363,19 @@ def test_an_address_where_nothing_listens_fails_fast():
         s.bind(("127.0.0.1", 0))
         s.listen()
         _probe(f"127.0.0.1:{s.getsockname()[1]}")
-    _probe("auto")
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{s.getsockname()[1]}")
+        _probe("auto")
+    monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{port}")
+    with pytest.raises(JobError, match=f"at 127.0.0.1:{port}, which `auto` means here \\(the cluster the last `ray "
+                                       "start` on this machine recorded; `ray stop` clears a stale record\\)"):
+        _probe("auto")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(JobError, match=r"which `auto` means here \(RAY_ADDRESS\)"):
+        _probe("auto")
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: None)
+    _probe("auto")  # nothing recorded: ray.init decides
 
 
 def test_spec_validation_messages(tmp_path):
