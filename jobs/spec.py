@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import ANNOTATION_TYPES, KERNELS, METHODS, check_samples, make_config, non_default_options
+from dynatree.config import (ANNOTATION_TYPES, KERNELS, METHODS, check_samples, make_config, non_default_options,
+                             parse_options)
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -277,7 +278,7 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     unknown = sorted(set(data) - names)
     if unknown:
         raise SpecError(f"unknown job field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    options = dict(data.get("options") or {})
+    options = _file_options(data.get("options"))
     options.update(overrides.pop("options", None) or {})
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:  # typed values, so "8" from a flag and 8 from YAML are the same job
@@ -293,6 +294,20 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
         return JobSpec(**data)
     except TypeError as e:
         raise SpecError(f"invalid job spec: {e}") from e
+
+
+def _file_options(value) -> dict:
+    """A job file's ``options``: a mapping KEY: VALUE, or a list of "KEY=VALUE" strings as the
+    --option flag takes them; anything else is a SpecError saying so."""
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        try:
+            return parse_options(value)
+        except ValueError as e:
+            raise SpecError(f"invalid job spec: options: {e}") from None
+    raise SpecError(f"invalid job spec: options must be a mapping KEY: VALUE (e.g. options: {{d_max: 8}}) or a list "
+                    f"of KEY=VALUE strings, got {type(value).__name__} {value!r}")
 
 
 def _coerce(data: dict) -> dict:

@@ -408,6 +408,16 @@ def test_spec_validation_messages(tmp_path):
             build_spec(None, input="x", output="y", **{field: value})
     with pytest.raises(SpecError, match="names no column: give column names, or none"):
         build_spec(None, input="x", output="y", keep_columns=" , ")
+    job = tmp_path / "job.yaml"  # a job file's options: a mapping, or KEY=VALUE strings as the flag takes them
+    for options, want in (("{d_max: 6}", {"d_max": 6}), ("[d_max=6, tau=0.1]", {"d_max": 6, "tau": 0.1})):
+        job.write_text(f"input: x\noutput: y\noptions: {options}\n")
+        assert build_spec(str(job)).options == want
+    for options, said in (("[d_max]", "options: option 'd_max' is not of the form key=value"),
+                          ("5", "options must be a mapping KEY: VALUE .* got int 5"),
+                          ("[[d_max, 6]]", "options must be a mapping .* got list \\[\\['d_max', 6\\]\\]")):
+        job.write_text(f"input: x\noutput: y\noptions: {options}\n")
+        with pytest.raises(SpecError, match=said):
+            build_spec(str(job))
     assert build_spec(None, input="x", output="y", keep_columns="None").keep_columns == ()
     with pytest.raises(SpecError, match="placement_timeout_s must be > 0"):
         build_spec(None, input="x", output="y", placement_timeout_s=-5.0)
