@@ -151,7 +151,7 @@ def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
         return spec, None
     try:
         source = InputSource.open(spec.input)
-        begun = None if spec.overwrite else read_manifest(Path(spec.output))
+        begun = None if spec.overwrite else _own_manifest(Path(spec.output))
         if "id" not in source.column_names or (begun and begun.get("identity", {}).get("id_column", "id") is None):
             return spec, source
     except (InputError, OSError, ValueError, JobError):
@@ -245,6 +245,20 @@ def _ours(name: str) -> bool:
     """Whether a file in shards/ is one dynatree writes (a shard, or a shard being written)."""
     return (name.startswith("part-") and name.endswith(".parquet")
             or name.startswith(".part-") and name.endswith(".parquet.tmp"))
+
+
+def _own_manifest(out: Path) -> dict | None:
+    """The manifest of a job begun in ``out`` (read_manifest), refused where a run would replace a
+    file dynatree did not write: a manifest.json without a job identity, or a summary.json with no
+    manifest beside it (--overwrite replaces both)."""
+    old = read_manifest(out)
+    if old is not None and not (isinstance(old, dict) and "identity_hash" in old):
+        raise JobError(f"{out / 'manifest.json'} is not a dynatree job's manifest (it holds no job identity) and a "
+                       "run would replace it: move it, or use --overwrite to replace it, or another --output")
+    if old is None and (out / "summary.json").is_file():
+        raise JobError(f"{out} holds a summary.json but no manifest.json, so no dynatree job wrote it, and a run "
+                       "would replace it: move it, or use --overwrite to replace it, or another --output")
+    return old
 
 
 def _refuse_foreign(out: Path) -> None:
@@ -416,13 +430,13 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
     """What this job may do with ``spec.output`` (read only): JobError where it must not (files
     dynatree did not write, another job's shards); else the manifest it will write."""
     out, manifest = Path(spec.output), _manifest(spec, plan)
+    old = None if spec.overwrite else _own_manifest(out)
     if not (out / "shards").is_dir():
         return manifest
     _refuse_foreign(out)
     if spec.overwrite:
         _footers(out)  # (a resume reads them in finished_shards)
         return manifest
-    old = read_manifest(out)
     if old is not None and _has_shards(out):  # an identity is pinned only once a shard exists
         _refuse_change(out, old, manifest)
         _refuse_other_schema(out, spec, plan)

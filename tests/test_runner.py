@@ -1022,6 +1022,27 @@ def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):
         check_output(job, plan)
 
 
+def test_top_level_files_dynatree_did_not_write_are_never_replaced(pair_dirs, tmp_path):
+    """An --output holding no shards yet but a manifest.json that cannot be read or is not a
+    dynatree job's, or a summary.json with no manifest: a run would replace them, so it refuses,
+    and so does a dry run (which passed an unreadable manifest, quietly switching to row-index
+    ids); --overwrite replaces them."""
+    from dynatree.jobs.plan import check_output, make_plan
+
+    write_input(tmp_path)
+    job = spec(pair_dirs, tmp_path)
+    (tmp_path / "out").mkdir()
+    for name, text, said in (("manifest.json", "not json", "manifest.json cannot be read"),
+                             ("manifest.json", '{"files": ["a"]}', "manifest.json is not a dynatree job's manifest"),
+                             ("summary.json", '{"mine": 1}', "holds a summary.json but no manifest.json")):
+        (tmp_path / "out" / name).write_text(text)
+        with pytest.raises(JobError, match=said):
+            run_job(job, progress=False, log=quiet, dry_run=True)
+        check_output(dataclasses.replace(job, overwrite=True), make_plan(job, quiet))
+        (tmp_path / "out" / name).unlink()
+    assert run_job(job, progress=False, log=quiet, dry_run=True)["shards_done"] == 0
+
+
 def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     """summary.json's counts and moments against the same computed row by row in Python."""
     import statistics
