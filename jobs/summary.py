@@ -217,9 +217,18 @@ def format_table(s: dict) -> str:
         + (f" ({s['cached_prompt_tokens'] / s['prompt_tokens']:.0%}: shared prompt beginnings computed once)"
            if s.get("cached_prompt_tokens") else ""),
         f"speedup vs ar            {_speedup_line(s)}",
-        "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else "not checked"),
+        "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else _unchecked(s)),
     ]
     return "\n".join(lines)
+
+
+def _unchecked(s: dict) -> str:
+    """Why no row was checked: none asked for, or a --verify-fraction whose sample came out empty."""
+    fraction = (s.get("config") or {}).get("verify_fraction") or 0
+    if not fraction or not s["rows"]:
+        return "not checked"
+    return (f"not checked: --verify-fraction {fraction} picked none of the {s['rows']} rows (rows are picked "
+            "by a hash of their id, so a small job can draw none); raise it to check some")
 
 
 def _run_line(run: dict) -> str:

@@ -103,6 +103,9 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
                                                                   default=str))
         assert noop["rows"] == summary["rows"]
     assert "nothing left to decode; the last run that decoded: " in format_table(noop)
+    assert "matches ar               not checked\n" in format_table(noop) + "\n"  # (none asked for)
+    picked_none = {**noop, "config": {**noop["config"], "verify_fraction": 0.01}}  # a sample that came out empty
+    assert f"not checked: --verify-fraction 0.01 picked none of the {len(PROMPTS)} rows" in format_table(picked_none)
     # a different config on the same directory is refused, unless overwrite
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
