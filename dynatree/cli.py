@@ -107,6 +107,11 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
+        said = next((i for i, p in enumerate(prompts) if not chat_template and isinstance(_conversation(p), list)), None)
+        if said is not None:  # (the Python API applies the template to a message list itself)
+            click.echo(f"note: {engine.prompt_name(said, len(prompts))} reads as a list of chat messages; without "
+                       "--chat-template it is decoded as plain text (add --chat-template to apply the target's "
+                       "chat template)", err=True)
         if chat_template or max_prompt_tokens:
             prompts = [_prompt_ids(pair, p, chat_template, max_prompt_tokens, engine.prompt_name(i, len(prompts)))
                        for i, p in enumerate(prompts)]

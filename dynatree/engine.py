@@ -302,7 +302,8 @@ class BatchDecoder:
             raise ValueError(f"cfg must be a method's config (make_config(method, options)), got {type(cfg).__name__}")
         if make_policy(cfg).needs_draft and self.pair.draft is None:
             raise ValueError("this method needs a draft model; the pair was loaded without one "
-                             "(load_pair(target, draft); on the command line --draft with --target)")
+                             "(load_pair(target, draft); on the command line --draft with --target, or --method ar "
+                             "with a target alone)")
         problem = self.pair.method_problem(cfg)
         if problem:
             raise ValueError(problem)

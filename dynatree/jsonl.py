@@ -30,7 +30,8 @@ def _json_row(line: str | bytes, path: str, n: int) -> dict:
         row = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({getattr(e, 'msg', e)}{where})"
+        msg = str(getattr(e, "msg", e)).removesuffix(" at")  # ("Invalid control character at" + where)
+        raise InputError(f"cannot read {path}: line {n}: invalid JSON ({msg}{where})"
                          f"{_json_hint(path)}") from e
     if not isinstance(row, dict):
         raise InputError(f"cannot read {path}: line {n}: expected a JSON object, got {type(row).__name__}"

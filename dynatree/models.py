@@ -501,7 +501,8 @@ def chat_messages(value) -> list[dict]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
-        raise ValueError("prompt is not a list of {role, content} messages with string values")
+        empty = " (an empty conversation)" if isinstance(value, (list, tuple)) and not value else ""
+        raise ValueError(f"prompt is not a list of {{role, content}} messages with string values{empty}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

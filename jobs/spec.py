@@ -289,7 +289,8 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     data = _coerce(data)
     missing = [k for k in ("input", "output") if not data.get(k)]
     if missing:
-        raise SpecError(f"missing required field(s): {', '.join(missing)}")
+        raise SpecError(f"missing required field(s): {', '.join(missing)} "
+                        f"(on the command line {', '.join('--' + k for k in missing)})")
     try:
         return JobSpec(**data)
     except TypeError as e:

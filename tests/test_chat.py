@@ -73,6 +73,10 @@ def test_generate_on_the_command_line_takes_a_conversation(chat_dirs, chat_pair)
     assert CliRunner().invoke(main, args + ["--prompt", "[1, 2]"]).exit_code == 0  # numbers: text
     two = CliRunner().invoke(main, args + ["--prompt", "hi", "--prompt", "[]"])  # which of several
     assert two.exit_code == 1 and "prompt 1 (of 0..1): prompt is not a list of {role, content}" in two.output, two.output
+    plain = [a for a in args if a != "--chat-template"]  # messages without the flag: text, and a note says so
+    res = CliRunner().invoke(main, plain + ["--prompt", json.dumps(CHATS[0])])
+    assert res.exit_code == 0 and "note: prompt reads as a list of chat messages; without --chat-template" in res.output
+    assert "note:" not in CliRunner().invoke(main, plain + ["--prompt", "[1, 2]"]).output
 
 
 def test_prompt_policy_with_chat(chat_pair, close_pair):

@@ -180,6 +180,9 @@ def test_jsonl_line_numbers_and_types(tmp_path, monkeypatch):
         InputSource.open(str(tmp_path / "bad.jsonl"))
     with pytest.raises(InputError, match="line 7"):
         read_table(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "tab.jsonl").write_text('{"text": "a\tb"}\n')  # json's own message ends in "at"
+    with pytest.raises(InputError, match=r"line 1: invalid JSON \(Invalid control character at column 12\)$"):
+        InputSource.open(str(tmp_path / "tab.jsonl"))
     monkeypatch.setattr(jsonl, "JSONL_INFER_ROWS", 2)  # types inferred 2 rows at a time, then united
     with pytest.raises(InputError, match="line 7"):  # every line is read when the job is planned
         InputSource.open(str(tmp_path / "bad.jsonl"))

@@ -382,7 +382,7 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
 
 
 def test_spec_validation_messages(tmp_path):
-    with pytest.raises(SpecError, match="missing required field"):
+    with pytest.raises(SpecError, match=r"missing required field\(s\): output \(on the command line --output\)"):
         build_spec(None, input="x")
     with pytest.raises(SpecError, match="verify_fraction"):
         build_spec(None, input="x", output="y", verify_fraction=2)
