@@ -334,6 +334,12 @@ def run(config_file, quiet, dry_run, **fields):
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))
         click.echo(f"{'options':<22} " + " ".join(f"{k}={v}" for k, v in summary["options"].items()))
         return
+    import atexit
+    import signal
+
+    # the job is done: a Ctrl-C during Ray's shutdown at exit (~3 s for a local cluster) would print
+    # Ray's traceback under the finished job's table (atexit runs this before ray.init's handler)
+    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     _print_summary(summary, spec)
     if summary["rows"] and summary["errors"] == summary["rows"]:
         kind, n = next(iter(summary["error_messages"].items()))
