@@ -413,7 +413,9 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples,
             "target": spec.target or "(the bundled demo pair's)",
             "draft": "(none: ar drafts nothing)" if spec.method == "ar" else spec.draft or "(the bundled demo pair's)",
-            "method": spec.method,
+            "method": spec.method, "max_new_tokens": spec.max_new_tokens, "max_prompt_tokens": spec.max_prompt_tokens,
+            "samples": spec.samples, "stop": list(spec.stop) + list(spec.stop_token_ids), "limit": spec.limit,
+            "verify_fraction": spec.verify_fraction,
             "options": dataclasses.asdict(spec.method_config), "batch_size": spec.batch_size,
             "overwrite": spec.overwrite}
 
