@@ -503,12 +503,17 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
 
 
 def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
-    """``spec`` without the methods this pair cannot decode (a draft that grows no trees), each one
-    named, as `dynatree check` does (ModelPair.decodable: a ValueError when none is left)."""
-    cfgs = {m.label: make_config(m.method, m.options) for m in spec.methods if m.method not in HF_METHODS}
+    """``spec`` without the methods this pair cannot decode (a draft that grows no trees) and
+    without a fixed-tree --grid then, each named, as `dynatree check` does (ModelPair.decodable:
+    a ValueError when no method is left; transformers' peers, which decode on their own, stay)."""
+    cfgs = {m.label: ARConfig() if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     ok = pair.decodable(cfgs, log)
-    methods = tuple(m for m in spec.methods if m.method in HF_METHODS or m.label in ok)
-    return spec if len(methods) == len(spec.methods) else dataclasses.replace(spec, methods=methods)
+    grid = spec.grid
+    if grid and pair.method_problem(make_config("fixed_tree")):
+        log(f"note: skipping the --grid (fixed trees): {pair.method_problem(make_config('fixed_tree'))}")
+        grid = {}
+    methods = tuple(m for m in spec.methods if m.label in ok)
+    return spec if (methods, grid) == (spec.methods, spec.grid) else dataclasses.replace(spec, methods=methods, grid=grid)
 
 
 def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: float, loaded, interrupted: bool = False,

@@ -304,7 +304,7 @@ def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options
     from .jobs.driver import ClusterLost, JobError, MismatchError, run_job
-    from .signals import ask, interrupted
+    from .signals import ask, interrupted, quiet_exit
     from .jobs.spec import SpecError, build_spec
     from .jobs.summary import OTHER_ERRORS
 
@@ -318,6 +318,7 @@ def run(config_file, quiet, dry_run, **fields):
         sys.stderr.flush()
         os._exit(1)
     except MismatchError as e:  # the job finished: its table first, as for any finished job
+        quiet_exit()
         _print_summary(e.summary, spec)
         _fail(str(e))
     except (SpecError, JobError, ValueError) as e:
@@ -334,12 +335,7 @@ def run(config_file, quiet, dry_run, **fields):
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))
         click.echo(f"{'options':<22} " + " ".join(f"{k}={v}" for k, v in summary["options"].items()))
         return
-    import atexit
-    import signal
-
-    # the job is done: a Ctrl-C during Ray's shutdown at exit (~3 s for a local cluster) would print
-    # Ray's traceback under the finished job's table (atexit runs this before ray.init's handler)
-    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+    quiet_exit()
     _print_summary(summary, spec)
     if summary["rows"] and summary["errors"] == summary["rows"]:
         kind, n = next(iter(summary["error_messages"].items()))

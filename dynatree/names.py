@@ -176,7 +176,7 @@ def model_config(name: str | Path) -> dict | None:
             from huggingface_hub import try_to_load_from_cache
 
             got = try_to_load_from_cache(str(name), "config.json")
-        except (ImportError, ValueError):  # (not a valid repo id)
+        except (ImportError, ValueError, OSError):  # (not a valid repo id; an unreadable cache)
             return None
         if not isinstance(got, str):
             return None

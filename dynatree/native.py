@@ -43,7 +43,7 @@ _libs: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # variant -> (library or 
 
 
 class DtSeq(ctypes.Structure):
-    """csrc/neox.c's dt_seq: one sequence's part of a packed forward."""
+    """csrc/neox.h's dt_seq: one sequence's part of a packed forward (sizes checked in _build)."""
 
     _fields_ = [("rows", ctypes.c_long), ("past", ctypes.c_long), ("visible", ctypes.c_long), ("cap", ctypes.c_long),
                 ("keep", ctypes.c_long), ("allowed", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
@@ -81,6 +81,9 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_fma_peak.restype = ctypes.c_double
     lib.dt_fma_peak.argtypes = [L, I]
     lib.dt_isa.argtypes = lib.dt_vector_floats.argtypes = lib.dt_rows_per_pass.argtypes = lib.dt_tile_width.argtypes = []
+    lib.dt_seq_bytes.argtypes, lib.dt_seq_bytes.restype = [], L
+    if lib.dt_seq_bytes() != ctypes.sizeof(DtSeq):  # (a field added on one side only: every forward would misread)
+        return None, f"csrc/neox.h's dt_seq is {lib.dt_seq_bytes()} bytes, native.DtSeq {ctypes.sizeof(DtSeq)}"
     return lib, f"{isa or variant()} variant: {describe(lib)}, {lib_path}"
 
 

@@ -94,3 +94,33 @@ def held_while_starting(ray_utils=None):
         end_on_sigterm()  # (not the handler from before: no moment without one)
     if got:
         raise _raised(got[0])
+
+
+_finishing = False  # quiet_exit registered (once per process)
+
+
+def quiet_exit() -> None:
+    """A finished job's command is only exiting: Ray's shutdown at exit (~3 s for a local cluster,
+    longer where a head is slow to answer) runs first; a Ctrl-C then would print Ray's traceback
+    under the finished job's table.  From exit on, the first Ctrl-C is ignored and a second one
+    ends the process at once (atexit runs this before ray.init's own handler: last in, first out)."""
+    global _finishing
+    if _finishing:
+        return
+    _finishing = True
+
+    def at_exit():
+        pressed = []
+
+        def second_ends(_signum, _frame):
+            if pressed:
+                import os
+
+                os._exit(130)
+            pressed.append(1)
+
+        signal.signal(signal.SIGINT, second_ends)
+
+    import atexit
+
+    atexit.register(at_exit)

@@ -39,7 +39,7 @@ from dynatree.config import FLOAT16_ON_CPU, grows_trees
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
                    output_lock, prepare_output, write_shard)
-from .spec import FAULTS_ENV, JobSpec
+from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
 __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
@@ -165,21 +165,22 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 
 
 def _resolve_auto() -> tuple[str | None, str]:
-    """The HOST:PORT that Ray's `auto` names, and why: RAY_ADDRESS where it is set, else the
-    address the last `ray start` here recorded -- (None, "") where there is none, or Ray's reader
-    of the record is not there.  Probed first: ray.init waits ~10 minutes on a recorded head that
-    is gone, deaf to Ctrl-C."""
-    env = os.environ.get("RAY_ADDRESS")
-    if env and env != "auto":
-        return env, "RAY_ADDRESS"
+    """The HOST:PORT that Ray's `auto` names (Ray's own resolver: RAY_ADDRESS, else a running
+    local GCS or the last `ray start`'s record), and whence -- (None, "") where it finds none (ray.init
+    says so) or the resolver is not there.  Probed first: ray.init waits ~10 minutes on a recorded
+    head that is gone, deaf to Ctrl-C."""
     try:
-        from ray._private.services import find_bootstrap_address  # (private: another Ray may lack it)
+        from ray._private import services  # (private: another Ray version may lack it)
 
-        recorded = find_bootstrap_address(None)
-    except Exception:  # noqa: BLE001 -- an unreadable record: ray.init reports on it
+        address = services.get_ray_address_from_environment("auto", None)
+        recorded = services.find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001 -- ConnectionError (none found), an unreadable record: ray.init reports
         return None, ""
-    why = "the cluster the last `ray start` on this machine recorded; `ray stop` clears a stale record"
-    return (recorded, why) if recorded else (None, "")
+    if os.environ.get("RAY_ADDRESS") not in (None, "", "auto"):
+        return address, "RAY_ADDRESS"
+    if address and address == recorded:
+        return address, "the cluster the last `ray start` on this machine recorded; `ray stop` clears a stale record"
+    return address, "a Ray cluster running on this machine"
 
 
 def preflight(spec: JobSpec) -> None:
@@ -407,17 +408,16 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             raise JobError(f"output directory {out} is not writable: {d} does not allow writing")
     done, todo = _progress_of(out, spec, plan)
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
-    return {"input": spec.input, "input_rows": plan.rows, "files": len(plan.source.files),
-            "id_column": spec.id_column or "(row index)", "kept_columns": plan.kept_names,
-            "output": os.path.abspath(spec.output), "shards": plan.num_shards, "shards_done": len(done),
-            "rows_to_decode": rows, "output_rows_to_write": rows * plan.samples,
-            "target": spec.target or "(the bundled demo pair's)",
-            "draft": "(none: ar drafts nothing)" if spec.method == "ar" else spec.draft or "(the bundled demo pair's)",
-            "method": spec.method, "max_new_tokens": spec.max_new_tokens, "max_prompt_tokens": spec.max_prompt_tokens,
-            "samples": spec.samples, "stop": list(spec.stop) + list(spec.stop_token_ids), "limit": spec.limit,
-            "verify_fraction": spec.verify_fraction,
-            "options": dataclasses.asdict(spec.method_config), "batch_size": spec.batch_size,
-            "overwrite": spec.overwrite}
+    shown = {"id_column": spec.id_column or "(row index)", "keep_columns": plan.kept_names,
+             "target": spec.target or "(the bundled demo pair's)",
+             "draft": "(none: ar drafts nothing)" if spec.method == "ar" else spec.draft or "(the bundled demo pair's)"}
+    return {"input_rows": plan.rows, "files": len(plan.source.files), "output": os.path.abspath(spec.output),
+            "shards": plan.num_shards, "shards_done": len(done), "rows_to_decode": rows,
+            "output_rows_to_write": rows * plan.samples,
+            # every field of the job's identity (what a resume must match), as this run resolves it
+            **{k: shown.get(k, getattr(spec, k)) for k in OUTPUT_IDENTITY if k != "options"},
+            "batch_size": spec.batch_size, "overwrite": spec.overwrite,
+            "options": dataclasses.asdict(spec.method_config)}
 
 
 def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table]:

@@ -223,12 +223,13 @@ def format_table(s: dict) -> str:
 
 
 def _unchecked(s: dict) -> str:
-    """Why no row was checked: none asked for, or a --verify-fraction whose sample came out empty."""
+    """Why no row was checked: none asked for, or a --verify-fraction that checked none (its sample
+    is drawn by id hash, so a small job can draw none; a row with an error is never checked)."""
     fraction = (s.get("config") or {}).get("verify_fraction") or 0
     if not fraction or not s["rows"]:
         return "not checked"
-    return (f"not checked: --verify-fraction {fraction} picked none of the {s['rows']} rows (rows are picked "
-            "by a hash of their id, so a small job can draw none); raise it to check some")
+    return (f"not checked: --verify-fraction {fraction} checked none of the {s['rows']} rows (it picks rows by a "
+            "hash of their id, so a small job can draw none; rows with errors are not checked)")
 
 
 def _run_line(run: dict) -> str:

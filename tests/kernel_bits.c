@@ -2,11 +2,12 @@
  * runs it against each build this host runs and against an aarch64 build under qemu-user, and
  * compares the files byte for byte (vec.h: every variant computes the same bits where the CPU
  * fuses a*b+c).  Linked against one build of the kernel library:
- *     kernel_bits OUT_FILE
+ *     kernel_bits OUT_FILE [THREADS]   (default 2)
  *
  * Inputs come from an integer generator and are exact in every weight format (no libm here: the
  * rotary tables are random values too), so they are the same bits on every machine.  Covered:
- * dt_gemm at 1..27 rows in float32/bfloat16/half weights (a third of them subnormal as halves); whole forwards of a GPT-NeoX-shaped
+ * dt_gemm at 1..27 rows in float32/bfloat16/half weights (a third of them subnormal as halves),
+ * and at 1, 13, 25 rows with K = 300 (16-bit tiles widened once per call); whole forwards of a GPT-NeoX-shaped
  * model (layer norms, GELU, parallel residual, partial rotary, biases) and a Llama/Qwen3-shaped
  * one (RMS norms, SwiGLU, grouped-query attention, q/k norms) in each weight format, over float32
  * and bfloat16 caches: a packed prefill of two prompts, then one forward of a masked tree, a
@@ -17,14 +18,6 @@
 #include <string.h>
 
 #include "../dynatree/csrc/neox.h"
-
-const char *dt_isa(void);
-int dt_vector_floats(void);
-int dt_tile_width(void);
-void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N, int threads);
-void dt_gumbel(unsigned int k0, unsigned int k1, long n, float *out);
-void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
-void dt_argmax(const float *logits, long n, long V, long stride, long *out);
 
 static FILE *out;
 static unsigned long long state = 0x9E3779B97F4A7C15ull;
@@ -102,8 +95,10 @@ static float *padded(const float *b, long N) { /* a bias, zero to the tile width
     return p;
 }
 
-static void gemms(void) {
-    const long K = 96, N = 80;
+/* y = x W + b for each of M in ms, weights in each format; K >= 256 takes gemm.c's other path
+ * for 16-bit weights over several passes (each tile widened once, then re-read). */
+static void gemms(long K, const long *ms, int nm) {
+    const long N = 80;
     float *W = rnd_vec(N * K, 2), *b = rnd_vec(N, 0), *x = rnd_vec(27 * K, 0);
     for (long i = 0; i < N * K; i += 3) W[i] = rnd(16); /* k * 2^-24: subnormal halves (and zeros) */
     long npad = (N + dt_tile_width() - 1) / dt_tile_width() * dt_tile_width();
@@ -111,7 +106,8 @@ static void gemms(void) {
     for (int fmt = 0; fmt < 3; fmt++) {
         void *wp = pack(W, N, K, fmt);
         float *bp = padded(b, N);
-        for (long M = 1; M <= 27; M++) {
+        for (int i = 0; i < nm; i++) {
+            long M = ms[i];
             dt_gemm(x, M, K, wp, fmt, M % 2 ? bp : NULL, y, npad, threads);
             for (long m = 0; m < M; m++) emit(y + m * npad, sizeof(float) * (size_t)N);
         }
@@ -173,8 +169,7 @@ static cache make_cache(const model *m, long cap, long fmt) {
 }
 
 static dt_seq seq_of(const cache *c, long rows, long past, long keep) {
-    dt_seq s = {rows, past, 0, c->cap, keep, NULL, c->k, c->v, c->fmt, NULL, 0.0f, 0, NULL, NULL, NULL, NULL};
-    return s;
+    return (dt_seq){.rows = rows, .past = past, .cap = c->cap, .keep = keep, .kc = c->k, .vc = c->v, .kvfmt = c->fmt};
 }
 
 /* One forward; every logit of the kept rows and the heads' results go to the file. */
@@ -223,15 +218,19 @@ static void forwards(int llama, int fmt, long kvfmt) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: kernel_bits OUT_FILE\n");
+    if (argc < 2 || argc > 3) {
+        fprintf(stderr, "usage: kernel_bits OUT_FILE [THREADS]\n");
         return 2;
     }
+    if (argc == 3) threads = atoi(argv[2]); /* (no bit may depend on it) */
     out = fopen(argv[1], "wb");
     if (!out) { perror(argv[1]); return 2; }
     fprintf(stderr, "kernel_bits: %s variant, %d-float vectors, %d-column tiles\n", dt_isa(), dt_vector_floats(),
             dt_tile_width());
-    gemms();
+    long every[27], some[] = {1, 13, 25};
+    for (int i = 0; i < 27; i++) every[i] = i + 1;
+    gemms(96, every, 27);
+    gemms(300, some, 3);
     for (int llama = 0; llama < 2; llama++)
         for (int fmt = 0; fmt < 3; fmt++)
             for (long kvfmt = 0; kvfmt < 2; kvfmt++) forwards(llama, fmt, kvfmt);

@@ -431,8 +431,12 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     with pytest.raises(ValueError, match="^dyspec, dynatree: the draft model cannot expand token trees"):
         bloom.decodable({"dyspec": make_config("dyspec"), "dynatree": make_config("dynatree")}, notes.append)
     notes.clear()  # dynatree bench too: its spec keeps the rest
-    spec = bench._decodable(bloom, bench.BenchSpec(("x",), tuple(bench.parse_methods("ar,linear,dynatree"))), notes.append)
-    assert [m.label for m in spec.methods] == ["ar", "linear"] and notes == [notes[0]] and "skipping dynatree" in notes[0]
+    spec = bench._decodable(bloom, bench.BenchSpec(("x",), tuple(bench.parse_methods("ar,linear,dynatree")),
+                                                   grid={"depth": [2]}), notes.append)
+    assert [m.label for m in spec.methods] == ["ar", "linear"] and spec.grid == {}
+    assert len(notes) == 2 and "skipping dynatree" in notes[0] and "skipping the --grid" in notes[1]
+    peers = bench.BenchSpec(("x",), tuple(bench.parse_methods("hf_assisted,dynatree")))  # a peer decodes on its own
+    assert [m.label for m in bench._decodable(bloom, peers, notes.append).methods] == ["ar", "hf_assisted"]
     bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     with pytest.raises(ContextError, match=r"context \(shorten it\)$"):  # no cache window to suggest: none runs
         decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)

@@ -105,7 +105,7 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert "nothing left to decode; the last run that decoded: " in format_table(noop)
     assert "matches ar               not checked\n" in format_table(noop) + "\n"  # (none asked for)
     picked_none = {**noop, "config": {**noop["config"], "verify_fraction": 0.01}}  # a sample that came out empty
-    assert f"not checked: --verify-fraction 0.01 picked none of the {len(PROMPTS)} rows" in format_table(picked_none)
+    assert f"not checked: --verify-fraction 0.01 checked none of the {len(PROMPTS)} rows" in format_table(picked_none)
     # a different config on the same directory is refused, unless overwrite
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
@@ -367,8 +367,14 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
         s.listen()
         _probe(f"127.0.0.1:{s.getsockname()[1]}")
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])  # (no GCS process here)
         monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{s.getsockname()[1]}")
         _probe("auto")
+        live = f"127.0.0.1:{s.getsockname()[1]}"  # a dead record beside one running GCS: Ray takes the GCS
+        monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [live])
+        monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{port}")
+        _probe("auto")
+    monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])
     monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{port}")
     with pytest.raises(JobError, match=f"at 127.0.0.1:{port}, which `auto` means here \\(the cluster the last `ray "
                                        "start` on this machine recorded; `ray stop` clears a stale record\\)"):
@@ -1222,6 +1228,33 @@ def test_a_ray_client_session_that_fails_to_start_is_not_blamed_on_tokens():
     busy = ConnectionError("Starting Ray client server failed. See ray_client_server_23000.err for detailed logs.")
     assert "client server could not start a session" in _connect_hint(busy) and "token" not in _connect_hint(busy)
     assert "RAY_AUTH_MODE" in _connect_hint(ConnectionError("Failed to connect to GCS"))
+
+
+def test_a_finished_job_exits_quietly_through_ray_shutdown():
+    """signals.quiet_exit: a Ctrl-C while Ray's exit-time shutdown runs (an atexit handler
+    registered before it, as ray.init's is) is ignored -- it printed Ray's traceback under a
+    finished job's table -- and a second one ends the process at once."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import atexit, os, signal, sys, time
+        def ray_shutdown():  # what ray.init registers: a few seconds at exit
+            for _ in range(int(sys.argv[1])):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+            print("shutdown finished")
+        atexit.register(ray_shutdown)
+        from dynatree.signals import quiet_exit
+        quiet_exit()
+        quiet_exit()  # (once per process)
+        print("table")
+    """
+    once = subprocess.run([sys.executable, "-c", script, "1"], capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0 and once.stdout.split() == ["table", "shutdown", "finished"], once
+    assert "Traceback" not in once.stderr, once.stderr
+    twice = subprocess.run([sys.executable, "-c", script, "2"], capture_output=True, text=True, timeout=60)
+    assert twice.returncode == 130 and "shutdown finished" not in twice.stdout, twice
 
 
 def test_a_command_line_ends_on_sigterm_from_its_start(monkeypatch):

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "neox.h"
 #include "vec.h"
 
 /* Register blocking per instruction set (vec.h): a pass keeps RMAX rows x NVT vectors of

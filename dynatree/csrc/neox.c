@@ -35,8 +35,6 @@
 #include "neox.h"
 #include "vec.h"
 
-void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
-
 /* y[i] = layer_norm(x[i]) for n rows of d; statistics in double, one row at a time (rows split
  * between the calling threads). */
 static void layer_norm(const float *x, long n, long d, const float *w, const float *b, float eps, float *y) {
@@ -78,6 +76,7 @@ static void norm(const long *dims, const float *x, long n, long d, const float *
  * tests/test_kernel_portable.py), and every variant must compute the same bits. */
 DT_UNFUSED
 static void rotate(float *x, long rot, const float *cos, const float *sin) {
+    DT_UNFUSED_BODY
     long half = rot / 2;
     for (long j = 0; j < half; j++) {
         float x1 = x[j], x2 = x[j + half];
@@ -91,6 +90,8 @@ static void rotate(float *x, long rot, const float *cos, const float *sin) {
 static attn_t attn_for(long nv, long kvfmt) { return kvfmt ? dt_attn_bf16(nv) : dt_attn_f32(nv); }
 
 int dt_attn_supported(long head_dim) { return head_dim % 16 == 0 && dt_attn_f32(head_dim / 16) != 0; }
+
+long dt_seq_bytes(void) { return (long)sizeof(dt_seq); }
 
 /* Where each packed row belongs: its sequence and its index among that sequence's rows; where
  * each sequence's rows start. */
@@ -429,6 +430,7 @@ void dt_argmax(const float *logits, long n, long V, long stride, long *out) { ar
  * runners without this kernel. */
 DT_UNFUSED
 static void perturb_row(float *x, long V, float inv_temp, const float *g) {
+    DT_UNFUSED_BODY
     long j = 0;
     for (; j + DT_W <= V; j += DT_W) {
         vf p = ld(x + j) * bc(inv_temp);
@@ -446,7 +448,6 @@ static void perturb_row(float *x, long V, float inv_temp, const float *g) {
  * In float32: v is fine-grained near 0, where the noise is large, so the largest noise is ~22.9
  * (a token scoring over ~25 below the best can never be drawn: at most V * e^-25 of probability,
  * ~1e-7 for 50k tokens).  log1p(-v) = log(u) * -v / (u - 1), u = 1 - v rounded (Goldberg). */
-typedef unsigned int vu __attribute__((vector_size(4 * DT_W)));
 static inline vu fmix32(vu x) {
     x ^= x >> 16;
     x *= 0x85ebca6bu;

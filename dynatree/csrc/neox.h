@@ -1,6 +1,7 @@
-/* The interface of csrc/neox.c's forward (dt_neox_forward): its parameter and dimension indices and
- * the description of one sequence of a packed forward -- shared by the kernel and its C callers
- * (tests/kernel_bits.c; dynatree/native.py mirrors dt_seq as DtSeq). */
+/* The library's interface: the forward's parameter and dimension indices, the description of one
+ * sequence of a packed forward (dt_seq; dynatree/native.py mirrors it as DtSeq, checked against
+ * dt_seq_bytes), and every exported function -- included by the sources that define them, so the
+ * compiler checks each definition, and by C callers (tests/kernel_bits.c). */
 #ifndef DT_NEOX_H
 #define DT_NEOX_H
 
@@ -32,9 +33,25 @@ typedef struct {
     const long *scaps;
 } dt_seq;
 
+/* Every function the library exports (native.py declares them for ctypes): gemm.c's, then neox.c's. */
+const char *dt_isa(void);
+int dt_vector_floats(void);
+int dt_rows_per_pass(void);
+int dt_tile_width(void);
+void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
+void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
+             int threads);
+double dt_fma_peak(long iters, int threads);
+int dt_attn_supported(long head_dim);
+long dt_seq_bytes(void);
+long dt_work_per_row(const long *dims);
 int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, const float *const *p,
                     const float *embed, const float *const *head, const long *ids, long n, const long *pos,
                     const float *cos_t, const float *sin_t, const dt_seq *seqs, long nseq, float *logits,
                     float *work, int threads, long cols, long topk, float *top_vals, long *top_ids);
-long dt_work_per_row(const long *dims);
+void dt_argmax(const float *logits, long n, long V, long stride, long *out);
+void dt_gumbel(unsigned int k0, unsigned int k1, long n, float *out);
+void dt_softmax_topk(const float *logits, long n, long V, long stride, long k, float *vals, long *ids);
+void dt_cache_keep(char *const *kc, char *const *vc, long nl, long rows, long cap, long hd, long start,
+                   const long *src, long k, long elem);
 #endif

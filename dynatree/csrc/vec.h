@@ -47,13 +47,16 @@
  * its products and sums as separate statements). */
 #ifdef __clang__
 #define DT_UNFUSED
+#define DT_UNFUSED_BODY _Pragma("STDC FP_CONTRACT OFF") /* (first in the body: standard C, clang honours it) */
 #else
 #define DT_UNFUSED __attribute__((optimize("fp-contract=off")))
+#define DT_UNFUSED_BODY
 #endif
 
 typedef unsigned short dt_half; /* an IEEE half's bits (not _Float16: clang < 15 has none on x86) */
 typedef float vf __attribute__((vector_size(4 * DT_W), aligned(4)));
 typedef int vi __attribute__((vector_size(4 * DT_W), aligned(4)));
+typedef unsigned int vu __attribute__((vector_size(4 * DT_W)));
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
 #if DT_W == 16 && !defined(DT_GENERIC)
@@ -110,17 +113,18 @@ static inline vf ld_bf16(const unsigned short *p) { /* bf16 is a float32's top h
  * so flush-to-zero modes change nothing). */
 #if defined(__aarch64__) && !defined(DT_GENERIC)
 #include <arm_neon.h>
-static inline vf ld_f16(const dt_half *p) { return (vf)vcvt_f32_f16(vld1_f16((const float16_t *)p)); }
+static inline vf ld_f16(const dt_half *p) { return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 #else
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "ld_bf16 and ld_f16 interleave 16-bit halves in lanes");
 static inline vf ld_f16(const dt_half *p) {
     unsigned long long bits;
     memcpy(&bits, p, 8);
     u16x8 h = (u16x8)(u64x2){bits, 0}, z = {0};
     vi u = (vi)__builtin_shufflevector(h, z, 0, 8, 1, 9, 2, 10, 3, 11); /* zero-extended */
-    vi em = u & 0x7fff, sign = (u & 0x8000) << 16;
+    vi em = u & 0x7fff, sign = (vi)((vu)(u & 0x8000) << 16);
     vf normal = (vf)((em << 13) + (112 << 23));                    /* exponent rebiased 15 -> 127 */
     vf small = __builtin_convertvector(em, vf) * bc(0x1p-24f);      /* subnormal: em * 2^-24 */
-    vf special = (vf)((em << 13) | 0x7f800000);                     /* inf, nan (payload kept) */
+    vf special = (vf)((em << 13) | 0x7f800000 | ((em > 0x7c00) & 0x400000)); /* inf; nan, quieted as fcvt does */
     vf r = vsel(em < 0x400, small, vsel(em >= 0x7c00, special, normal));
     return (vf)((vi)r | sign);
 }
