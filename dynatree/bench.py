@@ -508,9 +508,9 @@ def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
     a ValueError when no method is left; transformers' peers, which decode on their own, stay)."""
     cfgs = {m.label: ARConfig() if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     ok = pair.decodable(cfgs, log)
-    grid = spec.grid
-    if grid and pair.method_problem(make_config("fixed_tree")):
-        log(f"note: skipping the --grid (fixed trees): {pair.method_problem(make_config('fixed_tree'))}")
+    grid, problem = spec.grid, spec.grid and pair.method_problem(make_config("fixed_tree"))
+    if problem:
+        log(f"note: skipping the --grid (fixed trees): {problem}")
         grid = {}
     methods = tuple(m for m in spec.methods if m.label in ok)
     return spec if (methods, grid) == (spec.methods, spec.grid) else dataclasses.replace(spec, methods=methods, grid=grid)

@@ -27,14 +27,23 @@ def _offline() -> bool:
                                                                  "HF_DATASETS_OFFLINE"))
 
 
+def _cached_config(name: str) -> str | None:
+    """The path of hub model ``name``'s config.json in the local Hugging Face cache, or None (never
+    downloaded); huggingface_hub's errors pass through (a name that is no repo id: ValueError)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    got = try_to_load_from_cache(name, "config.json")
+    return got if isinstance(got, str) else None
+
+
 def _cached(name: str, kind: str) -> bool:
     """Whether a copy of ``name`` may be cached here (when unsure: yes, and the loader decides)."""
     try:
-        from huggingface_hub import constants, try_to_load_from_cache
+        from huggingface_hub import constants
     except ImportError:
         return True
     if kind == "model":
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+        return _cached_config(name) is not None
     if (Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}").is_dir():
         return True
     try:  # `datasets` keeps its own cache, in folders named after a snake-cased name
@@ -170,15 +179,11 @@ def model_config(name: str | Path) -> dict | None:
     None where there is none to read, or it is not a JSON object (the model's load says why)."""
     f = Path(name).expanduser() / "config.json"
     if not f.is_file():
-        if looks_local(str(name)):
-            return None
         try:
-            from huggingface_hub import try_to_load_from_cache
-
-            got = try_to_load_from_cache(str(name), "config.json")
-        except (ImportError, ValueError, OSError):  # (not a valid repo id; an unreadable cache)
-            return None
-        if not isinstance(got, str):
+            got = None if looks_local(str(name)) else _cached_config(str(name))
+        except (ImportError, ValueError, OSError):  # (no huggingface_hub; not a valid repo id; an unreadable cache)
+            got = None
+        if got is None:
             return None
         f = Path(got)
     try:

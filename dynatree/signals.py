@@ -3,7 +3,9 @@ does: what it finished is kept and it says so (Ray's driver would print a native
 bench would lose every row it measured)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -114,13 +116,9 @@ def quiet_exit() -> None:
 
         def second_ends(_signum, _frame):
             if pressed:
-                import os
-
                 os._exit(130)
             pressed.append(1)
 
         signal.signal(signal.SIGINT, second_ends)
-
-    import atexit
 
     atexit.register(at_exit)
