@@ -738,5 +738,23 @@ def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shap
         _fail(str(e))
 
 
+
+@main.command("widen")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--factor", default=2, show_default=True, help="width multiple: hidden size, heads and MLP")
+@click.option("--layers", type=int, default=None, help="layers in all (identities past SRC's own) [default: SRC's]")
+@click.option("--vocab", type=int, default=None, help="LM-head rows (extra ones never chosen) [default: SRC's]")
+def widen_cmd(src, out, factor, layers, vocab):
+    """Grow a GPT-NeoX model to a larger model's cost with the same function (a benchmark pair at
+    the paper's sizes: e.g. the bench pair's target with --factor 5 --layers 32 --vocab 50304 has
+    Pythia-2.8B's matrices and the bench target's greedy choices)."""
+    from .widen import widen_dir
+
+    try:
+        click.echo(widen_dir(src, out, factor, layers, vocab))
+    except ValueError as e:
+        _fail(str(e))
+
 if __name__ == "__main__":
     main()
