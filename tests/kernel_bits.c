@@ -7,7 +7,7 @@
  * Inputs come from an integer generator and are exact in every weight format (no libm here: the
  * rotary tables are random values too), so they are the same bits on every machine.  Covered:
  * dt_gemm at 1..27 rows in float32/bfloat16/half weights (a third of them subnormal as halves),
- * and at 1, 13, 25 rows with K = 300 (16-bit tiles widened once per call); whole forwards of a GPT-NeoX-shaped
+ * and at 1, 13, 25 rows with K = 300 (long tiles, several passes); whole forwards of a GPT-NeoX-shaped
  * model (layer norms, GELU, parallel residual, partial rotary, biases) and a Llama/Qwen3-shaped
  * one (RMS norms, SwiGLU, grouped-query attention, q/k norms) in each weight format, over float32
  * and bfloat16 caches: a packed prefill of two prompts, then one forward of a masked tree, a
@@ -95,8 +95,8 @@ static float *padded(const float *b, long N) { /* a bias, zero to the tile width
     return p;
 }
 
-/* y = x W + b for each of M in ms, weights in each format; K >= 256 takes gemm.c's other path
- * for 16-bit weights over several passes (each tile widened once, then re-read). */
+/* y = x W + b for each of M in ms, weights in each format (K = 300: tiles longer than the
+ * prefetch distance, over one to three passes). */
 static void gemms(long K, const long *ms, int nm) {
     const long N = 80;
     float *W = rnd_vec(N * K, 2), *b = rnd_vec(N, 0), *x = rnd_vec(27 * K, 0);

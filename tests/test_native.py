@@ -418,7 +418,7 @@ def test_a_16_bit_checkpoint_packs_in_half_the_bytes(monkeypatch):
     assert "packed copy" in LeanNeoX(model).refusal and "quarter of this machine's memory" in LeanNeoX(model).refusal
 
 
-@pytest.mark.parametrize("k", [40, 300])  # 300: AVX-512 builds widen a tile once for all its passes
+@pytest.mark.parametrize("k", [40, 300])  # 300: long tiles, the prefetch running ahead into the next one
 @pytest.mark.parametrize("dtype,fmt", [(torch.bfloat16, 1), (torch.float16, 2)])
 def test_16_bit_weight_storage_gives_bitwise_float32_results(dtype, fmt, k):
     g = torch.Generator().manual_seed(8)

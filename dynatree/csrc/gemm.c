@@ -48,18 +48,17 @@ static inline void row_f16(const dt_half *p, vf *wv) { wv[0] = ld_f16(p), wv[1] 
 static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0], &wv[1]); } /* pair order */
 
 /* R rows of x (stride ldx) times one K x TW weight tile of type T -> R x TW outputs (stride ldy).
- * The _save variant also writes the tile, widened to float32, to ws (see dt_gemm_for).  With nxt,
+ * With nxt,
  * each k also prefetches nrow bytes of the next tile (nxt: its start, nrow: its bytes per k) into
  * L2, so a later pass, which reads no new weights, loads the next tile's for the first pass.
  * (One row is bound by the weight stream, not by its two FMA chains' latency: pairing tiles to
  * give it four chains measured no faster.) */
-#define KERN(R, T, LD, NAME, SAVE)                                                                  \
+#define KERN(R, T, LD, NAME)                                                                        \
     static void NAME##_##R(const float *x, long ldx, const void *w_, long K, float *y, long ldy,    \
-                           const float *b, float *ws, const char *nxt, long nrow) {                 \
+                           const float *b, const char *nxt, long nrow) {                            \
         enum { PF = PREFETCH_BYTES / (TW * sizeof(T)), ROWB = TW * sizeof(T) };                     \
         const T *w = (const T *)w_;                                                                 \
         vf acc[R][NVT];                                                                             \
-        (void)ws;                                                                                   \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                        \
             _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) acc[r][c] = bc(0.f);              \
         for (long k = 0; k < K; k++) {                                                              \
@@ -69,8 +68,6 @@ static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0
                 for (long o = 0; o < nrow; o += 64) __builtin_prefetch(nxt + k * nrow + o, 0, 2);   \
             vf wv[NVT];                                                                             \
             LD(w + k * TW, wv);                                                                     \
-            if (SAVE)                                                                               \
-                _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) st(ws + k * TW + c * DT_W, wv[c]); \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
                 vf xv = bc(x[r * ldx + k]);                                                         \
                 _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                               \
@@ -82,20 +79,17 @@ static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) st(y + r * ldy + c * DT_W, acc[r][c] + bv); \
         }                                                                                           \
     }
-typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, const float *, float *, const char *,
-                        long);
-#define KERNS_OF(T, LD, NAME, SAVE)                                                                 \
-    KERN(1, T, LD, NAME, SAVE) KERN(2, T, LD, NAME, SAVE) KERN(3, T, LD, NAME, SAVE)                \
-    KERN(4, T, LD, NAME, SAVE) KERN(5, T, LD, NAME, SAVE) KERN(6, T, LD, NAME, SAVE)                \
-    KERN(7, T, LD, NAME, SAVE) KERN(8, T, LD, NAME, SAVE) KERN(9, T, LD, NAME, SAVE)                \
-    KERN(10, T, LD, NAME, SAVE) KERN(11, T, LD, NAME, SAVE) KERN(12, T, LD, NAME, SAVE)             \
+typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, const float *, const char *, long);
+#define KERNS_OF(T, LD, NAME)                                                                 \
+    KERN(1, T, LD, NAME) KERN(2, T, LD, NAME) KERN(3, T, LD, NAME)                \
+    KERN(4, T, LD, NAME) KERN(5, T, LD, NAME) KERN(6, T, LD, NAME)                \
+    KERN(7, T, LD, NAME) KERN(8, T, LD, NAME) KERN(9, T, LD, NAME)                \
+    KERN(10, T, LD, NAME) KERN(11, T, LD, NAME) KERN(12, T, LD, NAME)             \
     static const kern_fn NAME[13] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
                                      NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
-KERNS_OF(float, row_f32, kern_f32, 0)
-KERNS_OF(unsigned short, row_bf16, kern_bf16, 0)
-KERNS_OF(unsigned short, row_bf16, kern_bf16_save, 1)
-KERNS_OF(dt_half, row_f16, kern_f16, 0)
-KERNS_OF(dt_half, row_f16, kern_f16_save, 1)
+KERNS_OF(float, row_f32, kern_f32)
+KERNS_OF(unsigned short, row_bf16, kern_bf16)
+KERNS_OF(dt_half, row_f16, kern_f16)
 
 /* The short last pass of a 16-register ISA: R = 1 or 2 rows over G tiles at once (tiles ts
  * elements apart), R x G x NVT = 8 accumulator chains.  Why: after the full RMAX-row passes
@@ -143,19 +137,6 @@ KERNTS_OF(unsigned short, row_bf16, kernt_bf16)
 KERNTS_OF(dt_half, row_f16, kernt_f16)
 #endif
 
-/* A tile widened to float32, per thread (grown on demand, kept for the thread's life: the callers
- * are OpenMP's pool threads, which live as long as the process; at most K x TW floats each). */
-static float *tile_buffer(long n) {
-    static _Thread_local float *buf;
-    static _Thread_local long cap;
-    if (n > cap) {
-        free(buf);
-        buf = aligned_alloc(64, (size_t)((n * sizeof(float) + 63) / 64 * 64));
-        cap = buf ? n : 0;
-    }
-    return buf;
-}
-
 const char *dt_isa(void) { return DT_ISA; }
 int dt_vector_floats(void) { return DT_W; }
 int dt_rows_per_pass(void) { return RMAX; }
@@ -164,18 +145,19 @@ int dt_tile_width(void) { return TW; }
 /* x: (M, K) row-major; wp: packed (N/TW, K, TW) of format fmt (0 float32, 1 bfloat16, 2 half);
  * bp: (N,) float32 or NULL; y: (M, N) row-major; N % TW == 0.  The calling threads split the
  * tiles (an orphaned `omp for`: inside a parallel region it shares the work, outside it runs
- * alone); rows go in passes of near-equal size (16 rows on AVX-512: 8 + 8, not 12 + 4), except
- * that 16-register ISAs run a 1- or 2-row remainder over several tiles at once (gemm_tail).
- * With 16-bit weights and more than one pass (AVX-512 builds, K >= 256), the first pass also
- * stores the tile widened to float32 and the others read that -- the same float32 values, so the
- * same bits.  Why: 512-bit widening is costly on Zen 4; same-process A/B of the target's four
- * GEMMs there: 6-8% faster from 13 to 300 rows.  Not for AVX2 or 128-bit builds (no gain
- * measured, and 2-9% slower at two passes), nor for K < 256 (a draft's small tiles: slower).
- * The second pass prefetches the next tile (KERN's nxt; at the end of a thread's share of the
- * tiles, another thread's first, one wasted tile): with two or more passes the first pass then
- * finds its weights in L2 -- 13-18 rows' GEMMs 17-26% faster on Zen 5 (AVX-512).
+ * alone).  AVX-512 builds run full RMAX-row passes, then the rest (16 rows: 12 + 4): a tile's
+ * first pass streams its weights from memory while the most rows' FMAs run on them, and later
+ * passes find the tile in L2.  Until 2026-11-29 the passes were of near-equal size (8 + 8), the
+ * first also stored the tile widened to float32 for the others (Zen 4: 6-8% at 13-300 rows) and
+ * the second prefetched the next tile into L2 (Zen 5: 17-26% at 13-18 rows); on Intel Emerald
+ * Rapids, at Pythia-2.8B's shapes (K = 2560 and 10240: a widened tile of 0.3-1.3 MB, weights from
+ * DRAM), the full first pass alone ran 13-32 rows 6-25% faster than that (same process, C GEMM
+ * harness), and the bench pair's whole target forward 4-9% faster at 13-200 rows (medians of 5
+ * alternating rounds).  16-register ISAs (6-row passes, compute-bound from ~5 rows) keep the
+ * near-equal split and the next-tile prefetch, and run a 1- or 2-row remainder over several tiles
+ * at once (gemm_tail).  The split never changes a result: each output is one FMA chain over k.
  * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
-#define WIDEN_ONCE (DT_W == 16)
+#define FULL_FIRST (DT_W == 16)
 static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
     if (M <= 0) return;
@@ -185,20 +167,15 @@ void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const 
         return;
     }
     size_t esize = fmt ? 2 : 4;
-    const kern_fn *first = fmt == 1 ? kern_bf16 : fmt == 2 ? kern_f16 : kern_f32;
-    float *ws = WIDEN_ONCE && fmt && passes > 1 && K >= 256 ? tile_buffer(K * TW) : 0;
-    if (ws) first = fmt == 1 ? kern_bf16_save : kern_f16_save;
+    const kern_fn *kern = fmt == 1 ? kern_bf16 : fmt == 2 ? kern_f16 : kern_f32;
 #pragma omp for schedule(static)
     for (long t = 0; t < nt; t++) {
         const float *bt = bp ? bp + t * TW : 0;
         const void *wt = (const char *)wp + t * K * TW * esize;
-        for (long p = 0, m = 0; p < passes; m += base + (p < extra), p++) {
-            long R = base + (p < extra);
-            const char *nxt = p == 1 && t + 1 < nt ? (const char *)wt + K * TW * esize : 0;
-            if (p == 0 || !ws)
-                first[R](x + m * K, K, wt, K, y + m * N + t * TW, N, bt, ws, nxt, TW * esize);
-            else
-                kern_f32[R](x + m * K, K, ws, K, y + m * N + t * TW, N, bt, 0, nxt, TW * esize);
+        for (long p = 0, m = 0, R; p < passes; m += R, p++) {
+            R = FULL_FIRST ? (M - m < RMAX ? M - m : RMAX) : base + (p < extra);
+            const char *nxt = !FULL_FIRST && p == 1 && t + 1 < nt ? (const char *)wt + K * TW * esize : 0;
+            kern[R](x + m * K, K, wt, K, y + m * N + t * TW, N, bt, nxt, TW * esize);
         }
     }
 }
@@ -219,7 +196,7 @@ static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, c
         for (long t = g0; t < g1; t++)
             for (long m = 0; m < m0; m += RMAX)
                 full[RMAX](x + m * K, K, (const char *)wp + t * tile, K, y + m * N + t * TW, N, bp ? bp + t * TW : 0, 0,
-                           0, 0);
+                           0);
         last[g1 - g0](x + m0 * K, K, (const char *)wp + g0 * tile, K * TW, K, y + m0 * N + g0 * TW, N,
                       bp ? bp + g0 * TW : 0);
     }
