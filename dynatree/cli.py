@@ -753,7 +753,7 @@ def widen_cmd(src, out, factor, layers, vocab):
 
     try:
         click.echo(widen_dir(src, out, factor, layers, vocab))
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # (not a GPT-NeoX model, no weights there, an unwritable OUT)
         _fail(str(e))
 
 if __name__ == "__main__":
