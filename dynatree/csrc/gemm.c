@@ -48,9 +48,8 @@ static inline void row_f16(const dt_half *p, vf *wv) { wv[0] = ld_f16(p), wv[1] 
 static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0], &wv[1]); } /* pair order */
 
 /* R rows of x (stride ldx) times one K x TW weight tile of type T -> R x TW outputs (stride ldy).
- * With nxt,
- * each k also prefetches nrow bytes of the next tile (nxt: its start, nrow: its bytes per k) into
- * L2, so a later pass, which reads no new weights, loads the next tile's for the first pass.
+ * With nxt, each k also prefetches nrow bytes of the next tile (nxt: its start, nrow: its bytes
+ * per k) into L2, so a later pass, which reads no new weights, loads the next tile's for the first.
  * (One row is bound by the weight stream, not by its two FMA chains' latency: pairing tiles to
  * give it four chains measured no faster.) */
 #define KERN(R, T, LD, NAME)                                                                        \
@@ -80,11 +79,10 @@ static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0
         }                                                                                           \
     }
 typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, const float *, const char *, long);
-#define KERNS_OF(T, LD, NAME)                                                                 \
-    KERN(1, T, LD, NAME) KERN(2, T, LD, NAME) KERN(3, T, LD, NAME)                \
-    KERN(4, T, LD, NAME) KERN(5, T, LD, NAME) KERN(6, T, LD, NAME)                \
-    KERN(7, T, LD, NAME) KERN(8, T, LD, NAME) KERN(9, T, LD, NAME)                \
-    KERN(10, T, LD, NAME) KERN(11, T, LD, NAME) KERN(12, T, LD, NAME)             \
+#define KERNS_OF(T, LD, NAME)                                                                       \
+    KERN(1, T, LD, NAME) KERN(2, T, LD, NAME) KERN(3, T, LD, NAME) KERN(4, T, LD, NAME)             \
+    KERN(5, T, LD, NAME) KERN(6, T, LD, NAME) KERN(7, T, LD, NAME) KERN(8, T, LD, NAME)             \
+    KERN(9, T, LD, NAME) KERN(10, T, LD, NAME) KERN(11, T, LD, NAME) KERN(12, T, LD, NAME)          \
     static const kern_fn NAME[13] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
                                      NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
 KERNS_OF(float, row_f32, kern_f32)
@@ -152,7 +150,7 @@ int dt_tile_width(void) { return TW; }
  * the second prefetched the next tile into L2 (Zen 5: 17-26% at 13-18 rows); on Intel Emerald
  * Rapids, at Pythia-2.8B's shapes (K = 2560 and 10240: a widened tile of 0.3-1.3 MB, weights from
  * DRAM), the full first pass alone ran 13-32 rows 6-25% faster than that (same process, C GEMM
- * harness), and the bench pair's whole target forward 4-9% faster at 13-200 rows (medians of 5
+ * harness), and the bench pair's whole target forward 2-8% faster at 13-200 rows (medians of 5
  * alternating rounds).  16-register ISAs (6-row passes, compute-bound from ~5 rows) keep the
  * near-equal split and the next-tile prefetch, and run a 1- or 2-row remainder over several tiles
  * at once (gemm_tail).  The split never changes a result: each output is one FMA chain over k.
