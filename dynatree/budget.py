@@ -316,7 +316,7 @@ class Governor:
 
 def _time_ms(fn, repeats: int) -> float:
     times = []
-    for _ in range(repeats):
+    for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -329,8 +329,7 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = 
     vocab = model.config.vocab_size
     cache = new_cache(model, prefix_len + max(sizes) + 1, kv_dtype)
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)  # (as a prefill: native in chunks)
+    _zero_prefix(model, cache, prefix_len, vocab, gen)
     out = {}
     chains = bool(getattr(model, "tree_problem", ""))  # it verifies chains: causal steps, no tree mask
     for n in sizes:
@@ -348,9 +347,30 @@ def _profile_model(model, prefix_len: int, sizes, repeats: int, kv_dtype: str = 
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-        step()  # warm-up
-        out[n] = _time_ms(step, repeats)
+        t0 = time.perf_counter()
+        step()  # warm-up, and a first reading: a slow forward is timed fewer times (PROFILE_MS)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        out[n] = _time_ms(step, min(repeats, (round(PROFILE_MS / max(first_ms, 1e-3)) - 1) | 1))
     return out
+
+
+# Milliseconds of timing per forward size, roughly: a forward slower than PROFILE_MS / repeats is
+# timed fewer times (an odd number, at least once).  At Pythia-2.8B's size on a 2-core CPU (0.2-1.4
+# s per forward) five timings of every size, over two cache lengths, were most of a job's 86 s
+# start-up; the online corrections (LatencyModel.observe_*) refine what one timing misses.
+PROFILE_MS = 1000.0
+
+
+def _zero_prefix(model, cache, prefix_len: int, vocab: int, gen) -> None:
+    """``prefix_len`` cached tokens of zero keys and values: a forward over them costs what it
+    costs over real ones (the same reads and FLOPs), without a prefill of that many tokens (25 s
+    for 1024 at Pythia-2.8B's size on 2 cores).  One real token lays the buffers out."""
+    one = torch.randint(0, vocab, (1, 1), generator=gen).to(model.device)
+    model(input_ids=one, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        layer.keys[:, :, :prefix_len].zero_()
+        layer.values[:, :, :prefix_len].zero_()
+        layer.length = prefix_len
 
 
 @torch.inference_mode()

@@ -314,3 +314,41 @@ def test_dynatree_thresholds_must_be_ordered():
     for bad in ({"hist_high": 0.1}, {"hist_low": 0.8}, {"hist_low": -0.1}):
         with pytest.raises(ValueError, match="need 0 <= hist_low < hist_high <= 1"):
             make_config("dynatree", bad)
+
+
+def test_profile_caches_hold_zero_keys_and_slow_forwards_are_timed_fewer_times(pair_dirs, monkeypatch):
+    """The profiled forwards read prefix_len cached tokens without a prefill of them (zero keys and
+    values: the same reads and FLOPs), and a forward slower than PROFILE_MS / repeats is timed
+    fewer times, at least once (Pythia-2.8B-sized forwards took most of a job's start-up)."""
+    from dynatree import budget, load_pair
+
+    runner = load_pair(str(pair_dirs / "target"), None, device="cpu", dtype="float32").runner("target")
+    seen, lengths = [], []
+    real = budget._zero_prefix
+
+    def zero(model, cache, n, vocab, gen):
+        real(model, cache, n, vocab, gen)
+        lengths.append(cache.length)
+        assert all(not layer.keys[:, :, :n].any() for layer in cache.layers)
+
+    class Counting:
+        def __init__(self, run):
+            self.run = run
+
+        def __getattr__(self, name):  # device, dtype, config, tree_problem: the runner's
+            return getattr(self.run, name)
+
+        def __call__(self, input_ids, **kw):
+            seen.append((input_ids.shape[1], kw["past_key_values"].length))
+            return self.run(input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(budget, "_zero_prefix", zero)
+    ms = budget._profile_model(Counting(runner), 24, (1, 4), 5)
+    assert lengths == [24] and set(ms) == {1, 4} and all(v > 0 for v in ms.values())
+    timed = [n for n, past in seen if past == 24]  # (the layout's one token runs over an empty cache)
+    assert timed.count(1) == timed.count(4) == 6  # warm-up + 5: these forwards take microseconds
+    monkeypatch.setattr(budget, "PROFILE_MS", 1e-6)
+    seen.clear()
+    budget._profile_model(Counting(runner), 24, (1, 4), 5)
+    timed = [n for n, past in seen if past == 24]
+    assert timed.count(1) == timed.count(4) == 2  # warm-up + once
