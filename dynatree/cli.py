@@ -738,7 +738,6 @@ def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shap
         _fail(str(e))
 
 
-
 @main.command("widen")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
@@ -755,6 +754,7 @@ def widen_cmd(src, out, factor, layers, vocab):
         click.echo(widen_dir(src, out, factor, layers, vocab))
     except (ValueError, OSError) as e:  # (not a GPT-NeoX model, no weights there, an unwritable OUT)
         _fail(str(e))
+
 
 if __name__ == "__main__":
     main()
