@@ -109,6 +109,17 @@ def widened(model, factor: int, layers: int | None = None, vocab: int | None = N
     return new_cfg, {k: t.detach().contiguous() for k, t in state.items()}
 
 
+def _check_dirs(src: str, out: str) -> None:
+    """Refuse an OUT that would overwrite SRC or anything already there (before any loading)."""
+    from pathlib import Path
+
+    s, o = Path(src).resolve(), Path(out).resolve()
+    if o == s or s in o.parents:
+        raise ValueError(f"OUT {out} is SRC or inside it: widen writes a new model beside SRC")
+    if o.exists() and (not o.is_dir() or any(o.iterdir())):
+        raise ValueError(f"OUT {out} exists and is not an empty directory: give a new one")
+
+
 def widen_dir(src: str, out: str, factor: int, layers: int | None = None, vocab: int | None = None) -> str:
     """Widen the GPT-NeoX model saved in directory ``src`` into ``out`` (config, safetensors in the
     stored dtype, and ``src``'s tokenizer and generation files); returns a one-line summary."""
@@ -118,12 +129,17 @@ def widen_dir(src: str, out: str, factor: int, layers: int | None = None, vocab:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    if factor < 1 or (layers is not None and layers < 1) or (vocab is not None and vocab < 1):
+        raise ValueError(f"--factor, --layers and --vocab must be positive (got {factor}, {layers}, {vocab})")
+    _check_dirs(src, out)
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     cfg, state = widened(model, factor, layers, vocab)
     del model
     Path(out).mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)
-    save_file(state, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    weights = Path(out) / "model.safetensors"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    shutil.copymode(Path(out) / "config.json", weights)  # (safetensors writes a private temp file)
     for f in Path(src).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
             shutil.copyfile(f, Path(out) / f.name)

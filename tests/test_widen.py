@@ -89,3 +89,26 @@ def test_the_cli_writes_a_pair_the_engine_decodes(tmp_path):
     assert decode(pair, prompt, make_config("dynatree"), max_new_tokens=16, ignore_eos=True)[0] == ref
     res = runner.invoke(main, ["widen", str(tmp_path / "target"), str(tmp_path / "x"), "--factor", "1", "--vocab", "100"])
     assert res.exit_code != 0 and "factor >= 2" in res.output
+
+
+def test_the_cli_never_writes_over_the_source_or_an_existing_directory(tmp_path):
+    """OUT = SRC, OUT inside SRC and a non-empty OUT are refused before anything is written (the
+    source's files keep their bytes), as are non-positive sizes; the weights are readable by all
+    who can read the config."""
+    src = tmp_path / "src"
+    neox(torch.float32, 0).save_pretrained(src)
+    before = {f.name: f.read_bytes() for f in src.iterdir()}
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "results.parquet").write_text("x")
+    runner = CliRunner()
+    for out, extra, why in ((src, [], "is SRC or inside it"), (src / "sub", [], "is SRC or inside it"),
+                            (tmp_path / "full", [], "not an empty directory"),
+                            (tmp_path / "new", ["--layers", "0"], "must be positive")):
+        res = runner.invoke(main, ["widen", str(src), str(out), "--factor", "2", *extra])
+        assert res.exit_code != 0 and why in res.output, res.output
+    assert {f.name: f.read_bytes() for f in src.iterdir()} == before
+    assert not (src / "sub").exists() and not (tmp_path / "new").exists()
+    res = runner.invoke(main, ["widen", str(src), str(tmp_path / "ok"), "--factor", "2"])
+    assert res.exit_code == 0, res.output
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ok").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"]
