@@ -31,8 +31,10 @@ from .config import METHODS, ARConfig, ar_reference, make_config, non_default_op
 from .engine import decode
 from .metrics import Metrics, defined_mean, release_freed_memory, rss_bytes
 from .models import ModelPair
+from .policies import make_policy
 
 HF_METHODS = ("hf_ar", "hf_assisted", "hf_assisted_heuristic", "hf_prompt_lookup")
+HF_DRAFTED = ("hf_assisted", "hf_assisted_heuristic")  # (the peers that take the draft as assistant)
 # The seed's named baselines: (method, options).  streaming_spec is StreamingLLM + speculative
 # decoding as the DynaTree paper ran it (a K = 6 chain with a 1024-token cache).
 PRESETS = {"streaming_spec": ("linear", {"k": 6, "kv_window": 1024})}
@@ -188,12 +190,13 @@ SWEEP_DEFAULT = ("ar", "dynatree")
 
 
 def load_bench_prompts(dataset: str, column: str = "text", n: int = 10, min_chars: int = 200) -> tuple[str, list[str]]:
-    """(name, first n usable texts).  ``NAME=PATH`` labels a local file; ``wikitext``/``pg19``
+    """(name, first n usable texts).  ``NAME=PATH`` labels a local file (a path that exists is read
+    as one, "=" and all); ``wikitext``/``pg19``
     load the hub datasets (WikiText-2 raw test articles; PG-19 test books)."""
     from .data import read_texts
 
     name, sep, source = dataset.partition("=")
-    if not sep:
+    if not sep or os.path.exists(dataset):  # (a path with "=" in it: hive partitions, lang=en/)
         name, source = Path(dataset).stem if os.path.exists(dataset) else dataset, dataset
     if source in HUB_DATASETS and not os.path.exists(source):
         hub, config, split, col = HUB_DATASETS[source]
@@ -290,22 +293,23 @@ def run_hf(pair: ModelPair, method: str, prompt: list[int], max_new_tokens: int,
 
 def bench_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods: list[MethodSpec], *,
                warmup: int, max_new_tokens: int, max_prompt_tokens: int, setting: dict | None = None,
-               log=print) -> list[dict]:
+               first: int = 0, log=print) -> list[dict]:
     """Run every method on every prompt (prompt-major, so drift hits all methods alike).  Rows
     are compared with their reference ``ar`` (the same sampling and cache window; not transformers'
-    sampled peers); ``speedup`` is against plain ``ar``, ``speedup_ref`` against the reference."""
+    sampled peers); ``speedup`` is against plain ``ar``, ``speedup_ref`` against the reference.
+    ``prompts`` are the dataset's from number ``first`` on (rows' prompt_id: the dataset's numbers)."""
     rows: list[dict] = []
     setting = dict(setting or {})
     methods = with_references(methods, methods)  # each reference runs before the rows it checks
     refs = {ms.label: reference(ms, methods) for ms in methods}
-    done = 0  # prompts every method finished
+    done = first  # prompts every method finished
     try:
-        for pi, prompt in enumerate(prompts):
-            _prompt_rows(pair, dataset, pi, prompt, methods, refs, warmup, max_new_tokens, max_prompt_tokens,
-                         setting, rows)
-            done = pi + 1
-            log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {pi + 1}/{len(prompts)}"
-                + ("  (warm-up)" if pi < warmup else ""))
+        for i, prompt in enumerate(prompts):
+            _prompt_rows(pair, dataset, first + i, i < warmup, prompt, methods, refs, max_new_tokens,
+                         max_prompt_tokens, setting, rows)
+            done = first + i + 1
+            log(f"  {dataset} {json.dumps(setting) if setting else ''} prompt {i + 1}/{len(prompts)}"
+                + ("  (warm-up)" if i < warmup else ""))
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: what the finished prompts measured goes with it
         e.partial_rows = _speedups([r for r in rows if r["prompt_id"] < done])
         raise
@@ -322,7 +326,7 @@ def _speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _prompt_rows(pair, dataset, pi, prompt, methods, refs, warmup, max_new_tokens, max_prompt_tokens, setting,
+def _prompt_rows(pair, dataset, pi, warm, prompt, methods, refs, max_new_tokens, max_prompt_tokens, setting,
                  rows: list[dict]) -> None:
     """Every method on one prompt, a row each appended to ``rows``."""
     got = {}
@@ -341,14 +345,15 @@ def _prompt_rows(pair, dataset, pi, prompt, methods, refs, warmup, max_new_token
         sampled = ms.method in HF_METHODS and ms.options.get("temperature", 0) > 0
         diff = first_difference(got[ref.label], toks) if ref is not None and not sampled else None
         rows.append({
-            "dataset": dataset, "prompt_id": pi, "warmup": pi < warmup, "method": ms.label,
+            "dataset": dataset, "prompt_id": pi, "warmup": warm, "method": ms.label,
             "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
             "setting": json.dumps(setting, sort_keys=True), "max_new_tokens": max_new_tokens,
             "max_prompt_tokens": max_prompt_tokens,
             **{f.name: m.get(f.name) for f in dataclasses.fields(Metrics)},  # one source: the dataclass
             "prompt_tokens": len(prompt), "peak_memory_mb": mem.peak_mb,
             "ref_method": ref.label if ref is not None else None,
-            "matches_ar": None if sampled or ref is None else diff is None, "first_divergence": diff,
+            "matches_ar": None if sampled or ref is None or ref.label == ms.label else diff is None,
+            "first_divergence": diff,
         })
 
 
@@ -417,16 +422,18 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 got[j] += run(methods[j], prompts[at:at + b], max_new_tokens)
                 wall[j] += time.perf_counter() - t0
         for j, ms in enumerate(methods):
+            ref = reference(ms, methods)  # (None: a peer's, plain ar, which may not be among the methods)
             rows.append(_batch_row(dataset, ms, b, prompts, got[j], wall[j], ref_tokens(ms),
-                                   max_new_tokens, max_prompt_tokens))
+                                   ref.label if ref else "ar", max_new_tokens, max_prompt_tokens))
             log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, "
                 f"{rows[-1]['rows_matching_ar']}/{len(prompts)} rows == ar")
     return rows
 
 
 def _batch_row(dataset: str, ms: MethodSpec, b: int, prompts: list, got: list, wall: float, ref: list,
-               max_new_tokens: int, max_prompt_tokens: int) -> dict:
-    """One (dataset, method, B) row of the batch sweep; got: (tokens, metrics or None) per prompt."""
+               ref_label: str, max_new_tokens: int, max_prompt_tokens: int) -> dict:
+    """One (dataset, method, B) row of the batch sweep; got: (tokens, metrics or None) per prompt;
+    ref: batch-1 tokens of its reference ``ar`` (labelled ref_label) per prompt."""
     mets = [m for _, m in got if m is not None]
     same = sum(t == r for (t, _), r in zip(got, ref))
     new_tokens = sum(len(t) for t, _ in got)
@@ -434,7 +441,8 @@ def _batch_row(dataset: str, ms: MethodSpec, b: int, prompts: list, got: list, w
         "dataset": dataset, "prompt_id": -1, "warmup": False, "method": ms.label, "base_method": ms.method,
         "options": json.dumps(ms.options, sort_keys=True),
         "setting": json.dumps({"sweep": "batch", "B": b}, sort_keys=True), "max_new_tokens": max_new_tokens,
-        "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),
+        "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),  # (all the rows')
+        "ref_method": ref_label,
         "new_tokens": new_tokens, "tokens_per_s": new_tokens / wall, "wall_time_s": wall,
         "tokens_per_iteration": defined_mean(m.tokens_per_iteration for m in mets),
         "mean_tree_size": defined_mean(m.mean_tree_size for m in mets), "matches_ar": same == len(prompts),
@@ -488,16 +496,20 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
                          "load_pair(..., transformers_models=True) or kernel='hf'")
     spec = _decodable(pair, spec, log)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)  # (now: an unwritable --out fails before hours of measuring)
     rows: list[dict] = []
     t0 = time.time()
     try:
         loaded, kept = _measure(pair, spec, rows, log)
-    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: keep what was measured (a whole bench can take hours)
-        rows += getattr(e, "partial_rows", [])
-        if rows:  # (with nothing measured, an earlier bench's results stay)
-            _write(out, pair, spec, rows, t0, None, interrupted=True, log=log, kept=getattr(e, "kept", None))
-        e.saved = bool(rows)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C, SIGTERM: keep what was measured (a bench can take hours)
+            rows += getattr(e, "partial_rows", [])
+            if rows:  # (with nothing measured, an earlier bench's results stay)
+                _write(out, pair, spec, rows, t0, None, interrupted=True, log=log, kept=getattr(e, "kept", None))
+            e.saved = bool(rows)
+        if made and not any(out.iterdir()):  # (a bad input found before any row: no empty directory left)
+            out.rmdir()
         raise
     return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept)
 
@@ -507,6 +519,7 @@ def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
     without a fixed-tree --grid then, each named, as `dynatree check` does (ModelPair.decodable:
     a ValueError when no method is left; transformers' peers, which decode on their own, stay)."""
     cfgs = {m.label: ARConfig() if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
+    pair.need_draft([m.label for m in spec.methods if m.method in HF_DRAFTED or make_policy(cfgs[m.label]).needs_draft])
     ok = pair.decodable(cfgs, log)
     grid, problem = spec.grid, spec.grid and pair.method_problem(make_config("fixed_tree"))
     if problem:
@@ -602,12 +615,12 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
             if lt < spec.max_prompt_tokens:
                 log(f"{name}: sweep T={t}: prompts cut to {lt} tokens (the context holds the new tokens too)")
             rows += bench_rows(pair, name, [truncate_prompt(e, lt) for e in enc[skip:]], sweep_ms, warmup=warm,
-                               max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, log=log)
+                               max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, first=skip, log=log)
         for lp in spec.sweep_prompt_len:
             ll = keep[lp, spec.max_new_tokens]
             rows += bench_rows(pair, name, [truncate_prompt(e, ll) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=ll,
-                               setting={"sweep": "prompt_len", "L": lp}, log=log)
+                               setting={"sweep": "prompt_len", "L": lp}, first=skip, log=log)
         if spec.batch_sizes:  # (the batch sweep warms each (B, method) up itself)
             rows += batch_rows(pair, name, full[spec.warmup:], list(spec.methods), spec.batch_sizes,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=lmax, log=log)

@@ -133,7 +133,7 @@ def _check_prompt(pair: ModelPair, pi: int, prompt: list[int], methods: dict, ro
             pair.forget_prefixes()  # each decode prefills its prompt itself, as the methods' do
             ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
             rows.append({"prompt": pi, "method": label or reference_label(cfg),
-                         "matches_ar": True, "first_divergence": None, "divergence_margin": None,
+                         "matches_ar": None, "first_divergence": None, "divergence_margin": None,  # (the reference)
                          **mref.as_dict()})
             refs[cfg] = (ref, rows[-1])
         elif label and label != refs[cfg][1]["method"]:

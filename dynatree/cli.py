@@ -192,13 +192,11 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
         cfgs = pair.decodable(cfgs, lambda msg: click.echo(msg, err=True)) if cfgs else cfgs
         pair.check_methods(cfgs)
+        pair.need_draft([label for label, c in cfgs.items() if make_policy(c).needs_draft])  # (before ar's decoding)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-decode)
         end_on_sigterm()  # (SIGTERM ends it as Ctrl-C does: with the table of what was checked)
     except (PairError, ValueError) as e:
         _fail(str(e))
-    drafted = [label for label, c in cfgs.items() if make_policy(c).needs_draft]
-    if drafted and pair.draft is None:  # before any decoding, not after ar's
-        _fail(f"{', '.join(drafted)} need{'s' if len(drafted) == 1 else ''} a draft model: give --draft with --target")
     try:
         keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
     except ValueError as e:
@@ -242,15 +240,16 @@ def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[in
 
 
 def _check_summary(path: str, rows: list[dict], at: list[int]) -> list[tuple]:
-    """check's table rows for one prompts file: (path, method, checked, matching, tok/s, tok/iter, mismatches);
+    """check's table rows for one prompts file: (path, method, checked, matching or "ref", tok/s, tok/iter, mismatches);
     ``at``: the file's row number of each prompt checked (what a mismatch is named by)."""
     from .metrics import defined_mean
 
     out = []
     for label in dict.fromkeys(r["method"] for r in rows):  # each once: references and methods
         rs = [r for r in rows if r["method"] == label]
-        bad = [r for r in rs if not r["matches_ar"]]
-        out.append((path, label, len(rs), len(rs) - len(bad), sum(r["tokens_per_s"] for r in rs) / len(rs),
+        bad = [r for r in rs if r["matches_ar"] is False]
+        ok = "ref" if all(r["matches_ar"] is None for r in rs) else len(rs) - len(bad)  # (a reference checks nothing)
+        out.append((path, label, len(rs), ok, sum(r["tokens_per_s"] for r in rs) / len(rs),
                     defined_mean(r["tokens_per_iteration"] for r in rs),
                     [(at[r["prompt"]], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
                      for r in bad]))
@@ -693,7 +692,7 @@ def report_cmd(out_dir):
         md, pngs = report(out_dir)
     except NothingMeasured as e:
         _fail(f"{out_dir}: {e}")
-    except (OSError, ValueError, KeyError) as e:  # a damaged or foreign results.parquet / bench.json
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged or foreign results.parquet / bench.json
         _fail(f"{out_dir}: cannot read its bench results ({type(e).__name__}: {e})")
     click.echo(md.read_text())
     click.echo(f"wrote {', '.join(map(str, [md, *pngs]))}")

@@ -390,6 +390,13 @@ class ModelPair:
         return (f"the draft model cannot expand token trees on transformers' forward ({draft.tree_problem}): "
                 "use method linear, or another draft")
 
+    def need_draft(self, drafted: list) -> None:
+        """Before any decoding (check, bench): a ValueError naming the labelled methods that draft
+        when the pair was loaded without a draft."""
+        if drafted and self.draft is None:
+            raise ValueError(f"{', '.join(drafted)} need{'s' if len(drafted) == 1 else ''} a draft model: "
+                             "give --draft with --target")
+
     def decodable(self, cfgs: dict, note) -> dict:
         """``cfgs`` without the methods this pair cannot decode (method_problem), each one dropped
         named through ``note``; a ValueError when none is left (`dynatree check` runs the rest)."""

@@ -69,7 +69,8 @@ def _results_table(g: dict, datasets: list, methods: list) -> str:
             sp = _ref_speedup(g[d], m)
             cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-"]
         checked = [r["matches_ar"] for d in datasets for r in g[d].get(m, []) if r["matches_ar"] is not None]
-        verdict = ("yes" if all(checked) else "NO") + f" ({len(checked)})" if checked else "sampled"
+        refs = all(r.get("ref_method") == m for d in datasets for r in g[d].get(m, []))
+        verdict = ("yes" if all(checked) else "NO") + f" ({len(checked)})" if checked else "reference" if refs else "sampled"
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines)
 
@@ -126,12 +127,14 @@ def _ablation_table(g: dict, datasets: list, methods: list) -> str | None:
     if len(abl) < 2:  # one dynatree is no ablation
         return None
 
-    def rank(m):
-        o = opts[m][1]
-        return sum(bool(o.get(k, True)) for k in ("dynamic_breadth", "dynamic_depth", "history")), m
+    def rank(m):  # (the mechanisms on: dynamic breadth, dynamic depth, history, hardware budget, context lookup)
+        from .config import make_config
 
-    lines = ["## Ablation (greedy dynatree variants: fixed tree → + dynamic breadth & depth → + history; "
-             "speedup as in Main results)", "",
+        c = make_config("dynatree", opts[m][1])
+        return c.dynamic_breadth + c.dynamic_depth + c.history + c.budget_on + (c.lookup_length > 0), m
+
+    lines = ["## Ablation (greedy dynatree variants, fewest mechanisms on first: dynamic breadth, dynamic depth, "
+             "history, hardware budget, context lookup; speedup as in Main results)", "",
              "| method | " + " | ".join(f"{d} tokens/s | {d} speedup | {d} L̄" for d in datasets) + " |",
              "|---" * (1 + 3 * len(datasets)) + "|"]
     for m in sorted(abl, key=rank):
@@ -182,15 +185,17 @@ def _batch_table(rows: list[dict]) -> list[str]:
     if not brows:
         return []
     lines = ["## Batched decoding (tokens/s per actor: all tokens ÷ all wall time, prefill included; "
-             "× batched ar at the same B; rows identical to batch-1 ar with the same cache options)", "",
-             "| dataset | B | method | tokens/s | × ar at B | L̄ | tree nodes | identical to ar |", "|---|---|---|---|---|---|---|---|"]
+             "× ar / × ref: against batched plain ar / the ar with the row's sampling and cache options, at the "
+             "same B; rows identical to batch-1 ref)", "",
+             "| dataset | B | method | tokens/s | × ar at B | × ref at B | L̄ | tree nodes | identical to ref |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for d in dict.fromkeys(r["dataset"] for r in brows):
         for b in sorted({json.loads(r["setting"])["B"] for r in brows if r["dataset"] == d}):
             sub = [r for r in brows if r["dataset"] == d and json.loads(r["setting"])["B"] == b]
-            ar_rs = [r for r in sub if r["method"] == "ar"]
-            for r in sub:
-                sp = _speedup([r], ar_rs)
+            for r in sub:  # (rows written before ref_method was: plain ar's)
+                sp, spr = (_speedup([r], [x for x in sub if x["method"] == ref]) for ref in ("ar", r.get("ref_method") or "ar"))
                 lines.append(f"| {d} | {b} | {r['method']} | {r['tokens_per_s']:.1f} | {f'{sp:.2f}×' if sp else '-'} | "
+                             f"{f'{spr:.2f}×' if spr else '-'} | "
                              + " | ".join(f"{v:.2f}" if v is not None else "-" for v in (r["tokens_per_iteration"], r["mean_tree_size"]))
                              + f" | {r['rows_matching_ar']}/{r['rows']} |")
     return ["\n".join(lines)]

@@ -38,8 +38,8 @@ def test_bench_and_report(pair_dirs, tmp_path):
     main_rows = [r for r in rows if json.loads(r["setting"])["sweep"] == "main"]
     assert {r["method"] for r in main_rows} >= {"ar", "linear", "fixed", "dynatree", "dyspec", "hf_ar", "hf_assisted"}
     assert len(main_rows) == 3 * 11
-    for r in main_rows:
-        assert r["matches_ar"], r["method"]  # float64: every method, HF's included, equals ar
+    for r in main_rows:  # float64: every method, HF's included, equals ar; ar is the reference, not a check
+        assert r["matches_ar"] is (None if r["method"] == "ar" else True), r["method"]
         assert r["dataset"] == "tiny" and r["tokens_per_s"] > 0 and r["speedup"] > 0
     ar = {r["prompt_id"]: r["tokens_per_s"] for r in main_rows if r["method"] == "ar"}
     for r in main_rows:
@@ -76,7 +76,7 @@ def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
     for r in rows:
         opts = json.loads(r["options"])
         assert opts["temperature"] == 0.6 and opts["seed"] == 3, r["method"]
-        assert r["matches_ar"] is (None if r["method"] == "hf_assisted" else True), r["method"]
+        assert r["matches_ar"] is (None if r["method"] in ("hf_assisted", r["ref_method"]) else True), r["method"]
         assert r["new_tokens"] == 8
     assert {r["ref_method"] for r in rows if r["method"] == "dynatree"} == {"ar_t0.6_p0.9_s3"}
     assert json.loads(next(r["options"] for r in rows if r["method"] == "dynatree"))["top_p"] == 0.9
@@ -208,9 +208,10 @@ def test_bench_windowed_rows_use_the_windowed_ar(pair_dirs, tmp_path):
     assert {r["method"] for r in sweep} == {"ar", ref, "sspec", "dyn_w"}
     for r in rows:
         assert r["ref_method"] == (ref if r["method"] in ("sspec", "dyn_w", ref) else "ar")
-        assert r["matches_ar"], r["method"]
+        assert r["matches_ar"] is (None if r["method"] == r["ref_method"] else True), r["method"]
     cache = {(r["method"], json.loads(r["setting"])["T"]): r["kv_cache_mb"] for r in sweep}
     assert cache[(ref, 10)] == cache[(ref, 40)] < cache[("ar", 40)]
+    assert {r["prompt_id"] for r in sweep} == {1}  # the dataset's numbers: prompt 0 was the warm-up
     assert "× ref" in (out / "summary.md").read_text()
 
 
@@ -349,6 +350,44 @@ def test_report_redraws_only_what_the_results_hold(pair_dirs, tmp_path):
     rep = CliRunner().invoke(main, ["report", str(out)])
     assert rep.exit_code == 0, rep.output
     assert not (out / "sweep_tokens.png").exists() and (out / "throughput.png").exists()
+    (out / "bench.json").write_text("[]")  # valid JSON of the wrong shape: one line, no traceback
+    rep = CliRunner().invoke(main, ["report", str(out)])
+    assert rep.exit_code == 1 and "cannot read its bench results (TypeError" in rep.output, rep.output
+
+
+def test_report_tables_a_batch_row_against_its_own_reference_and_ranks_the_ablation_by_mechanisms():
+    """A sampled method at batch B is divided by the sampled ar at B (its reference), beside plain
+    ar; the ablation lists the variant with the budget and lookup off before the full method."""
+    from dynatree.report import _ablation_table, _batch_table
+
+    def brow(m, tps, ref):
+        return {"setting": json.dumps({"sweep": "batch", "B": 2}), "dataset": "d", "method": m, "tokens_per_s": tps,
+                "ref_method": ref, "tokens_per_iteration": None, "mean_tree_size": None, "rows_matching_ar": 2, "rows": 2}
+    table = _batch_table([brow("ar", 100.0, "ar"), brow("ar_t0.8", 50.0, "ar_t0.8"), brow("dts", 75.0, "ar_t0.8")])[0]
+    assert "| d | 2 | dts | 75.0 | 0.75× | 1.50× |" in table, table
+    row = lambda opts: {"tokens_per_s": 1.0, "tokens_per_iteration": 1.0, "base_method": "dynatree",
+                        "options": json.dumps(opts), "ref_method": "ar", "matches_ar": True}
+    g = {"d": {"dynatree": [row({})], "paper": [row({"hw_budget": "off", "lookup": 0})]}}
+    lines = _ablation_table(g, ["d"], ["dynatree", "paper"]).splitlines()
+    assert [ln.split("|")[1].strip() for ln in lines[4:]] == ["paper", "dynatree"], lines
+
+
+def test_bench_reads_a_path_with_an_equals_sign_and_refuses_drafted_methods_without_a_draft(pair_dirs, tmp_path):
+    """A hive-style path (lang=en/...) is a path, not NAME=PATH; a target alone refuses the methods
+    that draft (ours and transformers' assisted peers) before any measuring, leaving no --out behind."""
+    from dynatree.bench import load_bench_prompts
+
+    (tmp_path / "lang=en").mkdir()
+    pq.write_table(pa.table({"text": TEXTS}), tmp_path / "lang=en" / "part.parquet")
+    assert load_bench_prompts(str(tmp_path / "lang=en" / "part.parquet"), n=2) == ("part", TEXTS[:2])
+    args = bench_args(pair_dirs, tmp_path, 2, 4)
+    alone = args[:3] + args[5:]  # (no --draft)
+    assert "--draft" not in alone
+    for methods, says in (("ar,linear", "linear needs a draft model"),
+                          ("ar,hf_assisted,dynatree", "hf_assisted, dynatree need a draft model")):
+        res = CliRunner().invoke(main, alone + ["--methods", methods, "--out", str(tmp_path / "o")])
+        assert res.exit_code != 0 and says in res.output, res.output
+        assert not (tmp_path / "o").exists()
 
 
 def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_refuse_a_window(pair_dirs, tmp_path):
@@ -397,7 +436,7 @@ def test_an_interrupted_check_prints_the_prompts_it_finished(pair_dirs, tmp_path
                                     "--methods", "linear", "--max-new-tokens", "4", "--max-prompt-tokens", "16"])
     assert res.exit_code == 130 and "interrupted: the prompts checked so far:" in res.output, res.output
     table = [line.split() for line in res.output.splitlines() if line.startswith(str(tmp_path))]
-    assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "2"), ("linear", "2", "2")], res.output
+    assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "ref"), ("linear", "2", "2")], res.output
 
 
 def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, tmp_path, monkeypatch):
@@ -424,5 +463,5 @@ def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, 
     assert res.exit_code == 1, res.output
     assert "skipping 2 prompt(s) that are null, empty, only whitespace or not text (rows 1, 2)" in res.output
     table = [line.split(maxsplit=6) for line in res.output.splitlines() if line.startswith(str(data))]
-    assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "2"), ("linear", "2", "1")], res.output
+    assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "ref"), ("linear", "2", "1")], res.output
     assert "(3, 2, None)" in table[1][6], res.output
