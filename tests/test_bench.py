@@ -465,3 +465,20 @@ def test_check_limit_counts_prompts_and_names_rows_by_their_file_row(pair_dirs, 
     table = [line.split(maxsplit=6) for line in res.output.splitlines() if line.startswith(str(data))]
     assert [(t[1], t[2], t[3]) for t in table] == [("ar", "2", "ref"), ("linear", "2", "1")], res.output
     assert "(3, 2, None)" in table[1][6], res.output
+
+
+def test_the_job_throughput_harness_checks_its_flags_before_ray_starts(tmp_path, monkeypatch):
+    """A malformed --configs item or --sizes the input cannot hold: click's usage error, before
+    any cluster or job (a traceback after Ray started, or a job of fewer rows labelled as more)."""
+    from dynatree.jobs import throughput
+
+    monkeypatch.setattr(throughput, "start_local_ray", lambda **k: pytest.fail("Ray started"))
+    data = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), data)
+    base = ["--input", str(data), "--target", "t", "--draft", "d", "--out", str(tmp_path / "o")]
+    for extra, says in ((["--configs", "dynatree:1,dynatree"], "expected METHOD:BATCH"),
+                        (["--configs", "ar:16:2"], "ACTORSxCPUS"), (["--sizes", "abc"], "SMALL,LARGE"),
+                        (["--sizes", "2,1"], "need 0 < SMALL < LARGE <= the input's 3 rows"),
+                        (["--sizes", "2,100"], "the input's 3 rows")):
+        res = CliRunner().invoke(throughput.main, base + extra)
+        assert res.exit_code == 2 and says in res.output, (extra, res.output)
