@@ -277,9 +277,10 @@ class BatchDecoder:
         power of two: trees pay at a few rows and not at many, and a static batch shrinks as its
         rows finish) and method config (budgeted rows of several configs share one), started from
         the pair's last one of that key (Governor.carry): a run of short batches does not learn
-        from scratch."""
-        cfg = budgeted[0].cfg
-        if any(r.cfg is not cfg and r.cfg != cfg for r in budgeted):
+        from scratch).  The seed is not part of the key: it changes no statistic the governor
+        keeps, and a service drawing each request with a new seed would add one per request."""
+        cfg = replace(budgeted[0].cfg, seed=0)
+        if any(r.cfg is not budgeted[0].cfg and replace(r.cfg, seed=0) != cfg for r in budgeted):
             cfg = None
         key = ("governor", 1 << (size - 1).bit_length(), cfg)
         if key not in self.governors:

@@ -232,6 +232,13 @@ def test_batch_decoders_keep_a_governor_per_batch_size_and_method_and_carry_it(c
     assert ("governor", 2, None) in close_pair.state  # mixed configs share one
     decode_batch(close_pair, random_prompts(1, seed=6), cfg, max_new_tokens=4, ignore_eos=True)
     assert not any(k[1] == 1 for k in close_pair.state if isinstance(k, tuple) and k[:1] == ("governor",))
+    # rows drawn with new seeds (a service's requests) share their sampling config's governor
+    govs = lambda: {k for k in close_pair.state if isinstance(k, tuple) and k[:1] == ("governor",)}
+    before = govs()
+    for seeds in ((1, 2), (3, 4), (5, 5)):
+        decode_batch(close_pair, random_prompts(2, seed=7), [make_config("dynatree", {"temperature": 0.8, "seed": s})
+                                                             for s in seeds], max_new_tokens=4, ignore_eos=True)
+        assert govs() - before == {("governor", 2, make_config("dynatree", {"temperature": 0.8}))}
 
 
 def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tmp_path, monkeypatch):
