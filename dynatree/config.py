@@ -94,10 +94,12 @@ class MethodConfig(SamplingConfig):
             raise ValueError("kv_window must be >= 0 (0 = off)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
-        if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1
-                               or self.kv_window <= self.kv_sinks + self.kv_evict):
+        if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1):
+            raise ValueError(f"a cache window needs kv_sinks >= 0 and kv_evict >= 1, got kv_sinks={self.kv_sinks}, "
+                             f"kv_evict={self.kv_evict}")
+        if self.kv_window and self.kv_window <= self.kv_sinks + self.kv_evict:
             raise ValueError(f"kv_window={self.kv_window} must exceed kv_sinks + kv_evict "
-                             f"({self.kv_sinks} + {self.kv_evict}), with kv_sinks >= 0 and kv_evict >= 1")
+                             f"({self.kv_sinks} + {self.kv_evict})")
         method = next((k for k, v in METHODS.items() if v is type(self)), type(self).__name__)
         for name in _AT_LEAST_ONE:
             if not 1 <= getattr(self, name, 1) <= MAX_COUNT:
@@ -226,8 +228,10 @@ class DynaTreeConfig(SpecConfig):
         if not 0 <= self.hist_low < self.hist_high <= 1:
             raise ValueError(f"need 0 <= hist_low < hist_high <= 1, got hist_low={self.hist_low}, "
                              f"hist_high={self.hist_high}")
+        if self.hw_budget == "on":  # (YAML's `on`, a True: the budget on, which is 'auto')
+            object.__setattr__(self, "hw_budget", "auto")
         if self.hw_budget not in ("auto", "off"):
-            raise ValueError("hw_budget must be 'auto' or 'off'")
+            raise ValueError(f"hw_budget must be 'auto' (or on) or 'off', got {self.hw_budget!r}")
 
 
 @dataclass(frozen=True)

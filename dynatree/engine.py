@@ -311,6 +311,8 @@ class BatchDecoder:
         check_window(cfg, self.pair.max_context)
         prompt_ids = self._prompt(prompt_ids, cfg)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
+        if not isinstance(ignore_eos, bool):  # ("no" is truthy: it would ignore EOS)
+            raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         if key is not None and any(r.key == key for r in (*self.joining, *self.active)):
             raise ValueError(f"key {key!r} names a row still decoding: results would be told apart by key")
         stop = Stop.of(stop)

@@ -43,6 +43,8 @@ class Stop:
         if isinstance(strings, Stop):  # with more ids: the Stop's and those
             extra = cls.of(None, token_ids)
             strings, token_ids = strings.strings, strings.token_ids + (extra.token_ids if extra else ())
+        if isinstance(strings, (bytes, bytearray)):
+            raise ValueError(f"a stop string is bytes ({bytes(strings)!r}): pass text (.decode() it)")
         if strings is not None and not isinstance(strings, str) and not hasattr(strings, "__iter__"):
             raise ValueError(f"stop must be a string or strings, got {strings!r}")
         strings = (strings,) if isinstance(strings, str) else tuple(strings or ())

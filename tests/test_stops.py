@@ -110,6 +110,10 @@ def test_api_forms_and_bad_ids(demo, free_run):
                                                  stop=[s]).token_ids
     with pytest.raises(ValueError, match="outside the models' vocabulary"):
         generate(demo, PROMPT, "ar", stop_token_ids=[demo.vocab])
+    with pytest.raises(ValueError, match="a stop string is bytes \\(b'the'\\): pass text"):
+        generate(demo, PROMPT, "ar", stop=b"the")
+    with pytest.raises(ValueError, match="ignore_eos must be True or False, got 'no'"):  # ("no" is truthy)
+        generate(demo, PROMPT, "ar", max_new_tokens=4, ignore_eos="no")
 
 
 def test_a_stop_built_directly_says_what_it_takes():
