@@ -106,7 +106,7 @@ class ShardWorker:
         self.pair = self.scheduler.load(self._load)
         self.stop = spec.stop_rule  # built once, not per row
         if self.stop is not None:
-            self.stop.check_vocab(self.pair.vocab)
+            self.stop.check_vocab(self.pair.id_limit)
 
     def _load(self):
         spec, t0 = self.spec, time.perf_counter()

@@ -317,7 +317,7 @@ class BatchDecoder:
             raise ValueError(f"key {key!r} names a row still decoding: results would be told apart by key")
         stop = Stop.of(stop)
         if stop is not None:
-            stop.check_vocab(self.pair.vocab)
+            stop.check_vocab(self.pair.id_limit)
         if stop is not None and stop.strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the text; this pair has none (use stop token ids)")
         self.joining.append(_Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again))
@@ -341,7 +341,7 @@ class BatchDecoder:
         """The prompt's ids, checked; an error about the prompt itself (not the config or the pair,
         which every prompt shares) is marked ``prompt_problem``, so decode_batch names the prompt."""
         try:
-            prompt_ids = _token_ids(prompt_ids, self.pair.vocab)
+            prompt_ids = _token_ids(prompt_ids, self.pair.id_limit)
             if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
                 raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
                                    f"{self.pair.max_context}-token context ({self._window_hint(cfg)})")

@@ -263,6 +263,14 @@ class ModelPair:
     # prefix store and the budget's measurements are the pair's, so two threads decoding with one
     # pair take turns (without it the native forward's shared work buffer mixed their tokens)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # logit columns the target scores (0: vocab): its argmax may pick an id the draft cannot read,
+    # which a prompt may then hold; a drafter meeting one retires (drafting.DraftVocabError)
+    target_vocab: int = 0
+
+    @property
+    def id_limit(self) -> int:
+        """Token ids are [0, id_limit): the ids the target can produce (prompts, stop ids)."""
+        return self.target_vocab or self.vocab
 
     @property
     def eos_token_id(self) -> int | None:
@@ -582,7 +590,7 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
                 cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
     return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, names or {}, kernel=kernel,
-                     eos_token_ids=eos_ids)
+                     eos_token_ids=eos_ids, target_vocab=wt)
 
 
 def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:

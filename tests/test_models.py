@@ -511,3 +511,18 @@ def test_options_help_lists_shared_options_once():
         assert text.count(f"    {name}=") == 1, name
     assert text.count("    lookup=") == 4  # (defaults differ: 0 for linear, fixed_tree, dyspec; -1 for dynatree)
     assert "    d_max=8" in text and "    k=5" in text and "    mode=threshold" in text
+
+
+def test_ids_the_target_produces_past_the_drafts_vocabulary_are_prompt_and_stop_ids():
+    """A target scoring more columns than its draft (Qwen2.5-7B / 0.5B: 152064 / 151936) may pick
+    an id the draft cannot read: fed back as a prompt (a continued text) or named as a stop id it is
+    accepted, and every method's drafter retires on it, still equal to ar."""
+    pair = pair_from_models(tiny_neox(1, vocab=96), tiny_neox(5, vocab=90), None, eos_token_id=3)
+    assert (pair.vocab, pair.id_limit) == (90, 96)
+    high = [4, 60, 92, 95, 7, 93, 11]  # ids 92, 93, 95: the target's alone
+    for method in ("linear", "dynatree", "dyspec", "fixed_tree"):
+        ref = decode(pair, high, make_config("ar"), max_new_tokens=12, ignore_eos=True)[0]
+        assert decode(pair, high, make_config(method), max_new_tokens=12, ignore_eos=True)[0] == ref, method
+    assert generate(pair, high, "dynatree", max_new_tokens=12, stop_token_ids=[95]).finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match=r"token id 96 is outside the vocabulary \(0..95\)"):
+        generate(pair, [4, 96], "ar", max_new_tokens=2)
