@@ -348,7 +348,7 @@ def _prompt_rows(pair, dataset, pi, warm, prompt, methods, refs, max_new_tokens,
             "dataset": dataset, "prompt_id": pi, "warmup": warm, "method": ms.label,
             "base_method": ms.method, "options": json.dumps(ms.options, sort_keys=True),
             "setting": json.dumps(setting, sort_keys=True), "max_new_tokens": max_new_tokens,
-            "max_prompt_tokens": max_prompt_tokens,
+            "max_prompt_tokens": max_prompt_tokens, "token_ids": toks,  # (what "identical to ar" compared)
             **{f.name: m.get(f.name) for f in dataclasses.fields(Metrics)},  # one source: the dataclass
             "prompt_tokens": len(prompt), "peak_memory_mb": mem.peak_mb,
             "ref_method": ref.label if ref is not None else None,
@@ -569,6 +569,8 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
         if unknown:
             raise ValueError(f"--sweep-methods {','.join(unknown)}: not among the methods "
                              f"({', '.join(m.label for m in spec.methods)}; or 'all')")
+    if not (spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods != SWEEP_DEFAULT:
+        log("note: --sweep-methods chooses the methods of --sweep-tokens / --sweep-prompt-len, and neither is given")
     if ((spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods == SWEEP_DEFAULT
             and not any(m.label == "dynatree" for m in spec.methods)):
         log("note: the sweeps run ar and dynatree by default, and --methods has no dynatree: they run ar "

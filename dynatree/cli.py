@@ -383,12 +383,13 @@ def _chomp(text: str) -> str:
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
-def _int_list(s: str | None, flag: str = "", lo: int = 1) -> tuple:
-    """A comma-separated flag's whole numbers, each >= lo (a clear error otherwise)."""
+def _int_list(s: str | None, flag: str = "", lo: int = 1, kind: type = int) -> tuple:
+    """A comma-separated flag's whole numbers (``kind`` float: numbers), each >= lo (a clear error otherwise)."""
     try:
-        out = tuple(int(x) for x in s.split(",") if x.strip()) if s else ()
+        out = tuple(kind(x) for x in s.split(",") if x.strip()) if s else ()
     except ValueError:
-        raise click.BadParameter(f"{s!r} is not a comma-separated list of whole numbers", param_hint=flag) from None
+        what = "whole numbers" if kind is int else "numbers"
+        raise click.BadParameter(f"{s!r} is not a comma-separated list of {what}", param_hint=flag) from None
     if any(x < lo for x in out):
         raise click.BadParameter(f"{s!r}: every value must be >= {lo}", param_hint=flag)
     if len(set(out)) < len(out):  # (two rows of one setting would be compared as different ones)
@@ -439,7 +440,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
         if grid_depth or grid_branch or grid_tau:
             grid = {"depth": list(_int_list(grid_depth, "--grid-depth") or (5,)),
                     "branch": list(_int_list(grid_branch, "--grid-branch") or (2,)),
-                    "tau": [float(x) for x in (grid_tau or "0.02").split(",") if x]}
+                    "tau": list(_int_list(grid_tau, "--grid-tau", lo=0, kind=float) or (0.02,))}
         spec = BenchSpec(datasets=tuple(datasets), methods=tuple(parse_methods(methods, options)),
                          prompts=n_prompts, warmup=warmup, max_prompt_tokens=max_prompt_tokens,
                          max_new_tokens=max_new_tokens, prompt_column=prompt_column,
@@ -480,7 +481,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
               help="timings per size (the median is shown)")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
               help="rounds of the native-against-MKL comparison, the two kernels taking turns (the ratios "
-                   "are the rounds' medians)")
+                   "are the rounds' medians; --kernel lean on the native kernel only)")
 @click.option("--cache-lengths", help="comma-separated cached-token counts: target forwards of 1 and 16 tokens "
                                       "at each, to show where attention over a long cache takes over")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,

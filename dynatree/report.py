@@ -411,7 +411,7 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
                   f"{', '.join(sorted(have))}).\n\n") + md
         used = m.get("prompts_used") or {}  # a file may hold fewer usable prompts than asked for
         counts = ", ".join(f"{n} {name}" for name, n in used.items()) + " prompts" if used else \
-            f"{s['prompts']} prompts per dataset"
+            f"{s['prompts']} prompts per dataset" + (" planned" if m.get("interrupted") else "")
         kept = m.get("max_prompt_tokens_kept") or s["max_prompt_tokens"]
         lmax = f"{kept} (of {s['max_prompt_tokens']}: the context holds the new tokens too)" \
             if kept < s["max_prompt_tokens"] else kept

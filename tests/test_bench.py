@@ -38,8 +38,10 @@ def test_bench_and_report(pair_dirs, tmp_path):
     main_rows = [r for r in rows if json.loads(r["setting"])["sweep"] == "main"]
     assert {r["method"] for r in main_rows} >= {"ar", "linear", "fixed", "dynatree", "dyspec", "hf_ar", "hf_assisted"}
     assert len(main_rows) == 3 * 11
+    ar_ids = {r["prompt_id"]: r["token_ids"] for r in main_rows if r["method"] == "ar"}
     for r in main_rows:  # float64: every method, HF's included, equals ar; ar is the reference, not a check
         assert r["matches_ar"] is (None if r["method"] == "ar" else True), r["method"]
+        assert r["token_ids"] == ar_ids[r["prompt_id"]] and len(r["token_ids"]) == r["new_tokens"]  # (re-checkable)
         assert r["dataset"] == "tiny" and r["tokens_per_s"] > 0 and r["speedup"] > 0
     ar = {r["prompt_id"]: r["tokens_per_s"] for r in main_rows if r["method"] == "ar"}
     for r in main_rows:
@@ -221,7 +223,7 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     pair = ["--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu"]
     base = bench_args(pair_dirs, tmp_path, 2, 4) + ["--out", str(tmp_path / "b")]
     for flag, value in (("--prompts", "-1"), ("--warmup", "-1"), ("--threads", "-2"), ("--max-prompt-tokens", "0"),
-                        ("--batch-sizes", "0"), ("--sweep-prompt-len", "-3"), ("--grid-depth", "x")):
+                        ("--batch-sizes", "0"), ("--sweep-prompt-len", "-3"), ("--grid-depth", "x"), ("--grid-tau", "abc")):
         res = CliRunner().invoke(main, base + [flag, value])
         assert res.exit_code == 2 and flag in res.output, (flag, res.output)  # click's usage error
     for args, says in ((["profile", *pair, "--repeats", "0"], "--repeats"),
