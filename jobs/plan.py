@@ -333,8 +333,12 @@ def _legacy(old: dict) -> dict:
 
 
 def _same_identity(old: dict, new: dict) -> bool:
-    return old.get("identity_hash") == new["identity_hash"] or (
-        json.dumps(old["identity"], sort_keys=True, default=str) == json.dumps(new["identity"], sort_keys=True, default=str))
+    """Same job: the same identity, or one that names the kept columns otherwise (every column by
+    default, or each by name) with the same output columns."""
+    same = lambda a, b: json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+    unkept = lambda ident: {k: v for k, v in ident.items() if k != "keep_columns"}
+    return (old.get("identity_hash") == new["identity_hash"] or same(old["identity"], new["identity"])
+            or same(unkept(old["identity"]), unkept(new["identity"])) and old.get("columns") == new["columns"])
 
 
 def _refuse_change(out: Path, old: dict, new: dict) -> None:
