@@ -340,6 +340,8 @@ def _coerce(data: dict) -> dict:
             data[k] = (v,)
     for k in PATH_FIELDS:  # one spelling per path, so a resume typed differently is the same job
         data[k] = canonical_path(k, data.get(k))
+    if isinstance(data.get("output"), str) and data["output"].strip():  # (~ as the shell would: a job file's
+        data["output"] = os.path.abspath(os.path.expanduser(data["output"]))  # too; summary.json's is absolute)
     return data
 
 

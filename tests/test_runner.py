@@ -428,6 +428,11 @@ def test_spec_validation_messages(tmp_path):
         with pytest.raises(SpecError, match=said):
             build_spec(str(job))
     assert build_spec(None, input="x", output="y", keep_columns="None").keep_columns == ()
+    # an output path as the shell would read it, from a job file too (a literal ./~ once received
+    # the manifest while the shards went to the home directory)
+    job.write_text("input: x\noutput: ~/dt-out\n")
+    assert build_spec(str(job)).output == os.path.join(os.path.expanduser("~"), "dt-out")
+    assert build_spec(None, input="x", output="y").output == os.path.abspath("y")
     with pytest.raises(SpecError, match="placement_timeout_s must be > 0"):
         build_spec(None, input="x", output="y", placement_timeout_s=-5.0)
     with pytest.raises(SpecError, match="give both target and draft, or neither.*ar needs only a target"):
