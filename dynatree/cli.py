@@ -97,10 +97,11 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     from .check import divergence
     from .config import ContextError, ar_reference, make_config, parse_options
     from .models import PairError, load_pair
+    from .parts import chomp
 
     _threads(threads)
     # (`echo text | dynatree generate` must decode "text", not "text\n": another prompt, other tokens)
-    prompts = list(prompts) or [_chomp(sys.stdin.read())]
+    prompts = list(prompts) or [chomp(sys.stdin.read().removeprefix("\ufeff"))]  # (as a .txt input reads)
     blank = [i for i, p in enumerate(prompts) if not p.strip()]
     if blank:
         _fail(f"{engine.prompt_name(blank[0], len(prompts))} is empty or only whitespace")
@@ -376,11 +377,6 @@ def _conversation(text: str) -> str | list:
         if isinstance(value, list) and (not value or any(isinstance(m, dict) for m in value)):
             return value
     return text
-
-
-def _chomp(text: str) -> str:
-    """Text read from stdin without the line end its last line carries (one, as a shell's echo adds)."""
-    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 def _int_list(s: str | None, flag: str = "", lo: int = 1, kind: type = int) -> tuple:

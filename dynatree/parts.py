@@ -171,10 +171,17 @@ class ArrowPart(Part):
                 yield reader.get_batch(i)
 
 
+def chomp(text: str) -> str:
+    """Text without the line end its last line carries (one, as editors and a shell's echo add)."""
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+
+
 class TextPart(Part):
-    """A plain-text file is one row: ``text`` (its contents) and ``file`` (its path, so output rows
-    can be traced back to their files).  A file that is not UTF-8 is that row's problem, not the
-    job's: its raw value is the bytes (the worker's per-row error), its text null."""
+    """A plain-text file is one row: ``text`` (its contents, as ``dynatree generate`` reads a
+    file from stdin: without a UTF-8 byte-order mark or the line end of its last line) and
+    ``file`` (its path, so output rows can be traced back to their files).  A file that is not
+    UTF-8 is that row's problem, not the job's: its raw value is the bytes (the worker's per-row
+    error), its text null."""
 
     def __init__(self, path: str):
         super().__init__(stat(path, "txt", 1), pa.schema([("text", pa.string()), ("file", pa.string())]))
@@ -190,7 +197,7 @@ class TextPart(Part):
             except OSError as e:
                 raise InputError(f"cannot read {self.info.path}: {e}") from e
             try:
-                values["text"] = raws["text"] = [data.decode("utf-8")]
+                values["text"] = raws["text"] = [chomp(data.decode("utf-8-sig"))]
             except UnicodeDecodeError:
                 values["text"], raws["text"] = [None], [data]
         return pa.table({c: values[c] for c in cols}), {c: raws[c] for c in raw if c in cols}

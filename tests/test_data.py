@@ -239,8 +239,8 @@ def test_mixed_format_directory_and_txt_directory(tmp_path):
     assert InputSource.open(str(d / "*.parquet")).num_rows == 2
     t = tmp_path / "texts"
     t.mkdir()
-    (t / "b.txt").write_text("second\nprompt")
-    (t / "a.txt").write_text("first")
+    (t / "b.txt").write_text("second\nprompt\n")  # (an editor's last line end: not the prompt's)
+    (t / "a.txt").write_bytes("\ufefffirst\r\n".encode())  # (a byte-order mark neither)
     src = InputSource.open(str(t))
     assert src.column_names == ["text", "file"] and [f.format for f in src.files] == ["txt", "txt"]
     assert src.read(0, 2, ["text"], raw=["text"])[1] == {"text": ["first", "second\nprompt"]}
