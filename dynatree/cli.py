@@ -711,8 +711,9 @@ def report_cmd(out_dir):
 @click.option("--max-chars", default=40_000_000, show_default=True, help="corpus size cap")
 @click.option("--bf16/--no-bf16", default=True, show_default=True, help="bfloat16 autocast")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="replace what --out holds (a pair trained before)")
 def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shape, seq_len, batch_size,
-                   context, target_minutes, draft_minutes, lr, max_chars, bf16, seed):
+                   context, target_minutes, draft_minutes, lr, max_chars, bf16, seed, overwrite):
     """Train a small Pythia-architecture target/draft pair on CPU (tokenizer, target, distilled draft)."""
     from .data import InputError
     from .training import ModelShape, TrainConfig, train_pair
@@ -729,7 +730,7 @@ def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shap
                           seq_len=seq_len, batch_size=batch_size, context=context,
                           target_minutes=target_minutes, draft_minutes=draft_minutes, lr=lr,
                           max_chars=max_chars, bf16=bf16, seed=seed)
-        train_pair(corpus, column, out_dir, cfg, log=lambda m: click.echo(m, err=True))
+        train_pair(corpus, column, out_dir, cfg, log=lambda m: click.echo(m, err=True), overwrite=overwrite)
     except (InputError, ValueError) as e:
         _fail(str(e))
 

@@ -140,6 +140,9 @@ def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path 
             if error:
                 os.unlink(tmp)
                 return None, f"{cc} failed: {error[:500]}"
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)  # (mkstemp's file is private: another user's jobs could not load it)
             os.replace(tmp, lib_path)
     return lib_path, ""
 

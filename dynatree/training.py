@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -206,12 +207,16 @@ def split_heldout(docs: list[str], fraction: float) -> tuple[list[str], list[str
 
 
 def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
-               log=print) -> dict:
-    """Train tokenizer, target and draft on ``source[column]``; save HF directories + card.json."""
+               log=print, overwrite: bool = False) -> dict:
+    """Train tokenizer, target and draft on ``source[column]``; save HF directories + card.json
+    into ``out_dir``, which must be new or empty unless ``overwrite`` (minutes of training would
+    replace a pair -- the bundled one, say -- without a word)."""
     from .data import read_texts
 
     torch.manual_seed(cfg.seed)
     out = Path(out_dir)
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty (a trained pair?): give another --out, or --overwrite to replace it")
     texts = [t for t in read_texts(source, column) if isinstance(t, str) and t.strip()]
     if not texts:
         raise ValueError(f"no text in column {column!r} of {source}")
@@ -249,6 +254,7 @@ def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig =
         model.to(torch.bfloat16).save_pretrained(out / name)
         tokenizer.save_pretrained(out / name)
         model.generation_config.save_pretrained(out / name)
+        shutil.copymode(out / name / "config.json", out / name / "model.safetensors")  # (saved private: 0600)
     card = {
         "corpus": source, "column": column, "documents": len(train), "chars": total,
         "train_tokens": int(stream.shape[0]), "heldout_tokens": int(held_stream.shape[0]),

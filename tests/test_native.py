@@ -3,6 +3,7 @@
 Batch invariance is the property the greedy guarantee leans on with this kernel: a tree node's
 logits must be *bitwise* those of an AR step over the same path, so the tests compare with
 torch.equal, not a tolerance."""
+import os
 import re
 import shutil
 from pathlib import Path
@@ -261,6 +262,17 @@ def test_build_fallbacks(monkeypatch, tmp_path):
     monkeypatch.setattr(kbuild, "COMPILE_TIMEOUT_S", 1)
     lib, why = native._build()
     assert lib is None and "no result after 1 s" in why
+    # an object others may load: the umask's mode, not mkstemp's private one (a cache built as root)
+    fake = tmp_path / "fake-cc"  # writes a file where -o says
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = -o ] && echo x > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setattr(kbuild, "COMPILE_TIMEOUT_S", 60)
+    lib, why = kbuild.build()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert lib is not None and lib.stat().st_mode & 0o777 == 0o755 & ~umask, why
 
 
 def test_lean_falls_back_to_torch_without_the_library(monkeypatch):

@@ -30,6 +30,12 @@ def test_train_pair_tiny(tmp_path):
     ref = generate(pair, "It was a dark", "ar", max_new_tokens=8, ignore_eos=True)
     for method in ("linear", "fixed_tree", "dynatree", "dyspec"):
         assert generate(pair, "It was a dark", method, max_new_tokens=8, ignore_eos=True).token_ids == ref.token_ids
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (out / "target").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"]  # (readable by whoever may read the pair)
+    before = (out / "target" / "model.safetensors").read_bytes()
+    again = CliRunner().invoke(main, ["train-pair", "--corpus", str(corpus), "--column", "body", "--out", str(out)])
+    assert again.exit_code != 0 and "is not empty (a trained pair?)" in again.output and "--overwrite" in again.output
+    assert (out / "target" / "model.safetensors").read_bytes() == before
 
 
 def test_train_pair_missing_column(tmp_path):
