@@ -286,12 +286,25 @@ def _text_of(col) -> pa.Array:
     return pa.array([as_text(v) for v in col.to_pylist()], pa.string())
 
 
+def _id_text(v) -> str:
+    """One id value as text: booleans as JSON's (as a JSONL id reads), bytes as the UTF-8 text
+    they hold (Parquet strings written without their UTF-8 annotation) or else as hex."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, bytes):
+        try:
+            return v.decode("utf-8")
+        except UnicodeDecodeError:
+            return v.hex()
+    return str(v)
+
+
 def id_strings(col) -> list[str | None]:
-    """An id column as the output writes it: str of its values as Arrow reads them -- the one
-    conversion the duplicate check (InputSource.check_ids) and the shards share."""
+    """An id column as the output writes it: its values as Arrow reads them, as text (_id_text) --
+    the one conversion the duplicate check (InputSource.check_ids) and the shards share."""
     ids = col.to_pylist()
     if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
-        ids = [None if v is None else str(v) for v in ids]
+        ids = [None if v is None else _id_text(v) for v in ids]
     return ids
 
 

@@ -450,3 +450,14 @@ def test_values_read_as_text_across_files_are_written_as_in_one_jsonl_file(tmp_p
     pq.write_table(pa.table({"id": [2.5], "text": ["c"]}), tmp_path / "j.parquet")
     both = InputSource.open(str(tmp_path / "[ij].parquet"))
     assert both.read(0, 3, ["id"])[0].column("id").to_pylist() == ["1", str(2**60), "2.5"] and len(both.notes) == 1
+
+
+def test_ids_of_every_arrow_type_read_as_text_the_way_a_jsonl_id_does():
+    """Booleans as JSON text (a JSONL `true` reads `true`, not Python's `True`); bytes as the UTF-8
+    they hold (strings stored without their annotation) or as hex; numbers as str."""
+    from dynatree.data import id_strings
+
+    assert id_strings(pa.array([True, False, None])) == ["true", "false", None]
+    assert id_strings(pa.array([b"row-7", b"\x00\xff"], pa.binary())) == ["row-7", "00ff"]
+    assert id_strings(pa.array([1, 2**60 + 1])) == ["1", str(2**60 + 1)]
+    assert id_strings(pa.array(["a"], pa.large_string())) == ["a"]
