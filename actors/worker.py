@@ -67,7 +67,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
                chat: bool = False) -> list[int]:
     """The prompt's token ids under the prompt policy; ValueError names what is wrong.  With a
     cache window (kv_window) neither the prompt nor the generation is bound by the context.
-    ``chat``: the prompt (a string: one user message; or a list of {role, content} messages) is
+    ``chat``: the prompt (a string: one user message; a {role, content} message or a list of them) is
     rendered with the tokenizer's chat template."""
     if text is None:
         raise ValueError("prompt is null")
@@ -77,7 +77,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
         except UnicodeDecodeError:
             raise ValueError("prompt is not UTF-8 text") from None
     keep = prompt_budget(pair.max_context, windowed, max_prompt_tokens, max_new_tokens)
-    if chat and isinstance(text, (list, tuple)):
+    if chat and isinstance(text, (list, tuple, dict)):  # (a dict: one message)
         ids = pair.encode_chat(text)
     elif not isinstance(text, str):
         hint = "" if chat or not isinstance(text, (list, tuple)) else " (chat messages? run with --chat-template)"

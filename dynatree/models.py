@@ -509,11 +509,13 @@ def is_chat(prompt) -> bool:
 
 
 def chat_messages(value) -> list[dict]:
-    """A prompt as chat messages: a string is one user message; otherwise each a mapping with
+    """A prompt as chat messages: a string is one user message, a mapping one message; otherwise each a mapping with
     string ``role`` and ``content`` (other keys dropped, so a Parquet struct's nulls do not reach
     the template); ValueError otherwise."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    if isinstance(value, dict):  # one message (a JSONL object, a struct value): a conversation of one
+        value = [value]
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
         empty = " (an empty conversation)" if isinstance(value, (list, tuple)) and not value else ""

@@ -183,6 +183,9 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
             if lacking:  # its rows would all be null: per-row errors, or a job refused for null ids
                 raise JobError(f"input {spec.input}: {len(lacking)} file(s) have no {flag} {col!r} column: "
                                f"{', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
+        if cols and not spec.chat_template and _chat_type(source.schema.field(spec.prompt_column).type):
+            raise JobError(f"input {spec.input}: the prompt column {spec.prompt_column!r} holds chat messages "
+                           f"({source.schema.field(spec.prompt_column).type}): run with --chat-template")
         if spec.id_column and cols:
             nested = _nested(source, spec.id_column)  # (its ids would be Python reprs of structs or lists)
             if nested:
@@ -199,6 +202,14 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
         field = source.schema.field(c)
         schema = schema.append(field.with_name(dict(renamed).get(c, c)).with_type(_storable(c, field.type)))
     return Plan(source, spec.shard_size, keep, schema, spec.samples, spec.limit, renamed)
+
+
+def _chat_type(t: pa.DataType) -> bool:
+    """Whether a column's values are chat messages: lists of structs with role and content (or one
+    such struct), which only --chat-template renders -- every row would fail without it."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        t = t.value_type
+    return pa.types.is_struct(t) and {"role", "content"} <= {t.field(i).name for i in range(t.num_fields)}
 
 
 _PLAIN = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}

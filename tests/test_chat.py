@@ -89,6 +89,8 @@ def test_prompt_policy_with_chat(chat_pair, close_pair):
         prompt_ids(chat_pair, CHATS[0], 8, None)
     with pytest.raises(ValueError, match="no chat template"):
         close_pair.encode_chat(CHATS[0])
+    # one message object (a JSONL row's {"role", "content"}): a conversation of one, as generate takes it
+    assert prompt_ids(chat_pair, {"role": "user", "content": "hello"}, 8, None, chat=True) == rendered(chat_pair, "hello")
 
 
 def test_refused_and_long_conversations_are_row_errors(chat_dirs, chat_pair, tmp_path):
@@ -128,6 +130,10 @@ def test_chat_job_matches_ar(ray_cluster, chat_dirs, chat_pair, tmp_path):
 
 
 def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
+    messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    pq.write_table(pa.table({"key": ["a"], "text": pa.array([CHATS[2]], messages)}), tmp_path / "in.parquet")
+    with pytest.raises(JobError, match="the prompt column 'text' holds chat messages .*run with --chat-template"):
+        run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)  # (planned: no Ray)
     pq.write_table(pa.table({"key": ["a"], "text": ["hello"]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="has no chat template"):
         run_job(spec(pair_dirs, tmp_path, chat_template=True), progress=False, log=quiet)
