@@ -252,6 +252,27 @@ def _check_file_relative(config_file: str | None, data: dict, overrides: dict) -
                             f"run from {found}, or give {found / value}")
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A mapping whose keys are each given once: a job file naming a field twice (a pasted line
+    left in) would silently take the last value."""
+    seen = [k for k, _ in pairs]
+    twice = sorted({str(k) for k in seen if seen.count(k) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given twice")
+    return dict(pairs)
+
+
+def _yaml(text: str):
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):  # (a merge key << may be overridden: not a repeat)
+            _unique_keys([(self.construct_object(k, deep=deep), None) for k, _ in node.value
+                          if k.tag != "tag:yaml.org,2002:merge"])
+            return super().construct_mapping(node, deep=deep)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader
+
+
 def _load_file(path: str) -> dict:
     p = Path(path)
     if not p.exists():
@@ -259,10 +280,9 @@ def _load_file(path: str) -> dict:
     text = p.read_text()
     try:
         if p.suffix in (".yaml", ".yml"):
-            import yaml
-            data = yaml.safe_load(text) or {}
+            data = _yaml(text) or {}
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
     except Exception as e:  # yaml and json raise different types
         raise SpecError(f"cannot parse job file {path}: {e}") from e
     if not isinstance(data, dict):

@@ -430,6 +430,13 @@ def test_spec_validation_messages(tmp_path):
     assert build_spec(None, input="x", output="y", keep_columns="None").keep_columns == ()
     # an output path as the shell would read it, from a job file too (a literal ./~ once received
     # the manifest while the shards went to the home directory)
+    for name, text in (("dup.yaml", "input: x\noutput: y\nmethod: ar\nmethod: linear\n"),
+                       ("dup.json", '{"input": "x", "output": "y", "method": "ar", "method": "linear"}')):
+        (tmp_path / name).write_text(text)  # a field twice: an error, not the last one silently
+        with pytest.raises(SpecError, match="method given twice"):
+            build_spec(str(tmp_path / name))
+    job.write_text("input: x\noutput: y\noptions: {<<: {d_max: 6}, d_max: 7}\n")  # (a merge key's field
+    assert build_spec(str(job)).options == {"d_max": 7}  # overridden is no repeat)
     job.write_text("input: x\noutput: ~/dt-out\n")
     assert build_spec(str(job)).output == os.path.join(os.path.expanduser("~"), "dt-out")
     assert build_spec(None, input="x", output="y").output == os.path.abspath("y")
