@@ -379,7 +379,7 @@ def _conversation(text: str) -> str | list:
     return text
 
 
-def _int_list(s: str | None, flag: str = "", lo: int = 1, kind: type = int) -> tuple:
+def _number_list(s: str | None, flag: str = "", lo: int = 1, kind: type = int) -> tuple:
     """A comma-separated flag's whole numbers (``kind`` float: numbers), each >= lo (a clear error otherwise)."""
     try:
         out = tuple(kind(x) for x in s.split(",") if x.strip()) if s else ()
@@ -434,16 +434,16 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     try:
         grid = {}
         if grid_depth or grid_branch or grid_tau:
-            grid = {"depth": list(_int_list(grid_depth, "--grid-depth") or (5,)),
-                    "branch": list(_int_list(grid_branch, "--grid-branch") or (2,)),
-                    "tau": list(_int_list(grid_tau, "--grid-tau", lo=0, kind=float) or (0.02,))}
+            grid = {"depth": list(_number_list(grid_depth, "--grid-depth") or (5,)),
+                    "branch": list(_number_list(grid_branch, "--grid-branch") or (2,)),
+                    "tau": list(_number_list(grid_tau, "--grid-tau", lo=0, kind=float) or (0.02,))}
         spec = BenchSpec(datasets=tuple(datasets), methods=tuple(parse_methods(methods, options)),
                          prompts=n_prompts, warmup=warmup, max_prompt_tokens=max_prompt_tokens,
                          max_new_tokens=max_new_tokens, prompt_column=prompt_column,
-                         sweep_tokens=_int_list(sweep_tokens, "--sweep-tokens"),
-                         sweep_prompt_len=_int_list(sweep_prompt_len, "--sweep-prompt-len"),
+                         sweep_tokens=_number_list(sweep_tokens, "--sweep-tokens"),
+                         sweep_prompt_len=_number_list(sweep_prompt_len, "--sweep-prompt-len"),
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
-                         batch_sizes=_int_list(batch_sizes, "--batch-sizes"))
+                         batch_sizes=_number_list(batch_sizes, "--batch-sizes"))
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel, transformers_models=spec.hf_peers)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-measurement)
         end_on_sigterm()
@@ -496,7 +496,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
     from .models import PairError, load_pair
 
     _threads(threads)
-    lengths = _int_list(cache_lengths, "--cache-lengths")
+    lengths = _number_list(cache_lengths, "--cache-lengths")
     try:
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
     except (PairError, ValueError) as e:
