@@ -360,8 +360,8 @@ def _coerce(data: dict) -> dict:
             data[k] = (v,)
     for k in PATH_FIELDS:  # one spelling per path, so a resume typed differently is the same job
         data[k] = canonical_path(k, data.get(k))
-    if isinstance(data.get("output"), str) and data["output"].strip():  # (~ as the shell would: a job file's
-        data["output"] = os.path.abspath(os.path.expanduser(data["output"]))  # too; summary.json's is absolute)
+    if isinstance(data.get("output"), str):  # (~ as the shell would, a job file's too; kept relative when
+        data["output"] = os.path.expanduser(data["output"])  # given so: `ray job submit` warns of it)
     return data
 
 

@@ -178,7 +178,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
             "pass_rate": (checked - t["mismatches"]) / checked if checked else None,
             "mismatched_rows": t["mismatched"],
         },
-        "config": spec.to_dict(),
+        "config": {**spec.to_dict(), "output": os.path.abspath(spec.output)},  # (found from anywhere)
         "versions": _versions(),
     }
 
