@@ -15,6 +15,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 
+def _config(spec) -> dict:
+    """The job's fields, its output named in full (a reader elsewhere finds the shards)."""
+    d = spec.to_dict()
+    if d.get("output"):
+        d["output"] = os.path.abspath(d["output"])
+    return d
+
+
 def _versions() -> dict:
     out = {"python": platform.python_version()}
     for pkg in ("dynatree", "torch", "transformers", "ray", "pyarrow", "tokenizers"):
@@ -178,7 +186,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
             "pass_rate": (checked - t["mismatches"]) / checked if checked else None,
             "mismatched_rows": t["mismatched"],
         },
-        "config": {**spec.to_dict(), "output": os.path.abspath(spec.output)},  # (found from anywhere)
+        "config": _config(spec),
         "versions": _versions(),
     }
 

@@ -1099,7 +1099,8 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
     (tmp_path / "shards").mkdir()
     for k, part in enumerate((rows[:10], rows[10:], [])):
         pq.write_table(pa.Table.from_pylist(part, schema=output_schema()), tmp_path / "shards" / f"part-{k:06d}.parquet")
-    s = summarize(tmp_path, types.SimpleNamespace(to_dict=dict, samples=1), {})
+    s = summarize(tmp_path, types.SimpleNamespace(to_dict=lambda: {"output": "rel/out"}, samples=1), {})
+    assert s["config"]["output"] == os.path.abspath("rel/out")  # (a reader elsewhere finds the shards)
     ok = [r for r in rows if r["error"] is None]
     checked = [r for r in ok if r["matches_ar"] is not None]
     assert (s["rows"], s["errors"], s["error_messages"]) == (23, 5, {"too long": 3, "prompt of 612 tokens is longer than the 512": 2})
