@@ -97,11 +97,11 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     from .check import divergence
     from .config import ContextError, ar_reference, make_config, parse_options
     from .models import PairError, load_pair
-    from .parts import chomp
+    from .parts import file_text
 
     _threads(threads)
     # (`echo text | dynatree generate` must decode "text", not "text\n": another prompt, other tokens)
-    prompts = list(prompts) or [chomp(sys.stdin.read().removeprefix("\ufeff"))]  # (as a .txt input reads)
+    prompts = list(prompts) or [file_text(sys.stdin.read())]  # (as a .txt input reads)
     blank = [i for i, p in enumerate(prompts) if not p.strip()]
     if blank:
         _fail(f"{engine.prompt_name(blank[0], len(prompts))} is empty or only whitespace")

@@ -509,9 +509,9 @@ def is_chat(prompt) -> bool:
 
 
 def chat_messages(value) -> list[dict]:
-    """A prompt as chat messages: a string is one user message, a mapping one message; otherwise each a mapping with
-    string ``role`` and ``content`` (other keys dropped, so a Parquet struct's nulls do not reach
-    the template); ValueError otherwise."""
+    """A prompt as chat messages: a string is one user message, a mapping one message; otherwise
+    each a mapping with string ``role`` and ``content`` (other keys dropped, so a Parquet struct's
+    nulls do not reach the template); ValueError otherwise."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, dict):  # one message (a JSONL object, a struct value): a conversation of one

@@ -171,8 +171,10 @@ class ArrowPart(Part):
                 yield reader.get_batch(i)
 
 
-def chomp(text: str) -> str:
-    """Text without the line end its last line carries (one, as editors and a shell's echo add)."""
+def file_text(text: str) -> str:
+    """A file's text as a prompt: without a UTF-8 byte-order mark or the line end its last line
+    carries (one, as editors and a shell's echo add) -- a .txt input's and generate's stdin alike."""
+    text = text.removeprefix("\ufeff")
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
@@ -197,7 +199,7 @@ class TextPart(Part):
             except OSError as e:
                 raise InputError(f"cannot read {self.info.path}: {e}") from e
             try:
-                values["text"] = raws["text"] = [chomp(data.decode("utf-8-sig"))]
+                values["text"] = raws["text"] = [file_text(data.decode("utf-8"))]
             except UnicodeDecodeError:
                 values["text"], raws["text"] = [None], [data]
         return pa.table({c: values[c] for c in cols}), {c: raws[c] for c in raw if c in cols}

@@ -73,20 +73,28 @@ def _widen_layer(layer, heads: int, r: int, identity: bool):
     return out
 
 
+def _sizes(cfg, factor: int, layers: int | None, vocab: int | None) -> tuple[int, int]:
+    """(layers, vocab) of the widened model (None: the model's own); ValueError for a model or
+    sizes widen cannot grow (checked from the config alone, before the weights load)."""
+    if cfg.model_type != "gpt_neox" or not cfg.use_parallel_residual:
+        raise ValueError(f"widen takes GPT-NeoX models with the parallel residual, not {cfg.model_type}")
+    n, v = cfg.num_hidden_layers, cfg.vocab_size
+    layers, vocab = layers or n, vocab or v
+    if factor < 1 or layers < n or vocab < v:
+        raise ValueError(f"widen grows a model: factor {factor} >= 1, layers {layers} >= {n}, vocab {vocab} >= {v}")
+    if vocab > v and factor < 2:
+        raise ValueError("extra vocabulary needs factor >= 2 (copy 1 of the hidden state carries its constant)")
+    return layers, vocab
+
+
 def widened(model, factor: int, layers: int | None = None, vocab: int | None = None):
     """(config, state dict) of a GPT-NeoX causal LM ``factor`` times as wide (hidden, heads, MLP),
     with ``layers`` layers (identities past the model's own) and ``vocab`` LM-head rows (extra ones
     at FLOOR), computing ``model``'s function (see the module docstring), in ``model``'s dtype.
     No model is built: at Pythia-2.8B's size that would initialise 2.8B random weights first."""
     cfg, r = model.config, factor
-    if cfg.model_type != "gpt_neox" or not cfg.use_parallel_residual:
-        raise ValueError(f"widen takes GPT-NeoX models with the parallel residual, not {cfg.model_type}")
     n, v = cfg.num_hidden_layers, cfg.vocab_size
-    layers, vocab = layers or n, vocab or v
-    if r < 1 or layers < n or vocab < v:
-        raise ValueError(f"widen grows a model: factor {r} >= 1, layers {layers} >= {n}, vocab {vocab} >= {v}")
-    if vocab > v and r < 2:
-        raise ValueError("extra vocabulary needs factor >= 2 (copy 1 of the hidden state carries its constant)")
+    layers, vocab = _sizes(cfg, factor, layers, vocab)
     new_cfg = copy.deepcopy(cfg)
     new_cfg.hidden_size, new_cfg.num_attention_heads = r * cfg.hidden_size, r * cfg.num_attention_heads
     new_cfg.intermediate_size, new_cfg.num_hidden_layers, new_cfg.vocab_size = r * cfg.intermediate_size, layers, vocab
@@ -127,11 +135,12 @@ def widen_dir(src: str, out: str, factor: int, layers: int | None = None, vocab:
     from pathlib import Path
 
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if factor < 1 or (layers is not None and layers < 1) or (vocab is not None and vocab < 1):
-        raise ValueError(f"--factor, --layers and --vocab must be positive (got {factor}, {layers}, {vocab})")
+    if (layers is not None and layers < 1) or (vocab is not None and vocab < 1):  # (0 would read as "SRC's")
+        raise ValueError(f"--layers and --vocab must be positive (got {layers}, {vocab})")
     _check_dirs(src, out)
+    _sizes(AutoConfig.from_pretrained(src), factor, layers, vocab)  # (before seconds of loading weights)
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     cfg, state = widened(model, factor, layers, vocab)
     del model
