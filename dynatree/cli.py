@@ -65,10 +65,12 @@ def _pair_options(f):
 
 @main.command(epilog="\b\nMethod options (--option key=value):\n" + options_help())
 @_pair_options
-@click.option("--method", default="dynatree", show_default=True, type=click.Choice(list(METHODS)))
+@click.option("--method", default="dynatree", show_default=True, type=click.Choice(list(METHODS)),
+              help="decoding method (ar: plain greedy or sampled decoding with the target alone)")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="method option, repeatable (listed below)")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="the most new tokens per completion (fewer at EOS or a stop)")
 @click.option("--prompt", "prompts", multiple=True,
               help="prompt text (default: read stdin, less the newline that ends its last line); repeat it "
                    "to decode several prompts together, "
@@ -169,7 +171,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 @click.option("--option", "options", multiple=True, metavar="[LABEL.]KEY=VALUE",
               help="method option, repeatable: LABEL.KEY=VALUE one method's (e.g. dynatree.tau=0.01), "
                    "KEY=VALUE every method's (e.g. temperature=0.6)")
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1),
+              help="the most new tokens per prompt (fewer at EOS)")
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
               help="prompts keep their last L_max tokens (fewer if the context needs room for the new ones)")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
@@ -279,7 +282,7 @@ def _spec_options(f):
         parts = [t.strip() for t in fld.type.split("|")]
         kind = "str" if "str" in parts else parts[0]
         shown = ("on" if fld.default else "off") if kind == "bool" and isinstance(fld.default, bool) else fld.default
-        help_ = fld.metadata["help"] + (f" [{shown}]" if shown not in (None, "", dataclasses.MISSING) else "")
+        help_ = fld.metadata["help"] + (f" [default: {shown}]" if shown not in (None, "", dataclasses.MISSING) else "")
         if kind == "bool":
             f = click.option(f"--{name}/--no-{name}", fld.name, default=None, help=help_)(f)
         elif kind == "dict":

@@ -123,7 +123,7 @@ class SpecConfig(MethodConfig):
                                    "re-runs the accepted tokens (the seed's second forward)")
     lookup: int = opt(0, "context lookup: graft up to this many tokens copied from the text so far (what "
                          "followed the latest earlier occurrence of the longest repeated suffix, up to 8 tokens) onto each tree; "
-                         "0 = off)")
+                         "0 = off")
     draft_context: int = opt(128, "the most committed tokens the draft reads when it (re)starts: a "
                                   "prompt's last draft_context tokens, and a draft that fell further behind (rows "
                                   "drafting nothing while the hardware budget keeps trees off) restarts on the last "

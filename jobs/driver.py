@@ -303,8 +303,8 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
 def _check_output_outside_input(spec: JobSpec) -> None:
     """An output the input reads (a directory's subdirectory, a matching glob) would be read back
     as input by the next run."""
-    out = Path(spec.output).resolve()
-    if any(would_read(spec.input, str(out / f)) for f in ("shards/part-000000.parquet", "manifest.json")):
+    out = Path(spec.output).resolve()  # (the directory itself too: a glob matching it reads it as a file)
+    if any(would_read(spec.input, str(out / f)) for f in ("", "shards/part-000000.parquet", "manifest.json")):
         raise JobError(f"--output {spec.output} is where the input {spec.input} reads: a re-run would read the "
                        "job's own output as input; write it elsewhere")
 

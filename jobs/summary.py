@@ -243,7 +243,12 @@ def _unchecked(s: dict) -> str:
 def _run_line(run: dict) -> str:
     return ((f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
             + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
-              f"{run.get('shards_this_run', 0)} shards, {run.get('retries', 0)} retries; start-up included)")
+              f"{_count(run.get('shards_this_run', 0), 'shard')}, {_count(run.get('retries', 0), 'retry', 'retries')}; "
+              "start-up included)")
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _last_run_note(last: dict | None) -> str:

@@ -521,7 +521,11 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa, monkey
     assert res.exit_code == 0, res.output
     out = res.output
     assert f"native kernel: {isa} variant" in out and "FMA peak of this variant, measured:" in out
-    assert "% of the FMA peak" in out and "target prefill of 20 tokens" in out
+    assert "target prefill of 20 tokens" in out
+    # each model's per-extra-token rate against that peak -- or, when one --repeats on a busy host
+    # timed the wider forward no slower, the line saying it was not measurable
+    for name in ("target", "draft"):
+        assert re.search(rf"^{name}: .*(% of the FMA peak|not measurable)", out, re.M), out
     # the kernels take turns (3 rounds by default): each ratio is the rounds' median, with their range
     line = next(l for l in out.splitlines() if l.startswith("target, native ÷ lean-mkl time"))
     assert "(median of 3 alternating rounds, range): 1 token " in line and "20-token prefill" in line

@@ -574,6 +574,10 @@ def test_a_sample_seed_is_not_another_rows():
     assert row_seed(5, "q", 1) != row_seed(5, "q:1", 0) and row_seed(5, "q", 0) == row_seed(5, "q")
     seeds = {row_seed(5, i, k) for i in ("q", "q:1", "q:0", '["q", 1]') for k in range(3)}
     assert len(seeds) == 12
+    # 64-bit seeds, as the seed option's: rows with one prompt (a template, --samples) must not
+    # repeat a sample by a seed collision (32 bits: two of 10,000 about once in a hundred jobs)
+    seeds = [row_seed(0, i, k) for i in range(200) for k in range(2)]
+    assert max(seeds) < 2 ** 64 and sum(s >= 2 ** 32 for s in seeds) > 390
 
 
 def test_limit_is_a_trial_run_of_the_first_rows(ray_cluster, pair_dirs, tmp_path):
@@ -717,9 +721,10 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
         run_job(spec(pair_dirs, tmp_path, draft="someorg/bloomish"), progress=False, log=quiet)
     (tmp_path / "in").mkdir()
     (tmp_path / "in.parquet").rename(tmp_path / "in" / "in.parquet")
-    for inp in (tmp_path / "in", tmp_path / "in" / "**" / "*.parquet"):
+    for inp, out in ((tmp_path / "in", "out"), (tmp_path / "in" / "**" / "*.parquet", "out"),
+                     (tmp_path / "in" / "*.parquet", "results.parquet")):  # (the glob matches the output itself)
         with pytest.raises(JobError, match="is where the input .* reads"):
-            run_job(spec(pair_dirs, tmp_path, input=str(inp), output=str(tmp_path / "in" / "out")), progress=False, log=quiet)
+            run_job(spec(pair_dirs, tmp_path, input=str(inp), output=str(tmp_path / "in" / out)), progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
 
