@@ -297,7 +297,14 @@ class BatchDecoder:
             stop: Stop | None = None, key=None, again: bool = False) -> None:
         """Queue a prompt (token ids); ``key`` names it in :meth:`step`'s results; ``stop``: stop
         strings and token ids (stops.py); ``again``: more rows with this prompt will follow (a
-        job's samples), so prefix caching keeps it from its first prefill, not its second."""
+        job's samples), so prefix caching keeps it from its first prefill, not its second.
+        Holds the pair's lock, as :meth:`step` does: building a row may run forwards (the budget's
+        first profile) on runners another thread is decoding with, and a row added during a step
+        was lost or joined unprefilled."""
+        with self.pair.lock:
+            self._add(prompt_ids, cfg, max_new_tokens, ignore_eos, stop, key, again)
+
+    def _add(self, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, key, again) -> None:
         cfg = cfg if cfg is not None else ARConfig()
         if not isinstance(cfg, tuple(METHODS.values())):
             raise ValueError(f"cfg must be a method's config (make_config(method, options)), got {type(cfg).__name__}")

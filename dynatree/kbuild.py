@@ -127,6 +127,18 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
         return None, f"cannot build in {cache} (DYNATREE_CACHE): {e.strerror or e}"
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (os.umask sets it: a file
+    another thread created in between would get none)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask
+
+
 def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path | None, str]:
     lib_path = cache / f"libdtgemm-{key}.so"
     cache.mkdir(parents=True, exist_ok=True)
@@ -140,9 +152,7 @@ def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path 
             if error:
                 os.unlink(tmp)
                 return None, f"{cc} failed: {error[:500]}"
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o755 & ~umask)  # (mkstemp's file is private: another user's jobs could not load it)
+            os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp's file is private: another user's jobs could not load it)
             os.replace(tmp, lib_path)
     return lib_path, ""
 

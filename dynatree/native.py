@@ -269,6 +269,8 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
 
     One C call on the CPU in float32 (softmax + top-k of a 2.5M draft's 8192 logits through torch
     is two ops and two transfers, ~4x the time); torch elsewhere."""
+    if not 0 <= k <= logits.shape[-1]:  # (C would leave the ids past the vocabulary unwritten)
+        raise ValueError(f"top-k of {k} from {logits.shape[-1]} logits per row")
     lib = _cpu_lib(logits)
     if lib is None:
         val, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)

@@ -139,6 +139,36 @@ def test_threads_sharing_a_pair_take_turns():
     assert not errors and all(runs == [alone[i]] * 4 for i, runs in got.items()) and len(got) == 4
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_a_row_is_built_and_queued_under_the_pairs_lock(monkeypatch):
+    """A service's request thread adds rows while its decode thread steps: add holds the pair's
+    lock, as step does, from building the row to queueing it (building may run the budget's first
+    profile on the runners a step is using -- it freed the native work buffer under it -- and a row
+    queued during a step's prefill was lost), so a row added from another thread while a step runs
+    waits for it, then decodes to what it gets alone."""
+    import threading
+
+    from dynatree import engine
+
+    pair = f32_pair()
+    prompt = random_prompts(1, seed=29, lo=3, hi=20)[0]
+    alone = decode(pair, prompt, make_config("dynatree"), max_new_tokens=16, ignore_eos=True)[0]
+    owned, built = [], engine.new_cache
+    monkeypatch.setattr(engine, "new_cache", lambda *a, **k: owned.append(pair.lock._is_owned()) or built(*a, **k))
+    dec, added = BatchDecoder(pair), threading.Event()
+    with pair.lock:  # (as a step on another thread holds it)
+        t = threading.Thread(target=lambda: (dec.add(prompt, make_config("dynatree"), max_new_tokens=16,
+                                                     ignore_eos=True, key="a"), added.set()))
+        t.start()
+        assert not added.wait(0.5)  # the row waits for the step
+    t.join(60)
+    assert added.is_set() and owned == [True]  # the row (its last piece, its cache) built under the lock
+    got = {}
+    while dec:
+        got.update((k, toks) for k, toks, _, _ in dec.step())
+    assert got == {"a": alone}
+
+
 def test_generate_batch_is_generate_per_prompt(close_pair):
     from dynatree import generate, generate_batch
 

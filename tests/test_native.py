@@ -196,6 +196,9 @@ def test_argmax_and_topk_match_torch():
     y[1, 30], y[1, 36], y[2, 5:9] = 2.0, 2.0, 1.0  # ties in the tail, in a vector, a row of -inf
     assert native.argmax_rows(y) == [0, 30, 5]
     assert native.topk_probs(y[2:], 3)[1] == [[5, 6, 7]]  # ties keep the lower id
+    for k in (-1, y.shape[-1] + 1):  # (C would leave ids past the vocabulary unwritten: garbage)
+        with pytest.raises(ValueError, match="top-k of"):
+            native.topk_probs(y, k)
 
 
 def test_sampling_heads_are_torchs():
