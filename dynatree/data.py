@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from .jsonl import JsonlPart
 from .names import hub_problem
-from .parts import ArrowPart, InputError, InputFile, ParquetPart, Part, TextPart, as_text
+from .parts import ArrowPart, InputError, InputFile, ParquetPart, Part, TextPart, as_text, py_values
 
 __all__ = ["InputError", "InputSource", "id_strings", "input_root", "read_table", "read_texts", "would_read"]
 
@@ -170,7 +170,7 @@ class DatasetPart(Part):
     def read(self, lo, hi, need, raw):
         cols = [c for c in need if c in self.schema.names]
         table = self.table.slice(lo, max(hi - lo, 0)).select(cols)
-        return table, {c: table.column(c).to_pylist() for c in raw if c in cols}
+        return table, {c: py_values(table.column(c)) for c in raw if c in cols}
 
 
 _PARTS = {"parquet": ParquetPart, "arrow": ArrowPart, "jsonl": JsonlPart, "txt": TextPart}
@@ -302,10 +302,8 @@ def _id_text(v) -> str:
 def id_strings(col) -> list[str | None]:
     """An id column as the output writes it: its values as Arrow reads them, as text (_id_text) --
     the one conversion the duplicate check (InputSource.check_ids) and the shards share."""
-    ids = col.to_pylist()
-    if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
-        ids = [None if v is None else _id_text(v) for v in ids]
-    return ids
+    ids = py_values(col)  # (invalid UTF-8 in a string column: those ids as bytes, then hex)
+    return [v if v is None or isinstance(v, str) else _id_text(v) for v in ids]
 
 
 class InputSource:

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -90,8 +91,27 @@ def _infer_type(values: list) -> pa.DataType:
     types (str and int...)."""
     try:
         return pa.array(values).type
+    except UnicodeEncodeError:
+        return _infer_type([_unicode(v) for v in values])
     except CONVERT_ERRORS:
         return pa.string()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unicode(v):
+    """``v`` with each lone surrogate -- a JSON ``"\\ud800"`` escape without its pair: not Unicode
+    text, so Arrow cannot hold it -- as U+FFFD, nested values included.  Only the Arrow columns
+    (ids, kept columns) get the replacement; a prompt's raw value keeps the surrogate and its row
+    gets an error (worker.prompt_ids) rather than a silently changed prompt."""
+    if isinstance(v, str):
+        return _SURROGATE.sub("\ufffd", v)
+    if isinstance(v, list):
+        return [_unicode(x) for x in v]
+    if isinstance(v, dict):
+        return {_unicode(k): _unicode(x) for k, x in v.items()}
+    return v
 
 
 def _merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType:
@@ -236,6 +256,12 @@ class JsonlPart(Part):
                 {c: [r.get(c) for r in rows] for c in raw if c in columns})
 
     def _column(self, name: str, values: list, lines: list[int]) -> pa.Array:
+        try:
+            return self._typed(name, values, lines)
+        except UnicodeEncodeError:  # (the fast path first: a lone surrogate is rare)
+            return self._typed(name, [_unicode(v) for v in values], lines)
+
+    def _typed(self, name: str, values: list, lines: list[int]) -> pa.Array:
         t = self.schema.field(name).type
         if pa.types.is_string(t):
             # A string column takes any value: non-strings as their JSON text, so a mixed

@@ -24,6 +24,25 @@ BATCH_ROWS = 1024  # rows decoded per step; bounds what a cursor holds between r
 CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
 
 
+def py_values(col) -> list:
+    """A column's values as Python objects.  A string column holding invalid UTF-8 (Parquet writers
+    that do not check it) gives those values as bytes -- each prompt's own error, as in a binary
+    column -- where converting the column whole failed the job."""
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        big = pa.types.is_large_string(col.type)
+        return [v if v is None else _utf8_or_bytes(v)
+                for v in col.cast(pa.large_binary() if big else pa.binary()).to_pylist()]
+
+
+def _utf8_or_bytes(b: bytes):
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return b
+
+
 def as_text(v):
     """A value read into a text column: a string as itself, anything else as its JSON text (1.0,
     true, [1, 2]) -- how a JSONL column of mixed values and a column whose files disagree on its
@@ -65,7 +84,7 @@ class Part:
 
     def convert(self, items: list, columns: list[str], raw: Sequence[str]) -> tuple[pa.Table, dict]:
         table = pa.Table.from_batches(items)
-        return table, {c: table.column(c).to_pylist() for c in raw if c in columns}
+        return table, {c: py_values(table.column(c)) for c in raw if c in columns}
 
     def read(self, lo: int, hi: int, need: list[str], raw: Sequence[str]) -> tuple[pa.Table, dict]:
         """Rows [lo, hi) of this file in its own types; `raw` values as Python objects."""

@@ -461,3 +461,35 @@ def test_ids_of_every_arrow_type_read_as_text_the_way_a_jsonl_id_does():
     assert id_strings(pa.array([b"row-7", b"\x00\xff"], pa.binary())) == ["row-7", "00ff"]
     assert id_strings(pa.array([1, 2**60 + 1])) == ["1", str(2**60 + 1)]
     assert id_strings(pa.array(["a"], pa.large_string())) == ["a"]
+
+
+def test_text_that_is_not_unicode_is_its_rows_error_not_the_jobs(tmp_path):
+    """Invalid UTF-8 in a Parquet *string* column (writers that do not check it) and a JSON
+    "\\ud800" escape without its pair (valid JSON, not Unicode text): reading the rows gave the
+    whole job one bare codec error -- after Ray started, or mid-job with every resume dying at the
+    same shard.  Now each such prompt is its row's error (bytes, as in a binary column; the
+    surrogate kept), ids and other columns still read."""
+    from dynatree import load_pair
+    from dynatree.actors.worker import prompt_ids
+    from dynatree.data import id_strings
+
+    raw = pa.array([b"good one", b"bad \xff\xfe", None, b"\xc3"], pa.binary())
+    bad = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # a string column, unchecked
+    pq.write_table(pa.table({"id": bad, "text": bad}), tmp_path / "bad.parquet")
+    src = InputSource.open(str(tmp_path / "bad.parquet"))
+    table, texts = src.read(0, 4, ["id"], raw=["text"])
+    assert texts["text"] == ["good one", b"bad \xff\xfe", None, b"\xc3"]
+    assert id_strings(table.column("id")) == ["good one", b"bad \xff\xfe".hex(), None, "c3"]
+    (tmp_path / "s.jsonl").write_text('{"id": "a", "text": "fine", "k": ["x"]}\n'
+                                      '{"id": "b\\ud800", "text": "lone \\ud800 here", "k": ["\\udfff"]}\n'
+                                      '{"id": "c", "text": "pair \\ud83d\\ude00 ok", "k": []}\n')
+    src = InputSource.open(str(tmp_path / "s.jsonl"))
+    table, texts = src.read(0, 3, ["id", "text", "k"], raw=["text"])
+    assert texts["text"] == ["fine", "lone \ud800 here", "pair \U0001F600 ok"]  # raw: the prompt as written
+    assert table.column("id").to_pylist() == ["a", "b\ufffd", "c"]  # Arrow's copy: U+FFFD
+    assert table.column("k").to_pylist() == [["x"], ["\ufffd"], []]
+    pair = load_pair()  # (the bundled demo pair: its tokenizer)
+    for text, why in ((b"bad \xff\xfe", "not UTF-8 text"), ("lone \ud800 here", "lone surrogate")):
+        with pytest.raises(ValueError, match=why):
+            prompt_ids(pair, text, 8, None)
+    assert prompt_ids(pair, "pair \U0001F600 ok", 8, None)
