@@ -576,3 +576,16 @@ def test_prefix_caching_never_cuts_a_prompt_past_the_longrope_switch():
         pair.forget_prefixes()
         got = decode_batch(pair, [short, long_], make_config(method), max_new_tokens=12, ignore_eos=True)
         assert got[1][0] == ref, method
+
+
+def test_grouped_heads_repeated_for_cuda_attend_alike():
+    """On CUDA a masked SDPA call repeats grouped key/value heads (the fused kernels take grouped
+    heads only without a mask): the same attention as grouped heads, float64."""
+    from dynatree.runtime import sdpa
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 5, 16, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, 2, 12, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)[None, None]
+    grouped, repeated = sdpa(q, k, v, mask, 0.25, True), sdpa(q, k, v, mask, 0.25, True, expand=True)
+    assert grouped.shape == (1, 8, 5, 16) and torch.allclose(grouped, repeated, rtol=0, atol=1e-12)

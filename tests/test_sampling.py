@@ -287,3 +287,17 @@ def test_a_context_shorter_than_the_budgets_profile_still_decodes():
     pair = pair_from_models(target, noisy_copy(target, 7, 0.04), None, eos_token_id=None)
     ar = decode(pair, [5, 6, 7], make_config("ar"), max_new_tokens=8)[0]
     assert decode(pair, [5, 6, 7], make_config("dynatree"), max_new_tokens=8)[0] == ar
+
+
+def test_noise_rows_cross_to_a_device_once_per_depth():
+    """A sampled tree's nodes at one depth share a noise row: off the CPU it is sent once, not per
+    node (the Sampler hands out a fresh view per call, which telling rows apart by object missed)."""
+    from dynatree.runtime import distinct_rows
+    from dynatree.sampling import Sampler
+
+    s = Sampler(1.0, 0, 1.0, 3, [1, 2])
+    rows = [s.noise(j, 50) for j in (0, 1, 1, 2, 2, 2)]
+    distinct, index = distinct_rows(rows)
+    assert len(distinct) == 3 and index == [0, 1, 1, 2, 2, 2]
+    assert all(torch.equal(distinct[i], r) for i, r in zip(index, rows))
+    assert len(distinct_rows([s.noise(0, 50), s.noise(0, 40)])[0]) == 2  # another width: another row
