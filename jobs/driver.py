@@ -381,6 +381,8 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     if todo:
         _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
     run_stats["wall_time_s"] = time.time() - t_start
+    if plan.num_shards >= 2000:  # (~0.25 ms a shard's footer: not a silent wait at a corpus's end)
+        log(f"summarizing {plan.num_shards} shards")
     summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out))
     write_summary(out, summary)
     if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:

@@ -502,8 +502,11 @@ def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
 
 
 def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -> None:
+    from .summary import shard_tally
+
     name, s, e = plan.shard(k)
-    meta = json.dumps({"identity": spec.identity_hash(), "range": [s, e]}).encode()
+    meta = json.dumps({"identity": spec.identity_hash(), "range": [s, e],
+                       "tally": shard_tally(table, plan.samples > 1)}).encode()  # (summaries read the footer)
     table = table.replace_schema_metadata({META_KEY: meta})
     final = out / "shards" / f"{name}.parquet"
     tmp = final.with_name(f".{name}.parquet.tmp")

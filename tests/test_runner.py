@@ -61,6 +61,20 @@ def test_end_to_end_two_actors_verify_all(ray_cluster, pair_dirs, tmp_path):
     assert summary["versions"]["ray"] and summary["config"]["method"] == "dynatree"
     assert sorted(os.listdir(tmp_path / "out" / "shards")) == [f"part-{i:06d}.parquet" for i in range(4)]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == len(texts)
+    # each shard's footer holds its part of the summary (a summary reads footers, not columns): the
+    # same tally as from the columns, which shards of an older version (no tally) still get
+    from dynatree.jobs.summary import _Moments, _tally, shard_files
+
+    def tally():
+        return {k: v.as_dict() if isinstance(v, _Moments) else v for k, v in _tally(tmp_path / "out").items()}
+
+    stored = tally()
+    for f in shard_files(tmp_path / "out"):
+        table = pq.read_table(f)
+        meta = json.loads(table.schema.metadata[b"dynatree"])
+        assert meta.pop("tally")["rows"] == table.num_rows
+        pq.write_table(table.replace_schema_metadata({b"dynatree": json.dumps(meta).encode()}), f)
+    assert tally() == stored and stored["errors"] == 3 and stored["tokens_per_s"]["n"] == len(PROMPTS)
 
 
 def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
