@@ -261,7 +261,7 @@ def format_table(s: dict) -> str:
         f"generated tokens         {s['generated_tokens']}",
         "job tokens/s (this run)  " + _run_line(run) + _last_run_note(s.get("last_decoding_run")),
         f"start-up                 {startup_line(s.get('startup') or {})}",
-        "batch size per actor     " + (", ".join(str(a["batch_size"]) for a in run.get("actors", [])) or "-"),
+        "batch size per actor     " + (", ".join(_batch_of(a) for a in run.get("actors", [])) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
@@ -283,6 +283,16 @@ def _unchecked(s: dict) -> str:
         return "not checked"
     return (f"not checked: --verify-fraction {fraction} checked none of the {s['rows']} rows (it picks rows by a "
             "hash of their id, so a small job can draw none; rows with errors are not checked)")
+
+
+def _batch_of(actor: dict) -> str:
+    """An actor's batch size at the end; under --batch-size auto, with the best the tuner measured
+    (the size it was trying when the job ended can be its slowest, or one it never measured)."""
+    rates = actor.get("rates") or {}
+    if not rates:
+        return str(actor["batch_size"])
+    best = max(rates, key=rates.get)
+    return f"{actor['batch_size']} (auto; best measured {best}: {rates[best]:.0f} tokens/s)"
 
 
 def _run_line(run: dict) -> str:

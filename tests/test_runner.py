@@ -1320,3 +1320,13 @@ def test_a_command_line_ends_on_sigterm_from_its_start(monkeypatch):
         assert signals.interrupted(got.value) == ("terminated (SIGTERM)", 143)
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_the_summary_names_the_best_batch_size_the_tuner_measured():
+    """Under --batch-size auto the size being tried when a job ends can be the slowest measured,
+    or one never measured: the table adds the best measured size and its rate."""
+    from dynatree.jobs.summary import _batch_of
+
+    tuned = {"batch_size": 4, "rates": {"16": 2429.7, "8": 2557.8, "4": 2170.2}}
+    assert _batch_of(tuned) == "4 (auto; best measured 8: 2558 tokens/s)"
+    assert _batch_of({"batch_size": 16, "rates": {}}) == "16"  # a fixed size
