@@ -23,6 +23,7 @@ the thread stops and ``broken`` says why.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -41,6 +42,7 @@ LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # later call fails too, so a fresh decoder cannot help -- the thread ends (``broken``) and the job
 # replaces the actor.  An out-of-memory error is not one of these: its shard fails, the rest go on.
 _DEVICE_LOST = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c is not None)
+_OUT_OF_MEMORY = tuple(c for c in (getattr(torch, "OutOfMemoryError", None),) if c is not None)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,20 @@ class Scheduler:
         if self.tuner is not None and rows < self.tuner.max_size:
             self.tuner = BatchTuner(max_size=max(rows, 1), start=min(16, max(rows, 1)))
 
+    def _out_of_memory(self, rows: int) -> None:
+        """A step (or a row's cache) with ``rows`` rows ran out of device memory: its rows fail and
+        their shards are retried, which at the same batch size would fail alike -- so free the
+        allocator's cached blocks and decode at most half as many rows from now on."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        limit = max(rows // 2, 1)
+        if self.tuner is not None:
+            self.cap(min(limit, self.tuner.max_size))
+        else:
+            self.fixed = min(self.fixed, limit)
+        print(f"out of device memory at {rows} rows: decoding at most {self.batch_size} from now on",
+              file=sys.stderr, flush=True)
+
     def submit(self, requests: list[Request]) -> Future:
         """Queue requests; the Future gives one (tokens, finish reason, Metrics) — or the
         ValueError that rejected it — per request, in order."""
@@ -254,6 +270,8 @@ class Scheduler:
                 except ValueError as e:  # this row only
                     group.resolve(i, e)
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory for its cache: its shard fails
+                    if isinstance(e, _OUT_OF_MEMORY):
+                        self._out_of_memory(len(dec) + 1)
                     group.fail(e)
 
     def _run(self) -> None:
@@ -293,6 +311,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the rows' callers get it; the thread lives on
                 if isinstance(e, _DEVICE_LOST):
                     raise  # the device cannot run anything more in this process: end the thread
+                if isinstance(e, _OUT_OF_MEMORY):
+                    self._out_of_memory(rows)
                 for r in dec.joining + dec.active:
                     r.key[0].fail(e)
                 dec = self._dec = BatchDecoder(self.pair)

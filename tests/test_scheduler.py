@@ -170,6 +170,28 @@ def test_a_device_error_stops_the_thread(close_pair, monkeypatch):
     assert isinstance(sched.broken, torch.AcceleratorError)
 
 
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_out_of_device_memory_halves_the_batch(close_pair, monkeypatch, batch_size):
+    """A step out of device memory fails its rows (their shards are retried) and the scheduler
+    then decodes at most half as many rows, fixed or tuned -- at the same size a retry fails alike."""
+    from dynatree import engine
+
+    real = engine.BatchDecoder._iterate
+
+    def tight(self, rows):  # a device that holds two rows
+        if len(rows) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, rows)
+
+    monkeypatch.setattr(engine.BatchDecoder, "_iterate", tight)
+    sched = Scheduler(close_pair, batch_size, max_batch=4, threads=1)
+    prompts = random_prompts(4, seed=6)
+    with pytest.raises(torch.OutOfMemoryError):
+        sched.submit(_requests(prompts, make_config("ar"), n=4)).result(timeout=60)
+    assert sched.batch_size == 2 and sched.broken is None
+    assert len(sched.submit(_requests(prompts, make_config("ar"), n=4)).result(timeout=60)) == 4
+
+
 def test_calls_run_on_the_decoding_thread_between_steps(close_pair, monkeypatch):
     """Scheduler.call: model work beside the batch (the job's divergence check) runs on the
     decoding thread, never concurrently with a step (the runners' scratch buffers are shared)."""
