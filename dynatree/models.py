@@ -6,7 +6,7 @@ import os
 import re
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,7 +14,7 @@ from .config import FLOAT16_ON_CPU, KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask
-from .runtime import KeyMask, Seq, base_forward_source, forward_each, model_window, with_heads
+from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -91,9 +91,12 @@ class HFRunner:
     tree_problem = ""  # why it cannot verify token trees (models._tree_problem; "" when it can)
     tree_fails = False  # its tree forward raises: as a draft it cannot grow trees
 
-    def forward(self, seqs, **heads):
-        """runtime.Seq inputs -> one runtime.Output each (one forward per sequence)."""
-        return forward_each(self, seqs, **heads)
+    def forward(self, seqs, topk: int = 0, argmax: bool = False, cols: int | None = None):
+        """runtime.Seq inputs -> one runtime.Output each: one forward per sequence, all their heads
+        read back at once (heads_each; per sequence, each read was a wait on a GPU)."""
+        outs = forward_each(self, [replace(s, perturb=None) for s in seqs])  # logits only: no read
+        logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs], dim=1)  # (1, K, V)
+        return heads_each(logits, [o.logits.shape[1] for o in outs], topk, argmax, cols, [s.perturb for s in seqs])
 
 
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3

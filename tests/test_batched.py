@@ -362,3 +362,18 @@ def test_a_huge_max_new_tokens_allocates_the_context_not_the_request(close_pair)
     (a memory error, or hundreds of GB reserved), now the context's."""
     toks, reason, m = decode(close_pair, [5, 6, 7], make_config("dynatree"), max_new_tokens=10**9, ignore_eos=True)
     assert reason == "context" and len(toks) == close_pair.max_context - 3 and m.kv_cache_mb < 10
+
+
+def test_transformers_runner_reads_a_batchs_heads_at_once(close_pair, monkeypatch):
+    """kernel hf runs a forward per sequence, and reads their heads back together: one argmax
+    read per target forward at any batch size (per sequence, each was a wait on a GPU)."""
+    from dynatree import native, runtime
+
+    pair = pair_from_models(close_pair.target, close_pair.draft, None, eos_token_id=EOS, kernel="hf")
+    prompts = random_prompts(3, seed=31, lo=3, hi=12)
+    alone = [decode(pair, p, make_config("ar"), max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    reads, real = [], native.argmax_rows
+    monkeypatch.setattr(native, "argmax_rows", lambda x: reads.append(x.shape[0]) or real(x))
+    got = decode_batch(pair, prompts, make_config("ar"), max_new_tokens=6, ignore_eos=True)
+    assert [t for t, _, _ in got] == alone
+    assert max(reads) == 3 and len(reads) <= 7  # three rows a read: a prefill's, then 5 steps'
