@@ -31,6 +31,7 @@ from dynatree.check import divergence, prompt_budget, truncate_prompt
 from dynatree.config import FLOAT16_ON_CPU, ar_reference, within_native_rows
 from dynatree.metrics import fill_row, freeze_heap, result_row, rss_bytes
 from dynatree.models import PairError, load_pair
+from dynatree.parts import SURROGATE
 from dynatree.jobs import footprint
 from dynatree.jobs.spec import FAULTS_ENV
 from dynatree.scheduler import Request, Scheduler
@@ -63,9 +64,6 @@ def row_seed(seed: int, row_id, sample: int = 0) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}{_key(row_id, sample)}".encode(), digest_size=8).digest(), "little")
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, windowed: bool = False,
                chat: bool = False) -> list[int]:
     """The prompt's token ids under the prompt policy; ValueError names what is wrong.  With a
@@ -88,7 +86,7 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
                          (" or a list of {role, content} messages" if chat else hint))
     elif not text.strip():
         raise ValueError("prompt is empty or only whitespace")
-    elif _SURROGATE.search(text):  # (JSON can escape one; no tokenizer reads it)
+    elif SURROGATE.search(text):  # (JSON can escape one; no tokenizer reads it)
         raise ValueError("prompt holds a lone surrogate (a JSON \\ud800-style escape without its pair): "
                          "not Unicode text")
     else:

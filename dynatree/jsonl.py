@@ -6,14 +6,13 @@ import hashlib
 import itertools
 import json
 import os
-import re
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from . import parts
-from .parts import CONVERT_ERRORS, InputError, InputFile, Part, as_text, stat
+from .parts import CONVERT_ERRORS, SURROGATE, InputError, InputFile, Part, as_text, stat
 
 JSONL_CHECKPOINT_EVERY = 4096  # rows between remembered byte offsets (10M lines -> ~2.5k offsets)
 JSONL_INFER_ROWS = 10000       # rows whose types are inferred together (a JSONL file's schema: all its rows)
@@ -97,16 +96,13 @@ def _infer_type(values: list) -> pa.DataType:
         return pa.string()
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _unicode(v):
     """``v`` with each lone surrogate -- a JSON ``"\\ud800"`` escape without its pair: not Unicode
     text, so Arrow cannot hold it -- as U+FFFD, nested values included.  Only the Arrow columns
     (ids, kept columns) get the replacement; a prompt's raw value keeps the surrogate and its row
     gets an error (worker.prompt_ids) rather than a silently changed prompt."""
     if isinstance(v, str):
-        return _SURROGATE.sub("\ufffd", v)
+        return SURROGATE.sub("\ufffd", v)
     if isinstance(v, list):
         return [_unicode(x) for x in v]
     if isinstance(v, dict):

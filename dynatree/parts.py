@@ -7,6 +7,7 @@ import bisect
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -22,6 +23,9 @@ class InputError(ValueError):
 
 BATCH_ROWS = 1024  # rows decoded per step; bounds what a cursor holds between reads
 CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
+# a lone surrogate code point: what a JSON "\ud800" escape without its pair reads as -- not Unicode
+# text (no UTF-8 encoding, no tokenizer reads it)
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def py_values(col) -> list:
