@@ -162,6 +162,10 @@ def _infer_schema(rows) -> pa.Schema:
             pa.array(values[:BIG_SAMPLES], type=types[k])
         except CONVERT_ERRORS:
             types[k] = pa.string()
+    for k in types:  # (Arrow cannot name a column with one)
+        if SURROGATE.search(k):
+            raise InputError(f"the key {k!r} (a column's name) holds a lone surrogate -- a \\ud800-style escape "
+                             "without its pair -- which is not Unicode text; rename it")
     # a column with no value anywhere: string, which takes any value as text
     schema = pa.schema([(k, pa.string() if pa.types.is_null(t) else t) for k, t in types.items()])
     mixed = [k for k in not_text if pa.types.is_string(types[k])]  # values of several types, read as text
@@ -215,7 +219,10 @@ class JsonlPart(Part):
             raise InputError(f"cannot read {path}: {e}") from e
         self._every = JSONL_CHECKPOINT_EVERY
         info = stat(path, "jsonl", rows)
-        schema = _cached_schema(info, lambda: _infer_schema(row for _, row in self._lines(0)))
+        try:
+            schema = _cached_schema(info, lambda: _infer_schema(row for _, row in self._lines(0)))
+        except InputError as e:
+            raise e if str(e).startswith(path) else InputError(f"{path}: {e}") from None
         super().__init__(info, schema)
         mixed = json.loads((schema.metadata or {}).get(MIXED_KEY.encode(), b"[]"))
         self.notes = [f"{path}: column {c!r} holds values of several types (numbers beside strings, lists or "

@@ -94,9 +94,11 @@ class HFRunner:
     def forward(self, seqs, topk: int = 0, argmax: bool = False, cols: int | None = None):
         """runtime.Seq inputs -> one runtime.Output each: one forward per sequence, all their heads
         read back at once (heads_each; per sequence, each read was a wait on a GPU)."""
-        outs = forward_each(self, [replace(s, perturb=None) for s in seqs])  # logits only: no read
-        logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs], dim=1)  # (1, K, V)
-        return heads_each(logits, [o.logits.shape[1] for o in outs], topk, argmax, cols, [s.perturb for s in seqs])
+        parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
+        keeps = [p.shape[1] for p in parts]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (1, K, V)
+        del parts  # (the rows' own copies: a batch's logits once, not twice)
+        return heads_each(logits, keeps, topk, argmax, cols, [s.perturb for s in seqs])
 
 
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3

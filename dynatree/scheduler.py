@@ -159,6 +159,12 @@ class _Group:
             self.future.set_exception(err)
 
 
+def _fail_rows(dec: BatchDecoder, e: BaseException) -> None:
+    """Every row of ``dec`` fails with ``e`` (their shards are retried); the rows are not kept."""
+    for r in dec.joining + dec.active:
+        r.key[0].fail(e)
+
+
 class Scheduler:
     """Decodes submitted requests in shared batches on a background thread.
 
@@ -191,10 +197,8 @@ class Scheduler:
 
     def _out_of_memory(self, rows: int) -> None:
         """A step (or a row's cache) with ``rows`` rows ran out of device memory: its rows fail and
-        their shards are retried, which at the same batch size would fail alike -- so free the
-        allocator's cached blocks and decode at most half as many rows from now on."""
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        their shards are retried, which at the same batch size would fail alike -- so decode at most
+        half as many rows from now on (the caller frees torch's cached blocks once the rows are gone)."""
         limit = max(rows // 2, 1)
         if self.tuner is not None:
             self.cap(min(limit, self.tuner.max_size))
@@ -270,9 +274,13 @@ class Scheduler:
                 except ValueError as e:  # this row only
                     group.resolve(i, e)
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory for its cache: its shard fails
-                    if isinstance(e, _OUT_OF_MEMORY):
+                    oom = isinstance(e, _OUT_OF_MEMORY)
+                    if oom:
                         self._out_of_memory(len(dec) + 1)
+                        e.with_traceback(None)
                     group.fail(e)
+                    if oom and torch.cuda.is_available():
+                        torch.cuda.empty_cache()
 
     def _run(self) -> None:
         try:
@@ -311,11 +319,14 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the rows' callers get it; the thread lives on
                 if isinstance(e, _DEVICE_LOST):
                     raise  # the device cannot run anything more in this process: end the thread
-                if isinstance(e, _OUT_OF_MEMORY):
-                    self._out_of_memory(rows)
-                for r in dec.joining + dec.active:
-                    r.key[0].fail(e)
+                oom = isinstance(e, _OUT_OF_MEMORY)
+                if oom:  # smaller batches before the rows' retries can come; the traceback's frames
+                    self._out_of_memory(rows)  # hold the step's tensors (the callers get the message)
+                    e.with_traceback(None)
+                _fail_rows(dec, e)
                 dec = self._dec = BatchDecoder(self.pair)
+                if oom and torch.cuda.is_available():  # the failed batch gone: its blocks free too
+                    torch.cuda.empty_cache()
                 continue
             self.steps += 1
             if self.tuner is not None:

@@ -114,7 +114,7 @@ def _total(table: pa.Table, name: str) -> int:
     return (pc.sum(table[name]).as_py() or 0) if name in table.column_names else 0
 
 
-TALLY_VERSION = 1  # of shard_tally's record: a shard holding another is tallied from its columns
+TALLY_VERSION = 2  # of shard_tally's record: a shard holding another is tallied from its columns
 
 
 def shard_tally(table: pa.Table, sampled: bool) -> dict:
@@ -133,7 +133,7 @@ def shard_tally(table: pa.Table, sampled: bool) -> dict:
     wrong = checked.filter(pc.invert(checked["matches_ar"]))
     keep = [c for c in ("id", "sample", "first_divergence", "divergence_margin") if c in wrong.column_names]
     return {"version": TALLY_VERSION, "sampled": sampled, "rows": table.num_rows,
-            "errors": pc.sum(failed).as_py() or 0, "error_messages": _counts(table["error"]),
+            "errors": pc.sum(failed).as_py() or 0, **_error_kinds(_counts(table["error"])),
             "reasons": [(r, n) for r, n in _counts(table["finish_reason"]) if r],
             "sums": {key: _total(ok, name) for key, name in _SUMS.items()},
             # null where undefined (metrics.Metrics); shards written before 2026-11-28 hold 0.0 for a
@@ -142,6 +142,21 @@ def shard_tally(table: pa.Table, sampled: bool) -> dict:
             "speedup": _moments_of(pc.divide(timed["tokens_per_s"], timed["ar_tokens_per_s"])),
             "checked": checked.num_rows, "mismatches": wrong.num_rows,
             "mismatched": wrong.select(keep).slice(0, 50).to_pylist()}
+
+
+def _error_kinds(counts: list[tuple]) -> dict:
+    """A shard's error counts by kind (error_kind), each with its first message, at most
+    _KINDS_KEPT kinds and the rest as a count: the footer's size stays bounded whatever the rows'
+    messages (one per row, numbers in them, made a 100,000-row shard's footer 20 MB)."""
+    kinds: dict[str, list] = {}
+    other = 0
+    for message, n in counts:
+        kind = error_kind(message)
+        if kind in kinds or len(kinds) < _KINDS_KEPT:
+            kinds.setdefault(kind, [kind, 0, message])[1] += n
+        else:
+            other += n
+    return {"error_kinds": list(kinds.values()), "other_errors": other}
 
 
 def _stored_tally(f: Path, sampled: bool) -> dict | None:
@@ -173,8 +188,8 @@ def _merge(t: dict, part: dict) -> None:
     for key in ("rows", "errors", "checked", "mismatches"):
         t[key] += part[key]
     t["reasons"].update(dict(part["reasons"]))
-    for message, n in part["error_messages"]:
-        kind = error_kind(message)
+    t["other_errors"] += part["other_errors"]
+    for kind, n, message in part["error_kinds"]:
         if kind in t["error_kinds"] or len(t["error_kinds"]) < _KINDS_KEPT:
             t["error_kinds"][kind] += n
             t["error_example"].setdefault(kind, message)

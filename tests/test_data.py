@@ -488,6 +488,9 @@ def test_text_that_is_not_unicode_is_its_rows_error_not_the_jobs(tmp_path):
     assert texts["text"] == ["fine", "lone \ud800 here", "pair \U0001F600 ok"]  # raw: the prompt as written
     assert table.column("id").to_pylist() == ["a", "b\ufffd", "c"]  # Arrow's copy: U+FFFD
     assert table.column("k").to_pylist() == [["x"], ["\ufffd"], []]
+    (tmp_path / "key.jsonl").write_text('{"id": "a", "text": "fine", "na\\ud800me": 1}\n')  # a column's name
+    with pytest.raises(InputError, match=r"key\.jsonl: the key .* holds a lone surrogate"):
+        InputSource.open(str(tmp_path / "key.jsonl"))
     pair = load_pair()  # (the bundled demo pair: its tokenizer)
     for text, why in ((b"bad \xff\xfe", "not UTF-8 text"), ("lone \ud800 here", "lone surrogate")):
         with pytest.raises(ValueError, match=why):

@@ -1330,3 +1330,18 @@ def test_the_summary_names_the_best_batch_size_the_tuner_measured():
     tuned = {"batch_size": 4, "rates": {"16": 2429.7, "8": 2557.8, "4": 2170.2}}
     assert _batch_of(tuned) == "4 (auto; best measured 8: 2558 tokens/s)"
     assert _batch_of({"batch_size": 16, "rates": {}}) == "16"  # a fixed size
+
+
+def test_a_shards_footer_stays_small_whatever_its_error_messages():
+    """The summary's part in a shard's footer counts errors by kind (numbers written N), each kind
+    with its first message: one message per row (a number in each) made a 100,000-row shard's
+    footer 20 MB."""
+    from dynatree.jobs.summary import shard_tally
+    from dynatree.metrics import output_schema
+
+    rows = [{"id": str(i), "error": f"prompt of {1000 + i} tokens leaves no room", "finish_reason": "error",
+             "num_generated_tokens": 0} for i in range(5000)]
+    part = shard_tally(pa.Table.from_pylist(rows, schema=output_schema(False)), False)
+    assert part["errors"] == 5000 and part["error_kinds"] == [["prompt of N tokens leaves no room", 5000,
+                                                                "prompt of 1000 tokens leaves no room"]]
+    assert len(json.dumps(part)) < 2000
