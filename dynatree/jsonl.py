@@ -2,7 +2,6 @@
 schema inferred from every row (and cached per file version), rows parsed by range on demand."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -12,7 +11,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from . import parts
-from .parts import CONVERT_ERRORS, SURROGATE, InputError, InputFile, Part, as_text, stat
+from .parts import CONVERT_ERRORS, SURROGATE, InputError, InputFile, Part, as_text, file_digest, stat
 
 JSONL_CHECKPOINT_EVERY = 4096  # rows between remembered byte offsets (10M lines -> ~2.5k offsets)
 JSONL_INFER_ROWS = 10000       # rows whose types are inferred together (a JSONL file's schema: all its rows)
@@ -183,13 +182,7 @@ def _cached_schema(info: InputFile, infer) -> pa.Schema:
     a dry run, a resume or a re-run reads the same unchanged file again."""
     from .kbuild import cache_dir
 
-    key = [os.path.abspath(info.path), info.size, info.mtime_ns, info.rows, SCHEMA_CACHE_VERSION, pa.__version__]
-    h = hashlib.sha256(json.dumps(key).encode())
-    with open(info.path, "rb") as f:
-        h.update(f.read(1 << 16))
-        f.seek(max(info.size - (1 << 16), 0))
-        h.update(f.read(1 << 16))
-    path = cache_dir() / "jsonl-schemas" / f"{h.hexdigest()[:24]}.arrows"
+    path = cache_dir() / "jsonl-schemas" / f"{file_digest(info, SCHEMA_CACHE_VERSION)}.arrows"
     try:
         return ipc.read_schema(pa.py_buffer(path.read_bytes()))
     except (OSError, pa.ArrowInvalid):

@@ -496,3 +496,20 @@ def test_text_that_is_not_unicode_is_its_rows_error_not_the_jobs(tmp_path):
         with pytest.raises(ValueError, match=why):
             prompt_ids(pair, text, 8, None)
     assert prompt_ids(pair, "pair \U0001F600 ok", 8, None)
+
+
+def test_an_id_check_passed_is_remembered_for_the_same_files(tmp_path, monkeypatch):
+    """The id check reads the whole column (~6.5 s per million JSONL rows): a later run, resume or
+    dry run of the same unchanged files trusts it; changed files are checked again."""
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"id": f"r{i}", "text": "x"}) + "\n" for i in range(50)))
+    calls, real = [], InputSource._check_ids
+    monkeypatch.setattr(InputSource, "_check_ids", lambda self, c, chunk: calls.append(c) or real(self, c, chunk))
+    for _ in range(2):
+        InputSource.open(str(f)).check_ids("id")
+    assert calls == ["id"]  # the second open trusted the first's check
+    f.write_text("".join(json.dumps({"id": f"r{i % 40}", "text": "x"}) + "\n" for i in range(50)))
+    with pytest.raises(InputError, match="duplicate ids"):  # another file at that path: checked again
+        InputSource.open(str(f)).check_ids("id")
+    assert calls == ["id", "id"]
