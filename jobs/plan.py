@@ -27,6 +27,7 @@ from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
 from .spec import PATH_FIELDS, JobSpec, canonical_options, canonical_path
+from .summary import shard_tally
 
 META_KEY = b"dynatree"
 
@@ -502,8 +503,6 @@ def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
 
 
 def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -> None:
-    from .summary import shard_tally
-
     name, s, e = plan.shard(k)
     meta = json.dumps({"identity": spec.identity_hash(), "range": [s, e],
                        "tally": shard_tally(table, plan.samples > 1)}).encode()  # (summaries read the footer)

@@ -159,9 +159,10 @@ def _error_kinds(counts: list[tuple]) -> dict:
     return {"error_kinds": list(kinds.values()), "other_errors": other}
 
 
-def _stored_tally(f: Path, sampled: bool) -> dict | None:
-    """The shard's footer record of shard_tally, or None (a shard of an older version)."""
-    meta = pq.read_schema(f).metadata or {}
+def _stored_tally(schema: pa.Schema, sampled: bool) -> dict | None:
+    """The shard's footer record of shard_tally (``schema``: the shard's), or None (a shard of an
+    older version)."""
+    meta = schema.metadata or {}
     try:
         part = json.loads(meta.get(b"dynatree", b"{}")).get("tally")
     except (ValueError, AttributeError):
@@ -175,10 +176,10 @@ def _tally(out: Path, sampled: bool = False) -> dict:
          "error_kinds": Counter(), "error_example": {}, "other_errors": 0, "speedup": _Moments(),
          **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard at a time: memory stays flat
-        part = _stored_tally(f, sampled)
+        schema = pq.read_schema(f)  # (the footer only)
+        part = _stored_tally(schema, sampled)
         if part is None:
-            names = set(pq.read_schema(f).names)
-            part = shard_tally(pq.read_table(f, columns=[c for c in _COLUMNS if c in names]), sampled)
+            part = shard_tally(pq.read_table(f, columns=[c for c in _COLUMNS if c in schema.names]), sampled)
         _merge(t, part)
     return t
 
