@@ -18,6 +18,7 @@ the cluster cannot hold fail the job with a message (placement.py), never a sile
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -363,8 +364,27 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = 
     preflight(spec)
     if dry_run:
         return _dry_run(spec, plan)
-    with output_lock(spec.output):
-        return _run_planned(spec, plan, t_start, progress, log)
+    created = not os.path.lexists(spec.output)
+    try:
+        with output_lock(spec.output):
+            return _run_planned(spec, plan, t_start, progress, log)
+    except BaseException:
+        if created:
+            _remove_unused(Path(spec.output))
+        raise
+
+
+def _remove_unused(out: Path) -> None:
+    """The output directory a failed run created, removed if the run wrote no shard into it (a
+    cluster it could not reach, actors that never loaded): a directory with only a manifest in it
+    pins nothing, but it is clutter left by a typo.  Anything else in it is kept."""
+    if not out.is_dir() or {p.name for p in out.iterdir()} - {"manifest.json", ".dynatree.lock", "shards"}:
+        return
+    with contextlib.suppress(OSError):
+        (out / "shards").rmdir()  # (only if empty)
+        for name in ("manifest.json", ".dynatree.lock"):
+            (out / name).unlink(missing_ok=True)
+        out.rmdir()
 
 
 def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log) -> dict:

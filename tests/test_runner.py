@@ -359,6 +359,24 @@ def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypat
         prepare_output(other, make_plan(other, quiet))
 
 
+def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_path):
+    """A cluster that cannot be reached (a typo in --address) fails the run before any shard: the
+    output directory it created goes with it; one that held a shard, or existed before, stays."""
+    import socket
+    write_input(tmp_path)
+    with socket.socket() as s:  # a free port, closed again: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = spec(pair_dirs, tmp_path, address=f"127.0.0.1:{port}")
+    with pytest.raises(JobError, match="nothing answers"):
+        run_job(job, progress=False, log=quiet)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()  # there before the run: kept (as what a user put in it would be)
+    with pytest.raises(JobError, match="nothing answers"):
+        run_job(job, progress=False, log=quiet)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".dynatree.lock", "manifest.json", "shards"]
+
+
 def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
     """ray.init would retry such an address for minutes (the driver probes it before ray.init;
     called directly here: in this test process Ray may already be up) -- `auto` included, which
