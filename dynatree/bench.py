@@ -500,18 +500,32 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     out.mkdir(parents=True, exist_ok=True)  # (now: an unwritable --out fails before hours of measuring)
     rows: list[dict] = []
     t0 = time.time()
+    host = _machine(pair)  # the CPU, and its FMA rate before the first prompt
     try:
         loaded, kept = _measure(pair, spec, rows, log)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C, SIGTERM: keep what was measured (a bench can take hours)
             rows += getattr(e, "partial_rows", [])
             if rows:  # (with nothing measured, an earlier bench's results stay)
-                _write(out, pair, spec, rows, t0, None, interrupted=True, log=log, kept=getattr(e, "kept", None))
+                _write(out, pair, spec, rows, t0, None, interrupted=True, log=log, kept=getattr(e, "kept", None),
+                       host=host)
             e.saved = bool(rows)
         if made and not any(out.iterdir()):  # (a bad input found before any row: no empty directory left)
             out.rmdir()
         raise
-    return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept)
+    return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept, host=host)
+
+
+def _machine(pair: ModelPair) -> dict:
+    """bench.json's "machine": the CPU and, on a CPU run, the native kernel's FMA probe on the run's
+    threads and on one (machine.fma_rates; measured again at the end: a drift of the host, or
+    threads sharing a core, shows beside the numbers it moved)."""
+    from .machine import cpu, fma_rates
+
+    host = {"cpu": cpu()}
+    if pair.device.type == "cpu":
+        host["fma_start"] = fma_rates(torch.get_num_threads())
+    return host
 
 
 def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
@@ -530,7 +544,7 @@ def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
 
 
 def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: float, loaded, interrupted: bool = False,
-           log=print, kept: int | None = None) -> Path:
+           log=print, kept: int | None = None, host: dict | None = None) -> Path:
     """results.parquet (every row's columns: a sweep's rows have more than a batch's) and bench.json;
     an earlier bench's files in ``out`` go (its plots would sit beside the new tables)."""
     import pyarrow as pa
@@ -551,7 +565,11 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
             "max_prompt_tokens_kept": kept,
             "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
             "prompts_used": {name: len(texts) for _, name, texts in loaded} if loaded else None,
-            "interrupted": interrupted}
+            "interrupted": interrupted, "machine": host}
+    if host and "fma_start" in host:
+        from .machine import fma_rates
+
+        host["fma_end"] = fma_rates(torch.get_num_threads())
     (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
     return out
 

@@ -470,23 +470,19 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
 
 
-def _fma_peak_line(native, threads: int) -> float:
-    """Prints the variant's FMA peak on ``threads`` threads against one thread's; returns the former.
-    Why both: on a VM two vCPUs may share a physical core (SMT siblings, or a neighbour's load on
-    it), and then every multi-threaded timing here reads up to ~2x slow; saying so beats a reader
-    taking a slow spell for the kernel's speed."""
-    peak = native.fma_peak(threads)
-    if threads == 1:
-        click.echo(f"FMA peak of this variant, measured: {peak:.1f} GFLOP/s on 1 thread")
-        return peak
-    one = native.fma_peak(1)
-    click.echo(f"FMA peak of this variant, measured: {peak:.1f} GFLOP/s on {threads} threads "
-               f"({peak / one:.2f}x one thread's {one:.1f})")
-    if peak < 0.75 * threads * one:
-        click.echo(f"note: {threads} threads reach {peak / one:.2f}x one thread's FMA rate, not ~{threads}x: "
-                   "these CPUs share cores (SMT siblings, or another tenant's load on them), so the "
-                   "timings below read slow and vary between runs", err=True)
-    return peak
+def _fma_peak_line(threads: int) -> float:
+    """Prints the CPU and the variant's FMA peak on ``threads`` threads beside one thread's (with a
+    note when they share cores: every timing after it reads slow); returns the former."""
+    from .machine import cpu, describe, describe_rates, fma_rates, shares_cores
+
+    rates = fma_rates(threads)
+    click.echo(f"CPU: {describe(cpu())}")
+    click.echo(f"FMA peak of this variant, measured: {describe_rates(rates)}")
+    if shares_cores(rates):
+        click.echo(f"note: {threads} threads reach {rates['gflops'] / rates['one_thread_gflops']:.2f}x one "
+                   f"thread's FMA rate, not ~{threads}x: these CPUs share cores (SMT siblings, or another "
+                   "tenant's load on them), so the timings below read slow and vary between runs", err=True)
+    return rates["gflops"]
 
 
 @main.command()
@@ -553,7 +549,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
-    peak = _fma_peak_line(native, torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
+    peak = _fma_peak_line(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
     for name, table in timed:
         lo, hi = _slope_sizes(table, (16, 64) if name == "target" else (4, 16))
         ms = (table[hi] - table[lo]) / (hi - lo)

@@ -393,6 +393,30 @@ class NothingMeasured(ValueError):
     """A bench directory whose results hold warm-up rows only."""
 
 
+
+def _machine_line(host: dict | None) -> str:
+    """The CPU a bench ran on and its FMA probe at the start and the end (bench._machine), with a
+    warning where the host's speed moved or its threads shared cores -- or nothing for a bench.json
+    of an older version."""
+    if not host:
+        return ""
+    from .machine import describe, describe_rates, shares_cores
+
+    line = f"machine: {describe(host['cpu'])}"
+    rates = [(when, host.get(f"fma_{when}")) for when in ("start", "end")]
+    rates = [(when, r) for when, r in rates if r]
+    if rates:
+        line += f"; FMA probe ({rates[0][1]['variant']} kernel) " + ", ".join(
+            f"at the {when} {describe_rates(r)}" for when, r in rates)
+    warn = []
+    if len(rates) == 2 and abs(rates[1][1]["gflops"] / rates[0][1]["gflops"] - 1) > 0.2:
+        warn.append("the host's FMA rate moved by more than 20% during the bench: compare numbers of one run "
+                    "(methods take turns on each batch), not rates across runs")
+    if any(shares_cores(r) for _, r in rates):
+        warn.append("the threads reached well under their count times one thread's FMA rate: they shared cores "
+                    "(SMT siblings, or another tenant's load), so rates read slow")
+    return line + ".\n\n" + "".join(f"**Note**: {w}.\n\n" for w in warn)
+
 def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
     out = Path(out_dir)
     rows = _load(out)
@@ -421,7 +445,8 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
             if shared else ""
         md = (f"# dynatree bench\n\npair: {m['pair']}; device {m['device']}, {m['dtype']}, {m['threads']} threads, "
               f"kernel {m.get('kernel', 'lean')}{forward}; "
-              f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, L_max={lmax}; EOS ignored.\n\n") + md
+              f"{counts} ({s['warmup']} warm-up), T={s['max_new_tokens']}, L_max={lmax}; EOS ignored.\n\n"
+              + _machine_line(m.get("machine"))) + md
     path = out / "summary.md"
     path.write_text(md)
     for old in [p for pat in PLOTS for p in out.glob(pat)]:  # a plot this run does not redraw would be stale

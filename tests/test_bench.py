@@ -48,6 +48,12 @@ def test_bench_and_report(pair_dirs, tmp_path):
         assert abs(r["speedup"] - r["tokens_per_s"] / ar[r["prompt_id"]]) < 1e-9
     md = (out / "summary.md").read_text()
     assert "3 tiny prompts (1 warm-up)" in md  # the prompts it had: 3 of the 10 asked for
+    host = json.loads((out / "bench.json").read_text())["machine"]  # what it ran on, and how fast then
+    assert host["cpu"]["cpus"] >= 1 and host["cpu"]["arch"] and host["cpu"]["model"]
+    for when in ("start", "end"):
+        assert host[f"fma_{when}"]["gflops"] > 0 and host[f"fma_{when}"]["one_thread_gflops"] > 0
+    assert re.search(r"^machine: .+, \d+ CPUs; FMA probe \(\w+ kernel\) at the start [\d.]+ GFLOP/s .*at the end",
+                     md, re.M), md
     for title in ("Main results", "Latency", "Verification efficiency", "Ablation", "KV update",
                   "Peak memory", "Generation length sweep", "Prompt length sweep", "Fixed-tree grid"):
         assert title in md
@@ -484,3 +490,20 @@ def test_the_job_throughput_harness_checks_its_flags_before_ray_starts(tmp_path,
                         (["--sizes", "2,100"], "the input's 3 rows")):
         res = CliRunner().invoke(throughput.main, base + extra)
         assert res.exit_code == 2 and says in res.output, (extra, res.output)
+
+
+def test_report_says_when_the_hosts_fma_rate_moved_or_threads_shared_cores():
+    """summary.md's machine line warns where the FMA probe moved > 20% between the bench's start
+    and end, or where N threads reached well under N times one thread's rate; older bench.json
+    files (no machine) get no line."""
+    from dynatree.report import _machine_line
+
+    cpu = {"arch": "x86_64", "cpus": 2, "model": "Some CPU", "family": "6", "model_number": "207", "flags": ["avx2"]}
+    rate = lambda many, one: {"variant": "avx2", "threads": 2, "gflops": many, "one_thread_gflops": one}  # noqa: E731
+    steady = _machine_line({"cpu": cpu, "fma_start": rate(260.0, 131.0), "fma_end": rate(250.0, 130.0)})
+    assert steady.startswith("machine: Some CPU (x86_64, family 6 model 207; avx2), 2 CPUs; FMA probe (avx2 kernel) "
+                             "at the start 260.0 GFLOP/s on 2 threads (1.98x one thread's 131.0), at the end 250.0")
+    assert "**Note**" not in steady
+    moved = _machine_line({"cpu": cpu, "fma_start": rate(260.0, 131.0), "fma_end": rate(200.0, 165.0)})
+    assert "moved by more than 20%" in moved and "shared cores" in moved
+    assert _machine_line(None) == "" and "FMA" not in _machine_line({"cpu": cpu})  # (a GPU run: no probe)

@@ -1,0 +1,66 @@
+"""What a measurement ran on: the CPU as `lscpu` names it, and how fast its FMAs ran at the time.
+
+Why: the same code measures up to ~2x apart on two CPUs of one cloud's "2 vCPU" size, and on one
+VM over an afternoon (two vCPUs that sometimes share a physical core); a table of tokens/s means
+little without the CPU it came from and the FMA rate it had then.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # what the kernels use
+
+
+def cpu() -> dict:
+    """The CPU's identity: model name, vendor, family/model (x86), the SIMD flags the kernels care
+    about, logical CPUs this process may use.  Fields unknown on this OS are left out."""
+    info = {"arch": platform.machine(), "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return {**info, "model": platform.processor() or "unknown"}
+    first: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in first:
+            first[key.strip()] = value.strip()
+    names = {"model": "model name", "vendor": "vendor_id", "family": "cpu family", "model_number": "model"}
+    info.update({k: first[v] for k, v in names.items() if v in first})
+    if "model" not in info:  # aarch64 kernels name the implementer and part instead
+        info["model"] = " ".join(f"{k} {first[k]}" for k in ("CPU implementer", "CPU part") if k in first) or "unknown"
+    have = set((first.get("flags") or first.get("Features") or "").split())
+    info["flags"] = [f for f in FLAGS if f in have]
+    return info
+
+
+def fma_rates(threads: int) -> dict | None:
+    """The native kernel's FMA probe (native.fma_peak) on ``threads`` threads and on one, in
+    GFLOP/s, or None without the kernel.  ``threads`` far under ``threads`` x one thread's rate
+    means the CPUs share cores (SMT siblings, or another tenant's load on them)."""
+    from . import native
+
+    many = native.fma_peak(threads)
+    if not many:
+        return None
+    one = many if threads == 1 else native.fma_peak(1)
+    return {"variant": native.variant(), "threads": threads, "gflops": round(many, 1), "one_thread_gflops": round(one, 1)}
+
+
+def shares_cores(rates: dict) -> bool:
+    return rates["threads"] > 1 and rates["gflops"] < 0.75 * rates["threads"] * rates["one_thread_gflops"]
+
+
+def describe(info: dict) -> str:
+    """One line: 'Intel(R) Xeon(R) Processor (x86_64, family 6 model 207; avx2 fma avx512f), 2 CPUs'."""
+    x86 = f", family {info['family']} model {info['model_number']}" if "family" in info else ""
+    flags = f"; {' '.join(info['flags'])}" if info.get("flags") else ""
+    return f"{info.get('model', 'unknown')} ({info.get('arch', '?')}{x86}{flags}), {info.get('cpus', '?')} CPUs"
+
+
+def describe_rates(rates: dict) -> str:
+    one = f" ({rates['gflops'] / rates['one_thread_gflops']:.2f}x one thread's {rates['one_thread_gflops']:.1f})" \
+        if rates["threads"] > 1 else ""
+    return f"{rates['gflops']:.1f} GFLOP/s on {rates['threads']} thread{'s' * (rates['threads'] > 1)}{one}"
