@@ -30,6 +30,7 @@ from dynatree import budget
 from dynatree.check import divergence, prompt_budget, truncate_prompt
 from dynatree.config import FLOAT16_ON_CPU, ar_reference, within_native_rows
 from dynatree.metrics import fill_row, freeze_heap, result_row, rss_bytes
+from dynatree.machine import cpu, describe
 from dynatree.models import PairError, load_pair
 from dynatree.parts import SURROGATE
 from dynatree.jobs import footprint
@@ -165,9 +166,11 @@ class ShardWorker:
                 "startup": self.startup, "batch_cap": self.batch_cap}
 
     def stats(self) -> dict:
-        s = self.scheduler
+        s, dev = self.scheduler, self.pair.device
+        gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
         return {"batch_size": s.batch_size, "steps": s.steps,
-                "rates": dict(s.tuner.rates) if s.tuner is not None else {}}
+                "rates": dict(s.tuner.rates) if s.tuner is not None else {},
+                "machine": describe(cpu()) + (f"; GPU {gpu}" if gpu else "")}  # (what its rates came from)
 
     def _requests(self, rows: list[dict], results: list[dict]) -> tuple[list[Request], list[tuple[str, int]]]:
         spec, reqs, slots, n = self.spec, [], [], self.spec.samples

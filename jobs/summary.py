@@ -278,6 +278,7 @@ def format_table(s: dict) -> str:
         "job tokens/s (this run)  " + _run_line(run) + _last_run_note(s.get("last_decoding_run")),
         f"start-up                 {startup_line(s.get('startup') or {})}",
         "batch size per actor     " + (", ".join(_batch_of(a) for a in run.get("actors", [])) or "-"),
+        "actors ran on            " + (_machines(run.get("actors", [])) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
@@ -309,6 +310,12 @@ def _batch_of(actor: dict) -> str:
         return str(actor["batch_size"])
     best = max(rates, key=rates.get)
     return f"{actor['batch_size']} (auto; best measured {best}: {rates[best]:.0f} tokens/s)"
+
+
+def _machines(actors: list[dict]) -> str:
+    """'2 x Intel(R) Xeon(R) ... , 2 CPUs': the CPUs (and GPUs) this run's actors had, counted."""
+    counts = Counter(a["machine"] for a in actors if a.get("machine"))
+    return "; ".join(f"{n} x {m}" for m, n in counts.most_common())
 
 
 def _run_line(run: dict) -> str:

@@ -200,7 +200,10 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     assert s["this_run"]["actors"][0]["steps"] > 0
     # a row and its ar reference shared forwards: no per-row speedup is claimed
     from dynatree.jobs.summary import format_table
+    from dynatree.machine import cpu, describe
     assert s["speedup_vs_ar"]["n"] == 0 and "shared forwards at batch size > 1" in format_table(s)
+    # the CPU its rates came from (the actor is on this machine)
+    assert f"actors ran on            1 x {describe(cpu())}" in format_table(s)
     assert all(r["ar_tokens_per_s"] is None for r in read_rows(tmp_path / "out"))
 
 
