@@ -557,6 +557,10 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
     plots = [p for pat in PLOTS for p in out.glob(pat)]
     for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *plots]:  # (report's names only)
         old.unlink(missing_ok=True)
+    if host and "fma_start" in host:  # (the probe again: what the host ran at when the bench ended)
+        from .machine import fma_rates
+
+        host["fma_end"] = fma_rates(torch.get_num_threads())
     names = list(dict.fromkeys(k for r in rows for k in r))
     pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in names} for r in rows]), out / "results.parquet")
     meta = {"spec": {**asdict(spec), "methods": [asdict(m) for m in spec.methods]},
@@ -566,10 +570,6 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
             "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
             "prompts_used": {name: len(texts) for _, name, texts in loaded} if loaded else None,
             "interrupted": interrupted, "machine": host}
-    if host and "fma_start" in host:
-        from .machine import fma_rates
-
-        host["fma_end"] = fma_rates(torch.get_num_threads())
     (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
     return out
 

@@ -393,7 +393,6 @@ class NothingMeasured(ValueError):
     """A bench directory whose results hold warm-up rows only."""
 
 
-
 def _machine_line(host: dict | None) -> str:
     """The CPU a bench ran on and its FMA probe at the start and the end (bench._machine), with a
     warning where the host's speed moved or its threads shared cores -- or nothing for a bench.json
@@ -416,6 +415,7 @@ def _machine_line(host: dict | None) -> str:
         warn.append("the threads reached well under their count times one thread's FMA rate: they shared cores "
                     "(SMT siblings, or another tenant's load), so rates read slow")
     return line + ".\n\n" + "".join(f"**Note**: {w}.\n\n" for w in warn)
+
 
 def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
     out = Path(out_dir)
