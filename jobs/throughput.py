@@ -18,6 +18,8 @@ from pathlib import Path
 import click
 import pyarrow.parquet as pq
 
+from dynatree.machine import cpu, describe
+
 from .driver import run_job, start_local_ray
 from .spec import build_spec
 from .summary import startup_total
@@ -38,6 +40,7 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
     return {"rows": n, "tokens": run["tokens_this_run"], "wall_s": run["wall_time_s"],
             "startup_s": startup_total(st),
             "startup": st, "batch_sizes": [a["batch_size"] for a in run.get("actors", [])],
+            "machines": [a.get("machine") for a in run.get("actors", [])],  # (the CPU each actor's rate came from)
             "mismatches": s["equivalence"]["mismatches"], "checked": s["equivalence"]["checked"]}
 
 
@@ -88,6 +91,7 @@ def main(inp, target, draft, configs, sizes, max_new_tokens, verify_fraction, sh
     results = []
     Path(out).mkdir(parents=True, exist_ok=True)
     start_local_ray(log_to_driver=False)
+    click.echo(f"CPU: {describe(cpu())}")
     with tempfile.TemporaryDirectory(prefix="dt-jobs-") as tmp:
         # a first job pays the cold start (cluster, kernel build, budget profile) that later small jobs
         # do not, which would flatter the first configuration's marginal rate
