@@ -1,5 +1,7 @@
 """The hardware-aware budget's pieces: latency interpolation, node selection, calibration."""
-from dynatree.budget import Calibration, LatencyModel, select, worth_drafting
+import pytest
+
+from dynatree.budget import BatchView, Calibration, LatencyModel, select, worth_drafting
 from dynatree.tree import Tree, flatten_bfs
 
 
@@ -359,3 +361,12 @@ def test_profile_caches_hold_zero_keys_and_slow_forwards_are_timed_fewer_times(p
     budget._profile_model(Counting(runner), 24, (1, 4), 5)
     timed = [n for n, past in seen if past == 24]
     assert timed.count(1) == timed.count(4) == 2  # warm-up + once
+
+
+def test_batch_view_charges_a_row_its_share_of_the_base_cost():
+    """A row of a batch pays its share of the forward's base cost plus its own nodes' marginal
+    cost on top of the others' rows: charged the whole base, trees would shrink at any B > 1."""
+    lat = LatencyModel(verify_ms={1: 2.0, 4: 4.0, 8: 8.0, 64: 64.0}, draft_ms={1: 1.0, 16: 2.0})
+    view = BatchView(lat, others=3, share=4)
+    assert view.verify(1) == pytest.approx(lat.verify(4) / 4)  # a bare root: a quarter of the 4-root forward
+    assert view.verify(3) == pytest.approx(lat.verify(4) / 4 + lat.verify(3 + 3) - lat.verify(3 + 1))  # its own 3 nodes on the others' 3

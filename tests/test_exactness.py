@@ -220,3 +220,23 @@ def test_vocab_width_mismatch_is_compared_over_shared_range(target):
         ref, _, _ = ar(pair, prompt, 20)
         toks, _, _ = decode(pair, prompt, make_config("dynatree"), max_new_tokens=20, ignore_eos=True)
         assert toks == ref
+
+
+def test_eos_on_the_last_allowed_token_is_an_eos_finish(same_pair):
+    """EOS as the last token max_new_tokens allows ends the row with reason "eos", not "length"
+    (the tokens are the same either way, so the equal-to-ar tests cannot tell)."""
+    prompt = [5, 9, 11, 40, 2]
+    free = decode(same_pair, prompt, make_config("ar"), max_new_tokens=30, ignore_eos=True)[0]
+    k = next(k for k in range(3, 30) if free[k] not in free[:k])  # its first occurrence
+    pair = pair_from_models(same_pair.target, same_pair.draft, None, eos_token_id=free[k])
+    for method in ("ar", "linear", "dynatree"):
+        toks, reason, _ = decode(pair, prompt, make_config(method), max_new_tokens=k + 1)
+        assert toks == free[:k + 1] and reason == "eos", (method, reason)
+
+
+def test_no_node_is_drafted_past_the_last_token(same_pair):
+    """With one token left after the prefill, the iteration's tree is the bare root (its bonus is
+    that token): drafting more is verification work whose tokens are cut."""
+    for method, opts in (("linear", {"k": 4}), ("fixed_tree", {}), ("dynatree", {"hw_budget": "off"})):
+        _, _, m = decode(same_pair, [5, 9, 11], make_config(method, opts), max_new_tokens=2, ignore_eos=True)
+        assert m.iterations == 1 and m.mean_tree_size == 0, (method, m.mean_tree_size)

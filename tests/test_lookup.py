@@ -2,6 +2,8 @@
 and that grafted tokens are really committed while outputs stay identical to ar."""
 import math
 
+import pytest
+
 from dynatree import decode, make_config
 from dynatree.lookup import LookupStats, NgramIndex, graft
 from dynatree.tree import Tree, flatten_bfs
@@ -121,3 +123,11 @@ def test_sampled_lookup_commits_copies_and_reproduces(close_pair):
                      ignore_eos=True)
     assert a == decode(close_pair, prompt, make_config("ar", opts), max_new_tokens=30, ignore_eos=True)[0]
     assert m.lookup_tokens > 0
+
+
+def test_lookup_chain_values_are_products_along_the_chain():
+    """A copied chain's k-th node is accepted only if the k - 1 before it are: its value is the
+    product along the chain (the budget prices deep lookup nodes with it)."""
+    s = LookupStats()
+    p = s.value(2, 0, True)
+    assert s.values(2, 3) == pytest.approx([p, p * p, p ** 3])

@@ -660,3 +660,41 @@ def test_a_long_prefill_in_chunks_is_bitwise_one_pass(arch, monkeypatch):
         assert calls == []
         run.forward([Seq(prompt[0], new_cache(model, 8))])  # every row's logits: torch's
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_a_tree_spanning_three_key_blocks_is_bitwise_ar():
+    """head_dim 16: 256-key blocks.  A 251-token prompt and a 13-level tree of 23 siblings per level
+    put a deep path node's keys in three blocks, the first two with odd counts (253 and 11): its
+    logits must still be bitwise the AR step's."""
+    torch.manual_seed(4)
+    cfg = GPTNeoXConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=1024, rotary_pct=0.5, initializer_range=0.3,
+                        use_parallel_residual=True, tie_word_embeddings=False, eos_token_id=3, bos_token_id=3)
+    model = GPTNeoXForCausalLM(cfg).float().eval()
+    lean = LeanNeoX(model)
+    if not getattr(lean, "native", False):
+        pytest.skip("native kernel unavailable")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, 100, (251,), generator=g).tolist()
+    path = torch.randint(4, 100, (14,), generator=g).tolist()
+    tree = Tree.root_only(path[0])
+    u = 0
+    for tok in path[1:]:
+        nxt = None
+        for sib in range(23):
+            v = tree.add(u, (tok + sib) % 100, -1.0)
+            nxt = v if sib == 0 else nxt
+        u = nxt
+    tree, _ = flatten_bfs(tree)
+    deep = u  # level-wise growth is BFS already: indices unchanged
+    with torch.inference_mode():
+        cache = new_cache(model, 1024)
+        lean(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        p = cache.length
+        ar = [lean(input_ids=torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in path]
+        cache.truncate(p)
+        logits = lean(input_ids=torch.tensor([tree.tokens]), attention_mask=KeyMask(p, ancestor_matrix(tree.parents)),
+                      position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
+    assert tree.depths[deep] == 13 and p + deep > 512
+    assert torch.equal(logits[deep], ar[13])

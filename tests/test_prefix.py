@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import EOS, noisy_copy, tiny_neox
+from conftest import EOS, noisy_copy, random_prompts, tiny_neox
 from dynatree import native, pair_from_models
 from dynatree.config import make_config
 from dynatree.engine import BatchDecoder, decode, decode_batch
@@ -346,3 +346,13 @@ def test_a_draft_reading_only_the_prompts_end_shares_nothing_and_stores_nothing(
     assert [m.cached_prompt_tokens for _, m in bounded].count(2 * BLOCK) >= 4
     draft = pair.prefix_store("draft", "model")
     assert draft.reused == 0 and draft.bytes == 0
+
+
+def test_identical_whole_block_prompts_in_one_batch_decode_like_alone(close_pair):
+    """Two rows with the same 64-token prompt (two whole prefix blocks) join together: the shared
+    chain must leave the last prompt token to compute (its logits give the first new token)."""
+    prompt = random_prompts(1, seed=3, lo=64, hi=64)[0]
+    cfg = make_config("ar")
+    alone = decode(close_pair, prompt, cfg, max_new_tokens=5, ignore_eos=True)[0]
+    got = decode_batch(close_pair, [prompt, prompt], cfg, max_new_tokens=5, ignore_eos=True)
+    assert [t for t, _, _ in got] == [alone, alone]

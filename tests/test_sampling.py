@@ -9,6 +9,7 @@ at p >= 1e-4; the negative controls -- noise shared by every index, a verifier t
 drafted token -- must fail at that threshold, so the test has the power to see a biased sampler.
 """
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -301,3 +302,17 @@ def test_noise_rows_cross_to_a_device_once_per_depth():
     assert len(distinct) == 3 and index == [0, 1, 1, 2, 2, 2]
     assert all(torch.equal(distinct[i], r) for i, r in zip(index, rows))
     assert len(distinct_rows([s.noise(0, 50), s.noise(0, 40)])[0]) == 2  # another width: another row
+
+
+def test_sampled_trees_under_top_k_draw_ars_sample(close_pair):
+    """Rows drawn apart from the heads (top-k / top-p) take the noise of the index each node
+    predicts (base + depth): a branching tree must commit ar's sample, seed for seed.  (The
+    temperature-only tests take the heads' path, not Sampler.scores: keying this path's noise by
+    row index instead went unnoticed by them.)"""
+    cfg_t = make_config("fixed_tree", {"depth": 3, "branch": 3, "tau": 0.0, "temperature": 0.8, "top_k": 5})
+    for i, prompt in enumerate(random_prompts(6, seed=31, lo=2, hi=10)):
+        opts = {"temperature": 0.8, "top_k": 5, "seed": i}
+        ref = decode(close_pair, prompt, make_config("ar", opts), max_new_tokens=12, ignore_eos=True)[0]
+        got, _, m = decode(close_pair, prompt, replace(cfg_t, seed=i), max_new_tokens=12, ignore_eos=True)
+        assert got == ref, (prompt, got, ref)
+        assert m.mean_tree_size > 3  # trees really branched
