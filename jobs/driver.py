@@ -49,6 +49,8 @@ QUIET_S = 600.0  # no shard finished for this long: the driver says what is in f
 RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
 HEALTH_S = 20.0  # while no shard finishes: how often the head is checked (Ray's client gives up on it after 60 s)
 HEAD_LOST_S = 40.0  # a head not answering this long (and no actor death to confirm it) is lost
+REPLACE_FACTOR = 5.0  # a replacement actor is given this many times the first actors' start-up,
+REPLACE_MIN_S = 120.0  # at least this, at most --ready-timeout-s
 
 
 def _progress(total: int):
@@ -501,7 +503,7 @@ class _Dispatch:
                                      what="actor")
         self.startup["actors_ready_s"] = round(time.time() - t0, 3)
         # a replacement loads what the first actors loaded: far slower means it cannot be placed
-        self.replace_timeout_s = min(spec.ready_timeout_s, max(120.0, 5 * self.startup["actors_ready_s"]))
+        self.replace_timeout_s = min(spec.ready_timeout_s, max(REPLACE_MIN_S, REPLACE_FACTOR * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
         caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
@@ -683,8 +685,8 @@ class _Dispatch:
             if time.time() <= deadline:
                 continue
             del self.restarts[slot]
-            why = (f"was not ready after {self.replace_timeout_s:.0f} s (5x the first actors' start-up, at least 2 min, "
-                   "at most --ready-timeout-s: its node lost, or no room)")
+            why = (f"was not ready after {self.replace_timeout_s:.0f} s ({REPLACE_FACTOR:g}x the first actors' start-up, "
+                   f"at least {REPLACE_MIN_S:g} s, at most --ready-timeout-s: its node lost, or no room)")
             actor, self.actors[slot] = self.actors[slot], None
             for ref_, entry in [(r, e) for r, e in inflight.items() if e[0] == slot]:
                 del inflight[ref_]

@@ -513,3 +513,37 @@ def test_an_id_check_passed_is_remembered_for_the_same_files(tmp_path, monkeypat
     with pytest.raises(InputError, match="duplicate ids"):  # another file at that path: checked again
         InputSource.open(str(f)).check_ids("id")
     assert calls == ["id", "id"]
+
+
+def test_input_fingerprint_follows_a_size_change_at_the_same_mtime(tmp_path):
+    """A file replaced by one of another size but the same mtime (cp -p, rsync -t, a coarse clock)
+    is another input: the fingerprint must change, or a resume mixes old and new rows."""
+    f = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), f)
+    st = os.stat(f)
+    fp = InputSource.open(str(f)).fingerprint()
+    pq.write_table(pa.table({"text": ["a", "b" * 500]}), f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(f).st_size != st.st_size
+    assert InputSource.open(str(f)).fingerprint() != fp
+
+
+def test_jsonl_rows_are_counted_wherever_a_planning_chunk_ends(tmp_path, monkeypatch):
+    """Planning counts JSONL rows chunk by chunk: a row whose text ends one chunk and whose newline
+    begins the next is still a row (it was dropped: the job planned, read and wrote one row fewer)."""
+    monkeypatch.setattr(jsonl, "_SCAN_BYTES", 64)
+    for pad in range(70):  # the first line's end at every offset around the chunk boundary
+        rows = [{"text": "x" * pad}, {"text": "y"}, {"text": "z" * 50}]
+        (tmp_path / f"p{pad}.jsonl").write_text("\n".join(json.dumps(r) + " " * (pad % 3) for r in rows) + "\n")
+        src = InputSource.open(str(tmp_path / f"p{pad}.jsonl"))
+        assert src.num_rows == 3, pad
+        assert src.read(0, 3, ["text"])[0].column("text").to_pylist() == [r["text"] for r in rows], pad
+
+
+def test_a_lone_surrogate_inside_a_jsonl_object_is_replaced_not_fatal(tmp_path):
+    """A struct column's value holding a lone surrogate (a JSON "\\ud800" escape) reads as U+FFFD,
+    as in a string or a list column -- it made planning recurse until RecursionError."""
+    (tmp_path / "s.jsonl").write_text('{"id": "a", "text": "hi", "meta": {"note": "bad \\ud800 here"}}\n'
+                                      '{"id": "b", "text": "yo", "meta": {"note": "fine"}}\n')
+    table, _ = InputSource.open(str(tmp_path / "s.jsonl")).read(0, 2, ["meta"])
+    assert table.column("meta").to_pylist() == [{"note": "bad \ufffd here"}, {"note": "fine"}]

@@ -2,6 +2,9 @@
 import dataclasses
 import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 import types
 
@@ -166,12 +169,18 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
 
 def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     """An actor dies and its replacement never becomes ready (its node was lost and no other has
-    room): after its deadline (at most --ready-timeout-s) its shards go to the actors left."""
+    room): after its deadline (at most --ready-timeout-s) its shards go to the actors left.  (The
+    first actors keep a generous --ready-timeout-s: on a loaded host they took over 8 s to load.)"""
+    from dynatree.jobs import driver
+
     texts = PROMPTS * 3  # shards enough that the replacement is given some while it starts
     write_input(tmp_path, texts)
     faults(monkeypatch, die_once_on_shard="part-000001", never_ready_after_death=True)
+    monkeypatch.setattr(driver, "REPLACE_MIN_S", 8.0)
+    monkeypatch.setattr(driver, "REPLACE_FACTOR", 0.0)
     said = []
-    s = run_job(spec(pair_dirs, tmp_path, ready_timeout_s=8, verify_fraction=0.0), progress=False, log=said.append)
+    s = run_job(spec(pair_dirs, tmp_path, ready_timeout_s=120, verify_fraction=0.0), progress=False,
+                log=said.append)
     assert any("replacement was not ready after 8 s" in m and "going on with 1 actor" in m
                for m in said), said
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(len(texts)))
@@ -1366,3 +1375,171 @@ def test_a_shards_footer_stays_small_whatever_its_error_messages():
     assert part["errors"] == 5000 and part["error_kinds"] == [["prompt of N tokens leaves no room", 5000,
                                                                 "prompt of 1000 tokens leaves no room"]]
     assert len(json.dumps(part)) < 2000
+
+
+def _fake_results(ins, mismatch_at=None):
+    """Result rows for a shard's input rows, as an actor returns them (no decoding)."""
+    from dynatree.metrics import result_row
+
+    out = []
+    for j, r in enumerate(ins):
+        row = result_row(r["id"], "dynatree")
+        row.update(finish_reason="length", generated_text="x", generated_token_ids=[5, 6], num_generated_tokens=2,
+                   matches_ar=j != mismatch_at, first_divergence=0 if j == mismatch_at else None)
+        out.append(row)
+    return out
+
+
+def _begin(pair_dirs, tmp_path, texts=PROMPTS, **kw):
+    """A job planned and its output prepared, as run_job does before it decodes."""
+    from dynatree.jobs.plan import make_plan, prepare_output
+
+    write_input(tmp_path, texts)
+    job = spec(pair_dirs, tmp_path, **kw)
+    plan = make_plan(job, quiet)
+    return job, plan, prepare_output(job, plan)
+
+
+def _write(job, plan, out, k, mismatch_at=None):
+    from dynatree.jobs.driver import _read_shard, _shard_table
+    from dynatree.jobs.plan import write_shard
+
+    ins, kept = _read_shard(job, plan, k)
+    write_shard(out, job, plan, k, _shard_table(plan, ins, _fake_results(ins, mismatch_at), kept))
+
+
+def test_fail_on_mismatch_fails_the_job_after_writing_its_summary(pair_dirs, tmp_path):
+    """--fail-on-mismatch: a checked row that differs from ar makes run_job raise MismatchError
+    (only the CLI's handling of it was tested, with run_job mocked)."""
+    from dynatree.jobs.driver import MismatchError
+
+    job, plan, out = _begin(pair_dirs, tmp_path, PROMPTS[:4], fail_on_mismatch=True)
+    _write(job, plan, out, 0, mismatch_at=2)  # every shard done: run_job decodes nothing, starts no Ray
+    with pytest.raises(MismatchError, match="1 generation"):
+        run_job(job, progress=False, log=quiet)
+    assert json.loads((out / "summary.json").read_text())["equivalence"]["mismatches"] == 1
+    s = run_job(dataclasses.replace(job, fail_on_mismatch=False), progress=False, log=quiet)
+    assert s["equivalence"]["mismatches"] == 1  # without the flag the job succeeds
+
+
+def test_a_shard_write_cut_short_leaves_no_shard_file(pair_dirs, tmp_path, monkeypatch):
+    """Shards are written atomically: a write that fails part-way (disk full, a kill) leaves no
+    part-*.parquet that readers of out/shards would take for output."""
+    from dynatree.jobs import plan as planmod
+
+    job, plan, out = _begin(pair_dirs, tmp_path, PROMPTS[:4])
+
+    def cut_short(table, where, **kw):
+        with open(where, "wb") as f:
+            f.write(b"PAR1 half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(planmod.pq, "write_table", cut_short)
+    with pytest.raises(OSError):
+        _write(job, plan, out, 0)
+    assert not (out / "shards" / "part-000000.parquet").exists()
+
+
+def test_a_shard_file_for_another_range_is_not_taken_as_finished(pair_dirs, tmp_path):
+    """A resume trusts a shard file only for exactly its planned rows: shard 0's file under shard
+    1's name (same job identity) is redone, else ids k0..k3 appear twice and k4..k7 never."""
+    job, plan, out = _begin(pair_dirs, tmp_path)
+    for k in range(plan.num_shards):
+        _write(job, plan, out, k)
+    shutil.copy(out / "shards" / "part-000000.parquet", out / "shards" / "part-000001.parquet")
+    got = run_job(job, progress=False, log=quiet, dry_run=True)
+    assert (got["shards_done"], got["rows_to_decode"]) == (plan.num_shards - 1, 4)
+
+
+def test_verify_fraction_picks_the_same_rows_in_every_process():
+    """The AR check's rows are fixed by their ids: the same in every actor process, run and resume
+    (Python's str hash is salted per process, PYTHONHASHSEED)."""
+    code = ("from dynatree.actors.worker import verify_selected as v; ids = [f'k{i}' for i in range(300)]; "
+            "print(''.join('1' if v(i, 0.3, k) else '0' for k in (0, 1) for i in ids))")
+    got = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                          capture_output=True, text=True, check=True).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(got) == 1
+    picks = got.pop()
+    assert 0.2 < picks.count("1") / len(picks) < 0.4
+
+
+def test_every_generating_field_is_part_of_the_output_identity(pair_dirs, tmp_path):
+    """A resume with a field changed that changes what is generated must be refused: each such
+    field, changed, changes identity_hash (listed here, not read from OUTPUT_IDENTITY)."""
+    base = spec(pair_dirs, tmp_path)
+    changed = {"ignore_eos": True, "max_prompt_tokens": 64, "max_new_tokens": 5, "dtype": "float32",
+               "kernel": "hf", "method": "linear", "prompt_column": "key", "id_column": "text",
+               "keep_columns": ("key",), "shard_size": 5, "verify_fraction": 0.5, "stop": ("x",),
+               "stop_token_ids": (4,), "chat_template": True, "limit": 3, "options": {"d_max": 6},
+               "input": str(tmp_path / "other.parquet")}
+    same = [k for k, v in changed.items() if dataclasses.replace(base, **{k: v}).identity_hash() == base.identity_hash()]
+    assert same == []
+
+
+def test_retries_are_charged_only_to_the_shard_that_ran_alone(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+    """An actor death fails every shard in flight on it; only the shard that then fails alone
+    spends its retries -- with --max-retries 0 the others still finish."""
+    write_input(tmp_path)
+    faults(monkeypatch, die_always_on_shard="part-000002")
+    with pytest.raises(JobError, match=r"failed after 0 retries: part-000002;"):
+        run_job(spec(pair_dirs, tmp_path, max_retries=0, num_actors=1, batch_size=8, verify_fraction=0.0),
+                progress=False, log=quiet)
+    assert sorted(os.listdir(tmp_path / "out" / "shards")) == ["part-000000.parquet", "part-000001.parquet"]
+    assert [r["id"] for r in read_rows(tmp_path / "out")] == [f"k{i}" for i in range(8)]
+
+
+def test_row_index_ids_are_the_rows_of_the_whole_input(pair_dirs, tmp_path):
+    """Without an id column a row's id is its index in the input, not in its shard: ids 0..11,
+    never 0..3 three times."""
+    from dynatree.jobs.driver import _read_shard
+    from dynatree.jobs.plan import make_plan
+
+    write_input(tmp_path)
+    job = spec(pair_dirs, tmp_path, id_column=None)
+    plan = make_plan(job, quiet)
+    ids = [r["id"] for k in range(plan.num_shards) for r in _read_shard(job, plan, k)[0]]
+    assert ids == [str(i) for i in range(len(PROMPTS))]
+
+
+def test_this_runs_counts_are_the_rows_and_tokens_it_wrote(ray_cluster, pair_dirs, tmp_path):
+    """summary.json's this_run: every output row (a prompt's samples each count) and every token
+    of every shard this run wrote -- the same as the job's totals on a first run."""
+    write_input(tmp_path, PROMPTS[:6])
+    s = run_job(spec(pair_dirs, tmp_path, samples=2, options={"temperature": 0.9, "seed": 1}, shard_size=2,
+                     num_actors=1, verify_fraction=0.0, max_new_tokens=4), progress=False, log=quiet)
+    run = s["this_run"]
+    assert (run["rows_this_run"], run["shards_this_run"], s["rows"]) == (12, 3, 12)
+    assert run["tokens_this_run"] == s["generated_tokens"] > 0
+
+
+def test_a_row_the_decoder_rejects_gets_that_error_and_the_others_go_on(pair_dirs, tmp_path, monkeypatch):
+    """A request the scheduler resolves to its ValueError (BatchDecoder.add refused it) is that
+    row's error -- not a row with no error, no text and no finish reason."""
+    from dynatree.actors.worker import ShardWorker
+    from dynatree.engine import BatchDecoder
+
+    real = BatchDecoder.add
+
+    def add(self, ids, *a, **kw):
+        if kw["key"][1] == 1:  # the shard's second request
+            raise ValueError("does not fit the context")
+        return real(self, ids, *a, **kw)
+
+    monkeypatch.setattr(BatchDecoder, "add", add)
+    job = spec(pair_dirs, tmp_path, dtype="float32", batch_size=4, verify_fraction=0.0, max_new_tokens=4)
+    results = ShardWorker(job, 1).run_shard("s0", [{"id": f"r{i}", "text": t} for i, t in enumerate(PROMPTS[:3])])
+    assert [(r["error"], r["finish_reason"]) for r in results][1] == ("does not fit the context", "error")
+    assert all(r["error"] is None and r["num_generated_tokens"] > 0 for r in (results[0], results[2]))
+
+
+def test_a_run_that_decoded_nothing_is_not_the_last_decoding_run(tmp_path):
+    """summary.json keeps the last run that decoded rows: a previous summary whose run decoded none
+    (its shards were all written before the driver died) is not one."""
+    from dynatree.jobs.summary import previous_decoding_run
+
+    run = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "wall_time_s": 1.0}
+    (tmp_path / "summary.json").write_text(json.dumps({"this_run": run, "startup": {"plan_s": 0.1}}))
+    assert previous_decoding_run(tmp_path) is None
+    run = {**run, "rows_this_run": 4, "tokens_this_run": 40}
+    (tmp_path / "summary.json").write_text(json.dumps({"this_run": run, "startup": {"plan_s": 0.1}}))
+    assert previous_decoding_run(tmp_path) == {"this_run": run, "startup": {"plan_s": 0.1}}
