@@ -507,3 +507,32 @@ def test_report_says_when_the_hosts_fma_rate_moved_or_threads_shared_cores():
     moved = _machine_line({"cpu": cpu, "fma_start": rate(260.0, 131.0), "fma_end": rate(200.0, 165.0)})
     assert "moved by more than 20%" in moved and "shared cores" in moved
     assert _machine_line(None) == "" and "FMA" not in _machine_line({"cpu": cpu})  # (a GPU run: no probe)
+
+
+def _report_row(method, tps, matches, *, warmup=False, ref="ar", sweep=None):
+    return {"warmup": warmup, "setting": json.dumps(sweep or {"sweep": "main"}), "dataset": "d", "method": method,
+            "tokens_per_s": tps, "ref_method": ref, "matches_ar": matches, "tokens_per_iteration": 2.0,
+            "kv_cache_mb": 1.0, "peak_memory_mb": 1.0, "iterations": None}
+
+
+def test_main_table_counts_measured_rows_only_and_says_no_on_any_mismatch():
+    """'exact' = every *measured* row equal to ar: a warm-up row is neither counted nor a verdict,
+    and one mismatch among the measured rows is NO."""
+    from dynatree.report import _groups, _results_table
+    rows = [_report_row("ar", 1.0, None, warmup=True), _report_row("ar", 100.0, None), _report_row("ar", 100.0, None),
+            _report_row("dyn", 1000.0, False, warmup=True), _report_row("dyn", 150.0, True), _report_row("dyn", 150.0, True),
+            _report_row("bad", 120.0, True), _report_row("bad", 120.0, False)]
+    g = _groups(rows)
+    table = _results_table(g, ["d"], list(g["d"]))
+    assert "| dyn | 150.0 ± 0.0 | 1.50× | yes (2) |" in table, table
+    assert "| bad | 120.0 ± 0.0 | 1.20× | NO (2) |" in table, table
+
+
+def test_sweep_tables_leave_out_warm_up_rows_and_references_from_identical_counts():
+    from dynatree.report import tables
+    sw = {"sweep": "tokens", "T": 4}
+    rows = [_report_row("ar", 1.0, None, warmup=True, sweep=sw), _report_row("ar", 100.0, None, sweep=sw),
+            _report_row("dyn", 1.0, False, warmup=True, sweep=sw), _report_row("dyn", 150.0, True, sweep=sw)]
+    lines = {ln.split("|")[3].strip(): ln for ln in tables(rows).splitlines() if ln.startswith("| d | 4 |")}
+    assert lines["ar"].rstrip().endswith("| - |"), lines["ar"]  # the reference checks nothing
+    assert lines["dyn"].rstrip().endswith("| 1/1 |") and "| 150.0 (n = 1) | 1.50× |" in lines["dyn"], lines["dyn"]

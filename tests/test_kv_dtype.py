@@ -158,3 +158,34 @@ def test_a_divergence_is_judged_by_its_references_numbers():
     assert parted >= 1  # the rounding flips some choice on these prompts, or this test shows nothing
     logits = [int(reference_logits(pair, p, b16[:j], cfg).argmax()) for j in range(len(b16))]
     assert logits == b16
+
+
+def test_a_shorter_stream_is_a_difference_at_its_end():
+    """first_difference: a candidate that stops early (or runs long) is not 'identical to ar' --
+    bench's matches_ar and check's rows read None as equal."""
+    from dynatree.check import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 2]) == 2 and first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1 and first_difference([], [4]) == 0
+
+
+def test_a_sampled_divergence_margin_is_the_perturbed_scores_gap():
+    """When sampling, the draw at the first difference is the argmax of the perturbed scores, so
+    the margin reported is their top-2 gap, not the plain logits' (check.divergence)."""
+    from dynatree import make_config
+    from dynatree.check import divergence, reference_logits
+    from dynatree.sampling import Sampler
+    from test_batched import f32_pair
+
+    pair, prompt = f32_pair(), [5, 9, 11, 40]
+    cfg = make_config("linear", {"temperature": 0.8, "seed": 7})
+    ref = [17, 23, 4, 8]
+    cand = ref[:2] + [(ref[2] + 1) % 50, 9]
+    at, margin = divergence(pair, prompt, ref, cand, cfg)
+    logits = reference_logits(pair, prompt, ref[:2], cfg)
+    s = Sampler.from_config(cfg, prompt)
+    s.at(2)
+    top = s.scores(logits[None], [0])[0].topk(2).values
+    plain = logits.topk(2).values
+    assert at == 2 and margin == float(top[0] - top[1]) != float(plain[0] - plain[1])

@@ -698,3 +698,99 @@ def test_a_tree_spanning_three_key_blocks_is_bitwise_ar():
                       position_ids=position_ids(tree.depths, p), past_key_values=cache).logits[0]
     assert tree.depths[deep] == 13 and p + deep > 512
     assert torch.equal(logits[deep], ar[13])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("isa", native.variants_here())
+def test_bf16_cache_rounds_exact_ties_to_even(isa, monkeypatch):
+    """put_kv's float32 -> bfloat16 must be torch's round-to-nearest-*even*.  Random activations
+    almost never land on an exact tie (low 16 bits 0x8000), so the existing rounding test cannot
+    tell ties-to-even from ties-away; here every cached value is a tie: the value projection's
+    weights are zero and its bias holds ties of both parities and signs."""
+    monkeypatch.setenv("DYNATREE_ISA", isa)
+    model = neox32(5, layers=1)
+    hd, heads = 16, 4
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x40A08000, 0x3E7F8000],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)  # even and odd kept lsb, +/-
+    vals = ties.repeat(hd)[:hd]
+    with torch.no_grad():
+        qkv = model.gpt_neox.layers[0].attention.query_key_value
+        for h in range(heads):  # NeoX's fused rows: per head [q | k | v]
+            v_rows = slice(h * 3 * hd + 2 * hd, (h + 1) * 3 * hd)
+            qkv.weight[v_rows] = 0.0
+            qkv.bias[v_rows] = vals
+    lean = LeanNeoX(model)
+    assert lean.native
+    cache = new_cache(model, 16, "bfloat16")
+    with torch.inference_mode():
+        lean(input_ids=torch.tensor([[5, 9, 11]]), past_key_values=cache)
+    got = cache.layers[0].values[0, :, :3]  # (heads, 3 tokens, hd)
+    assert got.dtype == torch.bfloat16
+    want = vals.to(torch.bfloat16).expand_as(got)  # torch: ties to even
+    assert torch.equal(got, want), (got[0, 0].view(torch.int16), want[0, 0].view(torch.int16))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_packed_sampled_sequences_each_use_their_own_temperature():
+    """Each sequence packed into one forward perturbs its kept rows with *its own* 1/temperature
+    (dt_seq.inv_temp): its fused draws and proposals are what it gets alone.  The existing batch
+    tests give every neighbour the same temperature, so a kernel reading the first sequence's
+    temperature for all rows passed them."""
+    from dynatree.runtime import Seq
+    from dynatree.sampling import Sampler
+
+    model = neox32(12, layers=1)
+    lean = LeanNeoX(model)
+    assert lean.native
+    prompts = [[5, 9, 11, 40], [7, 2, 60, 61, 3]]
+    samplers = [Sampler(1.0, 0, 1.0, 11), Sampler(0.05, 0, 1.0, 12)]  # very different temperatures
+    depths = [0, 1, 2]
+
+    def seq(i, cache):
+        return Seq(torch.tensor([17, 23, 4]), cache, keep=3, perturb=samplers[i].head(depths))
+
+    def primed(i):
+        cache = new_cache(model, 32)
+        lean.forward([Seq(torch.tensor(prompts[i]), cache)])
+        return cache
+
+    with torch.inference_mode():
+        for mode in ({"argmax": True}, {"topk": 3, "cols": 90}):
+            alone = [lean.forward([seq(i, primed(i))], **mode)[0] for i in range(2)]
+            both = lean.forward([seq(0, primed(0)), seq(1, primed(1))], **mode)
+            for a, b in zip(alone, both):
+                assert a.choice == b.choice and a.top == b.top
+                assert torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_topk_probabilities_are_exact_with_the_maximum_in_the_row_tail():
+    """softmax_topk_rows subtracts the row's max before exp (vmax_row).  A max left out of it --
+    the remainder past the last whole vector -- overflows exp: probabilities NaN instead of 1."""
+    x = torch.zeros(2, 37)
+    x[0, 36] = 100.0  # in the tail for 16-, 8- and 4-float vectors (37 = 32 + 5 = 36 + 1)
+    x[1, 33] = 100.0
+    vals, ids = native.topk_probs(x, 2)
+    assert ids == [[36, 0], [33, 0]]
+    assert [v[0] for v in vals] == [1.0, 1.0]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_every_variant_computes_the_same_topk_probabilities():
+    """The draft's top-k confidences shape the tree: on every kernel variant they must be the same
+    bits, as the logits are (test_native only compares logits across variants).  The max sits
+    where the variants' vector loops end differently (992..995: AVX-512's tail, generic's vector)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 999, generator=g)
+    for r, at in enumerate((992, 993, 994, 995, 996, 997, 998, 500)):
+        x[r, at] = 4.0
+    seen = {}
+    for v in native.variants_here():
+        lib = native.library(v)
+        vals, ids = torch.empty(8, 5), torch.empty(8, 5, dtype=torch.long)
+        lib.dt_softmax_topk(x.data_ptr(), 8, 999, 999, 5, vals.data_ptr(), ids.data_ptr())
+        seen[v] = vals, ids
+    assert len(seen) >= 2
+    first = next(iter(seen.values()))
+    for v, (vals, ids) in seen.items():
+        assert torch.equal(ids, first[1]) and torch.equal(vals, first[0]), v

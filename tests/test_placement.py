@@ -222,3 +222,13 @@ def test_wait_ready_deadline_fires(cluster):
         assert time.monotonic() - t < 6
     finally:
         ray.kill(a)
+
+
+def test_placement_exact_fits_and_fixed_point_quantities():
+    """n actors that exactly fill the cluster are placed (not refused), and quantities are Ray's
+    1e-4 fixed point rounded, not truncated (0.57 * 1e4 is 5699.99... in binary floating point)."""
+    nodes = [{"NodeManagerAddress": "a", "Alive": True, "Resources": {"CPU": 8, "GPU": 2}},
+             {"NodeManagerAddress": "b", "Alive": True, "Resources": {"CPU": 4}}]
+    assert check_request(nodes, 6, 2, 0) == 6 and check_request(nodes, None, 2, 0) == 6
+    assert check_request(nodes, 2, 1, 1) == 2
+    assert feasible_actors([{"Resources": {"CPU": 0.57}}], 0.01, 0) == 57
