@@ -371,15 +371,18 @@ def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypat
         prepare_output(other, make_plan(other, quiet))
 
 
-def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_path):
-    """A cluster that cannot be reached (a typo in --address) fails the run before any shard: the
-    output directory it created goes with it; one that held a shard, or existed before, stays."""
-    import socket
+def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_path, monkeypatch):
+    """A run that fails before any shard (a cluster it cannot reach: a typo in --address; actors
+    that never load) takes the output directory it created with it; one that existed before stays.
+    (The failure is injected where the actors would start: in this test process Ray may be up.)"""
+    from dynatree.jobs import driver
+
+    def unreachable(self, todo, progress):
+        raise JobError("cannot reach the Ray cluster at 127.0.0.1:1: nothing answers there")
+
+    monkeypatch.setattr(driver._Dispatch, "run", unreachable)
     write_input(tmp_path)
-    with socket.socket() as s:  # a free port, closed again: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    job = spec(pair_dirs, tmp_path, address=f"127.0.0.1:{port}")
+    job = spec(pair_dirs, tmp_path)
     with pytest.raises(JobError, match="nothing answers"):
         run_job(job, progress=False, log=quiet)
     assert not (tmp_path / "out").exists()
