@@ -87,13 +87,16 @@ def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, flo
     return spec.num_actors, spec.cpus_per_actor, gpus  # num_actors None: as many as fit
 
 
-def _init_ray(spec: JobSpec):
+def _init_ray(spec: JobSpec, log=print):
     import ray
 
     # (Ray >= 2.52, with token authentication; an empty tuple catches nothing on older ones)
     AuthenticationError = getattr(ray.exceptions, "AuthenticationError", ())  # noqa: N806
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # a Python caller's ray.init(): that connection is the one used
+        if spec.address:
+            log(f"note: Ray is already initialized in this process (cluster {ray.get_runtime_context().gcs_address}): "
+                f"the job runs there, not at --address {spec.address}")
         return ray
     address = spec.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: inside `ray job submit`
     try:
@@ -516,7 +519,7 @@ class _Dispatch:
 
     def run(self, todo: list[int], progress: bool) -> None:
         t0 = time.time()
-        ray = _init_ray(self.spec)
+        ray = _init_ray(self.spec, self.log)
         resources = ray.cluster_resources()
         _check_devices(self.spec, resources)
         n, self.cpus, self.gpus = _actor_shape(self.spec, resources)

@@ -371,6 +371,17 @@ def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypat
         prepare_output(other, make_plan(other, quiet))
 
 
+def test_an_address_beside_an_initialized_ray_is_said_not_silently_ignored(ray_cluster, pair_dirs, tmp_path):
+    """A Python caller that ray.init()-ed runs the job on that connection: an --address given too
+    is not used, and the log says so."""
+    write_input(tmp_path, PROMPTS[:2])
+    said = []
+    run_job(spec(pair_dirs, tmp_path, address="127.0.0.1:1", num_actors=1, verify_fraction=0.0, max_new_tokens=2),
+            progress=False, log=said.append)
+    assert any(m.startswith("note: Ray is already initialized in this process") and "not at --address 127.0.0.1:1"
+               in m for m in said), said
+
+
 def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_path, monkeypatch):
     """A run that fails before any shard (a cluster it cannot reach: a typo in --address; actors
     that never load) takes the output directory it created with it; one that existed before stays.
