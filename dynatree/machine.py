@@ -46,7 +46,8 @@ def fma_rates(threads: int) -> dict | None:
     if not many:
         return None
     one = many if threads == 1 else native.fma_peak(1)
-    return {"variant": native.variant(), "threads": threads, "gflops": round(many, 1), "one_thread_gflops": round(one, 1)}
+    return {"variant": native.variant(), "threads": threads, "gflops": round(many, 1),
+            "one_thread_gflops": round(one, 1)}
 
 
 def shares_cores(rates: dict) -> bool:

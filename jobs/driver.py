@@ -506,7 +506,8 @@ class _Dispatch:
                                      what="actor")
         self.startup["actors_ready_s"] = round(time.time() - t0, 3)
         # a replacement loads what the first actors loaded: far slower means it cannot be placed
-        self.replace_timeout_s = min(spec.ready_timeout_s, max(REPLACE_MIN_S, REPLACE_FACTOR * self.startup["actors_ready_s"]))
+        self.replace_timeout_s = min(spec.ready_timeout_s,
+                                     max(REPLACE_MIN_S, REPLACE_FACTOR * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
         caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
@@ -688,8 +689,8 @@ class _Dispatch:
             if time.time() <= deadline:
                 continue
             del self.restarts[slot]
-            why = (f"was not ready after {self.replace_timeout_s:.0f} s ({REPLACE_FACTOR:g}x the first actors' start-up, "
-                   f"at least {REPLACE_MIN_S:g} s, at most --ready-timeout-s: its node lost, or no room)")
+            why = (f"was not ready after {self.replace_timeout_s:.0f} s ({REPLACE_FACTOR:g}x the first actors' "
+                   f"start-up, at least {REPLACE_MIN_S:g} s, at most --ready-timeout-s: its node lost, or no room)")
             actor, self.actors[slot] = self.actors[slot], None
             for ref_, entry in [(r, e) for r, e in inflight.items() if e[0] == slot]:
                 del inflight[ref_]
