@@ -38,8 +38,8 @@ def cpu() -> dict:
 
 def fma_rates(threads: int) -> dict | None:
     """The native kernel's FMA probe (native.fma_peak) on ``threads`` threads and on one, in
-    GFLOP/s, or None without the kernel.  ``threads`` far under ``threads`` x one thread's rate
-    means the CPUs share cores (SMT siblings, or another tenant's load on them)."""
+    GFLOP/s, or None without the kernel.  A rate on N threads far under N times one thread's
+    means the CPUs share cores (SMT siblings, or another tenant's load on them): shares_cores."""
     from . import native
 
     many = native.fma_peak(threads)
