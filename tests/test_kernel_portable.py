@@ -108,3 +108,17 @@ def test_clang_builds_compute_the_bits_of_the_gcc_builds(tmp_path, x86_bits, isa
     assert error is None, error
     got = _bits("clang", lib, tmp_path, f"clang-{isa}", [], threads=1)
     assert got == x86_bits[isa], f"clang's {isa} build against GCC's: {_first_difference(x86_bits[isa], got)}"
+
+
+def test_an_avx512f_build_without_avx512bw_computes_the_bits_of_the_native_build(tmp_path, x86_bits):
+    """vec.h's AVX-512 code widens bfloat16 pairs with 512-bit 16-bit unpacks (AVX512BW) where the
+    CPU has them, and with 256-bit halves on AVX-512F alone (Knights Landing): the second path,
+    built here with -mno-avx512bw on a CPU that runs both, computes the same bits."""
+    flags = kbuild.cpuinfo("flags").split()
+    if "avx512f" not in flags or "avx512bw" not in flags:
+        pytest.skip("needs a CPU with AVX512F and AVX512BW (to run the build without BW beside the native one)")
+    lib = tmp_path / "libdt-gcc-nobw.so"
+    error = kbuild._compile("gcc", kbuild.FLAGS + kbuild.VARIANTS["native"] + ["-mno-avx512bw"], str(lib))
+    assert error is None, error
+    got = _bits("gcc", lib, tmp_path, "nobw", [])
+    assert got == x86_bits["native"], f"the build without AVX512BW: {_first_difference(x86_bits['native'], got)}"
