@@ -30,15 +30,23 @@ VARIANTS = {  # DYNATREE_ISA -> the flags that select it (csrc/vec.h picks the b
     "avx2": ["-march=x86-64-v3"],
     "generic": ["-march=native", "-DDT_GENERIC"],
 }
-def cpuinfo(*keys: str) -> str:
-    """The first /proc/cpuinfo line starting with one of ``keys`` (platform.processor() without one)."""
+def cpuinfo_lines() -> dict[str, str]:
+    """Each /proc/cpuinfo key's first line, whole ({} where there is no such file)."""
+    lines: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(keys):
-                return line
+            key, sep, _ = line.partition(":")
+            if sep:
+                lines.setdefault(key.strip(), line)
     except OSError:
         pass
-    return platform.processor()
+    return lines
+
+
+def cpuinfo(*keys: str) -> str:
+    """The first /proc/cpuinfo line of one of ``keys``, whole (platform.processor() without one)."""
+    lines = cpuinfo_lines()
+    return next((lines[k] for k in keys if k in lines), None) or platform.processor()
 
 
 def cpu_flags() -> str:

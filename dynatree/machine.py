@@ -15,18 +15,13 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "as
 def cpu() -> dict:
     """The CPU's identity: model name, vendor, family/model (x86), the SIMD flags the kernels care
     about, logical CPUs this process may use.  Fields unknown on this OS are left out."""
+    from .kbuild import cpuinfo_lines
+
     info = {"arch": platform.machine(), "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
+    first = {k: line.partition(":")[2].strip() for k, line in cpuinfo_lines().items()}
+    if not first:
         return {**info, "model": platform.processor() or "unknown"}
-    first: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() not in first:
-            first[key.strip()] = value.strip()
     names = {"model": "model name", "vendor": "vendor_id", "family": "cpu family", "model_number": "model"}
     info.update({k: first[v] for k, v in names.items() if v in first})
     if "model" not in info:  # aarch64 kernels name the implementer and part instead
