@@ -151,7 +151,9 @@ int dt_tile_width(void) { return TW; }
  * Rapids, at Pythia-2.8B's shapes (K = 2560 and 10240: a widened tile of 0.3-1.3 MB, weights from
  * DRAM), the full first pass alone ran 13-32 rows 6-25% faster than that (same process, C GEMM
  * harness), and the bench pair's whole target forward 2-8% faster at 13-200 rows (medians of 5
- * alternating rounds).  16-register ISAs (6-row passes, compute-bound from ~5 rows) keep the
+ * alternating rounds); on Zen 5 (alternating processes) whole target forwards within 6% of the old
+ * split: 13 rows 2-5% slower, 20-64 rows 1-6% faster, 3-6% faster at 16-32 rows at Pythia-2.8B's
+ * shapes.  16-register ISAs (6-row passes, compute-bound from ~5 rows) keep the
  * near-equal split and the next-tile prefetch, and run a 1- or 2-row remainder over several tiles
  * at once (gemm_tail).  The split never changes a result: each output is one FMA chain over k.
  * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
