@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -201,7 +202,8 @@ class Governor:
     -- is dropped and begins again), and each whole segment's tokens per ms, the drafts' catch-up
     after plain stretches included, updates that kind's rate (bias-corrected EMAs over segments).
     Drafted segments *win* when they beat plain ones by ``margin`` (:meth:`winning`).  While they
-    win, every ``every``-th segment is plain (so ``ar``'s rate stays measured); while they lose,
+    win, one segment in ``every`` is plain (so ``ar``'s rate stays measured) -- one in more where
+    they win by more (:meth:`cycle`); while they lose,
     ``gap`` plain segments run between drafted ones, doubling up to ``max_gap``, halved by a win
     (32: where trees lose, an exploration costs its segment up to 2.6x a plain one -- 6.9 ms against
     2.6 ms per iteration, Gutenberg, B = 4, Intel Emerald Rapids -- and one in 9 segments, the cap
@@ -224,6 +226,7 @@ class Governor:
 
     segment: int = 8
     every: int = 4
+    probe_cost: float = 0.05  # the share of the time plain segments may cost while drafting wins
     max_gap: int = 32
     ema: float = 0.3
     margin: float = 0.05
@@ -239,6 +242,7 @@ class Governor:
     left: int = 0  # iterations left in the current segment
     rows: int = 0  # its row count
     plain_run: int = 0  # plain segments since the last drafted one
+    tree_run: int = 0  # drafted segments since the last plain one
     seg_tokens: float = 0.0
     seg_ms: float = 0.0
 
@@ -250,9 +254,9 @@ class Governor:
         each batch (its square root), explorations where trees lose drafted full trees again, and
         batched ``dynatree`` fell from 0.92 to 0.85x ``ar`` (Gutenberg, B = 4, Emerald Rapids); a
         winning drafted segment still lowers it."""
-        return Governor(segment=self.segment, every=self.every, max_gap=self.max_gap, ema=self.ema,
-                        margin=self.margin, scale=self.scale, max_scale=self.max_scale, gap=self.gap,
-                        plain_run=min(self.plain_run, self.gap))
+        return Governor(segment=self.segment, every=self.every, probe_cost=self.probe_cost,
+                        max_gap=self.max_gap, ema=self.ema, margin=self.margin, scale=self.scale,
+                        max_scale=self.max_scale, gap=self.gap, plain_run=min(self.plain_run, self.gap))
 
     def winning(self) -> bool:
         """Whether drafted segments beat plain ones by the margin, which stands for what trees cost
@@ -273,11 +277,21 @@ class Governor:
             if self.ar_rate is None:
                 self.drafting = False
             elif self.winning():
-                self.drafting = (self.ar_n + self.tree_n) % self.every != 0
+                self.drafting = self.tree_run < self.cycle() - 1
             else:
                 self.drafting = self.plain_run >= self.gap
             self.left, self.rows, self.seg_tokens, self.seg_ms = self.segment, rows, 0.0, 0.0
         return not self.drafting
+
+    def cycle(self) -> int:
+        """Segments per plain one while drafting wins: ``every``, or more where trees win by more,
+        so that the plain segments cost at most ``probe_cost`` of the time -- each runs at ``ar``'s
+        rate instead of the trees', losing 1 - ar/tree of a segment (at most ``max_gap``).  Why:
+        where a forward is memory-bound (Pythia-2.8B's size on a 2-core CPU, B = 4) drafted
+        segments committed 1.7x the tokens per ms of plain ones, and one plain segment in four
+        cost ~10% of the decode."""
+        loss = 1.0 - self.ar_rate / self.tree_rate
+        return max(self.every, min(self.max_gap, math.ceil(loss / self.probe_cost - 1e-9)))
 
     def pause(self) -> None:
         """The batch moved to another size's governor: drop the segment under way (its iterations
@@ -299,10 +313,12 @@ class Governor:
         if skipped:
             self.ar_n += 1
             self.plain_run += 1
+            self.tree_run = 0
             self.ar_rate = self._mean(self.ar_rate, rate, self.ar_n)
             return
         self.tree_n += 1
         self.plain_run = 0
+        self.tree_run += 1
         self.tree_rate = self._mean(self.tree_rate, rate, self.tree_n)
         if self.ar_rate is None:
             return

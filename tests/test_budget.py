@@ -149,6 +149,7 @@ def test_governor_turns_drafting_down_when_it_loses_and_back_when_it_wins():
     assert g.gap == g.max_gap and starts[-1] - starts[-2] > starts[2] - starts[1]  # explored ever more rarely
     _drive(g, 400, plain=2, drafted=4)  # now drafting wins
     assert g.scale == 1.0 and g.gap == 1
+    g.probe_cost = 1.0  # (one plain segment in `every`, however far trees win: see the next test)
     assert sum(_drive(g, 16, plain=2, drafted=4)) == 4  # only every 4th segment is plain
     g = Governor(segment=2, every=4, max_gap=8)
     _drive(g, 80, plain=2, drafted=2.05)  # a tie, inside the margin, goes to plain steps
@@ -161,14 +162,14 @@ def test_governor_brings_trees_back_after_a_losing_first_segment():
     until they are measured winning."""
     from dynatree.budget import Governor
 
-    g = Governor()
+    g = Governor(probe_cost=1.0)  # (one plain segment in `every` while trees win)
     kinds = []
     for i in range(80):  # the first drafted iteration commits 0.5 tokens in its ms, the rest 2.6 against 2
         skip = g.skip_drafting(4)
         kinds.append(skip)
         g.observe(2 if skip else (0.5 if kinds.count(False) == 1 else 2.6), 1.0, skip)
     assert sum(kinds) == 3 * g.segment and g.gap == 1  # the first segment and every 4th: ar's
-    g = Governor()
+    g = Governor(probe_cost=1.0)
     kinds = []
     for i in range(320):  # now the whole first drafted segment commits 1 token/ms
         skip = g.skip_drafting(4)
@@ -176,6 +177,25 @@ def test_governor_brings_trees_back_after_a_losing_first_segment():
         g.observe(2 if skip else (1 if kinds.count(False) <= g.segment else 2.6), 1.0, skip)
     assert kinds[8:16] == [False] * 8 and kinds[16:24] == [True] * 8  # lost: plain segments follow
     assert g.gap == 1 and sum(kinds[-64:]) == 2 * g.segment  # back: only every 4th segment plain
+
+
+def test_governor_probes_plain_steps_less_often_the_more_trees_win():
+    """While drafting wins, the plain segments that keep ar's rate measured cost at most
+    probe_cost of the time: one in ``every`` where trees win narrowly, one in more where they win
+    by far (each plain segment runs at ar's rate instead of the trees'), at most max_gap."""
+    from dynatree.budget import Governor
+
+    g = Governor(segment=2, every=4, max_gap=32)
+    _drive(g, 200, plain=2, drafted=2.3)  # trees win by 15%: a probe loses 13% of a segment
+    assert g.cycle() == 4 and sum(_drive(g, 80, plain=2, drafted=2.3)) == 80 // 4
+    g = Governor(segment=2, every=4, max_gap=32)
+    _drive(g, 200, plain=2, drafted=4)  # trees win 2x: a probe loses half a segment
+    assert g.cycle() == 10 and sum(_drive(g, 200, plain=2, drafted=4)) == 200 // 10
+    g.tree_rate = 100 * g.ar_rate  # a probe loses at most its whole segment: one in 1 / probe_cost
+    assert g.cycle() == 20
+    g.probe_cost = 0.01
+    assert g.cycle() == g.max_gap
+    assert g.carry().probe_cost == g.probe_cost
 
 
 def test_a_governor_segment_is_one_row_count():
