@@ -596,17 +596,33 @@ def _cache_sweep(runner, lengths: tuple[int, ...], context: int, repeats: int, k
 
 
 def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, rounds: int) -> None:
-    """The native kernel's target forwards against the same forward on torch's MKL/oneDNN GEMMs
-    (--kernel lean-mkl), with the shapes where native is slower named.  The two take turns for
-    ``rounds`` rounds and each ratio is the median of the rounds' ratios: timed one after the
-    other, a drift of the host between them (±20% over seconds on the shared 2-vCPU VMs) read as a
-    kernel difference -- the same code's 300-token prefill came out 1.09x and 1.44x MKL's in two
-    runs minutes apart (Intel Emerald Rapids, 2026-11-28)."""
+    """The native kernel's target and draft forwards against the same forwards on torch's
+    MKL/oneDNN GEMMs (--kernel lean-mkl), with the shapes where native is slower named (the
+    portable-kernel bounds hold for both models)."""
     from . import kbuild
+    models = [("target", [n for n in (1, 4, 16, 64) if n + 1 < pair.max_context], prefill)]
+    if pair.draft is not None and getattr(pair.runner("draft"), "native", False):
+        models.append(("draft", [n for n in (1, 4, 16) if n + 1 < pair.max_context], 0))
+    for name, sizes, pre in models:
+        _mkl_rounds(pair.runner(name), name, sizes, pre, prefix, repeats, kv_dtype, rounds)
+    held = _mkl_held_to(kbuild.variant())
+    if held and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
+        # MKL picks its code path from the CPU, not from DYNATREE_ISA: here it runs wider FMAs than the
+        # variant's (up to 2x or 4x its peak), which MKL on a CPU that has only the variant's cannot.
+        wide, mkl, onednn = held
+        click.echo(f"note: MKL runs {wide} on this CPU; for the comparison a CPU with only this variant's vectors "
+                   f"sees, run with MKL_ENABLE_INSTRUCTIONS={mkl} ONEDNN_MAX_CPU_ISA={onednn}")
+
+
+def _mkl_rounds(native, name: str, sizes: list[int], prefill: int, prefix: int, repeats: int, kv_dtype: str,
+                rounds: int) -> None:
+    """One model's forwards on the native kernel and on MKL, taking turns for ``rounds`` rounds;
+    each ratio is the median of the rounds' ratios: timed one after the other, a drift of the host
+    between them (±20% over seconds on the shared 2-vCPU VMs) read as a kernel difference -- the
+    same code's 300-token prefill came out 1.09x and 1.44x MKL's in two runs minutes apart (Intel
+    Emerald Rapids, 2026-11-28)."""
     from .budget import _profile_model, time_prefill
-    native = pair.runner("target")
-    mkl = type(native)(pair.target, gemm=False)  # the same architecture's torch path
-    sizes = [n for n in (1, 4, 16, 64) if n + 1 < pair.max_context]
+    mkl = type(native)(native.model, gemm=False)  # the same architecture's torch path
     pairs: dict[str, list[tuple[float, float]]] = {}  # label -> (native ms, mkl ms) per round
     for _ in range(rounds):
         a, b = (_profile_model(m, prefix, sizes, repeats, kv_dtype) for m in (native, mkl))
@@ -617,23 +633,16 @@ def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, r
                 tuple(time_prefill(m, prefill, repeats, kv_dtype) for m in (native, mkl)))
     mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 (the median of an odd count; upper of an even one)
     ratios = {k: sorted(x / y for x, y in v) for k, v in pairs.items()}
-    click.echo("lean-mkl target" + "".join(f"  {k.split()[0]:>3}: {mid([y for _, y in v]):6.2f}"
-                                           for k, v in pairs.items() if "prefill" not in k)
+    click.echo(f"lean-mkl {name:<6}" + "".join(f"  {k.split()[0]:>3}: {mid([y for _, y in v]):6.2f}"
+                                                 for k, v in pairs.items() if "prefill" not in k)
                + "".join(f"  (prefill of {prefill} tokens: {mid([y for _, y in v]):.1f} ms)"
                          for k, v in pairs.items() if "prefill" in k))
     spread = (lambda r: f" ({r[0]:.2f}-{r[-1]:.2f})") if rounds > 1 else (lambda r: "")
     slower = [k for k, r in ratios.items() if mid(r) > 1.0]
-    click.echo(f"target, native ÷ lean-mkl time (median of {rounds} alternating round{'s' if rounds > 1 else ''}"
+    click.echo(f"{name}, native ÷ lean-mkl time (median of {rounds} alternating round{'s' if rounds > 1 else ''}"
                f"{', range' if rounds > 1 else ''}): "
                + ", ".join(f"{k} {mid(r):.2f}x{spread(r)}" for k, r in ratios.items())
                + (f" -- native is SLOWER than MKL at {', '.join(slower)} on this CPU" if slower else ""))
-    held = _mkl_held_to(kbuild.variant())
-    if held and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
-        # MKL picks its code path from the CPU, not from DYNATREE_ISA: here it runs wider FMAs than the
-        # variant's (up to 2x or 4x its peak), which MKL on a CPU that has only the variant's cannot.
-        wide, mkl, onednn = held
-        click.echo(f"note: MKL runs {wide} on this CPU; for the comparison a CPU with only this variant's vectors "
-                   f"sees, run with MKL_ENABLE_INSTRUCTIONS={mkl} ONEDNN_MAX_CPU_ISA={onednn}")
 
 
 def _mkl_held_to(variant: str) -> tuple[str, str, str] | None:

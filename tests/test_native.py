@@ -551,6 +551,10 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa, monkey
     line = next(l for l in out.splitlines() if l.startswith("target, native ÷ lean-mkl time"))
     assert "(median of 3 alternating rounds, range): 1 token " in line and "20-token prefill" in line
     assert re.search(r"1 token \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", line), line
+    # the draft too (the portable-kernel bounds are for both models), without a prefill
+    line = next(l for l in out.splitlines() if l.startswith("draft, native ÷ lean-mkl time"))
+    assert re.search(r"1 token \d+\.\d\dx .*16 tokens \d+\.\d\dx", line) and "prefill" not in line, line
+    assert re.search(r"^lean-mkl draft +1: +\d+\.\d\d +4: +\d+\.\d\d +16: +\d+\.\d\d$", out, re.M), out
     # an AVX2 build on an AVX-512 CPU races an AVX-512 MKL: the note says how to compare as on an AVX2 CPU;
     # the generic (128-bit) build on an x86 CPU with AVX2 or AVX-512, as on a 128-bit one
     assert ("MKL_ENABLE_INSTRUCTIONS=AVX2" in out) == (isa == "avx2" and kbuild.has_avx512())
