@@ -536,3 +536,245 @@ def test_sweep_tables_leave_out_warm_up_rows_and_references_from_identical_count
     lines = {ln.split("|")[3].strip(): ln for ln in tables(rows).splitlines() if ln.startswith("| d | 4 |")}
     assert lines["ar"].rstrip().endswith("| - |"), lines["ar"]  # the reference checks nothing
     assert lines["dyn"].rstrip().endswith("| 1/1 |") and "| 150.0 (n = 1) | 1.50× |" in lines["dyn"], lines["dyn"]
+
+
+def test_the_main_table_calls_ar_the_reference_and_an_unchecked_peer_sampled():
+    """'exact' names the row that is the reference (checks nothing) apart from a sampled peer's
+    rows (compared with nothing): a swap would read the sampled peer as the run's reference."""
+    from dynatree.report import _results_table
+    row = lambda tps, ref: {"tokens_per_s": tps, "ref_method": ref, "matches_ar": None}  # noqa: E731
+    gd = {"ar": [row(100.0, "ar")], "hf_assisted": [row(80.0, "ar")]}
+    lines = {ln.split("|")[1].strip(): ln for ln in _results_table({"d": gd}, ["d"], list(gd)).splitlines()[4:]}
+    assert lines["ar"].endswith("| reference |") and lines["hf_assisted"].endswith("| sampled |"), lines
+
+
+def test_the_batch_table_divides_by_the_ar_of_the_same_batch_size_and_counts_the_identical_rows():
+    """× ar at B and × ref at B divide by the ar rows at that B only (not at every B), and the
+    last column is rows_matching_ar of rows."""
+    from dynatree.report import _batch_table
+
+    def brow(m, b, tps, ref, same=2):
+        return {"setting": json.dumps({"sweep": "batch", "B": b}), "dataset": "d", "method": m, "tokens_per_s": tps,
+                "ref_method": ref, "tokens_per_iteration": None, "mean_tree_size": None,
+                "rows_matching_ar": same, "rows": 2}
+    table = _batch_table([brow("ar", 1, 50.0, "ar"), brow("dyn", 1, 40.0, "ar", same=1),
+                          brow("ar", 2, 100.0, "ar"), brow("dyn", 2, 150.0, "ar")])[0]
+    assert "| d | 1 | dyn | 40.0 | 0.80× | 0.80× | - | - | 1/2 |" in table, table
+    assert "| d | 2 | dyn | 150.0 | 1.50× | 1.50× | - | - | 2/2 |" in table, table
+
+
+def test_sweep_tables_divide_by_plain_ar_and_by_the_reference_at_each_swept_value():
+    """× ar is against plain ar, × ref against the row's own reference, both at the same T."""
+    from dynatree.report import tables
+    rows = []
+    for t, (ar, ref, dts) in ((4, (100.0, 50.0, 75.0)), (8, (200.0, 100.0, 100.0))):
+        sw = {"sweep": "tokens", "T": t}
+        rows += [_report_row("ar", ar, None, sweep=sw), _report_row("ar_t0.8", ref, None, ref="ar_t0.8", sweep=sw),
+                 _report_row("dts", dts, True, ref="ar_t0.8", sweep=sw)]
+    md = tables(rows)
+    assert "| d | 4 | dts | 75.0 (n = 1) | 0.75× | 1.50× |" in md, md
+    assert "| d | 8 | dts | 100.0 (n = 1) | 0.50× | 1.00× |" in md, md
+
+
+def test_the_grid_table_lists_the_fastest_tree_first():
+    from dynatree.report import tables
+    grid = {"sweep": "grid"}
+    rows = [_report_row(m, tps, None if m == "ar" else True, sweep=grid)
+            for m, tps in (("ar", 100.0), ("fixed_tree[depth=2]", 120.0), ("fixed_tree[depth=3]", 150.0),
+                           ("fixed_tree[depth=4]", 90.0))]
+    order = [ln.split("|")[2].strip() for ln in tables(rows).splitlines() if ln.startswith("| d | fixed_tree")]
+    assert order == ["fixed_tree[depth=3]", "fixed_tree[depth=2]", "fixed_tree[depth=4]"], order
+
+
+def test_the_ablation_needs_two_greedy_dynatree_variants():
+    """One dynatree is no ablation, and a sampled variant changes more than its mechanisms."""
+    from dynatree.report import _ablation_table
+    row = lambda opts: {"tokens_per_s": 1.0, "tokens_per_iteration": 1.0, "base_method": "dynatree",  # noqa: E731
+                        "options": json.dumps(opts), "ref_method": "ar", "matches_ar": True}
+    assert _ablation_table({"d": {"dynatree": [row({})]}}, ["d"], ["dynatree"]) is None
+    g = {"d": {"dynatree": [row({})], "dts": [row({"temperature": 0.8})]}}
+    assert _ablation_table(g, ["d"], ["dynatree", "dts"]) is None
+
+
+def test_the_latency_table_has_no_time_per_output_token_for_one_token():
+    from dynatree.report import _latency_table
+    one = {"ttft_s": 0.01, "tpot_s": 0.5, "new_tokens": 1}
+    two = {"ttft_s": 0.01, "tpot_s": 0.5, "new_tokens": 2}
+    lines = _latency_table({"d": {"one": [one], "two": [two]}}, ["d"], ["one", "two"]).splitlines()
+    assert lines[4:] == ["| one | 10.0 (n = 1) | - |", "| two | 10.0 (n = 1) | 500.0 (n = 1) |"], lines
+
+
+def test_the_summary_names_l_max_as_asked_when_no_prompt_was_cut(tmp_path):
+    """'(of N: ...)' only where the context cut the prompts below --max-prompt-tokens."""
+    from dynatree.report import report
+    row = {**_report_row("ar", 100.0, None), "ttft_s": 0.01, "tpot_s": 0.01, "new_tokens": 8, "base_method": "ar",
+           "options": "{}", "target_forwards": 8}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "results.parquet")
+    spec = {"prompts": 3, "warmup": 1, "max_new_tokens": 8, "max_prompt_tokens": 16,
+            "methods": [{"label": "ar", "method": "ar", "options": {}}]}
+    for kept, says in ((16, "T=8, L_max=16; EOS ignored."),
+                       (8, "T=8, L_max=8 (of 16: the context holds the new tokens too); EOS ignored.")):
+        (tmp_path / "bench.json").write_text(json.dumps({"spec": spec, "pair": "p", "device": "cpu", "dtype": "float64",
+                                                         "threads": 1, "max_prompt_tokens_kept": kept}))
+        md, _ = report(tmp_path)
+        assert says in md.read_text(), md.read_text()
+
+
+def test_speedups_divide_by_plain_ar_and_by_the_reference_of_the_same_prompt():
+    from dynatree.bench import _speedups
+    row = lambda p, m, tps, ref: {"prompt_id": p, "method": m, "tokens_per_s": tps, "ref_method": ref}  # noqa: E731
+    rows = _speedups([row(0, "ar", 100.0, "ar"), row(0, "ar_t0.8", 50.0, "ar_t0.8"), row(0, "dts", 75.0, "ar_t0.8"),
+                      row(1, "ar", 200.0, "ar"), row(1, "ar_t0.8", 100.0, "ar_t0.8"), row(1, "dts", 50.0, "ar_t0.8")])
+    assert [(r["speedup"], r["speedup_ref"]) for r in rows if r["method"] == "dts"] == [(0.75, 1.5), (0.25, 0.5)]
+
+
+def test_a_batch_row_counts_its_identical_rows_and_divides_all_tokens_by_all_wall_time():
+    from dynatree.bench import MethodSpec, _batch_row
+    r = _batch_row("d", MethodSpec("dyn", "dynatree"), 2, [[1, 2, 3], [4, 5]], [([7, 8, 9], None), ([7, 7, 7], None)],
+                   2.0, [[7, 8, 9], [7, 8, 9]], "ar", 3, 16)
+    assert (r["rows_matching_ar"], r["rows"], r["matches_ar"]) == (1, 2, False)
+    assert (r["new_tokens"], r["wall_time_s"], r["tokens_per_s"], r["prompt_tokens"]) == (6, 2.0, 3.0, 5)
+    whole = _batch_row("d", MethodSpec("dyn", "dynatree"), 2, [[1], [2]], [([7], None), ([8], None)], 1.0, [[7], [8]],
+                       "ar", 1, 16)
+    assert (whole["rows_matching_ar"], whole["matches_ar"]) == (2, True)
+
+
+def test_the_batch_sweep_warms_up_untimed_takes_turns_and_times_each_method_over_all_its_batches(close_pair,
+                                                                                                  monkeypatch):
+    """A clock that ticks once per reading: each timed batch is 1 s, so each method's wall time is
+    its number of batches (the warm-up, 4 tokens, is not timed), and methods rotate batch by batch."""
+    import types
+
+    import dynatree.bench as bench
+    import dynatree.engine as engine
+    from dynatree.bench import batch_rows, parse_methods
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    real, calls = engine.decode_batch, []
+
+    def decode_batch(pair, prompts, cfg, **k):
+        calls.append((type(cfg).__name__, k["max_new_tokens"], len(prompts)))
+        return real(pair, prompts, cfg, **k)
+
+    monkeypatch.setattr(engine, "decode_batch", decode_batch)
+    prompts = [[5 + i, 9, 13 + i, 20, 31] for i in range(3)]
+    rows = batch_rows(close_pair, "d", prompts, parse_methods("ar,linear"), (2,), max_new_tokens=3,
+                      max_prompt_tokens=5, log=lambda m: None)
+    assert calls[:6] == [("ARConfig", 4, 2), ("LinearConfig", 4, 2),  # warm-ups, then batches [0:2], [2:3] in turns
+                         ("ARConfig", 3, 2), ("LinearConfig", 3, 2), ("LinearConfig", 3, 1), ("ARConfig", 3, 1)], calls
+    # (then batch-1 ar's reference tokens, one prompt at a time)
+    for r in rows:
+        assert (r["wall_time_s"], r["new_tokens"], r["tokens_per_s"]) == (2.0, 9, 4.5), r
+
+
+def test_windowed_batch_rows_are_checked_against_the_windowed_ar(close_pair):
+    """A StreamingLLM row at B is compared with batch-1 ar of the same window (its tokens differ
+    from plain ar's here), and names that ar as its reference."""
+    from dynatree.bench import batch_rows, parse_methods
+    from dynatree.config import make_config
+    from dynatree.engine import decode
+
+    prompts = [[5 + i, 9, 13 + i, 20, 31, 40 + i, 7, 8, 60, 61, 62, 11, 12 + i, 70, 71, 72] for i in range(2)]
+    win = {"kv_window": 20, "kv_evict": 4}
+    plain, windowed = ([decode(close_pair, p, make_config("ar", o), max_new_tokens=12, ignore_eos=True)[0]
+                        for p in prompts] for o in ({}, win))
+    assert all(a != w for a, w in zip(plain, windowed))  # (what makes the check below tell the references apart)
+    methods = parse_methods("ar,sspec=linear", [f"sspec.{k}={v}" for k, v in win.items()])
+    rows = batch_rows(close_pair, "d", prompts, methods, (2,), max_new_tokens=12, max_prompt_tokens=16,
+                      log=lambda m: None)
+    assert {r["method"]: (r["ref_method"], r["rows_matching_ar"]) for r in rows} == {
+        "ar": ("ar", 2), "sspec": ("ar_window20_evict4", 2), "ar_window20_evict4": ("ar_window20_evict4", 2)}
+
+
+def test_methods_take_presets_under_any_label_and_options_given_override_the_preset():
+    """LABEL=PRESET is the preset's method and options; options given to every method override the
+    preset's, a method's own override both; a window's shape with no window, and a peer's own
+    option, are refused."""
+    from dynatree.bench import parse_methods
+    specs = {m.label: m for m in parse_methods("ar,ss=streaming_spec,plain=streaming_spec", ["ss.k=4", "kv_window=512"])}
+    assert (specs["ss"].method, specs["ss"].options) == ("linear", {"k": 4, "kv_window": 512})
+    assert specs["plain"].options == {"k": 6, "kv_window": 512}
+    with pytest.raises(ValueError, match="--option kv_sinks: no method in --methods has a cache window"):
+        parse_methods("ar,dynatree", ["kv_sinks=2"])
+    with pytest.raises(ValueError, match="transformers peers take no options of their own"):
+        parse_methods("ar,hf_ar", ["hf_ar.temperature=0.5"])
+
+
+def test_bench_says_how_many_prompts_it_measures_and_refuses_a_warm_up_of_them_all(pair_dirs, tmp_path):
+    args = bench_args(pair_dirs, tmp_path, 5, 2) + ["--methods", "ar", "--out", str(tmp_path / "o")]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "has 3 usable prompts (texts of at least 200 characters), fewer than --prompts 5: measuring 2" in res.output
+    at = args.index("--warmup") + 1
+    res = CliRunner().invoke(main, args[:at] + ["3"] + args[at + 1:])
+    assert res.exit_code == 1 and "3 usable prompts (texts of at least 200 characters) leave none to measure " \
+        "after --warmup 3" in res.output, res.output
+
+
+def test_bench_defaults_and_threads_reach_the_run(pair_dirs, tmp_path):
+    """Without --prompts, --warmup and --max-prompt-tokens the bench runs the paper's 10 prompts,
+    2 warm-up and L_max = 200 (cut to what the 128-token context holds beside T); a --grid-* flag
+    alone takes the other two axes' defaults (depth 5, branch 2, tau 0.02); --threads sets torch's."""
+    import torch
+
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), data)
+    was = torch.get_num_threads()
+    want = 1 if was != 1 else 2
+    out = tmp_path / "d"
+    try:
+        res = CliRunner().invoke(main, ["bench", "--target", str(pair_dirs / "target"),
+                                        "--draft", str(pair_dirs / "draft"), "--device", "cpu", "--dtype", "float64", "--dataset", f"tiny={data}",
+                                        "--max-new-tokens", "2", "--methods", "ar", "--grid-branch", "3",
+                                        "--threads", str(want), "--out", str(out)])
+    finally:
+        torch.set_num_threads(was)
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "bench.json").read_text())
+    s = meta["spec"]
+    assert (s["prompts"], s["warmup"], s["max_prompt_tokens"]) == (10, 2, 200) and meta["max_prompt_tokens_kept"] == 126
+    assert s["grid"] == {"depth": [5], "branch": [3], "tau": [0.02]} and meta["threads"] == want
+
+
+def test_check_summary_counts_matches_and_averages_tokens_per_second():
+    """`dynatree check`'s table row per method: prompts checked, matching (or "ref"), the mean
+    tok/s and tok/iter over the prompts, and each mismatch named by its file row."""
+    from dynatree.cli import _check_summary
+
+    def row(m, p, tps, match, tpi=None):
+        return {"method": m, "prompt": p, "tokens_per_s": tps, "matches_ar": match, "tokens_per_iteration": tpi,
+                "first_divergence": None if match is not False else 3, "divergence_margin": None}
+    rows = [row("ar", 0, 10.0, None), row("ar", 1, 20.0, None), row("dyn", 0, 30.0, True, 2.0),
+            row("dyn", 1, 60.0, False, 3.0)]
+    assert _check_summary("p", rows, [4, 7]) == [("p", "ar", 2, "ref", 15.0, None, []),
+                                                 ("p", "dyn", 2, 1, 45.0, 2.5, [(7, 3, None)])]
+
+
+def test_check_keeps_an_ar_under_a_label_of_its_own(pair_dirs, tmp_path):
+    """`check` leaves out only the references it decodes anyway (listed once): an ar listed under
+    a label of its own keeps its row."""
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"text": TEXTS[:2]}), data)
+    res = CliRunner().invoke(main, ["check", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--device", "cpu", "--dtype", "float64", "--prompts", str(data),
+                                    "--methods", "mine=ar,linear", "--max-new-tokens", "4", "--max-prompt-tokens", "16"])
+    assert res.exit_code == 0, res.output
+    table = [line.split() for line in res.output.splitlines() if line.startswith(str(data))]
+    assert {t[1]: t[2] for t in table} == {"ar": "2", "mine": "2", "linear": "2"}, res.output
+
+
+def test_the_sweep_tables_split_an_iteration_into_draft_verify_and_the_rest_after_prefill():
+    from dynatree.report import _per_iteration_ms
+    r = {"iterations": 2, "draft_forwards": 3, "draft_time_s": 0.002, "verify_time_s": 0.004, "prefill_time_s": 0.002,
+         "wall_time_s": 0.010}
+    assert _per_iteration_ms([r]) == "1.00 / 2.00 / 1.00"
+
+
+def test_profile_times_a_prefill_the_context_holds(pair_dirs):
+    """--prefill at the context's length: one token less is timed, and said."""
+    res = CliRunner().invoke(main, ["profile", "--target", str(pair_dirs / "target"), "--device", "cpu",
+                                    "--prefix", "16", "--prefill", "128", "--repeats", "1", "--kernel", "hf"])
+    assert res.exit_code == 0, res.output
+    assert "--prefill 128: the models' context is 128 tokens; timing a prefill of 127" in res.output
+    assert "target prefill of 127 tokens" in res.output

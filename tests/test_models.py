@@ -341,6 +341,41 @@ def test_several_prompts_texts_are_told_apart_on_stdout(pair_dirs):
     assert lines[0] == "--- prompt 0 ---" and "--- prompt 1 ---" in lines[1:]
 
 
+def test_generate_refuses_a_blank_prompt_before_loading_the_models(tmp_path):
+    res = CliRunner().invoke(main, ["generate", "--target", str(tmp_path / "none"), "--device", "cpu",
+                                    "--prompt", "fine", "--prompt", " \n\t"])
+    assert res.exit_code == 1 and "prompt 1 (of 0..1) is empty or only whitespace" in res.output, res.output
+
+
+def test_generate_numbers_each_prompts_samples_and_ar_loads_no_draft(pair_dirs, tmp_path):
+    """--samples N: a prompt's draws together, numbered 0..N-1 within it; --method ar never reads
+    the draft (here a directory that does not exist)."""
+    args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(tmp_path / "missing"), "--device", "cpu",
+            "--method", "ar", "--option", "temperature=0.8", "--samples", "2", "--max-new-tokens", "3",
+            "--prompt", "It was the best", "--prompt", "The quick brown", "--json"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [(g["prompt"], g["sample"]) for g in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_one_prompts_text_is_printed_alone_on_stdout(pair_dirs):
+    """One prompt: stdout is its text alone, no '--- prompt 0 ---' header (a pipe gets just the text)."""
+    args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+            "--max-new-tokens", "4", "--prompt", "It was the best", "--ignore-eos"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "---" not in res.stdout and res.stdout.strip(), res.stdout
+
+
+def test_a_prompt_past_the_context_names_max_prompt_tokens_as_a_way_out(pair_dirs):
+    args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+            "--max-new-tokens", "10", "--prompt", "It was the best of times. " * 60]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1 and "leaves no room" in res.output, res.output
+    assert "-- or --max-prompt-tokens N keeps its last N" in res.output, res.output
+
+
 def test_float16_on_a_cpu_warns_at_load_and_in_one_line_on_the_command_line(pair_dirs):
     """torch's float16 CPU kernels are ~18x slower than float32 and the native kernel never runs
     them: loading says so (a user's trial found it only by its speed)."""
