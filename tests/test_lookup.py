@@ -31,6 +31,7 @@ def test_index_continues_loops_and_never_matches_itself():
     assert NgramIndex([1, 2, 3]).propose(4) == ([], 0)  # no repeated suffix
     assert NgramIndex([7]).propose(2) == ([], 0)
     assert NgramIndex([], min_n=1, max_n=1).propose(2) == ([], 0)
+    assert NgramIndex([5, 7, 9, 5]).propose(2) == ([7, 9], 1)  # a one-token match (min_n) is a match too
 
 
 def test_index_grown_piecewise_is_the_latest_occurrence_of_every_ngram():
@@ -131,3 +132,30 @@ def test_lookup_chain_values_are_products_along_the_chain():
     s = LookupStats()
     p = s.value(2, 0, True)
     assert s.values(2, 3) == pytest.approx([p, p * p, p ** 3])
+
+
+def test_chain_values_learn_from_new_nodes_and_deep_positions_share_a_cell():
+    """The value of a chain of new nodes comes from what new nodes at those positions earned
+    (not from nodes the draft had proposed too), and positions past MAX_J pool into one cell, so
+    what deep copies earned prices every deeper one."""
+    s = LookupStats(prior=(1.0, 1.0))
+    for _ in range(3):  # new first nodes after a 2-token match: always rejected
+        s.observe(2, [5], [True], path=[0])
+    s.observe(2, [1], [False], path=[0, 1])  # a shared first node: accepted
+    assert s.values(2, 1) == [pytest.approx(1 / 5)]
+    deep = list(range(1, 21))  # a 20-node chain of new nodes, all accepted, twice
+    for _ in range(2):
+        s.observe(3, deep, [True] * 20, path=[0] + deep)
+    assert s.value(3, 12, True) > 0.8 and s.value(3, 25, True) == s.value(3, 12, True)
+
+
+def test_graft_gate_walks_shared_nodes_freely_and_adds_a_new_one_only_above_the_bar():
+    """Nodes the tree already has cost no verification, so the gate never stops on them, however
+    low the chain's value there; a new node must bring more than the bar (equal is not enough)."""
+    stats = LookupStats(prior=(1.0, 1.0))  # every cell 1/2: values 0.5, 0.25, 0.125 along a chain
+    t = tree3()
+    nodes, new = graft(t, [11, 12, 30], n=2, stats=stats, bar=0.3)
+    assert nodes == [1, 2] and new == [False, False]  # b (0.25) is shared: walked; 30 (0.125) is not added
+    t = tree3()
+    nodes, new = graft(t, [11, 30, 31], n=2, stats=stats, bar=0.25)
+    assert nodes == [1] and len(t) == 4  # 30 would bring exactly the bar: not added

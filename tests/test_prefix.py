@@ -356,3 +356,58 @@ def test_identical_whole_block_prompts_in_one_batch_decode_like_alone(close_pair
     alone = decode(close_pair, prompt, cfg, max_new_tokens=5, ignore_eos=True)[0]
     got = decode_batch(close_pair, [prompt, prompt], cfg, max_new_tokens=5, ignore_eos=True)
     assert [t for t, _, _ in got] == [alone, alone]
+
+
+def test_a_chain_just_reused_outlives_one_stored_later_but_unused():
+    """Least recently *used*: a prompt copying a chain makes it the newest, so the next eviction
+    takes the chain nobody has read since it was stored."""
+    store = PrefixStore(2 * block_bytes())  # room for two one-block chains
+    a, b, c = list(range(40)), list(range(100, 140)), list(range(200, 240))
+    for p in (a, b):
+        remember(store, [(filled(p), p), (filled(p), p)])
+    assert prefill_shared(store, None, [(BufferCache(2, 128), a)])[0] == [BLOCK]  # a read after b was stored
+    remember(store, [(filled(c), c), (filled(c), c)])  # a third: one must go
+    assert [prefill_shared(store, None, [(BufferCache(2, 128), p)])[0] for p in (a, b, c)] == [[BLOCK], [0], [BLOCK]]
+
+
+def test_a_prompt_of_whole_blocks_stores_all_of_them_for_longer_prompts():
+    """A prompt that is exactly two blocks (a bare template) keeps its last token to compute when
+    it is copied, but a longer prompt that extends it copies both blocks."""
+    store = PrefixStore(1 << 20)
+    a = list(range(2 * BLOCK))
+    remember(store, [(filled(a), a), (filled(a), a)])
+    assert store.bytes == 2 * block_bytes()
+    assert prefill_shared(store, None, [(BufferCache(2, 128), a + [7] * 6)])[0] == [2 * BLOCK]
+
+
+def test_dropping_a_template_frees_the_extension_stored_after_it():
+    """A chain stored in steps (a template block, then a prompt's block after it) lies in two
+    segments; when the template leaves, the extension is unreachable and its memory goes too."""
+    store = PrefixStore(3 * block_bytes())
+    a = list(range(40))
+    b = a[:BLOCK] + list(range(300, 300 + BLOCK)) + [5] * 6
+    remember(store, [(filled(a), a), (filled(a), a)])
+    remember(store, [(filled(b), b), (filled(b), b)])
+    assert store.bytes == 2 * block_bytes()
+    c = [50] * 70
+    remember(store, [(filled(c), c), (filled(c), c)])  # two blocks more: over the cap, the template goes
+    assert store.bytes == 2 * block_bytes()  # c's two blocks: the template's and the extension's memory went
+    assert prefill_shared(store, None, [(BufferCache(2, 128), b)])[0] == [0]
+
+
+def test_the_counting_table_forgets_the_chain_least_recently_begun(monkeypatch):
+    """The table of chains seen once is bounded (SEEN): a full table drops the chain begun longest
+    ago -- a chain begun again counts as recent, and the newest chain is always counted."""
+    import dynatree.prefix as prefix
+
+    monkeypatch.setattr(prefix, "SEEN", 2)
+    store = PrefixStore(1 << 20)
+    x, y, z = ([t] * 40 for t in (1, 2, 3))
+    for p in (x, y, x, z):  # x begun again after y: y is now the oldest, and z's arrival drops it
+        remember(store, [(filled(p), p)])
+    assert store.bytes == block_bytes()  # x, seen twice
+    remember(store, [(filled(z), z)])  # z, newest when the table was full, was counted: now twice
+    assert store.bytes == 2 * block_bytes()
+    remember(store, [(filled(y), y)])  # y was forgotten: once again, not stored
+    assert store.bytes == 2 * block_bytes()
+    assert prefill_shared(store, None, [(BufferCache(2, 128), y)])[0] == [0]

@@ -189,7 +189,9 @@ def test_torch_noise_is_the_c_noise(monkeypatch):
     from dynatree import native
     if native.library() is None:
         pytest.skip("native kernels unavailable here")
-    keys = [0, 1, sampling._mix(7, 3), 2**64 - 1]
+    # the last key's index 0 hashes to 2^32 - 1: a uniform that rounds to 1 in float32 (the clamp keeps
+    # its noise finite, as C's)
+    keys = [0, 1, sampling._mix(7, 3), 2**64 - 1, 0x331DA08300000000]
     c = [sampling.gumbel(k, 8203) for k in keys]
     monkeypatch.setattr(native, "gumbel", lambda k0, k1, n: None)
     for k, g in zip(keys, c):
@@ -316,3 +318,33 @@ def test_sampled_trees_under_top_k_draw_ars_sample(close_pair):
         got, _, m = decode(close_pair, prompt, replace(cfg_t, seed=i), max_new_tokens=12, ignore_eos=True)
         assert got == ref, (prompt, got, ref)
         assert m.mean_tree_size > 3  # trees really branched
+
+
+def test_proposals_stay_inside_top_k_and_each_row_gets_its_own_k():
+    """A draft's proposals under top-k are the tokens it may draw: never one masked out, however
+    many are asked for; packed rows asking for different k each get theirs."""
+    from dynatree.sampling import propose_each
+
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(3))
+    s = Sampler(1.0, 2, 1.0, 5)
+    vals, ids = s.propose(logits, [0, 1], 4)
+    allowed = logits.topk(2, dim=-1).indices
+    assert [len(r) for r in ids] == [2, 2] and all(set(r) == set(a.tolist()) for r, a in zip(ids, allowed))
+    assert all(len(v) == 2 and sum(v) == pytest.approx(1.0) for v in vals)
+    plain = [Sampler(1.0, 0, 1.0, 5), Sampler(1.0, 0, 1.0, 6)]
+    got = propose_each(plain, [logits[:1], logits[1:]], [[0], [0]], [1, 3])
+    assert [len(g[1][0]) for g in got] == [1, 3] and [len(g[0][0]) for g in got] == [1, 3]
+
+
+def test_top_p_drops_a_token_the_mass_before_it_already_reaches():
+    """Nucleus: a token stays while the likelier tokens before it hold less than top_p; four equal
+    tokens at top_p = 0.5 keep two (the third's predecessors hold exactly 0.5)."""
+    s = Sampler(1.0, 0, 0.5, 0)
+    assert (s.warp(torch.zeros(1, 4)).isfinite().sum(-1) == 2).all()
+
+
+def test_sample_seeds_of_nearby_seeds_do_not_collide():
+    """Sample k of a prompt draws with its own seed: not the seed another run's sample 0 takes
+    (jobs at seeds 3 and 4 would share draws), nor any other sample's of nearby seeds."""
+    seeds = [sampling.sample_seed(s, k) for s in range(8) for k in range(8)]
+    assert len(set(seeds)) == 64 and sampling.sample_seed(5, 0) == 5  # (sample 0: the plain generation)

@@ -243,3 +243,113 @@ def test_the_pair_is_loaded_on_the_decoding_thread(close_pair):
                                ignore_eos=True)[0]
     with pytest.raises(FileNotFoundError, match="no model here"):
         Scheduler(None, 1).load(lambda: (_ for _ in ()).throw(FileNotFoundError("no model here")))
+
+
+def test_the_tuner_tries_the_larger_neighbour_first():
+    """After a window at B, the unmeasured larger size comes before the smaller one."""
+    t = BatchTuner(max_size=64, start=8, window_s=1.0)
+    t.observe(800, 1.0, 8, finished=8)
+    assert t.rates == {8: 800.0} and t.size == 16
+
+
+def test_a_size_is_tried_while_lookahead_times_it_rows_are_left():
+    """16 at lookahead 4 needs 64 rows left: exactly 64 is enough, 63 is not (the smaller
+    neighbour is tried instead)."""
+    for left, then in ((64, 16), (63, 4)):
+        t = BatchTuner(max_size=64, start=8, window_s=1.0)
+        t.observe(800, 1.0, 8, available=left, finished=8)
+        assert t.size == then, left
+
+
+def test_a_window_whose_rows_outlive_it_ends_at_max_window_s():
+    """Long generations: no row finishes within the window, which then ends at max_window_s
+    rather than never (the tuner would stay at its first size for the whole job)."""
+    t = BatchTuner(max_size=64, start=8, window_s=1.0, max_window_s=5.0)
+    for _ in range(9):
+        t.observe(400, 0.5, 8, finished=0)
+    assert t.rates == {} and t.size == 8
+    t.observe(400, 0.5, 8, finished=0)  # 5 s
+    assert t.rates == {8: 800.0} and t.size != 8
+
+
+def test_out_of_device_memory_at_one_row_still_decodes_one_row(close_pair, monkeypatch):
+    """Halving one row must leave one row, not none: the retried shard decodes."""
+    from dynatree import engine
+
+    real, calls = engine.BatchDecoder._iterate, {"n": 0}
+
+    def once(self, rows):  # out of memory at the first step only
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, rows)
+
+    monkeypatch.setattr(engine.BatchDecoder, "_iterate", once)
+    sched = Scheduler(close_pair, 1, threads=1)
+    p = random_prompts(1, seed=7)[0]
+    with pytest.raises(torch.OutOfMemoryError):
+        sched.submit([Request(p, make_config("ar"), 4)]).result(timeout=60)
+    assert sched.batch_size == 1
+    out = sched.submit([Request(p, make_config("ar"), 4)]).result(timeout=30)
+    assert out[0][0] == decode(close_pair, p, make_config("ar"), max_new_tokens=4)[0]
+
+
+def test_an_empty_group_resolves_at_once(close_pair):
+    """A shard with no rows to decode (every prompt refused before submit) must not wait forever."""
+    sched = Scheduler(close_pair, 2, threads=1)
+    assert sched.submit([]).result(timeout=10) == []
+
+
+def test_the_rest_of_a_failed_group_is_not_decoded(close_pair, monkeypatch):
+    """Once a row fails its group (its shard is retried whole), the group's queued rows are
+    dropped, not decoded for nothing."""
+    from dynatree import engine
+
+    sched = Scheduler(close_pair, 1, threads=1)
+    bad, *rest = random_prompts(3, seed=9)
+    added, real_add = [], engine.BatchDecoder.add
+
+    def add(self, ids, *a, **k):
+        added.append(ids)
+        if ids == bad:
+            raise MemoryError("no room for its cache")
+        return real_add(self, ids, *a, **k)
+
+    monkeypatch.setattr(engine.BatchDecoder, "add", add)
+    with pytest.raises(MemoryError):
+        sched.submit([Request(p, make_config("ar"), 4) for p in (bad, *rest)]).result(timeout=60)
+    later = random_prompts(1, seed=10)[0]
+    assert sched.submit([Request(later, make_config("ar"), 4)]).result(timeout=60)[0][0]
+    assert added == [bad, later]
+
+
+def test_a_requests_stop_rule_and_again_reach_the_decoder():
+    """Request.stop ends the row where ar with the rule ends it; Request.again keeps the prompt in
+    the prefix store from its first prefill, so the next sample copies its two whole blocks."""
+    from conftest import EOS, tiny_neox
+    from dynatree import pair_from_models
+    from dynatree.stops import Stop
+
+    pair = pair_from_models(tiny_neox(1), None, None, eos_token_id=EOS)  # (a prefix store of its own)
+    prompt = random_prompts(1, seed=11, lo=70, hi=70)[0]
+    free = decode(pair, prompt, make_config("ar"), max_new_tokens=8, ignore_eos=True)[0]
+    sched = Scheduler(pair, 1, threads=1)
+    rule = Stop(token_ids=(free[2],))
+    toks, reason, _ = sched.submit([Request(prompt, make_config("ar"), 8, ignore_eos=True, stop=rule)]).result(timeout=60)[0]
+    assert reason == "stop" and toks == free[:free.index(free[2]) + 1]
+    pair.forget_prefixes()
+    samples = [Request(prompt, make_config("ar"), 2, again=k < 2) for k in range(3)]
+    assert [m.cached_prompt_tokens for _, _, m in sched.submit(samples).result(timeout=60)] == [0, 64, 64]
+
+
+def test_the_decoding_thread_takes_the_thread_count_it_is_given(close_pair):
+    """threads: OpenMP thread counts are per thread, so the scheduler sets it on its own thread."""
+    import threading
+
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    want = fresh[0] + 1  # not what a new thread has anyway
+    sched = Scheduler(close_pair, 1, threads=want)
+    assert sched.call(torch.get_num_threads).result(timeout=60) == want

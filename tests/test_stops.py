@@ -44,6 +44,10 @@ def test_cut_and_validation():
     for bad in (dict(strings=("",)), dict(strings="ab"), dict(token_ids=(-1,)), dict(token_ids=(True,))):
         with pytest.raises(ValueError):
             Stop(**bad)
+    assert Stop(("ab",)).cut("abxab") == ""  # a stop string at the very start leaves no text
+    assert Stop.of(None, 0).token_ids == (0,)  # id 0 is a token like any other (Pythia's <|endoftext|>)
+    with pytest.raises(ValueError, match="whole numbers"):  # True is no token id, whichever way it comes
+        Stop.of(None, True)
 
 
 def test_watch_agrees_with_decoding_every_prefix():
@@ -60,6 +64,42 @@ def test_watch_agrees_with_decoding_every_prefix():
         hit = Stop(strings, token_ids).watch(tok.decode)
         got = next((n for n in range(1, 31) if hit(ids[:n])), None)
         assert got == first_stop(tok.decode, ids, strings, token_ids), (trial, strings)
+
+
+def test_watch_sees_a_stop_string_that_begins_with_a_space_under_a_sentencepiece_decoder():
+    """SentencePiece-style decoders (Metaspace: Llama, Mistral) drop the leading space of the first
+    token they decode, so a tail of exactly the string's length in bytes, each a token, decodes
+    without the space the string begins with: the watch must look further back."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "\u2581", "t", "h", "e", "\u2581cat", "s", "\u2581a"]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    ids = [5, 1, 2, 3, 4, 6]  # "cat the" spelled one character a token, then "s"
+    assert tok.decode(ids[1:5]) == "the" and tok.decode(ids) == "cat thes"  # (the slice lost its space)
+    hit = Stop((" the",)).watch(tok.decode)
+    assert next(n for n in range(1, 7) if hit(ids[:n])) == 5
+    rng = random.Random(1)
+    for _ in range(100):  # and wherever such a string turns up, where decoding every prefix stops
+        seq = [rng.choice([1, 2, 3, 4, 5, 6, 7]) for _ in range(20)]
+        hit = Stop((" the", " at")).watch(tok.decode)
+        got = next((n for n in range(1, 21) if hit(seq[:n])), None)
+        assert got == first_stop(tok.decode, seq, (" the", " at")), seq
+
+
+def test_a_stop_string_the_tail_shows_but_the_text_does_not_contain_is_no_stop():
+    """The watch decodes a tail first, but the whole text decides: a WordPiece decoder writes a
+    tail's first token as "##ing" where the text reads "playing", and a stop at "#" (a markdown
+    heading) must not fire on that."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["[UNK]", "play", "##ing", "go", "#"]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece(prefix="##")
+    ids = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 4]
+    assert "#" not in tok.decode(ids[:-1]) and tok.decode(ids[1:6]).startswith("##ing")  # (a tail can)
+    hit = Stop(("#",)).watch(tok.decode)
+    assert [n for n in range(1, 13) if hit(ids[:n])] == [12]  # only the real "#"
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -171,3 +171,16 @@ def test_a_sliding_window_hides_the_keys_an_ar_step_would_not_see():
                                                    [T, T, T, F, F, F, F],  # a sees 3, root, itself
                                                    [T, T, T, T, F, F, F]]  # b sees root, a, itself
     assert mask.beyond_window(pos, 2).tolist()[2] == [T, T, T, T, T, F, F]  # b: a and itself
+
+
+def test_crop_forgets_the_last_tokens_as_transformers_expects(target):
+    """Cache.crop(-n) (transformers 5.x: a negative count) forgets the last n tokens: fed again,
+    they give the logits of the uncut forward."""
+    ids = torch.tensor([random_prompts(1, seed=12, lo=12, hi=12)[0]])
+    cache = new_cache(target, 32)
+    with torch.no_grad():
+        full = target(input_ids=ids, past_key_values=cache).logits[0, -1]
+        cache.crop(-3)
+        assert cache.get_seq_length() == 9
+        again = target(input_ids=ids[:, 9:], past_key_values=cache).logits[0, -1]
+    assert cache.get_seq_length() == 12 and torch.allclose(again, full, rtol=0, atol=1e-10)

@@ -51,6 +51,42 @@ def test_evict_turns_keys_to_their_new_positions(target):
     assert torch.equal(layer.values[:, :, :7], values[:, :, kept])
 
 
+def test_a_bfloat16_cache_is_turned_in_float32_and_rounded_once(target):
+    """A bfloat16 cache's keys are re-rotated from their stored values in (at least) float32 and
+    rounded once: what the exact turn of those values rounds to, not the drift of a turn whose
+    every product is rounded to bfloat16."""
+    win = make_window(target, 12, 2, 3)
+    r = win.cos.shape[-1]
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 2, 10, r + 4, generator=g), torch.randn(1, 2, 10, r + 4, generator=g)
+    layer = BufferLayer(16, torch.bfloat16)
+    layer.update(keys, values)
+    stored = layer.keys[:, :, :10].double()
+    layer.evict(2, 3, win.cos, win.sin)
+    kept = [0, 1] + list(range(5, 10))
+    k = stored[:, :, kept]
+    half = r // 2
+    turned = k[..., :r] * win.cos - torch.cat((-k[..., half:r], k[..., :half]), -1) * win.sin
+    turned[:, :, :2] = k[:, :, :2, :r]  # the sinks stay where they are
+    assert torch.equal(layer.keys[:, :, :7], torch.cat((turned, k[..., r:]), -1).to(torch.bfloat16))
+
+
+def test_make_room_drops_the_oldest_chunk_after_the_sinks(target):
+    """A full cache loses the chunk right after the sinks: the sinks and the newest tokens stay,
+    in order; chunks go until the incoming tokens fit, down to the sinks alone."""
+    from dynatree.kvcache import BufferCache
+
+    win = make_window(target, 8, 2, 3)
+    cache = BufferCache(1, 16)
+    slot = torch.arange(8, dtype=torch.float64).view(1, 1, 8, 1).expand(1, 1, 8, win.cos.shape[-1] + 2)
+    cache.layers[0].update(slot.clone(), slot.clone())  # values: each token's own index
+    assert win.make_room(cache, 1) == 3  # 8 + 1 > 8
+    assert cache.layers[0].values[0, 0, :cache.length, 0].tolist() == [0, 1, 5, 6, 7]
+    assert win.make_room(cache, 3) == 0  # 5 + 3 fits exactly
+    assert win.make_room(cache, 4) == 3  # 5 + 4 does not: one chunk more leaves the sinks alone
+    assert cache.layers[0].values[0, 0, :cache.length, 0].tolist() == [0, 1]
+
+
 def test_windowed_methods_equal_windowed_ar_float64(close_pair):
     """Torch path, float64: with the same window every method gives windowed ar's tokens, past the
     models' 128-token context, with a prompt longer than the window (prefilled in pieces) and rows
