@@ -148,9 +148,9 @@ int dt_tile_width(void) { return TW; }
  * 10-17% apart on Zen 5, the slower thread changing from process to process; schedule(dynamic,
  * 1 or 2) measured 5-60% slower at 1-16 rows, guided no better, and a split point moved per
  * matrix toward equal finishing times no faster (alternating processes: within the noise;
- * 2026-11-29).  AVX-512
- * builds run full RMAX-row passes, then the rest (16 rows: 12 + 4): a tile's
- * first pass streams its weights from memory while the most rows' FMAs run on them, and later
+ * 2026-11-29).
+ * AVX-512 builds run full RMAX-row passes, then the rest (16 rows: 12 + 4): a tile's first pass
+ * streams its weights from memory while the most rows' FMAs run on them, and later
  * passes find the tile in L2.  Until 2026-11-29 the passes were of near-equal size (8 + 8), the
  * first also stored the tile widened to float32 for the others (Zen 4: 6-8% at 13-300 rows) and
  * the second prefetched the next tile into L2 (Zen 5: 17-26% at 13-18 rows); on Intel Emerald
