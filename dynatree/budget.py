@@ -68,7 +68,10 @@ PROFILE_VERSION = 2
 class LatencyModel:
     verify_ms: dict[int, float]  # tree tokens -> ms per target forward, at short_at cached tokens
     draft_ms: dict[int, float]  # frontier width -> ms per draft forward
-    overhead_ms: float = 1.0  # per-iteration bookkeeping outside the model forwards
+    # per-iteration time outside the draft levels and the verification (lookup, tree flattening,
+    # acceptance, the draft's commit, bookkeeping): measured online (observe_overhead); profile()
+    # starts it at a tenth of a one-token forward
+    overhead_ms: float = 0.0
     long_ms: dict[int, float] | None = None  # verify_ms at long_at cached tokens (None: length-blind)
     short_at: int = 256
     long_at: int = 0
@@ -96,6 +99,15 @@ class LatencyModel:
         prof = self._profiled(self._dt, self.draft_ms, width)
         extra = min(max(ms - prof, -prof / 2), prof)
         self.draft_extra_ms += self.ema * (extra - self.draft_extra_ms)
+
+    def observe_overhead(self, ms: float) -> None:
+        """One iteration's time outside its draft levels and verification (engine.BatchDecoder:
+        the whole batch's).  Why measured: a constant 1 ms stood here until 2026-11-29, when a
+        one-token forward cost ~1 ms and this time ~0.15 ms on the bench pair (Zen 5); an
+        overstated fixed cost per iteration makes every extra node look cheap by comparison, and
+        the budget verified 5.6-6.6 nodes where 4-5.5 committed tokens 5-8% faster."""
+        cap = self._vt[1]  # one stall on a shared host must not price trees for long
+        self.overhead_ms += self.ema * (min(max(ms, 0.0), cap) - self.overhead_ms)
 
     def relax(self) -> None:
         """Once per iteration: let the draft correction fade unless levels keep confirming it."""
@@ -453,6 +465,7 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
             _save(path, tables)
     lm = LatencyModel(**{k: _envelope(v) if v else v for k, v in tables.items()}, short_at=prefix_len,
                       long_at=long_at, measured=tables)
+    lm.overhead_ms = 0.1 * lm.verify(1)  # a start; observe_overhead learns it within ~20 iterations
     pair.state[key] = lm
     return lm
 

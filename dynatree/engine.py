@@ -488,7 +488,7 @@ class BatchDecoder:
         t_iter = time.perf_counter()  # (the Governor charges the catch-up to the drafted iteration)
         if not probe:
             _catch_up(rows)
-        steps = self._draft(rows, governor, probe)
+        steps, t_drive = self._draft(rows, governor, probe)
         cuda = self.dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
         if cuda:
             _sync(self.dev)
@@ -513,13 +513,17 @@ class BatchDecoder:
             if not reset:  # (an outlier the budget's and the Governor's timings leave out)
                 s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
+        if not reset and not probe:  # the rest of a drafted iteration: what the budget calls overhead
+            rest = time.perf_counter() - t_iter - t_drive - t_forward - sum(s.commit_time for s in steps)
+            for policy in {id(r.policy.latency): r.policy for r in budgeted}.values():  # (one per shared model)
+                policy.observe_overhead(rest)
         if governor is not None and not reset:
             governor.observe(committed, (time.perf_counter() - t_iter) * 1e3, probe)
 
-    def _draft(self, rows: list[_Row], governor: Governor | None, probe: bool = False) -> list[_Step]:
+    def _draft(self, rows: list[_Row], governor: Governor | None, probe: bool = False) -> tuple[list[_Step], float]:
         """draft: every row's policy grows its tree; drafting rows share packed draft forwards.
         In a probe (budget.Governor) the rows under the hardware budget draft nothing (bare
-        roots)."""
+        roots).  Returns the steps and the seconds in the draft levels (drafting.drive)."""
         steps, jobs = [], []
         total = sum(r.last_n for r in rows)  # the previous iteration's packed target forward
         for r in rows:
@@ -538,7 +542,9 @@ class BatchDecoder:
             if r.drafter is not None and not skip:
                 jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], max_depth, hint, batch)))
             steps.append(s)
+        t_drive = time.perf_counter()
         trees = iter(drive(jobs))
+        t_drive = time.perf_counter() - t_drive
         for s in steps:
             r = s.row
             tree = next(trees) if r.drafter is not None and not (probe and r.budgeted) else Tree.root_only(r.out[-1])
@@ -551,7 +557,7 @@ class BatchDecoder:
                 new_index = {old: new for new, old in enumerate(s.order)}
                 # flattened indices from here on; a chain kept alone (chains_only) keeps a prefix of it
                 s.chain = [new_index[v] for v in s.chain if v in new_index]
-        return steps
+        return steps, t_drive
 
     def _accept_commit(self, s: _Step, out) -> int:
         """accept, then commit; the row's bookkeeping and stop checks.  Returns tokens committed."""

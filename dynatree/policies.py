@@ -172,6 +172,10 @@ class NoDraft:
         """Wall time of one verification (forward, accept, commit) over ``n_tokens`` tree tokens
         on a cache of ``cached`` tokens."""
 
+    def observe_overhead(self, seconds: float) -> None:
+        """Wall time of one iteration (the whole batch's) outside its draft levels and its
+        verification."""
+
 
 class Linear(NoDraft):
     needs_draft = True
@@ -208,6 +212,10 @@ class DynaTree(NoDraft):
     def observe_verify(self, n_tokens: int, seconds: float, cached: int | None = None) -> None:
         if self.latency is not None:
             self.latency.observe_verify(n_tokens, seconds * 1e3, cached)
+
+    def observe_overhead(self, seconds: float) -> None:
+        if self.latency is not None:
+            self.latency.observe_overhead(seconds * 1e3)
 
     def _branching(self, u: int, conf: float) -> int:
         c = self.cfg

@@ -377,3 +377,25 @@ def test_transformers_runner_reads_a_batchs_heads_at_once(close_pair, monkeypatc
     got = decode_batch(pair, prompts, make_config("ar"), max_new_tokens=6, ignore_eos=True)
     assert [t for t, _, _ in got] == alone
     assert max(reads) == 3 and len(reads) <= 7  # three rows a read: a prefill's, then 5 steps'
+
+
+def test_the_budget_measures_each_iterations_overhead_once(close_pair, monkeypatch):
+    """Every drafted iteration tells the budget its time outside the draft levels and the
+    verification (budget.LatencyModel.observe_overhead): once per iteration for a batch's shared
+    latency model, never for a Governor's plain (probe) iteration, and not at all without a
+    budget."""
+    from dynatree.budget import Governor, LatencyModel
+
+    seen = []
+    monkeypatch.setattr(LatencyModel, "observe_overhead", lambda self, ms: seen.append((id(self), ms)))
+    prompts = random_prompts(3, seed=21, lo=3, hi=9)
+    one = decode(close_pair, prompts[0], make_config("dynatree"), max_new_tokens=16, ignore_eos=True)[2]
+    assert len(seen) == one.iterations and all(0 <= ms < 1e3 for _, ms in seen)
+    seen.clear()
+    decode_batch(close_pair, prompts, make_config("dynatree", {"hw_budget": "off"}), max_new_tokens=16, ignore_eos=True)
+    assert seen == []
+    calls = iter(range(1 << 20))
+    monkeypatch.setattr(Governor, "skip_drafting", lambda self, rows=0: next(calls) % 2 == 0)  # every other plain
+    got = decode_batch(close_pair, prompts, make_config("dynatree"), max_new_tokens=16, ignore_eos=True)
+    iterations = max(m.iterations for _, _, m in got)
+    assert len({k for k, _ in seen}) == 1 and iterations // 2 - 1 <= len(seen) <= iterations // 2 + 1

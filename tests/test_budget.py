@@ -35,6 +35,24 @@ def test_select_stops_where_tokens_per_ms_peak():
     assert select([], lat, 0.0)[0] == 0
 
 
+def test_the_iteration_overhead_is_measured_and_an_overstated_one_grows_trees():
+    """An iteration's time outside its forwards is learned online, clipped at a one-token forward
+    (a stall must not price trees for long); overstated, it makes extra nodes look cheap beside
+    it, and the budget verifies more of them -- why a constant 1 ms was replaced."""
+    lat = LatencyModel({1: 1.0, 2: 1.05, 64: 8.0}, {1: 0.1, 2: 0.1}, overhead_ms=1.0)
+    for _ in range(60):
+        lat.observe_overhead(0.15)
+    assert abs(lat.overhead_ms - 0.15) < 0.01
+    lat.observe_overhead(50.0)  # one stall: counted as a one-token forward at most
+    assert abs(lat.overhead_ms - (0.15 + 0.1 * (1.0 - 0.15))) < 0.01
+    lat.observe_overhead(-3.0)
+    assert lat.overhead_ms > 0
+    values = [0.8, 0.5, 0.3, 0.2, 0.12, 0.1, 0.08, 0.06]
+    small = select(values, LatencyModel({1: 1.0, 2: 1.05, 64: 8.0}, {1: 0.1, 2: 0.1}, overhead_ms=0.15), 0.3)[0]
+    large = select(values, LatencyModel({1: 1.0, 2: 1.05, 64: 8.0}, {1: 0.1, 2: 0.1}, overhead_ms=1.0), 0.3)[0]
+    assert small < large
+
+
 def test_calibration_learns_a_poorly_calibrated_draft():
     cal = Calibration()
     assert cal(0.3) == 1.0  # an optimistic prior: untested cells get tested
