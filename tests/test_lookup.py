@@ -108,10 +108,12 @@ def test_lookup_commits_grafted_tokens_exactly(close_pair):
         assert toks == ref and m.lookup_tokens == 0, opts
 
 
-def test_default_lookup_follows_the_budget():
+def test_default_lookup_follows_the_budget_and_greedy_decoding():
     assert make_config("dynatree").lookup_length == 8
     assert make_config("dynatree", {"hw_budget": "off"}).lookup_length == 0
-    assert make_config("dynatree", {"temperature": 0.7}).lookup_length == 8  # the budget samples too
+    # sampled, copies are rarely the draw: off unless asked for (config.DynaTreeConfig.lookup_length)
+    assert make_config("dynatree", {"temperature": 0.7}).lookup_length == 0
+    assert make_config("dynatree", {"temperature": 0.7, "lookup": 8}).lookup_length == 8
     assert make_config("dynatree", {"hw_budget": "off", "lookup": 5}).lookup_length == 5
 
 
