@@ -409,3 +409,124 @@ def test_batch_view_charges_a_row_its_share_of_the_base_cost():
     view = BatchView(lat, others=3, share=4)
     assert view.verify(1) == pytest.approx(lat.verify(4) / 4)  # a bare root: a quarter of the 4-root forward
     assert view.verify(3) == pytest.approx(lat.verify(4) / 4 + lat.verify(3 + 3) - lat.verify(3 + 1))  # its own 3 nodes on the others' 3
+
+
+def test_latency_corrections_are_clipped_and_priced_into_every_forward():
+    """A residual is clipped to [-1/2, +1] x the profiled time at that size before its EMA step
+    (0.1): one stall or one lucky forward must not price trees off, or on, for long.  The
+    corrections are added to every later price, and the draft's fades each iteration (relax) by
+    1 - ema/4 unless levels keep confirming it."""
+    lat = LatencyModel({1: 10.0, 64: 10.0}, {1: 2.0, 16: 4.0}, overhead_ms=0.0)
+    lat.observe_verify(1, 0.0)  # 10 ms faster than profiled: counted as 5 ms faster
+    assert lat.verify_extra_ms == pytest.approx(-0.5) and lat.verify(1) == pytest.approx(9.5)
+    lat = LatencyModel({1: 10.0, 64: 10.0}, {1: 2.0, 16: 4.0}, overhead_ms=0.0)
+    lat.observe_verify(1, 100.0)  # a 90 ms stall: counted as 10 ms
+    assert lat.verify_extra_ms == pytest.approx(1.0) and lat.verify(8) == pytest.approx(11.0)
+    lat.observe_draft(16, 0.0)  # priced against the 16-wide level's 4 ms, not a 1-wide one's 2 ms
+    assert lat.draft_extra_ms == pytest.approx(-0.2)
+    lat = LatencyModel({1: 10.0, 64: 10.0}, {1: 2.0, 16: 4.0}, overhead_ms=0.0)
+    lat.observe_draft(16, 100.0)
+    assert lat.draft_extra_ms == pytest.approx(0.4) and lat.draft(16) == pytest.approx(4.4)
+    lat.relax()
+    assert lat.draft_extra_ms == pytest.approx(0.4 * (1 - 0.1 / 4))
+
+
+def test_batch_view_applies_the_governor_scale_and_shares_the_rest():
+    """In a batch (``view``), the Governor's scale multiplies only a row's *marginal* costs (its
+    own nodes, its share of a draft level over all rows' frontiers), never its share of the base
+    forward; the iteration overhead and drafting wall time are split over the rows, and a
+    row's draft-level timing is attributed to the level's whole width."""
+    lat = LatencyModel(verify_ms={1: 2.0, 4: 4.0, 8: 8.0, 64: 64.0}, draft_ms={1: 1.0, 16: 2.0}, overhead_ms=0.8)
+    view = lat.view(3, 4, scale=2.0)
+    assert isinstance(view, BatchView) and view.scale == 2.0
+    # base: the 4-root forward's quarter (1 ms); marginal: 3 nodes on the others' 3 (6 - 4 ms), x 2
+    assert view.verify(3) == pytest.approx(1.0 + 2.0 * 2.0)
+    assert view.draft(2) == pytest.approx(2.0 * lat.draft(8) / 4) and lat.draft(8) == pytest.approx(1 + 7 / 15)
+    assert view.overhead_ms == pytest.approx(0.2) and view.spent(8.0) == pytest.approx(2.0)
+    view.observe_draft(4, 3.0)  # a 16-wide level (profiled 2 ms) took 3 ms: +1 ms, EMA 0.1
+    assert lat.draft_extra_ms == pytest.approx(0.1)
+
+
+def test_governor_backs_off_geometrically_and_recovers_by_halves():
+    """Each losing drafted segment multiplies the scale by 1.1 (to max_scale) and doubles the gap
+    (to max_gap); a winning one divides the scale by 1.05 and halves the gap -- one lucky segment
+    is not a trend, so neither is reset."""
+    from dynatree.budget import Governor
+
+    g = Governor(segment=1, max_gap=32, max_scale=1.5)
+    gaps, scales = [], []
+    while len(gaps) < 7:  # plain segments commit 2 tokens/ms; six drafted ones 1, then one 10
+        skip = g.skip_drafting(4)
+        g.observe(2 if skip else (1 if len(gaps) < 6 else 10), 1.0, skip)
+        if not skip:
+            gaps.append(g.gap)
+            scales.append(g.scale)
+    assert gaps == [2, 4, 8, 16, 32, 32, 16]  # the win (tree rate 1 + 0.3 x 9 = 3.7) halves the gap
+    assert scales[:6] == pytest.approx([1.1, 1.21, 1.331, 1.4641, 1.5, 1.5])
+    assert scales[6] == pytest.approx(1.5 / 1.05) and g.winning()
+
+
+def test_governor_ties_at_the_margin_go_to_drafting():
+    """winning() is tree_rate >= ar_rate x (1 + margin): exactly at the margin trees win."""
+    from dynatree.budget import Governor
+
+    g = Governor(margin=0.5, ar_rate=1.0, tree_rate=1.5)
+    assert g.winning()
+    g.tree_rate = 1.25
+    assert not g.winning()
+
+
+def test_governor_pause_drops_the_segment_under_way():
+    """pause(): iterations before and after a batch moved to another size's governor are far
+    apart, so the half-finished segment is dropped, not completed with later iterations."""
+    from dynatree.budget import Governor
+
+    g = Governor(segment=4)
+    for _ in range(2):
+        g.observe(8, 1.0, g.skip_drafting(4))  # the first, plain, segment: 8 tokens/ms so far
+    g.pause()
+    for _ in range(4):
+        g.observe(1, 1.0, g.skip_drafting(4))  # a whole new plain segment at 1 token/ms
+    assert g.ar_n == 1 and g.ar_rate == 1.0
+
+
+def test_calibration_pools_ranks_three_and_later_only():
+    """Ranks 0, 1, 2 and "3 or later" are calibrated apart: a third choice's record says nothing
+    of a fourth's, while the fourth and the sixth share one."""
+    cal = Calibration()
+    for _ in range(50):
+        cal.update(0.3, False, rank=2)
+    assert cal(0.3, rank=2) < 0.05 and cal(0.3, rank=3) == 1.0
+    cal.update(0.3, False, rank=5)
+    assert cal.tested[3][6] == 1 and cal(0.3, rank=3) == cal(0.3, rank=7) < 1.0
+
+
+def test_drafting_pays_for_every_level_and_every_frontier_node():
+    """worth_drafting charges L draft levels for an L-level look-ahead, and the verification of
+    L x width more tokens; a gain only equal to its cost does not pay."""
+    # verification 10 ms + 1 ms per extra token, 1 ms per draft level whatever its width
+    lat = LatencyModel({1: 10.0, 64: 73.0}, {1: 1.0, 64: 1.0}, overhead_ms=0.0)
+    # four frontier nodes worth 0.5 each, a = 0.5: one level adds 1 token for 1 + 4 ms
+    assert not worth_drafting([0.5] * 4, 0.5, 0.3, lat, 1)
+    # one node worth 1, a = 0.6 (verification here 3 ms per token): three levels, 1.176 tokens for
+    # 3 x 2 + 3.33 ms, do not pay at 0.2 tokens/ms (nor do one or two levels)
+    steep = LatencyModel({1: 9.0, 2: 12.0, 8: 13.0, 16: 18.0}, {1: 2.0, 16: 2.0}, overhead_ms=0.0)
+    assert not worth_drafting([1.0], 0.6, 0.2, steep, 1)
+    # a tie: 0.5 tokens for 1 + 1 ms at 0.25 tokens/ms
+    assert not worth_drafting([1.0], 0.5, 0.25, lat, 1, horizon=1)
+    assert worth_drafting([1.0], 0.5, 0.2499, lat, 1, horizon=1)
+
+
+def test_select_counts_drafting_time_ties_and_the_marginal_cost_past_its_choice():
+    """select: the bare root's rate also pays the drafting time already spent (else a tree that
+    took long to draft looks worse than verifying nothing); a node that leaves the rate exactly
+    where it was is not verified; delta is the marginal ms per token past the chosen size
+    (k nodes + the root), at least 1e-3 / 4."""
+    lat = LatencyModel({1: 10.0, 2: 11.0, 64: 73.0}, {1: 1.0, 2: 1.0}, overhead_ms=0.0)
+    assert select([0.05], lat, 0.0)[0] == 0  # 1.05 / 11 ms < 1 / 10 ms
+    assert select([0.05], lat, 20.0)[0] == 1  # 1.05 / 31 ms > 1 / 30 ms
+    flat = LatencyModel({1: 10.0, 64: 10.0}, {1: 1.0, 64: 1.0}, overhead_ms=0.0)
+    k, rate, delta = select([0.0], flat, 0.0)
+    assert k == 0 and rate == pytest.approx(0.1) and delta == pytest.approx(1e-3 / 4)
+    bent = LatencyModel({1: 10.0, 2: 12.0, 6: 16.0, 64: 16.0}, {1: 1.0, 64: 1.0}, overhead_ms=0.0)
+    assert select([], bent, 0.0)[2] == pytest.approx((15.0 - 10.0) / 4)  # verify(5) - verify(1), not (4) - (0)
