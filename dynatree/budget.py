@@ -105,7 +105,7 @@ class LatencyModel:
         the whole batch's).  Why measured: a constant 1 ms stood here until 2026-11-29, when a
         one-token forward cost ~1 ms and this time ~0.15 ms on the bench pair (Zen 5); an
         overstated fixed cost per iteration makes every extra node look cheap by comparison, and
-        the budget verified 5.4-6.6 nodes a tree where 4.0-5.4 decoded 4-8% faster."""
+        the budget verified 5.4-6.6 nodes a tree where 4.0-5.4 decoded 4-7% faster."""
         cap = self._vt[1]  # one stall on a shared host must not price trees for long
         self.overhead_ms += self.ema * (min(max(ms, 0.0), cap) - self.overhead_ms)
 

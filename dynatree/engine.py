@@ -518,7 +518,7 @@ class BatchDecoder:
             if not reset:  # (an outlier the budget's and the Governor's timings leave out)
                 s.row.policy.observe_verify(n_total, dt, s.prefix_len)
         self.tokens += committed
-        if not reset and not probe:  # the rest of a drafted iteration: what the budget calls overhead
+        if budgeted and not reset and not probe:  # the rest of a drafted iteration: the budget's overhead
             rest = time.perf_counter() - t_iter - t_drive - t_forward - sum(s.commit_time + wait for s in steps)
             for policy in {id(r.policy.latency): r.policy for r in budgeted}.values():  # (one per shared model)
                 policy.observe_overhead(rest)
