@@ -119,7 +119,7 @@ def grow_budgeted(drafter: Drafter, root_token: int, *, max_depth: int, max_node
         cands = _best(cands, max_nodes - (len(tree) - 1))
         new = []
         for v, lp, u, tok, q, r in cands:
-            new.append(tree.add(u, tok, lp))
+            new.append(tree.add(u, tok, lp, r))
             vals.append(v)
             if held is not None:
                 held.append(calib.hold(q, r))
@@ -273,16 +273,18 @@ class DynaTree(NoDraft):
         if self.calib is not None:
             self._release()
         if self.calib is not None and len(tree) > 1:
-            on_path, rank = set(path), {}
-            for u in range(1, len(tree)):  # siblings appear in draft rank order
+            # Each tested node (its parent accepted) teaches the cell it was priced in: its draft
+            # probability and its rank among the draft's proposals -- not its place among the
+            # kept siblings, which differ once the budget keeps a later proposal without an
+            # earlier one (a rank never tested keeps its optimistic prior and looks best forever).
+            on_path = set(path)
+            for u in range(1, len(tree)):
                 parent = tree.parents[u]
-                if parent in on_path and u not in grafted:
-                    # below a node the draft gave probability 0 (a sharp temperature underflows
-                    # it) the path's log-probability is -inf and a child's own q is lost
-                    if tree.logp[parent] > -math.inf:
-                        self.calib.update(math.exp(tree.logp[u] - tree.logp[parent]), u in on_path,
-                                          rank=rank.get(parent, 0))
-                    rank[parent] = rank.get(parent, 0) + 1
+                # below a node the draft gave probability 0 (a sharp temperature underflows it)
+                # the path's log-probability is -inf and a child's own q is lost
+                if parent in on_path and u not in grafted and tree.logp[parent] > -math.inf:
+                    self.calib.update(math.exp(tree.logp[u] - tree.logp[parent]), u in on_path,
+                                      rank=tree.ranks[u])
         if grafted:
             depth = max((d for u, d in enumerate(tree.depths) if u not in grafted), default=0)
             accepted = sum(1 for u in path[1:] if u not in grafted)

@@ -36,10 +36,13 @@ class Tree:
     keep: list[int] | None = None  # nodes to verify (ancestor-closed); None = all
     grafted: set[int] = field(default_factory=set)  # nodes not drafted by the draft model (lookup.py)
     bar: float = 0.0  # expected tokens a further node must bring to pay for itself (budget.py; 0 = no budget)
+    # each node's rank among its parent's draft proposals (0: the draft's first choice), what the
+    # budget's calibration is keyed by; None for trees built by hand
+    ranks: list[int] | None = None
 
     @classmethod
     def root_only(cls, token: int) -> "Tree":
-        return cls([token], [-1], [0], [0.0])
+        return cls([token], [-1], [0], [0.0], ranks=[0])
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,11 +51,13 @@ class Tree:
     def max_depth(self) -> int:
         return max(self.depths)
 
-    def add(self, parent: int, token: int, logp: float) -> int:
+    def add(self, parent: int, token: int, logp: float, rank: int = 0) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.logp.append(logp)
+        if self.ranks is not None:
+            self.ranks.append(rank)
         return len(self.tokens) - 1
 
 
@@ -78,7 +83,8 @@ def flatten_bfs(tree: Tree) -> tuple[Tree, list[int]]:
     parents = [-1 if tree.parents[o] < 0 else new_index[tree.parents[o]] for o in order]
     return Tree([tree.tokens[o] for o in order], parents, [tree.depths[o] for o in order],
                 [tree.logp[o] for o in order],
-                grafted={new_index[o] for o in tree.grafted if o in new_index}), order
+                grafted={new_index[o] for o in tree.grafted if o in new_index},
+                ranks=None if tree.ranks is None else [tree.ranks[o] for o in order]), order
 
 
 def best_chain(tree: Tree) -> list[int]:

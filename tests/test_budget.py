@@ -335,8 +335,8 @@ def test_calibration_survives_an_accepted_node_the_draft_gave_probability_zero()
     pol = DynaTree(make_config("dynatree"))
     pol.calib = Calibration()
     tree = Tree.root_only(0)
-    tree.add(0, 2, math.log(0.9))  # the draft's rank-0 child, rejected
-    a = tree.add(0, 1, -math.inf)  # rank 1, probability 0: accepted
+    tree.add(0, 2, math.log(0.9), 0)  # the draft's rank-0 child, rejected
+    a = tree.add(0, 1, -math.inf, 1)  # rank 1, probability 0: accepted
     tree.add(a, 3, -math.inf)  # below the accepted one
     pol.observe(2, tree, [0, a, 3])
     assert sum(map(sum, pol.calib.tested)) == 2 and pol.calib.accepted[1][0] == 1

@@ -239,14 +239,42 @@ def test_calibration_learns_each_sibling_at_its_rank():
     pol = DynaTree(C())
     pol.calib = Calibration()
     t = Tree.root_only(0)
-    t.add(0, 5, math.log(0.52))
-    b = t.add(0, 6, math.log(0.32))
-    t.add(0, 7, math.log(0.12))
+    t.add(0, 5, math.log(0.52), 0)
+    b = t.add(0, 6, math.log(0.32), 1)
+    t.add(0, 7, math.log(0.12), 2)
     pol.observe(1, t, [0, b])
     cal = pol.calib
     assert (cal.tested[0][10], cal.accepted[0][10]) == (1, 0)
     assert (cal.tested[1][6], cal.accepted[1][6]) == (1, 1)
     assert (cal.tested[2][2], cal.accepted[2][2]) == (1, 0)
+
+
+def test_calibration_learns_a_kept_proposal_at_its_draft_rank_not_its_place_among_kept_siblings():
+    """The budget may verify a parent's first and third proposals but not its second (the third's
+    cell priced higher).  The verified tree the policy observes is the kept, flattened one, where
+    the third proposal is the second child -- it must still teach rank 2's cell, or rank 2 keeps
+    its optimistic prior and is preferred forever (measured on the bench pair: 16% accepted,
+    priced at 67-100%)."""
+    import math
+
+    from dynatree.budget import Calibration
+    from dynatree.config import DynaTreeConfig as C
+    from dynatree.tree import flatten_bfs
+
+    pol = DynaTree(C())
+    pol.calib = Calibration()
+    t = Tree.root_only(0)
+    a = t.add(0, 5, math.log(0.52), 0)
+    t.add(0, 6, math.log(0.32), 1)
+    c = t.add(0, 7, math.log(0.12), 2)
+    t.keep = [0, a, c]
+    flat, order = flatten_bfs(t)
+    assert flat.ranks == [0, 0, 2] and order == [0, a, c]
+    pol.observe(1, flat, [0, 1])
+    cal = pol.calib
+    assert (cal.tested[0][10], cal.accepted[0][10]) == (1, 1)
+    assert (cal.tested[2][2], cal.accepted[2][2]) == (1, 0)
+    assert cal.rank_tested == [1, 0, 1, 0]
 
 
 def test_linear_drafts_no_deeper_than_the_engine_allows():
