@@ -42,6 +42,13 @@ class NgramIndex:
     def catch_up(self) -> None:
         """Index the positions that gained a successor since the last lookup."""
         seq, a, b = self.seq, self.indexed, len(self.seq) - 1  # positions a .. b - 1 gain a successor
+        if b - a <= 8:  # an iteration's few tokens: a slice per (end, n) beats a zip per n (4 vs 16 us)
+            last, lo_n, hi_n = self.last, self.min_n, self.max_n
+            for e in range(max(a, lo_n - 1), b):  # ends in order: a later occurrence overwrites
+                for n in range(lo_n, min(hi_n, e + 1) + 1):
+                    last[tuple(seq[e - n + 1:e + 1])] = e
+            self.indexed = max(a, b)
+            return
         for n in range(self.min_n, self.max_n + 1):
             lo = max(a, n - 1)  # the first end with n tokens before it
             if lo < b:

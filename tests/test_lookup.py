@@ -36,14 +36,15 @@ def test_index_continues_loops_and_never_matches_itself():
 
 def test_index_grown_piecewise_is_the_latest_occurrence_of_every_ngram():
     """Against the definition, brute force: random sequences over small alphabets, indexed as
-    they grow by a few tokens at a time (catch_up between lookups)."""
+    they grow by a few tokens at a time (catch_up between lookups; up to 8 new positions are indexed
+    one (end, n) at a time, more one n at a time: both paths)."""
     import random
     rng = random.Random(7)
     for _ in range(300):
         vocab, lo, hi = rng.choice([2, 3, 9]), rng.randint(1, 3), rng.randint(3, 9)
         idx = NgramIndex([rng.randrange(vocab) for _ in range(rng.randint(0, 20))], lo, hi)
         for _ in range(rng.randint(1, 6)):
-            idx.extend([rng.randrange(vocab) for _ in range(rng.randint(0, 4))])
+            idx.extend([rng.randrange(vocab) for _ in range(rng.choice([rng.randint(0, 4), rng.randint(5, 14)]))])
             idx.catch_up()
             seq, want = idx.seq, {}
             for e in range(len(seq) - 1):  # ends with a successor, in order: the latest wins
