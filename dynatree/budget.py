@@ -176,6 +176,7 @@ class BatchView:
     # verify(n) per n: a view lives for one tree's growth, during which verification times do not
     # change (observe_verify runs after the forward), and the budget asks for the same n many times
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _base: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def overhead_ms(self) -> float:
@@ -185,8 +186,10 @@ class BatchView:
         got = self._memo.get(n)
         if got is None:
             v, at = self.lat.verify, self.cached
-            marginal = v(self.others + n, at) - v(self.others + 1, at)
-            got = self._memo[n] = v(self.share, at) / self.share + self.scale * marginal
+            base = self._base  # the terms every n shares: its share of the roots, less the others' forward
+            if base is None:
+                base = self._base = v(self.share, at) / self.share - self.scale * v(self.others + 1, at)
+            got = self._memo[n] = base + self.scale * v(self.others + n, at)
         return got
 
     def draft(self, width: int) -> float:
@@ -526,7 +529,8 @@ class Calibration:
         return min(rank, self.ranks - 1), min(int(q * self.bins), self.bins - 1)
 
     def __call__(self, q: float, rank: int = 0) -> float:
-        r, b = self._cell(q, rank)
+        r, b = rank if rank < self.ranks else self.ranks - 1, int(q * self.bins)  # (_cell, inlined:
+        b = b if b < self.bins else self.bins - 1  # the budget asks a few dozen times per tree)
         t, a, h = self.tested[r][b], self.accepted[r][b], self.held[r][b]
         mean = a / t if t else 0.0
         return (a + self.prior * self._pooled(r) + h * mean) / (t + self.prior + h)
@@ -576,10 +580,11 @@ def select(values: list[float], lat: LatencyModel, spent_ms: float) -> tuple[int
 
     values: per non-root node, sorted descending.  Returns (k, rate tokens/ms, marginal δ ms).
     """
-    best_k, best_rate, s = 0, 1.0 / (spent_ms + lat.verify(1) + lat.overhead_ms), 0.0
+    verify, overhead = lat.verify, lat.overhead_ms  # (looked up once: this runs every draft level)
+    best_k, best_rate, s = 0, 1.0 / (spent_ms + verify(1) + overhead), 0.0
     for k, v in enumerate(values, start=1):
         s += v
-        rate = (1.0 + s) / (spent_ms + lat.verify(k + 1) + lat.overhead_ms)
+        rate = (1.0 + s) / (spent_ms + verify(k + 1) + overhead)
         if rate > best_rate:
             best_k, best_rate = k, rate
     n = best_k + 1
