@@ -798,3 +798,36 @@ def test_every_variant_computes_the_same_topk_probabilities():
     first = next(iter(seen.values()))
     for v, (vals, ids) in seen.items():
         assert torch.equal(ids, first[1]) and torch.equal(vals, first[0]), v
+
+
+def test_a_sequence_the_c_forward_leaves_to_torch_keeps_its_sampling_heads():
+    """A packed forward the C kernel takes only in part -- a sequence whose cache stores float16,
+    which the kernel does not read, beside one it takes -- runs sequence by sequence
+    (runtime.forward_each), and each sequence there keeps its own kept rows and its sampling
+    heads' Perturb: a sampled sequence draws in the batch what it draws alone, not the plain
+    argmax of its logits."""
+    from dataclasses import replace
+
+    from dynatree.sampling import Sampler
+
+    model = neox32(12, layers=1)
+    lean = LeanNeoX(model)
+    assert lean.native
+    s = Sampler(1.0, 0, 1.0, 11)
+
+    def primed(kv_dtype):
+        cache = new_cache(model, 32, kv_dtype)
+        lean.forward([Seq(torch.tensor([5, 9, 11, 40]), cache)])
+        return cache
+
+    def seqs():
+        return [Seq(torch.tensor([17, 23, 4]), primed("float16"), keep=3, perturb=s.head([0, 1, 2])),
+                Seq(torch.tensor([7, 2]), primed("model"), keep=1)]
+
+    with torch.inference_mode():
+        alone = lean.forward(seqs()[:1], argmax=True)[0]
+        plain = lean.forward([replace(seqs()[0], perturb=None)], argmax=True)[0]
+        both = lean.forward(seqs(), argmax=True)
+    assert alone.choice != plain.choice  # the noise moves the draws: the comparison can tell
+    assert both[0].choice == alone.choice and torch.equal(both[0].logits, alone.logits)
+    assert both[1].logits.shape[1] == 1 and len(both[1].choice) == 1

@@ -348,3 +348,58 @@ def test_sample_seeds_of_nearby_seeds_do_not_collide():
     (jobs at seeds 3 and 4 would share draws), nor any other sample's of nearby seeds."""
     seeds = [sampling.sample_seed(s, k) for s in range(8) for k in range(8)]
     assert len(set(seeds)) == 64 and sampling.sample_seed(5, 0) == 5  # (sample 0: the plain generation)
+
+
+def test_float64_logits_are_perturbed_and_drawn_in_float64():
+    """A float64 model's heads perturb and read its scores in float64, as Sampler.choose does
+    (warp keeps float64 logits float64), so the heads' draw is the one the top-k / top-p path would
+    make: scores 1 and 1 + 1e-12 differ in float64 but tie in float32, where the draw would go
+    to the lower id."""
+    from dynatree.runtime import Perturb, with_heads
+
+    logits = torch.tensor([[[1.0, 1.0 + 1e-12, 0.5], [0.25, 0.5, 0.5 + 1e-12]]], dtype=torch.float64)
+    zero = Perturb(1.0, lambda width: [torch.zeros(width), torch.zeros(width)])
+    assert with_heads(logits.clone(), argmax=True, perturb=zero).choice == [1, 2]
+
+
+def test_distinct_rows_index_a_row_seen_again_after_another():
+    """A draft level's nodes need not come depth by depth (DySpec's heap expands the nodes it
+    popped, e.g. depths 2, 1, 2): a noise row met again after another is indexed at its first
+    place, not at the latest distinct row's -- else that node reads another depth's noise off the
+    CPU."""
+    from dynatree.runtime import distinct_rows
+
+    s = Sampler(1.0, 0, 1.0, 3, [1, 2])
+    rows = [s.noise(2, 50), s.noise(1, 50), s.noise(2, 50)]
+    distinct, index = distinct_rows(rows)
+    assert len(distinct) == 2 and index == [0, 1, 0]
+    assert all(torch.equal(distinct[i], r) for i, r in zip(index, rows))
+
+
+@pytest.mark.parametrize("opts", [{"temperature": 0.8}, {"temperature": 0.8, "top_k": 20}])
+def test_a_perfect_draft_proposes_the_sampled_token_first(same_pair, opts):
+    """A draft identical to its target proposes each node's top-k under the noise of the index the
+    node predicts -- the root's included (base + 0) -- so its first proposal is always the target's
+    draw and a chain is accepted whole, through the fused heads (temperature alone) and the masked
+    path (top-k).  Proposing under another index's noise stays exact (the target draws anyway) and
+    so only shows in the acceptance."""
+    prompt = random_prompts(1, seed=51, lo=6, hi=6)[0]
+    for seed in range(3):
+        cfg = make_config("linear", {"k": 4, **opts, "seed": seed})
+        toks, _, m = decode(same_pair, prompt, cfg, max_new_tokens=24, ignore_eos=True)
+        assert toks == decode(same_pair, prompt, make_config("ar", {**opts, "seed": seed}),
+                              max_new_tokens=24, ignore_eos=True)[0]
+        assert m.acceptance_rate == 1.0, (seed, m.acceptance_rate)
+
+
+def test_a_wider_draft_proposes_only_shared_ids_under_top_k(target):
+    """A draft scoring more ids than its target (padded widths) proposes from the shared range
+    under top-k / top-p too, where proposals come from its masked scores, not the fused head's
+    ``cols``: an id past the target's vocabulary in a tree would reach the target's embedding."""
+    from conftest import EOS, VOCAB
+
+    pair = pair_from_models(target, tiny_neox(5, vocab=VOCAB + 32), None, eos_token_id=EOS)
+    for seed, prompt in enumerate(random_prompts(3, seed=52, lo=3, hi=10)):
+        opts = {"temperature": 1.0, "top_k": 60, "seed": seed}
+        ref = decode(pair, prompt, make_config("ar", opts), max_new_tokens=16, ignore_eos=True)[0]
+        assert decode(pair, prompt, make_config("dynatree", opts), max_new_tokens=16, ignore_eos=True)[0] == ref

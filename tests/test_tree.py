@@ -94,3 +94,51 @@ def test_best_chain_follows_the_most_probable_kept_child():
     assert best_chain(t) == [0, 1]
     assert best_chain(Tree([1, 2, 3], [-1, 0, 0], [0, 1, 1], [0.0, -1.0, -1.0])) == [0, 1]
     assert best_chain(Tree.root_only(5)) == [0]
+
+
+def test_max_depth_of_a_best_first_tree_is_its_deepest_node():
+    """DySpec's heap grows best-first: the last node added need not be the deepest, and a tree's
+    max_depth (the policies' history and the metrics read it) is the deepest node's depth."""
+    t = Tree.root_only(10)
+    a = t.add(0, 11, -0.1)
+    t.add(a, 13, -0.2)       # depth 2
+    t.add(0, 12, -1.0)       # depth 1, added last
+    assert t.max_depth == 2
+    assert Tree.root_only(10).max_depth == 0
+
+
+def test_flatten_bfs_renumbers_lookup_nodes_and_ranks():
+    """Lookup grafts its chain after drafting (lookup.graft: new nodes appended, here a depth-1
+    node after a depth-2 one), so flattening reorders: the grafted set and the draft ranks must
+    follow their nodes to their BFS places -- the policy's calibration skips grafted nodes and the
+    metrics count tokens from lookup by these indices."""
+    t = Tree.root_only(10)
+    a = t.add(0, 11, -0.1, rank=0)
+    t.add(a, 13, -0.2, rank=1)   # node 2, depth 2
+    g = t.add(0, 14, 0.0)        # node 3, depth 1: grafted
+    t.grafted.add(g)
+    flat, order = flatten_bfs(t)
+    assert order == [0, 1, 3, 2]
+    assert flat.tokens == [10, 11, 14, 13] and flat.parents == [-1, 0, 0, 1]
+    assert flat.grafted == {2}
+    assert flat.ranks == [0, 0, 0, 1]
+
+
+def test_flatten_bfs_of_a_kept_subset_is_in_bfs_order():
+    """With ``keep`` (the budget's selection, lookup nodes added to it) the kept nodes still come
+    out sorted by depth, then creation: creation order alone puts a grafted depth-1 node after a
+    depth-2 one, and the module's convention (nodes sorted by depth) would no longer hold."""
+    t = Tree([10, 11, 12, 13, 14], [-1, 0, 1, 0, 0], [0, 1, 2, 1, 1], [0.0, -0.1, -0.2, -0.3, 0.0])
+    t.keep = [0, 1, 2, 4]        # node 3 dropped; node 4 (depth 1) was added after node 2 (depth 2)
+    flat, order = flatten_bfs(t)
+    assert order == [0, 1, 4, 2]
+    assert flat.depths == [0, 1, 1, 2] and flat.parents == [-1, 0, 0, 1] and flat.tokens == [10, 11, 14, 12]
+
+
+def test_key_mask_from_additive_counts_only_leading_visible_keys():
+    """``visible`` is the run of keys every row sees *from the start*: a later key every row sees
+    (here the 4th, after one row 0 alone sees) stays in ``allowed``, where it sits -- counted
+    into ``visible`` it would shift every column of ``allowed`` by one."""
+    allowed = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    back = KeyMask.from_additive(KeyMask(3, allowed).additive(torch.float32))
+    assert back.visible == 3 and torch.equal(back.allowed, allowed)

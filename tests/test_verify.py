@@ -184,3 +184,48 @@ def test_crop_forgets_the_last_tokens_as_transformers_expects(target):
         assert cache.get_seq_length() == 9
         again = target(input_ids=ids[:, 9:], past_key_values=cache).logits[0, -1]
     assert cache.get_seq_length() == 12 and torch.allclose(again, full, rtol=0, atol=1e-10)
+
+
+def test_the_draft_refuses_ids_it_cannot_embed_the_bonus_included(close_pair):
+    """A target wider than its draft may choose an id the draft has no embedding for: queued
+    tokens and a commit's bonus (its last token; the drafted ones came from the draft) are checked
+    against the draft's vocabulary, the last id inside it (vocab - 1) allowed, ``vocab`` itself not
+    (an embedding lookup past the table: on a GPU a device-side assert ends the process)."""
+    import pytest
+
+    from dynatree.drafting import DraftVocabError
+
+    d = Drafter(close_pair.runner("draft"), 10, 64)
+    d.extend([3, 9])
+    with pytest.raises(DraftVocabError, match="token id 10 is outside the draft's vocabulary"):
+        d.extend([4, 10])
+    assert d.pending == [3, 9]
+    d.commit([0, 1], [5, 9])  # (before the first tree: queued)
+    with pytest.raises(DraftVocabError):
+        d.commit([0, 1], [5, 10])  # a drafted 5, then the target's bonus 10
+
+
+def test_a_draft_restarts_only_when_the_gap_exceeds_its_context(close_pair):
+    """draft_context: a gap of exactly ``context`` tokens is caught up on (a restart would feed as
+    many and drop the cached ones), one more restarts; and with no context (0) a draft never
+    restarts, however far behind it fell."""
+    from dynatree.drafting import run
+
+    prompt = random_prompts(1, seed=9, lo=40, hi=40)[0]
+    d = Drafter(close_pair.runner("draft"), close_pair.vocab, 256, context=8)
+    d.extend(prompt[:9])  # 8 tokens before the root
+    run(d, d.prefill())
+    assert d.restarts == 0 and d.cache.length == 8
+    d.extend(prompt[9:17])  # the old root and 7 more: 8 to feed
+    run(d, d.prefill())
+    assert d.restarts == 0 and d.cache.length == 16 and d.pending == prompt[16:17]
+    d.extend(prompt[17:26])  # 9 to feed
+    run(d, d.prefill())
+    assert d.restarts == 1 and d.cache.length == 8 and d.pending == prompt[25:26]
+
+    d = Drafter(close_pair.runner("draft"), close_pair.vocab, 256)
+    d.extend(prompt[:20])
+    run(d, d.prefill())
+    d.extend(prompt[20:])
+    run(d, d.prefill())
+    assert d.restarts == 0 and d.cache.length == 39 and d.pending == prompt[39:]

@@ -313,3 +313,29 @@ def test_window_refusals_read_from_a_config_alone():
     assert "'yarn'" in window_refusal({"model_type": "qwen2", "rope_scaling": {"type": "yarn", "factor": 4.0}})
     assert "'longrope'" in window_refusal({"model_type": "llama", "rope_parameters": {
         "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "longrope"}}})
+
+
+def test_a_draft_root_on_a_full_window_evicts_first(close_pair):
+    """A commit that keeps every accepted node expanded leaves the bonus alone pending, and can
+    leave the draft's cache exactly full: the next root must evict a chunk before it is fed (as
+    the target does before its verification), so the root sits at the target's position inside
+    the window -- fed into the full cache it would sit past the window, at another position than
+    the target's."""
+    from dynatree.drafting import Drafter, run
+    from dynatree.tree import Tree
+
+    win = make_window(close_pair.draft, 16, 4, 4)
+    d = Drafter(close_pair.runner("draft"), close_pair.vocab, 64, window=win)
+    prompt = random_prompts(1, seed=46, lo=13, hi=13)[0]
+    d.extend(prompt)
+    run(d, d.prefill())
+    _, ids = run(d, d.root(1))
+    assert d.cache.length == 13 and d.root_pos == 12
+    tree, u = Tree.root_only(prompt[-1]), 0
+    for _ in range(3):  # a chain, every node expanded: slots 13, 14, 15
+        u = tree.add(u, ids[0], 0.0)
+        ids = run(d, d.expand(tree, [u], 1))[1][0]
+    d.commit([0, 1, 2, 3], tree.tokens[1:] + ids[:1])
+    assert d.cache.length == 16 and d.pending == ids[:1]
+    run(d, d.root(1))
+    assert d.cache.length == 16 - 4 + 1 and d.root_pos == 12
