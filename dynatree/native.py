@@ -271,7 +271,7 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[li
     is two ops and two transfers, ~4x the time); torch elsewhere."""
     if not 0 <= k <= logits.shape[-1]:  # (C would leave the ids past the vocabulary unwritten)
         raise ValueError(f"top-k of {k} from {logits.shape[-1]} logits per row")
-    lib = _cpu_lib(logits)
+    lib = _cpu_lib(logits) if k else None  # (k = 0: torch's empty rows; the C call would crash)
     if lib is None:
         val, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return val.tolist(), idx.tolist()

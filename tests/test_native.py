@@ -199,6 +199,7 @@ def test_argmax_and_topk_match_torch():
     for k in (-1, y.shape[-1] + 1):  # (C would leave ids past the vocabulary unwritten: garbage)
         with pytest.raises(ValueError, match="top-k of"):
             native.topk_probs(y, k)
+    assert native.topk_probs(y, 0) == ([[], [], []], [[], [], []])  # (the C call crashed: battery R)
 
 
 def test_sampling_heads_are_torchs():
