@@ -64,14 +64,14 @@ def grow_levels(drafter: Drafter, root_token: int, *, max_depth: int, max_nodes:
     probs, ids = yield from drafter.root(kmax)
     frontier, dists = [0], [(probs, ids)]
     while True:
-        cands = []  # (logp, parent, token) in parent/rank order
+        cands = []  # (logp, parent, token, rank) in parent/rank order
         for u, (p, t) in zip(frontier, dists):
             for r in range(min(n_children(u, p[0]), len(p))):
                 lp = tree.logp[u] + _log(p[r])
                 if lp >= min_logp:
-                    cands.append((lp, u, t[r]))
+                    cands.append((lp, u, t[r], r))
         cands = _best(cands, max_nodes - (len(tree) - 1))
-        new = [tree.add(u, tok, lp) for lp, u, tok in cands]
+        new = [tree.add(u, tok, lp, r) for lp, u, tok, r in cands]
         if not new or len(tree) - 1 >= max_nodes or tree.depths[new[0]] >= max_depth:
             return tree
         frontier = [v for v in new if expandable(tree, v)]
@@ -382,7 +382,7 @@ class DySpecHeap(NoDraft):
                 push(-math.exp(tree.logp[u]) * dist[u][0][0], u, 0, True)
                 continue
             probs, toks = dist[u]
-            v = tree.add(u, toks[r], tree.logp[u] + _log(probs[r]))
+            v = tree.add(u, toks[r], tree.logp[u] + _log(probs[r]), r)
             if r + 1 < len(probs):
                 push(-math.exp(tree.logp[u]) * probs[r + 1], u, r + 1, True)
             if tree.depths[v] < max_depth:

@@ -286,3 +286,21 @@ def test_linear_drafts_no_deeper_than_the_engine_allows():
     pol = Linear(LinearConfig(k=4))
     assert run(None, pol.grow(_FakeDraft(), 1, 2)).tokens == [1, 10, 20 + 1]
     assert len(run(None, pol.grow(_FakeDraft(), 1, 8))) == 5
+
+
+def test_every_grower_records_each_nodes_rank_among_its_parents_proposals():
+    """Tree.ranks is the draft rank a node was proposed at (what the calibration learns by): the
+    level grower (the paper's DynaTree), DySpec's heap and the budgeted grower all record it."""
+    def proposal_rank(tree, u):
+        p = tree.parents[u]
+        return ([10, 11, 12] if p == 0 else [20 + p, 40 + p]).index(tree.tokens[u])
+
+    trees = [DynaTree(DynaTreeConfig(hw_budget="off")).grow(_FakeDraft(), 1, 3),
+             DySpecHeap(DySpecConfig(mode="heap", budget=6, max_branch=3, max_depth=3)).grow(_FakeDraft(), 1, 3)]
+    for gen in trees:
+        with pytest.raises(StopIteration) as stop:
+            gen.send(None)
+        tree = stop.value.value
+        assert tree.ranks == [0] + [proposal_rank(tree, u) for u in range(1, len(tree))]
+        assert 1 in tree.ranks  # a second choice is among them
+    assert _budgeted(_free(), _calibrated(), tau=0.5).ranks == [0, 0, 1]
