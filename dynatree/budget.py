@@ -529,8 +529,7 @@ class Calibration:
         return min(rank, self.ranks - 1), min(int(q * self.bins), self.bins - 1)
 
     def __call__(self, q: float, rank: int = 0) -> float:
-        r, b = rank if rank < self.ranks else self.ranks - 1, int(q * self.bins)  # (_cell, inlined:
-        b = b if b < self.bins else self.bins - 1  # the budget asks a few dozen times per tree)
+        r, b = self._cell(q, rank)
         t, a, h = self.tested[r][b], self.accepted[r][b], self.held[r][b]
         mean = a / t if t else 0.0
         return (a + self.prior * self._pooled(r) + h * mean) / (t + self.prior + h)
