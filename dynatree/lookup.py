@@ -40,22 +40,15 @@ class NgramIndex:
         self.seq.extend(tokens)
 
     def catch_up(self) -> None:
-        """Index the positions that gained a successor since the last lookup."""
+        """Index the positions that gained a successor since the last lookup: a slice per (end, n),
+        ends in order so a later occurrence overwrites (an iteration's few tokens: 4-6 us, against
+        16 us for one zip per n; a whole prompt costs about the same either way: 0.2 / 0.6 / 6.6 ms
+        for 200 / 500 / 4000 tokens against 0.1 / 0.3 / 8.3 ms)."""
         seq, a, b = self.seq, self.indexed, len(self.seq) - 1  # positions a .. b - 1 gain a successor
-        if b - a <= 8:  # an iteration's few tokens: a slice per (end, n) beats a zip per n (4 vs 16 us)
-            last, lo_n, hi_n = self.last, self.min_n, self.max_n
-            for e in range(max(a, lo_n - 1), b):  # ends in order: a later occurrence overwrites
-                for n in range(lo_n, min(hi_n, e + 1) + 1):
-                    last[tuple(seq[e - n + 1:e + 1])] = e
-            self.indexed = max(a, b)
-            return
-        for n in range(self.min_n, self.max_n + 1):
-            lo = max(a, n - 1)  # the first end with n tokens before it
-            if lo < b:
-                # the n-grams ending at lo .. b - 1, in order (a later occurrence overwrites), as
-                # zip's tuples: one C loop per n, ~4x faster than a tuple slice per (end, n)
-                grams = zip(*(seq[lo - n + 1 + i:b - n + 1 + i] for i in range(n)))
-                self.last.update(zip(grams, range(lo, b)))
+        last, lo_n, hi_n = self.last, self.min_n, self.max_n
+        for e in range(max(a, lo_n - 1), b):
+            for n in range(lo_n, min(hi_n, e + 1) + 1):
+                last[tuple(seq[e - n + 1:e + 1])] = e
         self.indexed = max(a, b)
 
     def propose(self, k: int) -> tuple[list[int], int]:

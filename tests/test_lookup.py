@@ -36,8 +36,7 @@ def test_index_continues_loops_and_never_matches_itself():
 
 def test_index_grown_piecewise_is_the_latest_occurrence_of_every_ngram():
     """Against the definition, brute force: random sequences over small alphabets, indexed as
-    they grow by a few tokens at a time (catch_up between lookups; up to 8 new positions are indexed
-    one (end, n) at a time, more one n at a time: both paths)."""
+    they grow by a few tokens at a time, sometimes by more (catch_up between lookups)."""
     import random
     rng = random.Random(7)
     for _ in range(300):
