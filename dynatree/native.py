@@ -81,6 +81,7 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_fma_peak.restype = ctypes.c_double
     lib.dt_fma_peak.argtypes = [L, I]
     lib.dt_isa.argtypes = lib.dt_vector_floats.argtypes = lib.dt_rows_per_pass.argtypes = lib.dt_tile_width.argtypes = []
+    lib.dt_bf16_dot.argtypes, lib.dt_bf16_dot.restype = [], ctypes.c_int
     lib.dt_seq_bytes.argtypes, lib.dt_seq_bytes.restype = [], L
     if lib.dt_seq_bytes() != ctypes.sizeof(DtSeq):  # (a field added on one side only: every forward would misread)
         return None, f"csrc/neox.h's dt_seq is {lib.dt_seq_bytes()} bytes, native.DtSeq {ctypes.sizeof(DtSeq)}"
@@ -128,9 +129,12 @@ def packed_bytes(model) -> int:
     return sum(p.numel() for p in mats) * (2 if weight_format(mats) else 4)
 
 
-# dt_gemm's weight storage formats.  The kernels always compute in float32; a 16-bit format only
-# halves the bytes streamed per forward, and is used only where it holds every weight exactly.
-FORMATS = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+# dt_gemm's weight storage formats.  Formats 0-2 compute in float32; their 16-bit formats only
+# halve the bytes streamed per forward, and are used only where they hold every weight exactly.
+# Format 3 computes in bfloat16 (weights and x rounded to it, products summed in float32 in
+# VDPBF16PS's order: csrc/gemm.c): an opt-in precision, not the float32 model's numbers.
+FORMATS = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.bfloat16}
+BF16_COMPUTE = 3
 
 
 def weight_format(weights) -> int:
@@ -204,7 +208,10 @@ class PackedLinear:
         n_in, n_out = blocks[0].shape[1], sum(b.shape[0] for b in blocks)  # K, N
         self.n_in, self.n_out = n_in, n_out
         self.n_pad = -(-n_out // tw) * tw
-        self.packed = _pack(blocks, n_in, self.n_pad, tw, FORMATS[fmt], lib.dt_vector_floats())  # (N/TW, K, TW)
+        if fmt == BF16_COMPUTE:
+            self.packed = _pack_bf16c(blocks, n_in, self.n_pad, tw, lib)
+        else:
+            self.packed = _pack(blocks, n_in, self.n_pad, tw, FORMATS[fmt], lib.dt_vector_floats())  # (N/TW, K, TW)
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(self.n_pad, dtype=torch.float32)
@@ -245,6 +252,25 @@ def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: tor
         packed.unflatten(2, (w // 4, 2, 4)).copy_(tiles.unflatten(2, (2, w // 4, 4)).transpose(2, 3))
         return packed
     return packed.copy_(tiles)
+
+
+@torch.no_grad()
+def _pack_bf16c(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, lib) -> torch.Tensor:
+    """W (N, K) rounded to bfloat16 and packed for format 3 (csrc/gemm.c), K padded with a zero
+    row to even: (n_pad/TW, K/2, TW, 2) bfloat16 pairs (k = 2j, 2j + 1) where the CPU runs
+    VDPBF16PS, else _pack's bfloat16 tiles of the rows in the order 1, 0, 3, 2, ... (each pair
+    swapped: the FMAs run the pair's second product first, as VDPBF16PS does)."""
+    kp = n_in + n_in % 2
+    wt = torch.zeros(kp, n_pad, dtype=torch.bfloat16)  # (Kp, n_pad), rounded to nearest even
+    n0 = 0
+    for b in blocks:
+        wt[:n_in, n0:n0 + b.shape[0]] = b.detach().t()
+        n0 += b.shape[0]
+    if lib.dt_bf16_dot():
+        tiles = wt.unflatten(0, (kp // 2, 2)).unflatten(2, (n_pad // tw, tw))  # (K/2, 2, N/TW, TW)
+        return tiles.permute(2, 0, 3, 1).contiguous()  # (N/TW, K/2, TW, 2)
+    swapped = wt.unflatten(0, (kp // 2, 2)).flip(1).reshape(kp, n_pad)  # (Kp, n_pad)
+    return _pack([swapped.t()], kp, n_pad, tw, torch.bfloat16, lib.dt_vector_floats())
 
 
 def _cpu_lib(x: torch.Tensor):

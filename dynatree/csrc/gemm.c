@@ -165,8 +165,18 @@ int dt_tile_width(void) { return TW; }
  * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
 #define FULL_FIRST (DT_W == 16)
 static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
-void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
+static void gemm_tiles(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
+static void gemm_bf16c(const float *x, long M, long K, const void *wp, const float *bp, float *y, long N, void *xbuf);
+void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
+                 void *xbuf) {
     if (M <= 0) return;
+    if (fmt == 3)
+        gemm_bf16c(x, M, K, wp, bp, y, N, xbuf);
+    else
+        gemm_tiles(x, M, K, wp, fmt, bp, y, N);
+}
+
+static void gemm_tiles(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
     long nt = N / TW, passes = (M + RMAX - 1) / RMAX, base = M / passes, extra = M % passes;
     if (passes > 1 && M % RMAX <= TAIL_ROWS && M % RMAX) {
         gemm_tail(x, M, K, wp, fmt, bp, y, N);
@@ -212,10 +222,136 @@ static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, c
 #endif
 }
 
+/* ---- fmt 3: bfloat16 compute ----
+ * The GEMM's inputs are bfloat16 -- each x rounded as VCVTNEPS2BF16 does (bf16_bits), the weights
+ * rounded when packed -- and each output sums its products in float32 in the order of AVX512_BF16's
+ * VDPBF16PS: per pair of k (2j, 2j+1), acc += x[2j+1] w[2j+1], then acc += x[2j] w[2j], each an
+ * exact product rounded once into acc (an FMA), denormal inputs and results flushed to signed
+ * zero.  Where the CPU has the instruction (the native build of an AVX512_BF16 CPU) one VDPBF16PS
+ * does a pair per lane, twice the float32 FMA's rate; elsewhere the same chain runs as two FMAs
+ * per pair under the FPU's flush-to-zero/denormals-are-zero modes, over weights packed with each
+ * pair's two rows swapped (so it is gemm_tiles' bfloat16 path over K rounded up to even, x
+ * rounded and swapped alike): bitwise the same outputs on every variant, and still one chain per
+ * output, so batch invariant.  The bias add runs under the same modes. */
+#if DT_W == 16 && !defined(DT_GENERIC) && defined(__AVX512BF16__)
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+int dt_bf16_dot(void) { return BF16_DOT; }
+
+/* x's conversion buffer: (M, K rounded up to even) of bfloat16 (BF16_DOT) or float32. */
+long dt_bf16c_buffer_bytes(long M, long K) { return M * (K + (K & 1)) * (BF16_DOT ? 2 : 4); }
+
+/* A float32's bfloat16 as VCVTNEPS2BF16 rounds it, in the top half of a float32's bits: zero and
+ * denormals to signed zero, NaN quieted, else to nearest even. */
+static inline unsigned bf16_bits(unsigned u) {
+    unsigned e = u & 0x7f800000u;
+    unsigned r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    r = e == 0x7f800000u && (u & 0x7fffffu) ? (u | 0x400000u) & 0xffff0000u : r;
+    return e == 0 ? u & 0x80000000u : r;
+}
+
+/* One row of x (K floats) into the buffer's row (Kp = K rounded up to even; the pad is zero):
+ * bfloat16 values in order for VDPBF16PS, else float32 with each pair swapped. */
+static void round_row(const float *x, long K, void *row) {
+    long Kp = K + (K & 1);
+    for (long k = 0; k < Kp; k++) {
+        unsigned u = 0;
+        if (k < K) memcpy(&u, x + k, 4), u = bf16_bits(u);
+#if BF16_DOT
+        ((unsigned short *)row)[k] = (unsigned short)(u >> 16);
+#else
+        memcpy((float *)row + (k ^ 1), &u, 4);
+#endif
+    }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned fpmode;
+static fpmode flush_on(void) { fpmode c = _mm_getcsr(); _mm_setcsr(c | 0x8040u); return c; } /* FTZ | DAZ */
+static void flush_off(fpmode c) { _mm_setcsr(c); }
+#elif defined(__aarch64__)
+typedef unsigned long fpmode;
+static fpmode flush_on(void) { /* FPCR.FZ: denormal inputs and results of float32 operations to zero */
+    fpmode c;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(c));
+    __asm__ volatile("msr fpcr, %0" ::"r"(c | (1ul << 24)));
+    return c;
+}
+static void flush_off(fpmode c) { __asm__ volatile("msr fpcr, %0" ::"r"(c)); }
+#else
+#error "bfloat16 compute needs the FPU's flush-to-zero mode: x86 or aarch64"
+#endif
+
+#if BF16_DOT
+/* R rows of bfloat16 x pairs (stride ldx bfloat16) times one K2 x TW tile of bfloat16 pairs. */
+#define KERNDP(R)                                                                                   \
+    static void kdp_##R(const unsigned short *x, long ldx, const void *w_, long K2, float *y, long ldy, \
+                        const float *b) {                                                           \
+        enum { PF = PREFETCH_BYTES / (TW * 4) };                                                    \
+        const unsigned *w = (const unsigned *)w_;                                                   \
+        __m512 acc[R][NVT];                                                                         \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                        \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) acc[r][c] = _mm512_setzero_ps();  \
+        for (long j = 0; j < K2; j++) {                                                             \
+            _Pragma("GCC unroll 4") for (int o = 0; o < TW * 4; o += 64)                            \
+                __builtin_prefetch((const char *)(w + (j + PF) * TW) + o);                          \
+            __m512bh wv[NVT];                                                                       \
+            _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                                   \
+                wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + j * TW + c * 16));          \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
+                int pair;                                                                           \
+                memcpy(&pair, x + r * ldx + 2 * j, 4);                                              \
+                __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                    \
+                _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                               \
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);                             \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) {                                     \
+            __m512 bv = b ? _mm512_loadu_ps(b + c * 16) : _mm512_setzero_ps();                      \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
+                _mm512_storeu_ps(y + r * ldy + c * 16, _mm512_add_ps(acc[r][c], bv));               \
+        }                                                                                           \
+    }
+KERNDP(1) KERNDP(2) KERNDP(3) KERNDP(4) KERNDP(5) KERNDP(6) KERNDP(7) KERNDP(8) KERNDP(9) KERNDP(10) KERNDP(11)
+KERNDP(12)
+typedef void (*kdp_fn)(const unsigned short *, long, const void *, long, float *, long, const float *);
+static const kdp_fn kdp[13] = {0, kdp_1, kdp_2, kdp_3, kdp_4, kdp_5, kdp_6, kdp_7, kdp_8, kdp_9, kdp_10, kdp_11, kdp_12};
+#endif
+
+/* fmt 3's GEMM (every thread of the region calls it, like dt_gemm_for): x rounded into xbuf
+ * (dt_bf16c_buffer_bytes), then the tiles.  wp: (N/TW, Kp/2, TW) of bfloat16 pairs (BF16_DOT),
+ * else gemm_tiles' bfloat16 layout of the pair-swapped rows (native._pack). */
+static void gemm_bf16c(const float *x, long M, long K, const void *wp, const float *bp, float *y, long N, void *xbuf) {
+    long Kp = K + (K & 1), rowb = Kp * (BF16_DOT ? 2 : 4);
+    fpmode mode = flush_on();
+#pragma omp for schedule(static)
+    for (long m = 0; m < M; m++) round_row(x + m * K, K, (char *)xbuf + m * rowb);
+#if BF16_DOT
+    long nt = N / TW;
+#pragma omp for schedule(static)
+    for (long t = 0; t < nt; t++) {
+        const void *wt = (const char *)wp + t * Kp * TW * 2;
+        for (long m = 0, R; m < M; m += R) {
+            R = M - m < RMAX ? M - m : RMAX;
+            kdp[R]((const unsigned short *)xbuf + m * Kp, Kp, wt, Kp / 2, y + m * N + t * TW, N, bp ? bp + t * TW : 0);
+        }
+    }
+#else
+    gemm_tiles((const float *)xbuf, M, Kp, wp, 1, bp, y, N);
+#endif
+    flush_off(mode);
+}
+
 void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
              int threads) {
+    void *xbuf = fmt == 3 && M > 0 ? malloc(dt_bf16c_buffer_bytes(M, K)) : 0;
+    if (fmt == 3 && M > 0 && !xbuf) abort();
 #pragma omp parallel num_threads(threads)
-    dt_gemm_for(x, M, K, wp, fmt, bp, y, N);
+    dt_gemm_for(x, M, K, wp, fmt, bp, y, N, xbuf);
+    free(xbuf);
 }
 
 /* The FMA throughput this variant can reach, in GFLOP/s over `threads` threads: 12 independent

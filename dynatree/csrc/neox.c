@@ -166,12 +166,12 @@ long dt_work_per_row(const long *dims) {
  * cos_t/sin_t: (max_pos, rot); work: the scratch (dt_work_per_row). */
 static void block_in(const long *dims, float eps, float scaling, const float *const *p, long l, long n,
                       const rowmap *rm, const float *h, const long *pos, const float *cos_t, const float *sin_t,
-                      float *a, float *z, float *work, attn_scratch *w) {
+                      float *a, float *z, float *work, attn_scratch *w, void *xconv) {
     long d = dims[D_MODEL], H = dims[HEADS], KV = dims[KV_HEADS], hd = dims[HEAD_DIM], rot = dims[ROT];
     long qw = H * hd, qkvw = (H + 2 * KV) * hd;
     float *x = work, *qkv = work + n * d, *att = qkv + n * qkvw;
     norm(dims, h, n, d, p[LN1_W], p[LN1_B], eps, x);
-    dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, qkvw);
+    dt_gemm_for(x, n, d, p[QKV_W], (int)dims[WFMT], p[QKV_B], qkv, qkvw, xconv);
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const dt_seq *sq = rm->seq + rm->of[i];
@@ -191,7 +191,7 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
         }
     }
     attend(dims, scaling, rm, l, qkv, att, w);
-    dt_gemm_for(att, n, qw, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d);
+    dt_gemm_for(att, n, qw, p[OUT_W], (int)dims[WFMT], p[OUT_B], a, d, xconv);
     if (dims[PARALLEL]) {
         norm(dims, h, n, d, p[LN2_W], p[LN2_B], eps, x);
     } else {
@@ -200,14 +200,14 @@ static void block_in(const long *dims, float eps, float scaling, const float *co
             for (long j = i * d; j < (i + 1) * d; j++) a[j] += h[j];
         norm(dims, a, n, d, p[LN2_W], p[LN2_B], eps, x);
     }
-    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, fc1_width(dims));
+    dt_gemm_for(x, n, d, p[FC1_W], (int)dims[WFMT], p[FC1_B], z, fc1_width(dims), xconv);
 }
 
 /* Second half.  g: (n, ff) activated fc1 output -> out: (n, d) = fc2(g) + a (+ h if parallel). */
 static void block_out(const long *dims, const float *const *p, long n, const float *g, const float *a,
-                       const float *h, float *out) {
+                       const float *h, float *out, void *xconv) {
     long d = dims[D_MODEL];
-    dt_gemm_for(g, n, dims[FF], p[FC2_W], (int)dims[WFMT], p[FC2_B], out, d);
+    dt_gemm_for(g, n, dims[FF], p[FC2_W], (int)dims[WFMT], p[FC2_B], out, d, xconv);
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++)
         for (long j = i * d; j < (i + 1) * d; j++) out[j] = dims[PARALLEL] ? (out[j] + a[j]) + h[j] : out[j] + a[j];
@@ -288,6 +288,9 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     long *keep_rows = must_alloc(sizeof(long) * (size_t)n);
     const float **noise = must_alloc(sizeof(float *) * (size_t)n); /* per kept row, NULL: plain logits */
     float *inv_temp = must_alloc(sizeof(float) * (size_t)n);
+    /* bfloat16 compute (dt_gemm's fmt 3): the GEMMs' rounded inputs, at most K = max(d, H hd, ff) */
+    long kmax = d > dims[HEADS] * hd ? d : dims[HEADS] * hd;
+    void *xconv = dims[WFMT] == 3 ? must_alloc((size_t)dt_bf16c_buffer_bytes(n, kmax > ff ? kmax : ff)) : 0;
     for (long q = 0, i = 0; q < nseq; q++) {
         rm.start[q] = i;
         long tr = seqs[q].rows * (dims[HEADS] / dims[KV_HEADS]); /* rows of its attention tasks */
@@ -315,14 +318,14 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         for (long i = 0; i < n; i++) memcpy(h + i * d, embed + ids[i] * d, sizeof(float) * d);
         for (long l = 0; l < nlayers; l++) {
             const float *const *pl = p + l * NPARAM;
-            block_in(dims, eps, scaling, pl, l, n, &rm, h, pos, cos_t, sin_t, a, z, scratch, &w);
-            block_out(dims, pl, n, activate((int)dims[ACT], z, n, ff, scratch), a, h, h2);
+            block_in(dims, eps, scaling, pl, l, n, &rm, h, pos, cos_t, sin_t, a, z, scratch, &w, xconv);
+            block_out(dims, pl, n, activate((int)dims[ACT], z, n, ff, scratch), a, h, h2, xconv);
             float *t = h; h = h2; h2 = t;
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < kept; r++) memcpy(scratch + r * d, h + keep_rows[r] * d, sizeof(float) * d);
         norm(dims, scratch, kept, d, head[0], head[1], eps, h2);
-        dt_gemm_for(h2, kept, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD]);
+        dt_gemm_for(h2, kept, d, head[2], (int)dims[WFMT], 0, logits, dims[VOCAB_PAD], xconv);
 #pragma omp for schedule(static)
         for (long r = 0; r < kept; r++)
             if (noise[r]) perturb_row(logits + r * dims[VOCAB_PAD], cols, inv_temp[r], noise[r]);
@@ -335,6 +338,7 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         free(w.acc);
         free(w.s);
     }
+    free(xconv);
     free(keep_rows);
     free(noise);
     free(inv_temp);

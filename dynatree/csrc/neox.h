@@ -38,7 +38,10 @@ const char *dt_isa(void);
 int dt_vector_floats(void);
 int dt_rows_per_pass(void);
 int dt_tile_width(void);
-void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
+void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
+                 void *xbuf);
+int dt_bf16_dot(void);
+long dt_bf16c_buffer_bytes(long M, long K);
 void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
              int threads);
 double dt_fma_peak(long iters, int threads);
