@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from .config import NATIVE_KERNELS
 from .kvcache import new_cache
 from .names import model_files
 
@@ -490,7 +491,7 @@ def _disk_path(pair, params) -> Path | None:
     if pair.device.type == "cuda":  # a GPU's times are its model's, whatever CPU sits beside it
         device += " " + torch.cuda.get_device_name(pair.device)
     blob = json.dumps([files, cpu, os.cpu_count(), torch.get_num_threads(), pair.kernel, device,
-                       str(pair.dtype), (native.variant(), native.source_hash()) if pair.kernel == "lean" else None, params,
+                       str(pair.dtype), (native.variant(), native.source_hash()) if pair.kernel in NATIVE_KERNELS else None, params,
                        torch.__version__, PROFILE_VERSION])
     return kbuild.cache_dir() / "profiles" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
 

@@ -108,11 +108,12 @@ def untied_linears(model) -> list[torch.nn.Linear]:
 
 class NativeForward:
     def __init__(self, lib, shape: Shape, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 final_norm: tuple, lm_head: torch.Tensor, layers: list[Layer], packed=None):
+                 final_norm: tuple, lm_head: torch.Tensor, layers: list[Layer], packed=None, compute: str = "float32"):
         """embed: (V, d); cos, sin: (max_pos, rot) float32 rotary tables; final_norm: (weight,
         bias or None); lm_head: (V, d).  Keeps references to every tensor whose address it holds.
         ``packed(w)``, if given, is called with each matrix (or its row blocks) once its packed
-        copy is made (Runner.release_packed)."""
+        copy is made (Runner.release_packed).  ``compute="bfloat16"``: every matrix product in
+        bfloat16 (native.BF16_COMPUTE; the kernel "lean-bf16"), else float32."""
         self.lib, self.shape = lib, shape
         # the C code reads these as row-major memory: a strided view is copied (a tied embedding is
         # the lm_head's matrix, which models.cpu_layout stores transposed for MKL)
@@ -120,8 +121,8 @@ class NativeForward:
         final_norm = tuple(map(_rows, final_norm))
         layers = [dataclasses.replace(layer, norm1=tuple(map(_rows, layer.norm1)), norm2=tuple(map(_rows, layer.norm2)),
                                       q_norm=_rows(layer.q_norm), k_norm=_rows(layer.k_norm)) for layer in layers]
-        self.weight_format = fmt = native.weight_format(  # (a matrix or its row blocks)
-            [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)])
+        self.weight_format = fmt = native.BF16_COMPUTE if compute == "bfloat16" else native.weight_format(
+            [lm_head] + [w for layer in layers for w, _ in (layer.qkv, layer.out, layer.fc1, layer.fc2)])  # (a matrix or its row blocks)
         head = native.PackedLinear(lm_head, None, fmt, lib)
         done = packed or (lambda w: None)
         done(lm_head)
@@ -345,6 +346,9 @@ class Runner:
         if self.native:
             if all(self.fwd.takes(len(s.ids), s.mask, s.cache, s.keep) for s in seqs):
                 return self.fwd(seqs, topk, argmax, cols)
+            if self.fwd.weight_format == native.BF16_COMPUTE:  # torch's path would compute in float32
+                raise RuntimeError("--kernel lean-bf16 computes on the native kernel only, which does not take "
+                                   f"{[(len(s.ids), s.keep, s.cache is not None) for s in seqs]} (rows, kept, cached)")
             if len(seqs) > 1:  # one the C forward does not take beside ones it does: each on its path
                 return forward_each(self, seqs, topk=topk, argmax=argmax, cols=cols)
         if self.released:

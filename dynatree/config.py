@@ -309,7 +309,8 @@ def reference_label(ref: ARConfig) -> str:
         (f"_kv{ref.kv_dtype}" if ref.kv_dtype != "model" else "") + sampled
 
 
-KERNELS = ("lean", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)
+KERNELS = ("lean", "lean-bf16", "lean-mkl", "hf")  # the engine's forward (models.ModelPair.kernel)
+NATIVE_KERNELS = ("lean", "lean-bf16")  # the ones on dynatree's C kernels ("lean-bf16": bfloat16 compute)
 # model types dynatree's C forward runs (lean.py: GPT-NeoX; packed.py: the Llama family)
 NATIVE_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "qwen3")
 

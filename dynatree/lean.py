@@ -73,12 +73,13 @@ def supports(model) -> bool:
 
 
 class LeanNeoX(cmodel.Runner):
-    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = True, release: bool = False):
+    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = True, release: bool = False,
+                 compute: str = "float32"):
         """gemm: run cached forwards through csrc/neox.c (native.py) where it applies, else torch;
         isa: the kernel variant (default: native.variant(), i.e. $DYNATREE_ISA or native); pack:
         let torch's path keep a oneDNN copy of the weights (can_pack); release: free each float32
         matrix once the C forward has packed it (cmodel.Runner.packed_callback; torch's path then
-        cannot run)."""
+        cannot run); compute: "bfloat16" for the C forward's bfloat16 matrix products (lean-bf16)."""
         cfg = model.config
         self.model, self.config = model, cfg
         self.dtype, self.device = model.dtype, model.device
@@ -114,9 +115,9 @@ class LeanNeoX(cmodel.Runner):
                                                        l.mlp.dense_h_to_4h, l.mlp.dense_4h_to_h)),
         ) for l in core.layers]
         if self.native:
-            self._init_native(core, native.library(isa), release)
+            self._init_native(core, native.library(isa), release, compute)
 
-    def _init_native(self, core, lib, release: bool = False) -> None:
+    def _init_native(self, core, lib, release: bool = False, compute: str = "float32") -> None:
         """csrc/neox.c's forward over this model's weights, its fused QKV rows permuted from
         NeoX's per-head [q k v] interleaving to the kernel's [q heads | k heads | v heads]."""
         H, hd = self.heads, self.head_dim
@@ -133,7 +134,7 @@ class LeanNeoX(cmodel.Runner):
                                (l.mlp.dense_4h_to_h.weight, l.mlp.dense_4h_to_h.bias)) for l in core.layers]
         self.lib = lib
         self.fwd = cmodel.NativeForward(lib, self._shape(), self.embed, self.cos, self.sin, self.final_ln,
-                                        self.model.lm_head.weight, layers, self.packed_callback(release))
+                                        self.model.lm_head.weight, layers, self.packed_callback(release), compute)
         self.weight_format = self.fwd.weight_format
 
     def _shape(self) -> cmodel.Shape:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import FLOAT16_ON_CPU, KERNELS
+from .config import FLOAT16_ON_CPU, KERNELS, NATIVE_KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask
@@ -102,6 +102,8 @@ class HFRunner:
 
 
 PROBE_TOKENS, PROBE_RTOL = 12, 1e-3
+# bfloat16 inputs carry 8 significant bits: logits move by ~1e-2 of their scale; a kernel bug by ~1
+PROBE_RTOL_BF16 = 0.1
 # architectures whose attention follows cache slots, named so a 16-bit model (whose probe must
 # allow for rounding) or one whose slot effects no short probe shows (Llama 4's 8192-token chunks
 # and NoPE temperature floor, GPT-Neo's 256-token local window counted back from the slot) is never
@@ -207,20 +209,23 @@ def _twin(cls, model) -> tuple:
     return twin, _probe_logits(twin, model)
 
 
-def _probed(run, model, which: str, twin):
+def _probed(run, model, which: str, twin, bf16: bool = False):
     """``run``, a native forward, if its logits over a fixed 12-token prompt agree with ``twin``'s,
     the same forward on torch's ops (within PROBE_RTOL of the logits' scale; float32 summation
     orders differ by ~1e-6), else that torch forward, with a warning.  Why: the native kernel is
     checked against torch by the tests on the shapes they build; on a model they never saw, a
     kernel bug (a tied embedding read with the wrong strides was one) makes ``ar`` wrong too, and
     no check against ``ar`` could see it.  ``twin``: :func:`_twin`'s, taken before ``run`` was
-    built where that frees the float32 weights the torch forward reads."""
+    built where that frees the float32 weights the torch forward reads.  ``bf16``: ``run`` computes in
+    bfloat16 (lean-bf16), compared within PROBE_RTOL_BF16; torch's float32 forward is no stand-in."""
     twin, torch_logits = twin
     native_logits = _probe_logits(run, model)
     gap, scale = (native_logits - torch_logits).abs().max().item(), max(1.0, torch_logits.abs().max().item())
-    if gap <= PROBE_RTOL * scale:
+    if gap <= (PROBE_RTOL_BF16 if bf16 else PROBE_RTOL) * scale:
         return run
     why = f"its logits differed from torch's by {gap:.3g} on a probe prompt (a native-kernel bug: please report it)"
+    if bf16:
+        raise PairError(f"the {which} model cannot run with --kernel lean-bf16: {why}")
     if run.released:  # torch's path has nothing left to run on
         raise PairError(f"the {which} model cannot run on the native kernel: {why}; run it with --kernel lean-mkl")
     twin.refusal = why
@@ -320,7 +325,7 @@ class ModelPair:
 
         key = (self.kernel, which)
         if key not in self.state:
-            gem = self.kernel == "lean"
+            gem = self.kernel in NATIVE_KERNELS
             cls = None if self.kernel == "hf" else LeanNeoX if lean_supports(model) else (
                 PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
             if cls is None:  # transformers' forward
@@ -330,8 +335,12 @@ class ModelPair:
                 return run
             release = self.release_packed and gem
             twin = _twin(cls, model) if release else None  # (taken before `run` frees the weights it reads)
-            run = cls(model, gemm=gem, release=release)
-            self.state[key] = _probed(run, model, which, twin or _twin(cls, model)) if run.native else run
+            bf16 = self.kernel == "lean-bf16"
+            run = cls(model, gemm=gem, release=release, compute="bfloat16" if bf16 else "float32")
+            if bf16 and not run.native:
+                raise PairError(f"--kernel lean-bf16 runs on dynatree's native kernel, which cannot run the {which} "
+                                f"model: {run.refusal}")
+            self.state[key] = _probed(run, model, which, twin or _twin(cls, model), bf16) if run.native else run
         return self.state[key]
 
     def release_matrices(self) -> int:

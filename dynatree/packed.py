@@ -62,10 +62,11 @@ FIXED_ROPE = ("default", "linear", "llama3", "yarn")
 class PackedRunner(cmodel.Runner):
     """The engine's runner (runtime.py) for a supported model: ``forward(seqs)`` packs them."""
 
-    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = False, release: bool = False):
+    def __init__(self, model, gemm: bool = True, isa: str | None = None, pack: bool = False, release: bool = False,
+                 compute: str = "float32"):
         """gemm: run cached forwards through the C kernels where they apply (cmodel.py), else
         torch; isa: the kernel variant (default: native.variant()); pack: unused (this torch path
-        keeps no oneDNN copy; the argument is lean.LeanNeoX's); release: as lean.LeanNeoX's."""
+        keeps no oneDNN copy; the argument is lean.LeanNeoX's); release, compute: as lean.LeanNeoX's."""
         self.model, self.config, self.dtype, self.device = model, model.config, model.dtype, model.device
         attn = model.model.layers[0].self_attn
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
@@ -78,7 +79,7 @@ class PackedRunner(cmodel.Runner):
         self.native = not self.refusal
         if self.native:
             self.lib = native.library(isa)
-            self.fwd = _native_forward(model, self.lib, self._shape(), self.packed_callback(release))
+            self.fwd = _native_forward(model, self.lib, self._shape(), self.packed_callback(release), compute)
             self.weight_format = self.fwd.weight_format
 
     def _shape(self) -> cmodel.Shape:
@@ -133,7 +134,7 @@ class PackedRunner(cmodel.Runner):
         return attn.o_proj(a.transpose(1, 2).reshape(1, N, self.heads * hd))
 
 
-def _native_forward(model, lib, shape: cmodel.Shape, packed=None) -> cmodel.NativeForward:
+def _native_forward(model, lib, shape: cmodel.Shape, packed=None, compute: str = "float32") -> cmodel.NativeForward:
     """csrc/neox.c's forward over a Llama-family model: q/k/v fused into one matrix, gate and up
     into another; the rotary table precomputed by the model's own rotary embedding."""
     core = model.model
@@ -159,4 +160,4 @@ def _native_forward(model, lib, shape: cmodel.Shape, packed=None) -> cmodel.Nati
         cos, sin = core.rotary_emb(core.embed_tokens.weight[:1][None], pos)  # (1, max_pos, hd)
     return cmodel.NativeForward(lib, shape, core.embed_tokens.weight, cos[0].float().contiguous(),
                                 sin[0].float().contiguous(), (core.norm.weight, None), model.lm_head.weight, layers,
-                                packed)
+                                packed, compute)

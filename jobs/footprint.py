@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from dynatree.config import MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, cache_rows, within_native_rows
+from dynatree.config import (MAX_PACKED_BYTES, MKL_PACK_BYTES, NATIVE_FAMILIES, NATIVE_KERNELS, cache_rows,
+                             within_native_rows)
 from dynatree.names import SKIP, safetensors_files
 
 from . import placement
@@ -118,8 +119,9 @@ def _model(model_dir: Path, spec, kv_bytes: int, slots: int) -> tuple[int, int, 
     n_mats = sum(n for _, _, n in mats)
     ours = top.get("model_type") in NATIVE_FAMILIES and spec.kernel != "hf" and spec.dtype == "float32"
     packed = released = 0
-    if ours and spec.kernel == "lean":  # the native kernel's copy, 16-bit where one such format stores them all
-        packed = n_mats * (2 if len({d for _, d, _ in mats}) == 1 and mats[0][1] in ("BF16", "F16") else 4)
+    if ours and spec.kernel in NATIVE_KERNELS:  # the native kernel's copy, 16-bit where one such format stores them all
+        sixteen = spec.kernel == "lean-bf16" or len({d for _, d, _ in mats}) == 1 and mats[0][1] in ("BF16", "F16")
+        packed = n_mats * (2 if sixteen else 4)
         if packed > MAX_PACKED_BYTES:  # the kernel refuses it: torch's path, nothing packed or freed
             packed = 0
         elif within_native_rows(spec.method_config):  # (the actors free torch's weights as packed: actors/worker.py)

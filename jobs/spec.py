@@ -63,8 +63,8 @@ class JobSpec:
     target: str | None = _f(None, "target model: hub name or local directory (default: the bundled demo pair)")
     draft: str | None = _f(None, "draft model: hub name or local directory (default: the bundled demo pair's, "
                                  "with no --target; with one, none: only ar runs without a draft)")
-    kernel: str = _f("lean", "forward the engine runs: lean (dynatree's CPU kernels), lean-mkl (the same "
-                             "forward on torch's GEMMs) or hf (transformers')", choices=KERNELS)
+    kernel: str = _f("lean", "forward the engine runs: lean (dynatree's CPU kernels), lean-bf16 (the same in "
+                             "bfloat16 compute), lean-mkl (the same forward on torch's GEMMs) or hf (transformers')", choices=KERNELS)
     method: str = _f("dynatree", "decoding method", choices=METHODS)
     options: dict = _f({}, "method option KEY=VALUE, repeatable", flag="option")
     max_new_tokens: int = _f(128, "new tokens per prompt (T)")

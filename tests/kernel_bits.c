@@ -6,7 +6,8 @@
  *
  * Inputs come from an integer generator and are exact in every weight format (no libm here: the
  * rotary tables are random values too), so they are the same bits on every machine.  Covered:
- * dt_gemm at 1..27 rows in float32/bfloat16/half weights (a third of them subnormal as halves),
+ * dt_gemm at 1..27 rows in float32/bfloat16/half weights (a third of them subnormal as halves) and in
+ * bfloat16 compute (format 3: the AVX512_BF16 instruction on one side, FMAs under flush-to-zero on the other),
  * and at 1, 13, 25 rows with K = 300 (long tiles, several passes); whole forwards of a GPT-NeoX-shaped
  * model (layer norms, GELU, parallel residual, partial rotary, biases) and a Llama/Qwen3-shaped
  * one (RMS norms, SwiGLU, grouped-query attention, q/k norms) in each weight format, over float32
@@ -65,7 +66,9 @@ static unsigned short to_half(float v) {
 
 /* W (N, K) row-major, packed into dt_gemm's tiles (N_pad / TW, K, TW) of format fmt: bfloat16 in
  * vec.h's pair order (native._pack: column h*w + 4l + i at position 8l + 4h + i). */
+static void *pack_bf16c(const float *W, long N, long K);
 static void *pack(const float *W, long N, long K, int fmt) {
+    if (fmt == 3) return pack_bf16c(W, N, K);
     long tw = dt_tile_width(), w = dt_vector_floats(), npad = (N + tw - 1) / tw * tw;
     size_t elem = fmt ? 2 : 4;
     char *p = alloc(elem * (size_t)(npad * K));
@@ -88,6 +91,32 @@ static void *pack(const float *W, long N, long K, int fmt) {
     return p;
 }
 
+/* Format 3 (bfloat16 compute): (N_pad / TW, K / 2, TW, 2) bfloat16 pairs where the kernel runs
+ * VDPBF16PS, else format 1's tiles of the rows with each pair swapped (native._pack_bf16c); K
+ * padded with a zero row to even.  Every rnd() value is a bfloat16: its top half is it. */
+static void *pack_bf16c(const float *W, long N, long K) {
+    long tw = dt_tile_width(), npad = (N + tw - 1) / tw * tw, kp = K + (K & 1);
+    if (dt_bf16_dot()) {
+        unsigned short *p = alloc(2 * (size_t)(npad * kp));
+        for (long t = 0; t < npad / tw; t++)
+            for (long k = 0; k < kp; k++)
+                for (long c = 0; c < tw; c++) {
+                    long n = t * tw + c;
+                    float v = n < N && k < K ? W[n * K + k] : 0.0f;
+                    unsigned int b;
+                    memcpy(&b, &v, 4);
+                    p[((t * (kp / 2) + k / 2) * tw + c) * 2 + k % 2] = (unsigned short)(b >> 16);
+                }
+        return p;
+    }
+    float *swapped = alloc(sizeof(float) * (size_t)(N * kp));
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < kp; k++) swapped[n * kp + k] = (k ^ 1) < K ? W[n * K + (k ^ 1)] : 0.0f;
+    void *p = pack(swapped, N, kp, 1);
+    free(swapped);
+    return p;
+}
+
 static float *padded(const float *b, long N) { /* a bias, zero to the tile width */
     long tw = dt_tile_width(), npad = (N + tw - 1) / tw * tw;
     float *p = alloc(sizeof(float) * (size_t)npad);
@@ -103,7 +132,7 @@ static void gemms(long K, const long *ms, int nm) {
     for (long i = 0; i < N * K; i += 3) W[i] = rnd(16); /* k * 2^-24: subnormal halves (and zeros) */
     long npad = (N + dt_tile_width() - 1) / dt_tile_width() * dt_tile_width();
     float *y = alloc(sizeof(float) * (size_t)(27 * npad));
-    for (int fmt = 0; fmt < 3; fmt++) {
+    for (int fmt = 0; fmt < 4; fmt++) {
         void *wp = pack(W, N, K, fmt);
         float *bp = padded(b, N);
         for (int i = 0; i < nm; i++) {
@@ -231,8 +260,9 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 27; i++) every[i] = i + 1;
     gemms(96, every, 27);
     gemms(300, some, 3);
+    gemms(97, some, 3); /* odd K: format 3 pads a zero pair */
     for (int llama = 0; llama < 2; llama++)
-        for (int fmt = 0; fmt < 3; fmt++)
+        for (int fmt = 0; fmt < 4; fmt++)
             for (long kvfmt = 0; kvfmt < 2; kvfmt++) forwards(llama, fmt, kvfmt);
     float noise[1000], vals[3 * 5], x[3 * 1000];
     long ids[3 * 5], best[3];

@@ -1,0 +1,130 @@
+"""--kernel lean-bf16: the native kernel's matrix products in bfloat16 (csrc/gemm.c, format 3).
+
+Its own numbers, not float32's: every GEMM input rounded to bfloat16 as VCVTNEPS2BF16 rounds,
+products summed in float32 in VDPBF16PS's order with denormals flushed.  What must hold is what
+holds for the float32 kernel: batch invariance (trees and batches give bitwise ``ar``'s tokens
+on this kernel) and the same bits on every variant -- the AVX512_BF16 instruction where the CPU
+has it, two FMAs per pair elsewhere."""
+import shutil
+
+import pytest
+import torch
+
+from dynatree import native, pair_from_models
+from dynatree.config import make_config
+from dynatree.engine import decode, decode_batch
+from dynatree.models import PairError
+
+from conftest import alone_and_packed
+from test_native import neox32
+from test_packed import llama32
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(autouse=True, params=native.variants_here())
+def isa(request, monkeypatch):
+    """Each test on each kernel variant this CPU runs (native may be the VDPBF16PS one)."""
+    monkeypatch.setenv("DYNATREE_ISA", request.param)
+    return request.param
+
+
+def bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """VCVTNEPS2BF16 on float32 bits, written independently of the kernel: zero and denormals to
+    signed zero, NaN quieted, else round to nearest even.  Returns float32 values."""
+    u = x.view(torch.int32).long() & 0xFFFFFFFF  # (as unsigned)
+    e, m = u & 0x7F800000, u & 0x7FFFFF
+    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    r = torch.where((e == 0x7F800000) & (m != 0), (u | 0x400000) & 0xFFFF0000, r)
+    r = torch.where(e == 0, u & 0x80000000, r)
+    return (r - ((r >> 31) << 32)).int().view(torch.float32)
+
+
+def chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The defined sum: per output, for each pair (2j, 2j+1) of k, acc += x[2j+1] w[2j+1] then
+    acc += x[2j] w[2j], each exact product rounded once into float32 (float64 holds the exact sum
+    of these moderate values).  x: (M, K), w: (N, K) -> (M, N)."""
+    xb, wb = bf16_bits(x).double(), w.bfloat16().double()
+    if x.shape[1] % 2:
+        xb, wb = torch.nn.functional.pad(xb, (0, 1)), torch.nn.functional.pad(wb, (0, 1))
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for j in range(0, xb.shape[1], 2):
+        for k in (j + 1, j):
+            acc = (acc.double() + xb[:, k:k + 1] * wb[:, k][None]).float()
+    return acc if b is None else acc + b
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (5, 63, 48), (13, 130, 96), (30, 257, 64)])
+def test_gemm_sums_the_rounded_products_in_vdpbf16ps_order(m, k, n):
+    torch.manual_seed(m * k)
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    lin = native.PackedLinear(w, b, native.BF16_COMPUTE)
+    y = lin(x)
+    assert torch.equal(y, chain(x, w, b))
+    assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(m)]), y)  # each row alone: the same bits
+
+
+def test_x_is_rounded_as_vcvtneps2bf16_rounds():
+    """With K = 1 (padded by a zero pair) each output is its row's rounded input: ties to even both
+    ways, denormals to zero, the largest values to infinity, NaN quieted."""
+    x = torch.randn(192, 1)
+    bits = x.view(torch.int32)
+    bits[:64] = (bits[:64] & ~0xFFFF) | 0x8000  # exact ties
+    bits[64:128] = (bits[64:128] & ~0xFFFF) | 0x18000  # ties, odd-above
+    x[128:144] = torch.randn(16, 1) * 1e-39  # float32 denormals
+    x[144:152] = 3.4e38 * torch.sign(torch.randn(8, 1))
+    x[152] = float("nan")
+    bits[153] = 0x007FFFFF  # the largest denormal: to zero, not rounded up to the smallest normal
+    y = native.PackedLinear(torch.ones(1, 1), None, native.BF16_COMPUTE)(x)
+    want = bf16_bits(x)
+    plain = ~torch.isnan(want) & (want != 0)  # (a zero's sign is lost in +0 + -0)
+    assert torch.equal(y[plain].view(torch.int32), want[plain].view(torch.int32))
+    assert torch.isnan(y[152]) and torch.isinf(y[144:152]).all() and (y[128:144] == 0).all() and y[153] == 0
+    assert plain.sum() == 192 - 18
+
+
+def test_every_variant_computes_the_same_bf16_bits():
+    """Edge values included: sums near and below the smallest normal (flushed), denormal weights
+    (read as zero), overflow, NaN."""
+    torch.manual_seed(1)
+    x, w, b = torch.randn(7, 200), torch.randn(64, 200), torch.randn(64) * 1e-38
+    x[1, 20:40] = 3.39e38
+    x[2, 5] = float("nan")
+    x[4] = 1e-19 * torch.randn(200)
+    w[:32] *= 1e-19  # row 4's first 32 outputs sum products of ~1e-38
+    w[32:, :50] = 1e-39 * torch.randn(32, 50)
+    ys = {v: native.PackedLinear(w, b, native.BF16_COMPUTE, native.library(v))(x) for v in native.variants_here()}
+    first = next(iter(ys.values()))
+    assert len(ys) >= 2 and all(torch.equal(y.view(torch.int32), first.view(torch.int32)) for y in ys.values())
+    assert (first[4, :32] == 0).any() and (first[4, :32] != 0).any()  # some flushed, some not
+
+
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_packed_sequences_get_bitwise_their_own_bf16_logits(arch):
+    model = neox32(3) if arch == "neox" else llama32("llama", 3)
+    run = pair_from_models(model, None, None, eos_token_id=None, kernel="lean-bf16").runner("target")
+    assert run.native and run.fwd.weight_format == native.BF16_COMPUTE
+    alone, _, packed, _ = alone_and_packed(model, run)
+    assert all(torch.equal(a.logits, p.logits) for a, p in zip(alone, packed))
+    # its own numbers: near float32's, not equal to them
+    ref = pair_from_models(model, None, None, eos_token_id=None).runner("target")
+    f32, _, _, _ = alone_and_packed(model, ref)
+    gaps = [float((a.logits - f.logits).abs().max()) for a, f in zip(alone, f32)]
+    assert 0 < max(gaps) < 0.05 * max(float(f.logits.abs().max()) for f in f32)
+
+
+def test_trees_and_batches_equal_ar_on_the_bf16_kernel():
+    pair = pair_from_models(neox32(5, layers=3), neox32(6, layers=1), None, eos_token_id=3, kernel="lean-bf16")
+    prompts = [[5, 9, 11], [40, 2, 7, 7, 1, 8], [3 + i for i in range(20)]]
+    ar = [decode(pair, p, make_config("ar"), max_new_tokens=40, ignore_eos=True)[0] for p in prompts]
+    for method, opts in [("dynatree", {}), ("linear", {}), ("dynatree", {"hw_budget": "off"})]:
+        assert [decode(pair, p, make_config(method, opts), max_new_tokens=40, ignore_eos=True)[0]
+                for p in prompts] == ar, (method, opts)
+        got = decode_batch(pair, prompts, make_config(method, opts), max_new_tokens=40, ignore_eos=True)
+        assert [out for out, _, _ in got] == ar, ("batched", method, opts)
+
+
+def test_lean_bf16_says_what_it_cannot_run():
+    """No silent float32 stand-in: a model the native kernel does not take is an error."""
+    with pytest.raises(PairError, match="lean-bf16.*float64"):
+        pair_from_models(neox32(1).double(), None, None, eos_token_id=3, kernel="lean-bf16").runner("target")
