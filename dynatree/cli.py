@@ -547,9 +547,15 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
         click.echo("draft: none given, only the target is timed")
     for name, table in timed:
         fmt = getattr(pair.runner(name), "weight_format", None)
-        store = f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})" if fmt is not None else ""
+        store = "" if fmt is None else "  (bfloat16 compute)" if fmt == native.BF16_COMPUTE else \
+            f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})"
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
     peak = _fma_peak_line(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
+    bf16 = getattr(runner, "weight_format", None) == native.BF16_COMPUTE  # (--kernel lean-bf16)
+    if bf16:
+        peak = native.dot_peak(torch.get_num_threads())
+        click.echo(f"bfloat16 compute on {native.bf16_compute(runner.lib)}: bfloat16 dot peak {peak:.0f} GFLOP/s, "
+                   "measured")
     for name, table in timed:
         lo, hi = _slope_sizes(table, (16, 64) if name == "target" else (4, 16))
         ms = (table[hi] - table[lo]) / (hi - lo)
@@ -559,7 +565,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
                        f"({table[lo]:.3f} against {table[hi]:.3f} ms): not measurable, try more --repeats")
             continue
         rate = flops / ms / 1e6
-        of_peak = f", {rate / peak:.0%} of the FMA peak" if peak else ""
+        of_peak = f", {rate / peak:.0%} of the {'bfloat16 dot' if bf16 else 'FMA'} peak" if peak else ""
         click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = {rate:.1f} GFLOP/s{of_peak} "
                    f"({flops / 1e6:.1f} MFLOP per token)")
     native_prefill = time_prefill(runner, prefill, repeats, kv_dtype) if prefill else None

@@ -82,7 +82,8 @@ def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
     if not gemm:
         return "--kernel lean-mkl asks for torch's kernels"
     if model.device.type != "cpu" or model.dtype != torch.float32:
-        return f"a {str(model.dtype).replace('torch.', '')} model on {model.device} (the kernel runs float32 on a CPU)"
+        hint = "; --dtype float32 --kernel lean-bf16 computes in bfloat16 on it" if model.device.type == "cpu" else ""
+        return f"a {str(model.dtype).replace('torch.', '')} model on {model.device} (the kernel runs float32 on a CPU{hint})"
     lib = native.library(isa)
     if lib is None:
         _warn_once(native.status(isa))

@@ -377,7 +377,9 @@ class ModelPair:
         if getattr(run, "native", False):
             from . import native
 
-            return f"native kernel ({native.library().dt_isa().decode()})"
+            lib = native.library()
+            bf16 = f", bfloat16 compute on {native.bf16_compute(lib)}" if run.weight_format == native.BF16_COMPUTE else ""
+            return f"native kernel ({lib.dt_isa().decode()}{bf16})"
         why = self.not_native(which)
         if not hasattr(run, "native") and run.tree_problem:  # models.HFRunner
             role = ("token trees verified as chains" if which == "target" else

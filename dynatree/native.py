@@ -79,7 +79,8 @@ def _build(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     lib.dt_work_per_row.restype = L
     lib.dt_isa.restype = ctypes.c_char_p
     lib.dt_fma_peak.restype = ctypes.c_double
-    lib.dt_fma_peak.argtypes = [L, I]
+    lib.dt_fma_peak.argtypes = lib.dt_dot_peak.argtypes = [L, I]
+    lib.dt_dot_peak.restype = ctypes.c_double
     lib.dt_isa.argtypes = lib.dt_vector_floats.argtypes = lib.dt_rows_per_pass.argtypes = lib.dt_tile_width.argtypes = []
     lib.dt_bf16_dot.argtypes, lib.dt_bf16_dot.restype = [], ctypes.c_int
     lib.dt_seq_bytes.argtypes, lib.dt_seq_bytes.restype = [], L
@@ -99,6 +100,17 @@ def fma_peak(threads: int, isa: str | None = None) -> float:
     (best of three ~50 ms runs): the ceiling the GEMM's achieved GFLOP/s compare with."""
     lib = library(isa)
     return max(lib.dt_fma_peak(20_000_000 // lib.dt_vector_floats(), threads) for _ in range(3)) if lib else 0.0
+
+
+def dot_peak(threads: int, isa: str | None = None) -> float:
+    """fma_peak for bfloat16 compute (format 3): VDPBF16PS's GFLOP/s where the variant runs it."""
+    lib = library(isa)
+    return max(lib.dt_dot_peak(20_000_000 // 64, threads) for _ in range(3)) if lib else 0.0
+
+
+def bf16_compute(lib) -> str:
+    """How this build runs bfloat16 compute (format 3), for summaries and `dynatree profile`."""
+    return "VDPBF16PS" if lib.dt_bf16_dot() else "FMAs under flush-to-zero, float32's rate"
 
 
 def library(isa: str | None = None) -> ctypes.CDLL | None:

@@ -5,6 +5,7 @@ products summed in float32 in VDPBF16PS's order with denormals flushed.  What mu
 holds for the float32 kernel: batch invariance (trees and batches give bitwise ``ar``'s tokens
 on this kernel) and the same bits on every variant -- the AVX512_BF16 instruction where the CPU
 has it, two FMAs per pair elsewhere."""
+import re
 import shutil
 
 import pytest
@@ -128,3 +129,21 @@ def test_lean_bf16_says_what_it_cannot_run():
     """No silent float32 stand-in: a model the native kernel does not take is an error."""
     with pytest.raises(PairError, match="lean-bf16.*float64"):
         pair_from_models(neox32(1).double(), None, None, eos_token_id=3, kernel="lean-bf16").runner("target")
+
+
+def test_profile_and_summaries_say_bf16_compute_and_its_peak(tmp_path):
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    neox32(12).save_pretrained(tmp_path / "target")
+    res = CliRunner().invoke(main, ["profile", "--target", str(tmp_path / "target"), "--device", "cpu",
+                                    "--kernel", "lean-bf16", "--prefix", "16", "--prefill", "0", "--repeats", "1",
+                                    "--rounds", "1"])
+    assert res.exit_code == 0, res.output
+    lib = native.library()
+    how = "VDPBF16PS" if lib.dt_bf16_dot() else "FMAs under flush-to-zero"
+    assert f"bfloat16 compute on {how}" in res.output and "(bfloat16 compute)" in res.output
+    assert re.search(r"^target: .*(% of the bfloat16 dot peak|not measurable)", res.output, re.M), res.output
+    pair = pair_from_models(neox32(12), None, None, eos_token_id=None, kernel="lean-bf16")
+    assert f"bfloat16 compute on {how}" in pair.forward_in_use("target")

@@ -43,6 +43,7 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     # each matrix freed as it is packed: the load peaks at the weights, not the weights plus their copies
     assert fp.base == fp.weights + fp.fixed + fp.packed - fp.released < fp.weights + fp.fixed + fp.packed
     assert _footprint(job(pair_dirs, kernel="hf")).packed == 0 == _footprint(job(pair_dirs, kernel="hf")).released
+    assert _footprint(job(pair_dirs, kernel="lean-bf16")).packed == 2 * (mt + md)  # bfloat16 compute: 16-bit copies
     assert _footprint(job(pair_dirs, dtype="float64")).weights == 2 * fp.weights
     assert _footprint(job(pair_dirs, dtype="float64")).packed == 0
     bf = _footprint(job(pair_dirs, options={"kv_dtype": "bfloat16"}))

@@ -240,6 +240,34 @@ static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, c
 #endif
 int dt_bf16_dot(void) { return BF16_DOT; }
 
+/* The rate of format 3's products in GFLOP/s over `threads` threads: VDPBF16PS's (12 chains, four
+ * FLOP per lane) where the kernel runs it, else the FMA's (dt_fma_peak). */
+double dt_fma_peak(long iters, int threads);
+double dt_dot_peak(long iters, int threads) {
+#if BF16_DOT
+    double sink = 0, t0 = 0, t1 = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        __m512 a[12];
+        __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999f), _mm512_set1_ps(0.999f));
+        __m512bh y = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-9f), _mm512_set1_ps(1e-9f));
+        for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(1e-9f * (float)i);
+#pragma omp barrier
+#pragma omp master
+        t0 = omp_get_wtime();
+        for (long k = 0; k < iters; k++)
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], x, y);
+#pragma omp barrier
+#pragma omp master
+        t1 = omp_get_wtime();
+        for (int i = 0; i < 12; i++) sink += a[i][0];
+    }
+    return sink * 0 + 4.0 * 12 * 16 * (double)iters * threads / (t1 - t0) / 1e9;
+#else
+    return dt_fma_peak(iters, threads);
+#endif
+}
+
 /* x's conversion buffer: (M, K rounded up to even) of bfloat16 (BF16_DOT) or float32. */
 long dt_bf16c_buffer_bytes(long M, long K) { return M * (K + (K & 1)) * (BF16_DOT ? 2 : 4); }
 

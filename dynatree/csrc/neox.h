@@ -41,6 +41,7 @@ int dt_tile_width(void);
 void dt_gemm_for(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
                  void *xbuf);
 int dt_bf16_dot(void);
+double dt_dot_peak(long iters, int threads);
 long dt_bf16c_buffer_bytes(long M, long K);
 void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N,
              int threads);
