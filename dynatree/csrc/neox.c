@@ -151,13 +151,26 @@ static void put_kv(void *buf, long kvfmt, long at, const float *x, long n) {
 /* Columns of fc1's output: [gate | up] for SwiGLU. */
 static inline long fc1_width(const long *dims) { return dims[ACT] == ACT_SWIGLU ? 2 * dims[FF] : dims[FF]; }
 
-/* Floats per packed row of the forward's work buffer (dt_neox_forward's layout: h, h2, a, z,
- * then the scratch that block_in, the gated activation and the head share). */
-long dt_work_per_row(const long *dims) {
+/* The widest K of the model's GEMMs: d (q/k/v, fc1, head), H hd (attention output), ff (fc2). */
+static long widest_k(const long *dims) {
+    long k = dims[D_MODEL] > dims[HEADS] * dims[HEAD_DIM] ? dims[D_MODEL] : dims[HEADS] * dims[HEAD_DIM];
+    return k > dims[FF] ? k : dims[FF];
+}
+
+/* Floats per packed row of the forward's work buffer before the bfloat16-compute buffer
+ * (dt_neox_forward's layout: h, h2, a, z, then the scratch that block_in, the gated activation
+ * and the head share). */
+static long work_before_xconv(const long *dims) {
     long d = dims[D_MODEL], hd = dims[HEAD_DIM], H = dims[HEADS], KV = dims[KV_HEADS], ff = dims[FF];
     long scratch = d + (2 * H + 2 * KV) * hd;
     if (dims[ACT] == ACT_SWIGLU && ff > scratch) scratch = ff;
     return 3 * d + fc1_width(dims) + scratch;
+}
+
+/* Floats per packed row of the forward's work buffer: the layout above, then, for bfloat16
+ * compute (dt_gemm's format 3), the GEMMs' rounded inputs (dt_bf16c_buffer_bytes, in floats). */
+long dt_work_per_row(const long *dims) {
+    return work_before_xconv(dims) + (dims[WFMT] == 3 ? dt_bf16c_buffer_bytes(1, widest_k(dims)) / 4 + 1 : 0);
 }
 
 /* First half of layer l.  h: (n, d) -> a: (n, d) attention output (plus h for a sequential
@@ -288,9 +301,7 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
     long *keep_rows = must_alloc(sizeof(long) * (size_t)n);
     const float **noise = must_alloc(sizeof(float *) * (size_t)n); /* per kept row, NULL: plain logits */
     float *inv_temp = must_alloc(sizeof(float) * (size_t)n);
-    /* bfloat16 compute (dt_gemm's fmt 3): the GEMMs' rounded inputs, at most K = max(d, H hd, ff) */
-    long kmax = d > dims[HEADS] * hd ? d : dims[HEADS] * hd;
-    void *xconv = dims[WFMT] == 3 ? must_alloc((size_t)dt_bf16c_buffer_bytes(n, kmax > ff ? kmax : ff)) : 0;
+    void *xconv = dims[WFMT] == 3 ? work + n * work_before_xconv(dims) : 0; /* (bfloat16 compute) */
     for (long q = 0, i = 0; q < nseq; q++) {
         rm.start[q] = i;
         long tr = seqs[q].rows * (dims[HEADS] / dims[KV_HEADS]); /* rows of its attention tasks */
@@ -338,7 +349,6 @@ int dt_neox_forward(const long *dims, float eps, float scaling, long nlayers, co
         free(w.acc);
         free(w.s);
     }
-    free(xconv);
     free(keep_rows);
     free(noise);
     free(inv_temp);
