@@ -123,6 +123,11 @@ def test_trees_and_batches_equal_ar_on_the_bf16_kernel():
                 for p in prompts] == ar, (method, opts)
         got = decode_batch(pair, prompts, make_config(method, opts), max_new_tokens=40, ignore_eos=True)
         assert [out for out, _, _ in got] == ar, ("batched", method, opts)
+    # sampled: the seeded draws of ar, batched trees included
+    hot = {"temperature": 0.9, "seed": 3}
+    drawn = [decode(pair, p, make_config("ar", hot), max_new_tokens=40, ignore_eos=True)[0] for p in prompts]
+    got = decode_batch(pair, prompts, make_config("dynatree", hot), max_new_tokens=40, ignore_eos=True)
+    assert [out for out, _, _ in got] == drawn and drawn != ar
 
 
 def test_lean_bf16_says_what_it_cannot_run():
