@@ -407,13 +407,15 @@ def _zero_prefix(model, cache, prefix_len: int, vocab: int, gen) -> None:
 
 @torch.inference_mode()
 def time_prefill(model, n: int, repeats: int, kv_dtype: str = "model") -> float:
-    """Median ms of a causal forward over an n-token prompt into an empty cache."""
+    """Median ms of a prefill: a causal forward over an n-token prompt into an empty cache, keeping
+    the last row's logits as the engine's prefill does (a longer one goes through the native
+    kernel in chunks, not to torch's path)."""
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)
     cache = new_cache(model, n + 1, kv_dtype)
 
     def step():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.truncate(0)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)

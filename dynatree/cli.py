@@ -611,6 +611,8 @@ def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, r
         models.append(("draft", [n for n in (1, 4, 16) if n + 1 < pair.max_context], 0))
     for name, sizes, pre in models:
         _mkl_rounds(pair.runner(name), name, sizes, pre, prefix, repeats, kv_dtype, rounds)
+    if pair.kernel == "lean-bf16":
+        click.echo("note: the native times above compute in bfloat16 (--kernel lean-bf16), lean-mkl's in float32")
     held = _mkl_held_to(kbuild.variant())
     if held and "MKL_ENABLE_INSTRUCTIONS" not in os.environ:
         # MKL picks its code path from the CPU, not from DYNATREE_ISA: here it runs wider FMAs than the

@@ -76,7 +76,7 @@ def _warn_once(why: str) -> None:
               "kernels (slower)", file=sys.stderr, flush=True)
 
 
-def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
+def refusal(model, shape: Shape, gemm: bool, isa: str | None = None, compute: str = "float32") -> str:
     """Why this forward cannot run ``model`` ("" when it can), for the runners' fallback to torch
     and for `dynatree profile` to say."""
     if not gemm:
@@ -94,7 +94,7 @@ def refusal(model, shape: Shape, gemm: bool, isa: str | None = None) -> str:
         return f"its widths (hidden {shape.d}, MLP {shape.ff}: multiples of 32; {shape.heads} q heads over {shape.kv_heads} kv heads)"
     if not lib.dt_attn_supported(shape.head_dim):
         return f"its head size {shape.head_dim} (the attention kernel takes 16, 32, ..., 128, 160, 192, 256)"
-    copy = native.packed_bytes(model)
+    copy = native.packed_bytes(model, compute == "bfloat16")
     if copy > native.MAX_PACKED_BYTES:
         return (f"its packed copy ({copy / 2**30:.1f} GiB) would pass a quarter of this "
                 f"machine's memory ({native.MAX_PACKED_BYTES / 2**30:.1f} GiB)")

@@ -102,7 +102,7 @@ class LeanNeoX(cmodel.Runner):
         self.sin = (emb.sin() * scale).to(self.dtype)
         self.rot = emb.shape[-1]
         # why the C forward does not run this model ("" when it does: cmodel.refusal)
-        self.refusal = cmodel.refusal(model, self._shape(), gemm, isa)
+        self.refusal = cmodel.refusal(model, self._shape(), gemm, isa, compute)
         self.native = not self.refusal
         # The torch path serves everything when not native, and when native the rare forward it
         # does not take (a long causal one keeping many rows' logits, a cache of another dtype).

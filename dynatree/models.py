@@ -328,6 +328,10 @@ class ModelPair:
             gem = self.kernel in NATIVE_KERNELS
             cls = None if self.kernel == "hf" else LeanNeoX if lean_supports(model) else (
                 PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
+            if cls is None and self.kernel == "lean-bf16":
+                raise PairError(f"--kernel lean-bf16 runs on dynatree's native kernel, which does not take the {which} "
+                                f"model ({getattr(model.config, 'model_type', type(model).__name__)}: neither GPT-NeoX "
+                                "nor a Llama-family layout it packs)")
             if cls is None:  # transformers' forward
                 run = HFRunner(model)
                 run.tree_problem, run.tree_fails = _tree_problem(run, model, which)  # (a PairError: no runner kept)
@@ -404,8 +408,11 @@ class ModelPair:
         """Why this pair cannot decode with method config ``cfg`` ("" when it can): a draft whose
         tree forward fails (models._tree_problem) grows chains only, so only ``linear`` drafts with
         it.  Checked before any decoding: check, bench, a job's actors, BatchDecoder.add."""
-        from .config import grows_trees
+        from .config import NATIVE_ROWS, grows_trees, within_native_rows
 
+        if self.kernel == "lean-bf16" and not within_native_rows(cfg):
+            return (f"--kernel lean-bf16 computes on the native kernel only, which verifies at most {NATIVE_ROWS} "
+                    "tokens a forward: lower the node budget or the lookup length")
         if self.draft is None or not grows_trees(cfg):
             return ""
         draft = self.runner("draft")

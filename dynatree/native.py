@@ -134,11 +134,11 @@ def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def packed_bytes(model) -> int:
-    """The bytes a packed copy of the model's matrices takes: 2 per weight where one 16-bit
-    format holds them all exactly (weight_format), else 4."""
+def packed_bytes(model, bf16_compute: bool = False) -> int:
+    """The bytes a packed copy of the model's matrices takes: 2 per weight for bfloat16 compute or
+    where one 16-bit format holds them all exactly (weight_format), else 4."""
     mats = [p for p in model.parameters() if p.dim() == 2]
-    return sum(p.numel() for p in mats) * (2 if weight_format(mats) else 4)
+    return sum(p.numel() for p in mats) * (2 if bf16_compute or weight_format(mats) else 4)
 
 
 # dt_gemm's weight storage formats.  Formats 0-2 compute in float32; their 16-bit formats only
@@ -227,7 +227,7 @@ class PackedLinear:
         self.bias = None
         if bias is not None:
             self.bias = torch.zeros(self.n_pad, dtype=torch.float32)
-            self.bias[:n_out] = bias.detach()
+            self.bias[:n_out] = bias.detach() if fmt != BF16_COMPUTE else _flushed(bias.detach().float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., K) float32 -> (..., N)."""
@@ -266,6 +266,12 @@ def _pack(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, dtype: tor
     return packed.copy_(tiles)
 
 
+def _flushed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its denormals made signed zeros: format 3 reads none (VDPBF16PS treats them as
+    zero, x86's emulation under DAZ too; elsewhere the kernels flush only results)."""
+    return torch.where(t.abs() < 2.0 ** -126, t * 0, t)
+
+
 @torch.no_grad()
 def _pack_bf16c(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, lib) -> torch.Tensor:
     """W (N, K) rounded to bfloat16 and packed for format 3 (csrc/gemm.c), K padded with a zero
@@ -278,6 +284,7 @@ def _pack_bf16c(blocks: list[torch.Tensor], n_in: int, n_pad: int, tw: int, lib)
     for b in blocks:
         wt[:n_in, n0:n0 + b.shape[0]] = b.detach().t()
         n0 += b.shape[0]
+    wt = _flushed(wt)
     if lib.dt_bf16_dot():
         tiles = wt.unflatten(0, (kp // 2, 2)).unflatten(2, (n_pad // tw, tw))  # (K/2, 2, N/TW, TW)
         return tiles.permute(2, 0, 3, 1).contiguous()  # (N/TW, K/2, TW, 2)

@@ -74,7 +74,7 @@ class PackedRunner(cmodel.Runner):
         self.switch = rope_switch(self.config)
         rope = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
         # why the C forward does not run this model ("" when it does: cmodel.refusal)
-        self.refusal = cmodel.refusal(model, self._shape(), gemm, isa) or (
+        self.refusal = cmodel.refusal(model, self._shape(), gemm, isa, compute) or (
             f"its rotary type {rope!r} rescales with the length" if rope not in FIXED_ROPE else "")
         self.native = not self.refusal
         if self.native:

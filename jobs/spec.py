@@ -151,6 +151,9 @@ class JobSpec:
                             "(start more actors to use more GPUs)")
         if self.kernel not in KERNELS:
             problems.append(f"kernel must be one of {', '.join(KERNELS)}")
+        elif self.kernel == "lean-bf16" and (self.dtype != "float32" or self.device.startswith("cuda")):
+            problems.append("kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models "
+                            "as float32 on a CPU (dtype float32, device cpu or auto)")
         if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None):
             problems.append("give both target and draft, or neither (the bundled demo pair)"
                             + ("; ar needs only a target" if self.target is None else

@@ -145,6 +145,27 @@ static void gemms(long K, const long *ms, int nm) {
     free(W), free(b), free(x), free(y);
 }
 
+static float bitsf(unsigned int b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* Format 3 at the smallest normal, 2^-126: over k = 1, 0, 3 the first output's exact sum is
+ * 2^-126 + 2^-149 - 1.125 * 2^-149, tiny before rounding and 2^-126 after (kept: x86's flush and
+ * VDPBF16PS's test the rounded value; aarch64's FPCR.FZ would flush it), the second's rounds to
+ * the largest denormal (flushed everywhere). */
+static void boundary(void) {
+    float x[4] = {bitsf(52u << 23), bitsf(64u << 23), 0.0f, bitsf(0x80000000u | 52u << 23 | 0x100000u)};
+    float W[2 * 4] = {bitsf(53u << 23), bitsf(64u << 23), 0.0f, bitsf(53u << 23),
+                      bitsf(53u << 23), bitsf(64u << 23), 0.0f, bitsf(54u << 23)};
+    void *wp = pack(W, 2, 4, 3);
+    float *y = alloc(sizeof(float) * (size_t)dt_tile_width());
+    dt_gemm(x, 1, 4, wp, 3, NULL, y, dt_tile_width(), threads);
+    emit(y, 2 * sizeof(float));
+    free(wp), free(y);
+}
+
 typedef struct { /* a model as dt_neox_forward reads it */
     long dims[NDIM], nlayers, V;
     float eps, scaling;
@@ -261,6 +282,7 @@ int main(int argc, char **argv) {
     gemms(96, every, 27);
     gemms(300, some, 3);
     gemms(97, some, 3); /* odd K: format 3 pads a zero pair */
+    boundary();
     for (int llama = 0; llama < 2; llama++)
         for (int fmt = 0; fmt < 4; fmt++)
             for (long kvfmt = 0; kvfmt < 2; kvfmt++) forwards(llama, fmt, kvfmt);

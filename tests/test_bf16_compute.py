@@ -100,6 +100,20 @@ def test_every_variant_computes_the_same_bf16_bits():
     assert (first[4, :32] == 0).any() and (first[4, :32] != 0).any()  # some flushed, some not
 
 
+def test_results_flush_after_rounding_as_vdpbf16ps_does():
+    """At the smallest normal 2^-126: a sum tiny before rounding but 2^-126 after is kept, one that
+    rounds below it becomes zero; a denormal weight or bias reads as zero (tests/kernel_bits.c
+    holds the first case for the aarch64 build)."""
+    p = lambda e, m=1.0: m * 2.0 ** e  # noqa: E731
+    x = torch.tensor([[p(-75), p(-63), 0.0, p(-75, -1.125)], [p(60), p(-63), 0.0, 0.0]])
+    w = torch.tensor([[p(-74), p(-63), 0.0, p(-74)], [p(-74), p(-63), 0.0, p(-73)], [p(-130), p(-63), 0.0, 0.0]])
+    y = native.PackedLinear(w, torch.tensor([0.0, 0.0, p(-127)]), native.BF16_COMPUTE)(x)
+    assert y[0, 0] == p(-126) and y[0, 1] == 0  # (torch keeps denormals: the kernel flushed)
+    # row 1, output 2: 2^-63 * 2^-63, then 2^60 times a denormal weight (else 2^-70), plus a
+    # denormal bias (else 1.5 * 2^-126)
+    assert y[1, 2] == p(-126)
+
+
 @pytest.mark.parametrize("arch", ["neox", "llama"])
 def test_packed_sequences_get_bitwise_their_own_bf16_logits(arch):
     model = neox32(3) if arch == "neox" else llama32("llama", 3)
@@ -152,3 +166,47 @@ def test_profile_and_summaries_say_bf16_compute_and_its_peak(tmp_path):
     assert re.search(r"^target: .*(% of the bfloat16 dot peak|not measurable)", res.output, re.M), res.output
     pair = pair_from_models(neox32(12), None, None, eos_token_id=None, kernel="lean-bf16")
     assert f"bfloat16 compute on {how}" in pair.forward_in_use("target")
+
+
+def test_no_silent_float32_stand_in_for_what_the_kernel_does_not_take(monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=64, n_layer=1, n_head=4, n_positions=64)).eval()
+    with pytest.raises(PairError, match="lean-bf16.*gpt2"):
+        pair_from_models(gpt2, None, None, eos_token_id=None, kernel="lean-bf16").runner("target")
+    # a chain longer than the kernel's rows would need torch's path: refused before decoding
+    pair = pair_from_models(neox32(5), neox32(6, layers=1), None, eos_token_id=3, kernel="lean-bf16")
+    long = make_config("linear", {"k": 600})
+    assert "lean-bf16" in pair.method_problem(long) and not pair.method_problem(make_config("dynatree"))
+    with pytest.raises(ValueError, match="lean-bf16"):
+        decode(pair, [5, 9, 11], long, max_new_tokens=4)
+    # its packed copy is 16-bit whatever the checkpoint: sized as such
+    model = neox32(7)
+    mats = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    monkeypatch.setattr(native, "MAX_PACKED_BYTES", 3 * mats)
+    assert pair_from_models(model, None, None, eos_token_id=None, kernel="lean-bf16").runner("target").native
+    assert not pair_from_models(model, None, None, eos_token_id=None).runner("target").native  # float32: 4 bytes
+
+
+def test_a_long_prefill_runs_in_chunks_and_the_fpu_modes_are_restored():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from dynatree.budget import time_prefill
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=700, rotary_pct=0.5)
+    run = pair_from_models(GPTNeoXForCausalLM(cfg).eval(), None, None, eos_token_id=None,
+                           kernel="lean-bf16").runner("target")
+    assert time_prefill(run, 600, 1) > 0  # (600 rows: past the kernel's 512, as the engine prefills)
+    # the kernel's threads set flush-to-zero for its GEMMs and put it back: torch keeps denormals
+    tiny = torch.full((1 << 20,), 1e-39) * 1.0  # (parallel over torch's threads)
+    assert (tiny != 0).all() and (torch.tensor([1e-39]) * 1.0 != 0).all()
+
+
+def test_a_job_spec_says_what_lean_bf16_runs_on():
+    from dynatree.jobs.spec import JobSpec, SpecError
+
+    with pytest.raises(SpecError, match="lean-bf16"):
+        JobSpec(input="x.parquet", output="out", kernel="lean-bf16", dtype="bfloat16")
+    JobSpec(input="x.parquet", output="out", kernel="lean-bf16")

@@ -52,7 +52,7 @@ static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0
  * per k) into L2, so a later pass, which reads no new weights, loads the next tile's for the first.
  * (One row is bound by the weight stream, not by its two FMA chains' latency: pairing tiles to
  * give it four chains measured no faster.) */
-#define KERN(R, T, LD, NAME)                                                                        \
+#define KERN(R, T, LD, NAME, FMA, ADD)                                                              \
     static void NAME##_##R(const float *x, long ldx, const void *w_, long K, float *y, long ldy,    \
                            const float *b, const char *nxt, long nrow) {                            \
         enum { PF = PREFETCH_BYTES / (TW * sizeof(T)), ROWB = TW * sizeof(T) };                     \
@@ -70,24 +70,43 @@ static inline void row_bf16(const unsigned short *p, vf *wv) { ld2_bf16(p, &wv[0
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                  \
                 vf xv = bc(x[r * ldx + k]);                                                         \
                 _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                               \
-                    acc[r][c] = fmadd(xv, wv[c], acc[r][c]);                                        \
+                    acc[r][c] = FMA(xv, wv[c], acc[r][c]);                                          \
             }                                                                                       \
         }                                                                                           \
         _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) {                                     \
             vf bv = b ? ld(b + c * DT_W) : bc(0.f);                                                 \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) st(y + r * ldy + c * DT_W, acc[r][c] + bv); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) st(y + r * ldy + c * DT_W, ADD(acc[r][c], bv)); \
         }                                                                                           \
     }
 typedef void (*kern_fn)(const float *, long, const void *, long, float *, long, const float *, const char *, long);
-#define KERNS_OF(T, LD, NAME)                                                                       \
-    KERN(1, T, LD, NAME) KERN(2, T, LD, NAME) KERN(3, T, LD, NAME) KERN(4, T, LD, NAME)             \
-    KERN(5, T, LD, NAME) KERN(6, T, LD, NAME) KERN(7, T, LD, NAME) KERN(8, T, LD, NAME)             \
-    KERN(9, T, LD, NAME) KERN(10, T, LD, NAME) KERN(11, T, LD, NAME) KERN(12, T, LD, NAME)          \
+static inline vf vadd(vf a, vf b) { return a + b; }
+#define KERNS_OF(T, LD, NAME, FMA, ADD)                                                             \
+    KERN(1, T, LD, NAME, FMA, ADD) KERN(2, T, LD, NAME, FMA, ADD) KERN(3, T, LD, NAME, FMA, ADD)    \
+    KERN(4, T, LD, NAME, FMA, ADD) KERN(5, T, LD, NAME, FMA, ADD) KERN(6, T, LD, NAME, FMA, ADD)    \
+    KERN(7, T, LD, NAME, FMA, ADD) KERN(8, T, LD, NAME, FMA, ADD) KERN(9, T, LD, NAME, FMA, ADD)    \
+    KERN(10, T, LD, NAME, FMA, ADD) KERN(11, T, LD, NAME, FMA, ADD) KERN(12, T, LD, NAME, FMA, ADD) \
     static const kern_fn NAME[13] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, \
                                      NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
-KERNS_OF(float, row_f32, kern_f32)
-KERNS_OF(unsigned short, row_bf16, kern_bf16)
-KERNS_OF(dt_half, row_f16, kern_f16)
+KERNS_OF(float, row_f32, kern_f32, fmadd, vadd)
+KERNS_OF(unsigned short, row_bf16, kern_bf16, fmadd, vadd)
+KERNS_OF(dt_half, row_f16, kern_f16, fmadd, vadd)
+/* Format 3's emulation off x86 (no FPU mode flushes after rounding as x86 and VDPBF16PS do:
+ * aarch64's FPCR.FZ flushes results that are tiny before rounding): each result whose rounded
+ * value is below the smallest normal becomes a signed zero here, in software (the inputs carry
+ * no denormals: x's rounding and the packing flush them).  The generic build does the same on
+ * x86 too, so an x86 host tests the path ARM runs against the other two. */
+#if !(defined(__x86_64__) || defined(__i386__)) || defined(DT_GENERIC)
+#define BF16_FLUSH_SOFT 1
+static inline vf flushed(vf r) {
+    vi tiny = ((vi)r & 0x7f800000) == 0;
+    return vsel(tiny, (vf)((vi)r & (int)0x80000000), r);
+}
+static inline vf fmadd_ftz(vf a, vf b, vf c) { return flushed(fmadd(a, b, c)); }
+static inline vf vadd_ftz(vf a, vf b) { return flushed(a + b); }
+KERNS_OF(unsigned short, row_bf16, kern_bf16z, fmadd_ftz, vadd_ftz)
+#else
+#define BF16_FLUSH_SOFT 0
+#endif
 
 /* The short last pass of a 16-register ISA: R = 1 or 2 rows over G tiles at once (tiles ts
  * elements apart), R x G x NVT = 8 accumulator chains.  Why: after the full RMAX-row passes
@@ -98,7 +117,7 @@ KERNS_OF(dt_half, row_f16, kern_f16)
  * Each output is still one FMA chain over k in order, plus the bias: the same bits. */
 #define TAIL_ROWS (DT_NREG < 32 ? 2 : 0)
 #define TAIL_TILES(R) (8 / (NVT * (R)))
-#define KERNT(R, G, T, LD, NAME)                                                                    \
+#define KERNT(R, G, T, LD, NAME, FMA, ADD)                                                          \
     static void NAME##_##R##x##G(const float *x, long ldx, const void *w_, long ts, long K, float *y, long ldy, \
                                  const float *b) {                                                  \
         const T *w = (const T *)w_;                                                                 \
@@ -113,26 +132,30 @@ KERNS_OF(dt_half, row_f16, kern_f16)
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                               \
                     vf xv = bc(x[r * ldx + k]);                                                     \
                     _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++)                           \
-                        acc[r][g][c] = fmadd(xv, wv[c], acc[r][g][c]);                              \
+                        acc[r][g][c] = FMA(xv, wv[c], acc[r][g][c]);                                \
                 }                                                                                   \
             }                                                                                       \
         _Pragma("GCC unroll 8") for (int g = 0; g < G; g++)                                         \
             _Pragma("GCC unroll 4") for (int c = 0; c < NVT; c++) {                                 \
                 vf bv = b ? ld(b + g * TW + c * DT_W) : bc(0.f);                                    \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                 \
-                    st(y + r * ldy + g * TW + c * DT_W, acc[r][g][c] + bv);                         \
+                    st(y + r * ldy + g * TW + c * DT_W, ADD(acc[r][g][c], bv));                     \
             }                                                                                       \
     }
 typedef void (*kernt_fn)(const float *, long, const void *, long, long, float *, long, const float *);
-#define KERNTS_OF(T, LD, NAME)                                                                      \
-    KERNT(1, 1, T, LD, NAME) KERNT(1, 2, T, LD, NAME) KERNT(1, 3, T, LD, NAME) KERNT(1, 4, T, LD, NAME) \
-    KERNT(2, 1, T, LD, NAME) KERNT(2, 2, T, LD, NAME)                                               \
+#define KERNTS_OF(T, LD, NAME, FMA, ADD)                                                            \
+    KERNT(1, 1, T, LD, NAME, FMA, ADD) KERNT(1, 2, T, LD, NAME, FMA, ADD)                           \
+    KERNT(1, 3, T, LD, NAME, FMA, ADD) KERNT(1, 4, T, LD, NAME, FMA, ADD)                           \
+    KERNT(2, 1, T, LD, NAME, FMA, ADD) KERNT(2, 2, T, LD, NAME, FMA, ADD)                           \
     static const kernt_fn NAME[3][5] = {{0}, {0, NAME##_1x1, NAME##_1x2, NAME##_1x3, NAME##_1x4},   \
                                         {0, NAME##_2x1, NAME##_2x2}};
 #if TAIL_ROWS
-KERNTS_OF(float, row_f32, kernt_f32)
-KERNTS_OF(unsigned short, row_bf16, kernt_bf16)
-KERNTS_OF(dt_half, row_f16, kernt_f16)
+KERNTS_OF(float, row_f32, kernt_f32, fmadd, vadd)
+KERNTS_OF(unsigned short, row_bf16, kernt_bf16, fmadd, vadd)
+KERNTS_OF(dt_half, row_f16, kernt_f16, fmadd, vadd)
+#if BF16_FLUSH_SOFT
+KERNTS_OF(unsigned short, row_bf16, kernt_bf16z, fmadd_ftz, vadd_ftz)
+#endif
 #endif
 
 const char *dt_isa(void) { return DT_ISA; }
@@ -164,6 +187,13 @@ int dt_tile_width(void) { return TW; }
  * at once (gemm_tail).  The split never changes a result: each output is one FMA chain over k.
  * (Blocking rows to keep x in L2 while tiles stream past measured no faster, even at 300 rows.) */
 #define FULL_FIRST (DT_W == 16)
+/* The kernel table of weight format fmt: 0 float32, 1 bfloat16, 2 half, 4 (internal) bfloat16 with
+ * format 3's flush in software (BF16_FLUSH_SOFT). */
+#if BF16_FLUSH_SOFT
+#define KERNELS_OF(fmt, K) ((fmt) == 4 ? K##_bf16z : (fmt) == 1 ? K##_bf16 : (fmt) == 2 ? K##_f16 : K##_f32)
+#else
+#define KERNELS_OF(fmt, K) ((fmt) == 1 ? K##_bf16 : (fmt) == 2 ? K##_f16 : K##_f32)
+#endif
 static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 static void gemm_tiles(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N);
 static void gemm_bf16c(const float *x, long M, long K, const void *wp, const float *bp, float *y, long N, void *xbuf);
@@ -183,7 +213,7 @@ static void gemm_tiles(const float *x, long M, long K, const void *wp, int fmt, 
         return;
     }
     size_t esize = fmt ? 2 : 4;
-    const kern_fn *kern = fmt == 1 ? kern_bf16 : fmt == 2 ? kern_f16 : kern_f32;
+    const kern_fn *kern = KERNELS_OF(fmt, kern);
 #pragma omp for schedule(static)
     for (long t = 0; t < nt; t++) {
         const float *bt = bp ? bp + t * TW : 0;
@@ -203,8 +233,8 @@ static void gemm_tiles(const float *x, long M, long K, const void *wp, int fmt, 
 static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, const float *bp, float *y, long N) {
 #if TAIL_ROWS
     long nt = N / TW, tail = M % RMAX, m0 = M - tail, G = TAIL_TILES(tail), tile = K * TW * (fmt ? 2 : 4);
-    const kern_fn *full = fmt == 1 ? kern_bf16 : fmt == 2 ? kern_f16 : kern_f32;
-    const kernt_fn *last = fmt == 1 ? kernt_bf16[tail] : fmt == 2 ? kernt_f16[tail] : kernt_f32[tail];
+    const kern_fn *full = KERNELS_OF(fmt, kern);
+    const kernt_fn *last = KERNELS_OF(fmt, kernt)[tail];
     int nth = omp_get_num_threads(), id = omp_get_thread_num();
     long t0 = nt * id / nth, t1 = nt * (id + 1) / nth;
     for (long g0 = t0; g0 < t1; g0 += G) {
@@ -229,7 +259,8 @@ static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, c
  * exact product rounded once into acc (an FMA), denormal inputs and results flushed to signed
  * zero.  Where the CPU has the instruction (the native build of an AVX512_BF16 CPU) one VDPBF16PS
  * does a pair per lane, twice the float32 FMA's rate; elsewhere the same chain runs as two FMAs
- * per pair under the FPU's flush-to-zero/denormals-are-zero modes, over weights packed with each
+ * per pair under the FPU's flush-to-zero/denormals-are-zero modes (off x86, a software flush of
+ * each result: BF16_FLUSH_SOFT), over weights packed with each
  * pair's two rows swapped (so it is gemm_tiles' bfloat16 path over K rounded up to even, x
  * rounded and swapped alike): bitwise the same outputs on every variant, and still one chain per
  * output, so batch invariant.  The bias add runs under the same modes. */
@@ -295,22 +326,15 @@ static void round_row(const float *x, long K, void *row) {
     }
 }
 
-#if defined(__x86_64__) || defined(__i386__)
+#if !BF16_FLUSH_SOFT /* x86: the FPU's modes flush as VDPBF16PS does, at float32's speed */
 #include <xmmintrin.h>
 typedef unsigned fpmode;
 static fpmode flush_on(void) { fpmode c = _mm_getcsr(); _mm_setcsr(c | 0x8040u); return c; } /* FTZ | DAZ */
 static void flush_off(fpmode c) { _mm_setcsr(c); }
-#elif defined(__aarch64__)
-typedef unsigned long fpmode;
-static fpmode flush_on(void) { /* FPCR.FZ: denormal inputs and results of float32 operations to zero */
-    fpmode c;
-    __asm__ volatile("mrs %0, fpcr" : "=r"(c));
-    __asm__ volatile("msr fpcr, %0" ::"r"(c | (1ul << 24)));
-    return c;
-}
-static void flush_off(fpmode c) { __asm__ volatile("msr fpcr, %0" ::"r"(c)); }
-#else
-#error "bfloat16 compute needs the FPU's flush-to-zero mode: x86 or aarch64"
+#else /* elsewhere the kernels flush (kern_bf16z) */
+typedef int fpmode;
+static fpmode flush_on(void) { return 0; }
+static void flush_off(fpmode c) { (void)c; }
 #endif
 
 #if BF16_DOT
@@ -368,7 +392,7 @@ static void gemm_bf16c(const float *x, long M, long K, const void *wp, const flo
         }
     }
 #else
-    gemm_tiles((const float *)xbuf, M, Kp, wp, 1, bp, y, N);
+    gemm_tiles((const float *)xbuf, M, Kp, wp, BF16_FLUSH_SOFT ? 4 : 1, bp, y, N);
 #endif
     flush_off(mode);
 }
