@@ -32,8 +32,10 @@ def _job(inp: str, n: int, work: Path, method: str, batch: str, actors: int, cpu
     if not path.exists():
         pq.write_table(rows, path)
     tag = f"{method}-{batch}-{actors}x{cpus:g}-{n}" + "".join(f"-{k}{v}" for k, v in options.items())
+    options = dict(options)
+    pair = {"kernel": options.pop("kernel")} if "kernel" in options else {}  # (the pair's, not the method's)
     spec = build_spec(None, input=str(path), output=str(work / f"out-{tag}"), method=method, batch_size=batch,
-                      num_actors=actors, cpus_per_actor=cpus, options=options, overwrite=True, **base)
+                      num_actors=actors, cpus_per_actor=cpus, options=options, overwrite=True, **{**base, **pair})
     s = run_job(spec, progress=False, log=lambda m: None)
     run = s["this_run"]
     st = s["startup"]
@@ -75,7 +77,8 @@ def _parse_sizes(sizes: str, inp: str) -> tuple[int, int]:
 @click.option("--target", required=True)
 @click.option("--draft", required=True)
 @click.option("--configs", default="dynatree:1,dynatree:16,ar:16,dynatree:auto", show_default=True,
-              help="METHOD:BATCH[:ACTORSxCPUS][+KEY=VALUE...], comma-separated (e.g. ar:16+kv_dtype=bfloat16)")
+              help="METHOD:BATCH[:ACTORSxCPUS][+KEY=VALUE...], comma-separated (e.g. ar:16+kv_dtype=bfloat16; "
+                   "+kernel=K picks the pair's kernel, e.g. dynatree:16+kernel=lean-bf16)")
 @click.option("--sizes", default="16,64", show_default=True, help="small,large job sizes (prompts)")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--verify-fraction", default=0.0, show_default=True)
