@@ -552,6 +552,9 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
     peak = _fma_peak_line(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
     bf16 = getattr(runner, "weight_format", None) == native.BF16_COMPUTE  # (--kernel lean-bf16)
+    if peak and not bf16 and runner.lib.dt_bf16_dot():
+        click.echo("note: this CPU multiplies bfloat16 at twice the float32 FMA's rate: --kernel lean-bf16 "
+                   "computes in bfloat16 on it (its own numbers, exact against ar on it; README: bfloat16 compute)")
     if bf16:
         peak = native.dot_peak(torch.get_num_threads())
         click.echo(f"bfloat16 compute on {native.bf16_compute(runner.lib)}: bfloat16 dot peak {peak:.0f} GFLOP/s, "

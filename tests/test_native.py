@@ -544,6 +544,8 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa, monkey
     out = res.output
     assert f"native kernel: {isa} variant" in out and "FMA peak of this variant, measured:" in out
     assert "target prefill of 20 tokens" in out
+    # a build that has VDPBF16PS points at bfloat16 compute (lean-bf16); others do not
+    assert ("--kernel lean-bf16 computes in bfloat16" in out) == bool(native.library().dt_bf16_dot())
     # each model's per-extra-token rate against that peak -- or, when one --repeats on a busy host
     # timed the wider forward no slower, the line saying it was not measurable
     for name in ("target", "draft"):
