@@ -110,7 +110,7 @@ def dot_peak(threads: int, isa: str | None = None) -> float:
 
 def bf16_compute(lib) -> str:
     """How this build runs bfloat16 compute (format 3), for summaries and `dynatree profile`."""
-    return "VDPBF16PS" if lib.dt_bf16_dot() else "FMAs under flush-to-zero, float32's rate"
+    return "VDPBF16PS" if lib.dt_bf16_dot() else "two FMAs a pair, flushed as it flushes: float32's rate"
 
 
 def library(isa: str | None = None) -> ctypes.CDLL | None:

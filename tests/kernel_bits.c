@@ -7,7 +7,7 @@
  * Inputs come from an integer generator and are exact in every weight format (no libm here: the
  * rotary tables are random values too), so they are the same bits on every machine.  Covered:
  * dt_gemm at 1..27 rows in float32/bfloat16/half weights (a third of them subnormal as halves) and in
- * bfloat16 compute (format 3: the AVX512_BF16 instruction on one side, FMAs under flush-to-zero on the other),
+ * bfloat16 compute (format 3: the AVX512_BF16 instruction on one side, FMAs and a flush on the other),
  * and at 1, 13, 25 rows with K = 300 (long tiles, several passes); whole forwards of a GPT-NeoX-shaped
  * model (layer norms, GELU, parallel residual, partial rotary, biases) and a Llama/Qwen3-shaped
  * one (RMS norms, SwiGLU, grouped-query attention, q/k norms) in each weight format, over float32

@@ -161,7 +161,7 @@ def test_profile_and_summaries_say_bf16_compute_and_its_peak(tmp_path):
                                     "--rounds", "1"])
     assert res.exit_code == 0, res.output
     lib = native.library()
-    how = "VDPBF16PS" if lib.dt_bf16_dot() else "FMAs under flush-to-zero"
+    how = "VDPBF16PS" if lib.dt_bf16_dot() else "two FMAs a pair"
     assert f"bfloat16 compute on {how}" in res.output and "(bfloat16 compute)" in res.output
     assert re.search(r"^target: .*(% of the bfloat16 dot peak|not measurable)", res.output, re.M), res.output
     pair = pair_from_models(neox32(12), None, None, eos_token_id=None, kernel="lean-bf16")

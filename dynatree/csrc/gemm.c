@@ -375,7 +375,7 @@ static const kdp_fn kdp[13] = {0, kdp_1, kdp_2, kdp_3, kdp_4, kdp_5, kdp_6, kdp_
 
 /* fmt 3's GEMM (every thread of the region calls it, like dt_gemm_for): x rounded into xbuf
  * (dt_bf16c_buffer_bytes), then the tiles.  wp: (N/TW, Kp/2, TW) of bfloat16 pairs (BF16_DOT),
- * else gemm_tiles' bfloat16 layout of the pair-swapped rows (native._pack). */
+ * else gemm_tiles' bfloat16 layout of the pair-swapped rows (native._pack_bf16c). */
 static void gemm_bf16c(const float *x, long M, long K, const void *wp, const float *bp, float *y, long N, void *xbuf) {
     long Kp = K + (K & 1), rowb = Kp * (BF16_DOT ? 2 : 4);
     fpmode mode = flush_on();
