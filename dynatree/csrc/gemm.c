@@ -271,29 +271,33 @@ static void gemm_tail(const float *x, long M, long K, const void *wp, int fmt, c
 #endif
 int dt_bf16_dot(void) { return BF16_DOT; }
 
-/* The rate of format 3's products in GFLOP/s over `threads` threads: VDPBF16PS's (12 chains, four
- * FLOP per lane) where the kernel runs it, else the FMA's (dt_fma_peak). */
-double dt_fma_peak(long iters, int threads);
+/* The body of a peak-rate probe: 12 independent accumulator chains of `a = OP(a, X, Y)` per
+ * thread (enough to cover the latency of every CPU we know) over `iters` iterations, timed on the
+ * master thread; returns GFLOP/s at FLOPS per lane per operation over LANES lanes. */
+#define PEAK_BODY(VT, INIT, XT, X, Y, OP, FLOPS, LANES)                                             \
+    double sink = 0, t0 = 0, t1 = 0;                                                                \
+    _Pragma("omp parallel num_threads(threads) reduction(+ : sink)") {                              \
+        VT a[12];                                                                                   \
+        XT x = X, y = Y;                                                                            \
+        for (int i = 0; i < 12; i++) a[i] = INIT(1e-9f * (float)i);                                 \
+        _Pragma("omp barrier") _Pragma("omp master") t0 = omp_get_wtime();                          \
+        for (long k = 0; k < iters; k++)                                                            \
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = OP(a[i], x, y);            \
+        _Pragma("omp barrier") _Pragma("omp master") t1 = omp_get_wtime();                          \
+        for (int i = 0; i < 12; i++) sink += a[i][0];                                               \
+    }                                                                                               \
+    return sink * 0 + (FLOPS) * 12.0 * (LANES) * (double)iters * threads / (t1 - t0) / 1e9;
+
+/* The FMA throughput this variant can reach, in GFLOP/s over `threads` threads.  `dynatree
+ * profile` prints achieved GFLOP/s next to it. */
+double dt_fma_peak(long iters, int threads) { PEAK_BODY(vf, bc, vf, bc(0.999999f), bc(1e-9f), fmadd, 2.0, DT_W) }
+
+/* The rate of format 3's products in GFLOP/s over `threads` threads: VDPBF16PS's (four FLOP per
+ * lane) where the kernel runs it, else the FMA's (dt_fma_peak). */
 double dt_dot_peak(long iters, int threads) {
 #if BF16_DOT
-    double sink = 0, t0 = 0, t1 = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-        __m512 a[12];
-        __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.999f), _mm512_set1_ps(0.999f));
-        __m512bh y = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-9f), _mm512_set1_ps(1e-9f));
-        for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(1e-9f * (float)i);
-#pragma omp barrier
-#pragma omp master
-        t0 = omp_get_wtime();
-        for (long k = 0; k < iters; k++)
-            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], x, y);
-#pragma omp barrier
-#pragma omp master
-        t1 = omp_get_wtime();
-        for (int i = 0; i < 12; i++) sink += a[i][0];
-    }
-    return sink * 0 + 4.0 * 12 * 16 * (double)iters * threads / (t1 - t0) / 1e9;
+#define BF16_PAIR(v) _mm512_cvtne2ps_pbh(_mm512_set1_ps(v), _mm512_set1_ps(v))
+    PEAK_BODY(__m512, _mm512_set1_ps, __m512bh, BF16_PAIR(0.999f), BF16_PAIR(1e-9f), _mm512_dpbf16_ps, 4.0, 16)
 #else
     return dt_fma_peak(iters, threads);
 #endif
@@ -406,25 +410,3 @@ void dt_gemm(const float *x, long M, long K, const void *wp, int fmt, const floa
     free(xbuf);
 }
 
-/* The FMA throughput this variant can reach, in GFLOP/s over `threads` threads: 12 independent
- * accumulator chains per thread (enough to cover the FMA latency of every CPU we know) over
- * `iters` iterations.  `dynatree profile` prints achieved GFLOP/s next to it. */
-double dt_fma_peak(long iters, int threads) {
-    double sink = 0;
-    double t0 = 0, t1 = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-        vf a[12], x = bc(0.999999f), y = bc(1e-9f);
-        for (int i = 0; i < 12; i++) a[i] = bc(1e-9f * (float)i);
-#pragma omp barrier
-#pragma omp master
-        t0 = omp_get_wtime();
-        for (long k = 0; k < iters; k++)
-            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = fmadd(a[i], x, y);
-#pragma omp barrier
-#pragma omp master
-        t1 = omp_get_wtime();
-        for (int i = 0; i < 12; i++) sink += a[i][0];
-    }
-    return sink * 0 + 2.0 * 12 * DT_W * (double)iters * threads / (t1 - t0) / 1e9;
-}
