@@ -59,6 +59,7 @@ import torch
 from .config import NATIVE_KERNELS
 from .kvcache import new_cache
 from .names import model_files
+from .runtime import Seq
 
 # Bumped when what a saved profile measures changes (2: the profile's masks reach the native
 # kernel with their all-visible prefix, as the engine's do), so stale profiles are measured again.
@@ -422,6 +423,42 @@ def time_prefill(model, n: int, repeats: int, kv_dtype: str = "model") -> float:
 
     step()  # warm-up
     return _time_ms(step, repeats)
+
+
+@torch.inference_mode()
+def time_sequences(model, prefix_len: int, n: int, repeats: int, kv_dtype: str = "model",
+                   max_bytes: int = 2**30) -> tuple[float, float, int] | None:
+    """Median ms of one forward of ``n`` sequences of one token, each over its own ``prefix_len``
+    cached tokens (a batched decode step), and of one sequence of ``n`` tokens over one such cache
+    (a tree's verification, what :func:`profile` times); and the bytes of keys and values one
+    sequence's cache holds.  The difference is what each extra sequence costs beyond its token's
+    compute: reading its own keys and values (`dynatree profile`).  None where the ``n`` caches would
+    pass ``max_bytes`` or the runner cannot pack sequences."""
+    if not getattr(model, "native", False) or n < 2:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    caches = [new_cache(model, prefix_len + n + 1, kv_dtype)]
+    _zero_prefix(model, caches[0], prefix_len, model.config.vocab_size, gen)
+    kv = sum(l.keys[:, :, :prefix_len].nbytes + l.values[:, :, :prefix_len].nbytes for l in caches[0].layers)
+    if kv * n > max_bytes:
+        return None
+    for _ in range(n - 1):
+        caches.append(new_cache(model, prefix_len + n + 1, kv_dtype))
+        _zero_prefix(model, caches[-1], prefix_len, model.config.vocab_size, gen)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(model.device)
+
+    def step(seqs):
+        model.forward(seqs, argmax=True)
+        for c in caches:
+            c.truncate(prefix_len)
+
+    apart = [Seq(ids[i:i + 1], c, keep=1) for i, c in enumerate(caches)]  # (1,) each
+    together = [Seq(ids, caches[0], keep=n)]  # (n,)
+    times = []
+    for seqs in (apart, together):
+        step(seqs)  # warm-up
+        times.append(_time_ms(lambda: step(seqs), repeats))
+    return times[0], times[1], kv
 
 
 def _envelope(ms: dict[int, float], spike: float = 1.5) -> dict[int, float]:

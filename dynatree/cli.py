@@ -500,9 +500,12 @@ def _fma_peak_line(threads: int) -> float:
                                       "at each, to show where attention over a long cache takes over")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
               help="the caches' key/value storage (as the method option kv_dtype)")
+@click.option("--sequences", default=16, show_default=True, type=click.IntRange(min=0),
+              help="also time a decode step of this many sequences, each over its own cache, against one "
+                   "sequence of as many tokens (0: skip; native kernel)")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, rounds, cache_lengths, kv_dtype,
-            threads):
+            sequences, threads):
     """Time target forwards over 1-64 new tokens and draft forwards over 1-16 (what hw_budget uses),
     a prompt prefill, and the throughput of each extra token.  DYNATREE_ISA=avx2|generic picks the
     native kernel's variant (see README)."""
@@ -571,6 +574,8 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
         of_peak = f", {rate / peak:.0%} of the {'bfloat16 dot' if bf16 else 'FMA'} peak" if peak else ""
         click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = {rate:.1f} GFLOP/s{of_peak} "
                    f"({flops / 1e6:.1f} MFLOP per token)")
+    if sequences:
+        _sequences_line(runner, prefix, sequences, repeats, kv_dtype)
     native_prefill = time_prefill(runner, prefill, repeats, kv_dtype) if prefill else None
     if prefill:
         click.echo(f"target prefill of {prefill} tokens: {native_prefill:.1f} ms")
@@ -578,6 +583,27 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
         _against_mkl(pair, prefill, prefix, repeats, kv_dtype, rounds)
     if cache_lengths:
         _cache_sweep(runner, lengths, pair.max_context, repeats, kv_dtype)
+
+
+def _sequences_line(runner, prefix: int, n: int, repeats: int, kv_dtype: str) -> None:
+    """A batched decode step against a tree of as many tokens: what each sequence of a batch pays
+    beyond its token's compute is reading its own keys and values, which a tree's nodes share --
+    the cost the per-token slope above leaves out, and where batched decoding meets the memory's
+    bandwidth rather than the FMA peak."""
+    from .budget import time_sequences
+
+    got = time_sequences(runner, prefix, n, repeats, kv_dtype) if n >= 2 else None
+    if got is None:
+        why = ("needs at least 2" if n < 2 else "the native kernel packs sequences; this forward does not"
+               if not getattr(runner, "native", False) else "their caches would pass 1 GiB")
+        click.echo(f"target, {n} sequences: not timed ({why})")
+        return
+    apart, together, kv = got
+    extra = (apart - together) / (n - 1)
+    rate = f", {kv / extra / 1e6:.0f} GB/s" if extra > 0 else ""
+    click.echo(f"target, {n} sequences of 1 token over {prefix} cached tokens each: {apart:.2f} ms, against "
+               f"{together:.2f} ms for one sequence of {n} tokens: {extra:+.3f} ms per extra sequence, reading "
+               f"its {kv / 2**20:.1f} MiB of keys and values{rate}")
 
 
 def _slope_sizes(table: dict, wanted: tuple[int, int]) -> tuple[int, int]:

@@ -544,6 +544,11 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa, monkey
     out = res.output
     assert f"native kernel: {isa} variant" in out and "FMA peak of this variant, measured:" in out
     assert "target prefill of 20 tokens" in out
+    # a batched step of 16 sequences, each over its own 16 cached tokens (2 layers x 64 keys and values
+    # of float32 each: 16 KiB), against one sequence of 16 tokens
+    assert re.search(r"^target, 16 sequences of 1 token over 16 cached tokens each: \d+\.\d\d ms, against \d+\.\d\d "
+                     r"ms for one sequence of 16 tokens: [+-]\d\.\d{3} ms per extra sequence, reading its 0\.0 MiB",
+                     out, re.M), out
     # a build that has VDPBF16PS points at bfloat16 compute (lean-bf16); others do not
     assert ("--kernel lean-bf16 computes in bfloat16" in out) == bool(native.library().dt_bf16_dot())
     # each model's per-extra-token rate against that peak -- or, when one --repeats on a busy host
@@ -563,6 +568,22 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa, monkey
     assert ("MKL_ENABLE_INSTRUCTIONS=AVX2" in out) == (isa == "avx2" and kbuild.has_avx512())
     wide = {"avx2", "avx512f"} & set(kbuild.cpu_flags().split()) if kbuild._X86 else set()
     assert ("MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41" in out) == (isa == "generic" and bool(wide))
+
+
+def test_time_sequences_times_a_batched_step_against_a_tree(isa):
+    """budget.time_sequences: n one-token sequences over their own caches, one n-token sequence over
+    one, and the key/value bytes of a cache -- or None where it would not measure what it says."""
+    from dynatree.budget import time_sequences
+
+    lean = LeanNeoX(neox32(5))
+    apart, together, kv = time_sequences(lean, 24, 4, 3)
+    assert apart > 0 and together > 0
+    assert kv == 2 * 2 * 4 * 24 * 16 * 4  # layers x (keys, values) x heads x cached x head_dim x float32
+    assert time_sequences(lean, 24, 4, 1, "bfloat16")[2] == kv // 2
+    assert time_sequences(lean, 24, 4, 1, max_bytes=4 * kv - 1) is None  # the caches would pass the cap
+    assert time_sequences(lean, 24, 1, 1) is None  # one sequence: nothing to compare
+    lean.native = False  # torch's path decodes one sequence per forward
+    assert time_sequences(lean, 24, 4, 1) is None
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
