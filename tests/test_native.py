@@ -513,17 +513,17 @@ def test_packed_sequences_get_bitwise_their_own_logits():
 def test_profile_says_when_threads_share_cores(capsys, monkeypatch):
     """The FMA peak on N threads is printed beside one thread's, with a note when N threads reach
     well under N times it (vCPUs sharing a core: every timing after it reads slow)."""
-    from dynatree.cli import _fma_peak_line
+    from dynatree.profiling import fma_peak_line
 
     for rates, note in (({1: 165.0, 2: 200.0}, True), ({1: 132.0, 2: 263.0}, False)):
         monkeypatch.setattr(native, "fma_peak", lambda threads, rates=rates: rates[threads])
-        assert _fma_peak_line(2) == rates[2]
+        assert fma_peak_line(2) == rates[2]
         out, err = capsys.readouterr()
         assert f"{rates[2]:.1f} GFLOP/s on 2 threads ({rates[2] / rates[1]:.2f}x one thread's {rates[1]:.1f})" in out
         assert ("these CPUs share cores" in err) == note, err
         assert re.search(r"^CPU: .+\(.+\), \d+ CPUs$", out, re.M), out
     monkeypatch.setattr(native, "fma_peak", lambda threads: 99.0)
-    assert _fma_peak_line(1) == 99.0
+    assert fma_peak_line(1) == 99.0
     out, err = capsys.readouterr()
     assert "99.0 GFLOP/s on 1 thread\n" in out and not err
 

@@ -218,7 +218,8 @@ def test_profile_runs_a_llama_pair_against_its_torch_path(tmp_path):
     architecture's torch path, and its FLOPs counted from every Linear (the LM head included)."""
     from click.testing import CliRunner
 
-    from dynatree.cli import main, matmul_params
+    from dynatree.cli import main
+    from dynatree.profiling import matmul_params
 
     from dynatree.tokenizer import train_bpe_tokenizer
 
