@@ -427,20 +427,22 @@ def time_prefill(model, n: int, repeats: int, kv_dtype: str = "model") -> float:
 
 @torch.inference_mode()
 def time_sequences(model, prefix_len: int, n: int, repeats: int, kv_dtype: str = "model",
-                   max_bytes: int = 2**30) -> tuple[float, float, int] | None:
+                   max_bytes: int = 2**30) -> tuple[float, float, int, int] | None:
     """Median ms of one forward of ``n`` sequences of one token, each over its own ``prefix_len``
     cached tokens (a batched decode step), and of one sequence of ``n`` tokens over one such cache
-    (a tree's verification, what :func:`profile` times); and the bytes of keys and values one
-    sequence's cache holds.  The difference is what each extra sequence costs beyond its token's
-    compute: reading its own keys and values (`dynatree profile`).  None where the ``n`` caches would
-    pass ``max_bytes`` or the runner cannot pack sequences."""
+    (a tree's verification, what :func:`profile` times); the bytes of keys and values one
+    sequence's cache holds; and ``n`` -- fewer where ``n`` caches would pass ``max_bytes``.  The
+    difference is what each extra sequence costs beyond its token's compute: reading its own keys
+    and values (`dynatree profile`).  None where not even two caches fit or the runner cannot pack
+    sequences."""
     if not getattr(model, "native", False) or n < 2:
         return None
     gen = torch.Generator().manual_seed(0)
     caches = [new_cache(model, prefix_len + n + 1, kv_dtype)]
     _zero_prefix(model, caches[0], prefix_len, model.config.vocab_size, gen)
     kv = sum(l.keys[:, :, :prefix_len].nbytes + l.values[:, :, :prefix_len].nbytes for l in caches[0].layers)
-    if kv * n > max_bytes:
+    n = min(n, max_bytes // max(kv, 1))
+    if n < 2:
         return None
     for _ in range(n - 1):
         caches.append(new_cache(model, prefix_len + n + 1, kv_dtype))
@@ -458,7 +460,7 @@ def time_sequences(model, prefix_len: int, n: int, repeats: int, kv_dtype: str =
     for seqs in (apart, together):
         step(seqs)  # warm-up
         times.append(_time_ms(lambda: step(seqs), repeats))
-    return times[0], times[1], kv
+    return times[0], times[1], kv, n
 
 
 def _envelope(ms: dict[int, float], spike: float = 1.5) -> dict[int, float]:

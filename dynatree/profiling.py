@@ -112,15 +112,16 @@ def _sequences_line(runner, prefix: int, n: int, repeats: int, kv_dtype: str) ->
     got = budget.time_sequences(runner, prefix, n, repeats, kv_dtype) if n >= 2 else None
     if got is None:
         why = ("needs at least 2" if n < 2 else "the native kernel packs sequences; this forward does not"
-               if not getattr(runner, "native", False) else "their caches would pass 1 GiB")
+               if not getattr(runner, "native", False) else "two of their caches would pass 1 GiB")
         click.echo(f"target, {n} sequences: not timed ({why})")
         return
-    apart, together, kv = got
-    extra = (apart - together) / (n - 1)
+    apart, together, kv, used = got
+    fewer = f" (not {n}: {n} caches would pass 1 GiB)" if used < n else ""
+    extra = (apart - together) / (used - 1)
     rate = f", {kv / extra / 1e6:.0f} GB/s" if extra > 0 else ""
-    click.echo(f"target, {n} sequences of 1 token over {prefix} cached tokens each: {apart:.2f} ms, against "
-               f"{together:.2f} ms for one sequence of {n} tokens: {extra:+.3f} ms per extra sequence, reading "
-               f"its {kv / 2**20:.1f} MiB of keys and values{rate}")
+    click.echo(f"target, {used} sequences of 1 token over {prefix} cached tokens each{fewer}: {apart:.2f} ms, "
+               f"against {together:.2f} ms for one sequence of {used} tokens: {extra:+.3f} ms per extra sequence, "
+               f"reading its {kv / 2**20:.1f} MiB of keys and values{rate}")
 
 
 def _slope_sizes(table: dict, wanted: tuple[int, int]) -> tuple[int, int]:

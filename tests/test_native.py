@@ -576,14 +576,32 @@ def test_time_sequences_times_a_batched_step_against_a_tree(isa):
     from dynatree.budget import time_sequences
 
     lean = LeanNeoX(neox32(5))
-    apart, together, kv = time_sequences(lean, 24, 4, 3)
-    assert apart > 0 and together > 0
+    apart, together, kv, n = time_sequences(lean, 24, 4, 3)
+    assert apart > 0 and together > 0 and n == 4
     assert kv == 2 * 2 * 4 * 24 * 16 * 4  # layers x (keys, values) x heads x cached x head_dim x float32
     assert time_sequences(lean, 24, 4, 1, "bfloat16")[2] == kv // 2
-    assert time_sequences(lean, 24, 4, 1, max_bytes=4 * kv - 1) is None  # the caches would pass the cap
+    assert time_sequences(lean, 24, 4, 1, max_bytes=3 * kv)[3] == 3  # as many caches as fit
+    assert time_sequences(lean, 24, 4, 1, max_bytes=2 * kv - 1) is None  # not even two
     assert time_sequences(lean, 24, 1, 1) is None  # one sequence: nothing to compare
     lean.native = False  # torch's path decodes one sequence per forward
     assert time_sequences(lean, 24, 4, 1) is None
+
+
+def test_profile_sequences_line_says_when_fewer_caches_fit(capsys, monkeypatch):
+    """A large model's caches: the profile times as many sequences as fit and says so, or says why
+    it timed none."""
+    from dynatree import budget
+    from dynatree.profiling import _sequences_line
+
+    runner = type("R", (), {"native": True})()
+    monkeypatch.setattr(budget, "time_sequences", lambda *a: (5.0, 2.0, 2**20, 4))
+    _sequences_line(runner, 256, 16, 3, "model")
+    out = capsys.readouterr().out
+    assert "4 sequences of 1 token over 256 cached tokens each (not 16: 16 caches would pass 1 GiB)" in out
+    assert "+1.000 ms per extra sequence, reading its 1.0 MiB of keys and values, 1 GB/s" in out
+    monkeypatch.setattr(budget, "time_sequences", lambda *a: None)
+    _sequences_line(runner, 256, 16, 3, "model")
+    assert "target, 16 sequences: not timed (two of their caches would pass 1 GiB)" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")

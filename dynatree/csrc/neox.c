@@ -78,7 +78,7 @@ static void layer_norm(const float *x, long n, long d, const float *w, const flo
         for (; j < d; j++) a[j - whole] += xi[j];
         double mean = fold_lanes(a) / d, ss = sum_sq(xi, d, mean);
         float m = (float)mean, rstd = (float)(1.0 / sqrt(ss / d + eps));
-        for (long j = 0; j < d; j++) y[i * d + j] = (xi[j] - m) * rstd * w[j] + b[j];
+        for (j = 0; j < d; j++) y[i * d + j] = (xi[j] - m) * rstd * w[j] + b[j];
     }
 }
 
