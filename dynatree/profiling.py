@@ -103,7 +103,6 @@ def fma_peak_line(threads: int) -> float:
     return rates["gflops"]
 
 
-
 def _sequences_line(runner, prefix: int, n: int, repeats: int, kv_dtype: str) -> None:
     """A batched decode step against a tree of as many tokens: what each sequence of a batch pays
     beyond its token's compute is reading its own keys and values, which a tree's nodes share --
