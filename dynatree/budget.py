@@ -432,11 +432,11 @@ def time_sequences(model, prefix_len: int, n: int, repeats: int, kv_dtype: str =
     cached tokens (a batched decode step), and of one sequence of ``n`` tokens over one such cache
     (a tree's verification, what :func:`profile` times); the bytes of keys and values one
     sequence's cache holds; and ``n`` -- fewer where ``n`` caches would pass ``max_bytes``.  The
-    difference is what each extra sequence costs beyond its token's compute: reading its own keys
-    and values (`dynatree profile`).  None where not even two caches fit or the runner cannot pack
-    sequences."""
-    if not getattr(model, "native", False) or n < 2:
+    difference is what each extra sequence costs beyond its token's compute (`dynatree profile`):
+    on the native kernel, reading its own keys and values.  None where not even two caches fit."""
+    if n < 2:
         return None
+    dev = model.device
     gen = torch.Generator().manual_seed(0)
     caches = [new_cache(model, prefix_len + n + 1, kv_dtype)]
     _zero_prefix(model, caches[0], prefix_len, model.config.vocab_size, gen)
@@ -447,12 +447,14 @@ def time_sequences(model, prefix_len: int, n: int, repeats: int, kv_dtype: str =
     for _ in range(n - 1):
         caches.append(new_cache(model, prefix_len + n + 1, kv_dtype))
         _zero_prefix(model, caches[-1], prefix_len, model.config.vocab_size, gen)
-    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(model.device)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(dev)
 
     def step(seqs):
         model.forward(seqs, argmax=True)
         for c in caches:
             c.truncate(prefix_len)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     apart = [Seq(ids[i:i + 1], c, keep=1) for i, c in enumerate(caches)]  # (1,) each
     together = [Seq(ids, caches[0], keep=n)]  # (n,)

@@ -104,23 +104,30 @@ def fma_peak_line(threads: int) -> float:
 
 
 def _sequences_line(runner, prefix: int, n: int, repeats: int, kv_dtype: str) -> None:
-    """A batched decode step against a tree of as many tokens: what each sequence of a batch pays
-    beyond its token's compute is reading its own keys and values, which a tree's nodes share --
-    the cost the per-token slope above leaves out, and where batched decoding meets the memory's
-    bandwidth rather than the FMA peak."""
-    got = budget.time_sequences(runner, prefix, n, repeats, kv_dtype) if n >= 2 else None
+    """A batched decode step against a tree of as many tokens: on the native kernel, what each
+    sequence of a batch pays beyond its token's compute is reading its own keys and values, which a
+    tree's nodes share -- the cost the per-token slope above leaves out, and where batched decoding
+    meets the memory's bandwidth rather than the FMA peak.  Torch's paths say what they pay."""
+    from .cmodel import Runner
+
+    got = budget.time_sequences(runner, prefix, n, repeats, kv_dtype)
     if got is None:
-        why = ("needs at least 2" if n < 2 else "the native kernel packs sequences; this forward does not"
-               if not getattr(runner, "native", False) else "two of their caches would pass 1 GiB")
+        why = "needs at least 2" if n < 2 else "two of their caches would pass 1 GiB"
         click.echo(f"target, {n} sequences: not timed ({why})")
         return
     apart, together, kv, used = got
     fewer = f" (not {n}: {n} caches would pass 1 GiB)" if used < n else ""
     extra = (apart - together) / (used - 1)
-    rate = f", {kv / extra / 1e6:.0f} GB/s" if extra > 0 else ""
+    if getattr(runner, "native", False):
+        rate = f", {kv / extra / 1e6:.0f} GB/s" if extra > 0 else ""
+        what = f"reading its {kv / 2**20:.1f} MiB of keys and values{rate}"
+    elif isinstance(runner, Runner):
+        what = f"its attention, run apart on torch's path, over its {kv / 2**20:.1f} MiB of keys and values"
+    else:
+        what = "this runner decodes each sequence in a forward of its own"
     click.echo(f"target, {used} sequences of 1 token over {prefix} cached tokens each{fewer}: {apart:.2f} ms, "
                f"against {together:.2f} ms for one sequence of {used} tokens: {extra:+.3f} ms per extra sequence, "
-               f"reading its {kv / 2**20:.1f} MiB of keys and values{rate}")
+               f"{what}")
 
 
 def _slope_sizes(table: dict, wanted: tuple[int, int]) -> tuple[int, int]:

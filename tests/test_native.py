@@ -583,8 +583,8 @@ def test_time_sequences_times_a_batched_step_against_a_tree(isa):
     assert time_sequences(lean, 24, 4, 1, max_bytes=3 * kv)[3] == 3  # as many caches as fit
     assert time_sequences(lean, 24, 4, 1, max_bytes=2 * kv - 1) is None  # not even two
     assert time_sequences(lean, 24, 1, 1) is None  # one sequence: nothing to compare
-    lean.native = False  # torch's path decodes one sequence per forward
-    assert time_sequences(lean, 24, 4, 1) is None
+    lean.native = False  # torch's path: its GEMMs packed too, attention per sequence
+    assert time_sequences(lean, 24, 4, 1)[3] == 4
 
 
 def test_profile_sequences_line_says_when_fewer_caches_fit(capsys, monkeypatch):
@@ -602,6 +602,14 @@ def test_profile_sequences_line_says_when_fewer_caches_fit(capsys, monkeypatch):
     monkeypatch.setattr(budget, "time_sequences", lambda *a: None)
     _sequences_line(runner, 256, 16, 3, "model")
     assert "target, 16 sequences: not timed (two of their caches would pass 1 GiB)" in capsys.readouterr().out
+    # torch's paths: what a sequence costs there is not (only) its cache's read
+    monkeypatch.setattr(budget, "time_sequences", lambda *a: (5.0, 2.0, 2**20, 4))
+    lean = LeanNeoX(neox32(5))
+    lean.native = False
+    _sequences_line(lean, 256, 4, 3, "model")
+    assert "its attention, run apart on torch's path, over its 1.0 MiB of keys and values" in capsys.readouterr().out
+    _sequences_line(object(), 256, 4, 3, "model")
+    assert "this runner decodes each sequence in a forward of its own" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
