@@ -49,18 +49,18 @@ static inline double fold_lanes(double *a) {
     return a[0];
 }
 
-/* sum_j (x[j] - c)^2 in double (c = 0: the sum of squares), over the lanes. */
-static double sum_sq(const float *x, long d, double c) {
+/* sum_j (x[j] - c) (square 0) or sum_j (x[j] - c)^2 (square 1) in double, over the lanes. */
+static inline double lane_sum(const float *x, long d, double c, int square) {
     double q[NORM_LANES] = {0};
     long j = 0, whole = d - d % NORM_LANES;
     for (; j < whole; j += NORM_LANES)
         for (int k = 0; k < NORM_LANES; k++) {
             double e = x[j + k] - c;
-            q[k] += e * e;
+            q[k] += square ? e * e : e;
         }
     for (; j < d; j++) {
         double e = x[j] - c;
-        q[j - whole] += e * e;
+        q[j - whole] += square ? e * e : e;
     }
     return fold_lanes(q);
 }
@@ -71,21 +71,16 @@ static void layer_norm(const float *x, long n, long d, const float *w, const flo
 #pragma omp for schedule(static)
     for (long i = 0; i < n; i++) {
         const float *xi = x + i * d;
-        double a[NORM_LANES] = {0};
-        long j = 0, whole = d - d % NORM_LANES;
-        for (; j < whole; j += NORM_LANES)
-            for (int k = 0; k < NORM_LANES; k++) a[k] += xi[j + k];
-        for (; j < d; j++) a[j - whole] += xi[j];
-        double mean = fold_lanes(a) / d, ss = sum_sq(xi, d, mean);
+        double mean = lane_sum(xi, d, 0.0, 0) / d, ss = lane_sum(xi, d, mean, 1);
         float m = (float)mean, rstd = (float)(1.0 / sqrt(ss / d + eps));
-        for (j = 0; j < d; j++) y[i * d + j] = (xi[j] - m) * rstd * w[j] + b[j];
+        for (long j = 0; j < d; j++) y[i * d + j] = (xi[j] - m) * rstd * w[j] + b[j];
     }
 }
 
 /* y[i] = x[i] * rstd * w (RMS norm; Llama's order: the normalised row, then the weight), sum of
  * squares in double over the lanes, one row at a time. */
 static void rms_row(const float *x, long d, const float *w, float eps, float *y) {
-    float rstd = (float)(1.0 / sqrt(sum_sq(x, d, 0.0) / d + eps));
+    float rstd = (float)(1.0 / sqrt(lane_sum(x, d, 0.0, 1) / d + eps));
     for (long j = 0; j < d; j++) y[j] = w[j] * (x[j] * rstd);
 }
 
