@@ -438,15 +438,18 @@ def time_sequences(model, prefix_len: int, n: int, repeats: int, kv_dtype: str =
         return None
     dev = model.device
     gen = torch.Generator().manual_seed(0)
-    caches = [new_cache(model, prefix_len + n + 1, kv_dtype)]
-    _zero_prefix(model, caches[0], prefix_len, model.config.vocab_size, gen)
+
+    def filled():
+        cache = new_cache(model, prefix_len + n + 1, kv_dtype)
+        _zero_prefix(model, cache, prefix_len, model.config.vocab_size, gen)
+        return cache
+
+    caches = [filled()]
     kv = sum(l.keys[:, :, :prefix_len].nbytes + l.values[:, :, :prefix_len].nbytes for l in caches[0].layers)
     n = min(n, max_bytes // max(kv, 1))
     if n < 2:
         return None
-    for _ in range(n - 1):
-        caches.append(new_cache(model, prefix_len + n + 1, kv_dtype))
-        _zero_prefix(model, caches[-1], prefix_len, model.config.vocab_size, gen)
+    caches += [filled() for _ in range(n - 1)]
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(dev)
 
     def step(seqs):

@@ -487,7 +487,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
               help="the caches' key/value storage (as the method option kv_dtype)")
 @click.option("--sequences", default=16, show_default=True, type=click.IntRange(min=0),
               help="also time a decode step of this many sequences, each over its own cache, against one "
-                   "sequence of as many tokens (0: skip; native kernel)")
+                   "sequence of as many tokens (0: skip)")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, rounds, cache_lengths, kv_dtype,
             sequences, threads):
