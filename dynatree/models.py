@@ -14,6 +14,7 @@ from .config import FLOAT16_ON_CPU, KERNELS, NATIVE_KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask
+from .padded import forward_padded
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
 DTYPES = {
@@ -63,15 +64,15 @@ class HFRunner:
         # in 5.40): cache wherever a forward takes it; the engine says past_key_values, as older 5.x
         # versions take it
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else None
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,
                  perturb=None, **kwargs):
         """transformers' arguments, plus the heads of runtime.Output (computed after the forward)."""
         if isinstance(attention_mask, KeyMask):
             attention_mask = self._additive(attention_mask, kwargs)
-        if self._cache_kw and "past_key_values" in kwargs:
-            kwargs[self._cache_kw] = kwargs.pop("past_key_values")
+        if "past_key_values" in kwargs:
+            kwargs[self.cache_kw] = kwargs.pop("past_key_values")
         return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols, perturb)
 
     def _additive(self, mask: KeyMask, kwargs: dict):
@@ -90,11 +91,16 @@ class HFRunner:
 
     tree_problem = ""  # why it cannot verify token trees (models._tree_problem; "" when it can)
     tree_fails = False  # its tree forward raises: as a draft it cannot grow trees
+    batch_problem = "not probed"  # why it runs one sequence per forward (models._batch_problem; "" when it pads)
 
     def forward(self, seqs, topk: int = 0, argmax: bool = False, cols: int | None = None):
-        """runtime.Seq inputs -> one runtime.Output each: one forward per sequence, all their heads
+        """runtime.Seq inputs -> one runtime.Output each: several sequences in one padded forward
+        (padded.py) where the model passed its probe, else one forward per sequence; all their heads
         read back at once (heads_each; per sequence, each read was a wait on a GPU)."""
-        parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
+        if len(seqs) > 1 and not self.batch_problem and all(s.cache is not None for s in seqs):
+            parts = forward_padded(self, seqs)
+        else:
+            parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
         keeps = [p.shape[1] for p in parts]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (1, K, V)
         del parts  # (the rows' own copies: a batch's logits once, not twice)
@@ -146,6 +152,43 @@ def _tree_problem(run: HFRunner, model, which: str) -> tuple[str, bool]:
         return f"{why + ': ' if why else ''}a token tree's forward fails ({type(e).__name__}: {str(e)[:120]})", True
     gap = _gap(got, torch.stack([ar[u] for u in range(4)]))
     return ("" if gap <= rtol else f"a token tree's logits part from AR's by {gap:.3g} of their scale"), False
+
+
+@torch.inference_mode()
+def _batch_problem(run: HFRunner, model) -> str:
+    """Why transformers' forward of ``model`` cannot score several sequences in one padded forward
+    (padded.py; "" when it can): two sequences of different lengths are prefilled together, then
+    one scores a 3-node tree and the other one token, and each must get the logits it gets alone.
+    A model whose forward reads the padding (a mask it rebuilds, positions from its cache) fails
+    it and keeps one forward per sequence."""
+    from .kvcache import new_cache
+    from .tree import ancestor_matrix, long_tensor
+
+    if run.tree_fails:
+        return "its forward takes no 4-D mask"
+    dev, rtol = run.device, PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
+    n = max(2, min(7, _context_len(model) - 4))
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (k,), generator=g).to(dev) for k in (n, n - 1)]
+    news = [Seq(long_tensor(torch.randint(0, vocab, (3,), generator=g).tolist(), dev), None,
+                long_tensor([n, n + 1, n + 1], dev), KeyMask(n, ancestor_matrix([-1, 0, 0]).to(dev))),
+            Seq(long_tensor([int(torch.randint(0, vocab, (1,), generator=g))], dev), None)]
+
+    def run_all(together: bool) -> list[torch.Tensor]:
+        caches = [new_cache(run, n + 4) for _ in prompts]
+        first = [Seq(p, c) for p, c in zip(prompts, caches)]
+        second = [replace(s, cache=c) for s, c in zip(news, caches)]
+        if together:
+            return forward_padded(run, first) + forward_padded(run, second)
+        return [forward_each(run, [s])[0].logits for s in first + second]
+
+    try:
+        got = run_all(True)
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises
+        return f"a padded forward fails ({type(e).__name__}: {str(e)[:120]})"
+    gap = max(_gap(a.float(), b.float()) for a, b in zip(got, run_all(False)))
+    return "" if gap <= rtol else f"a padded forward's logits part from each sequence's own by {gap:.3g} of their scale"
 
 
 def _gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -335,6 +378,7 @@ class ModelPair:
             if cls is None:  # transformers' forward
                 run = HFRunner(model)
                 run.tree_problem, run.tree_fails = _tree_problem(run, model, which)  # (a PairError: no runner kept)
+                run.batch_problem = _batch_problem(run, model)
                 self.state[key] = run
                 return run
             release = self.release_packed and gem
@@ -390,6 +434,8 @@ class ModelPair:
                     "it drafts chains only: methods that grow trees are refused" if run.tree_fails else
                     "its token trees' proposals inexact (outputs are not: the target verifies them)")
             why += f"; {role} ({run.tree_problem})"
+        if not hasattr(run, "native") and run.batch_problem:
+            why += f"; one sequence per forward ({run.batch_problem})"
         return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
 
     def window(self, cfg, which: str = "target"):
