@@ -13,8 +13,9 @@ them into a batch.  Layout of a group of B sequences, sequence b with P_b cached
 
 The new keys and values go into each sequence's own cache exactly as a forward of that sequence
 alone writes them (BufferLayer.update); the padded block is a per-layer copy that lives for one
-attention call.  Padding costs compute, so sequences are grouped (:func:`groups`): a forward pads
-at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is more; the rest take further forwards.
+attention call.  Padding costs compute and the block memory, so sequences are grouped
+(:func:`groups`): a forward pads at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is
+more, and a layer's block stays under PAD_BYTES; the rest take further forwards.
 A model whose padded forward parts from its sequences' own (models._batch_problem probes it at load)
 runs one sequence per forward, as before.
 """
@@ -27,22 +28,38 @@ from .runtime import KeyMask, Seq
 
 PAD_SLACK = 2.0  # a group pads to at most this many times its real rows ...
 PAD_FREE = 64  # ... or this many rows: a forward this small costs about what one row's does (weights stream once)
+PAD_BYTES = 512 * 2**20  # and one layer's padded keys and values stay under this (they are copies)
 
 
-def groups(seqs: list[Seq]) -> list[list[int]]:
-    """Indices of ``seqs`` in forwards: the longest first, each group as wide as its padding allows."""
+def groups(seqs: list[Seq], token_bytes: int = 0) -> list[list[int]]:
+    """Indices of ``seqs`` in forwards: the longest first, each group as wide as its padding allows.
+    ``token_bytes``: one layer's key and value bytes per cached token (0: no cap on the block)."""
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i].ids))
+    keys = [len(s.ids) + (s.cache.length if s.cache is not None else 0) for s in seqs]
     out: list[list[int]] = []
     for i in order:
         n = len(seqs[i].ids)
         if out:
             g = out[-1]
             width, real = len(seqs[g[0]].ids), sum(len(seqs[j].ids) for j in g) + n
-            if (len(g) + 1) * width <= max(PAD_SLACK * real, PAD_FREE):
+            block = (len(g) + 1) * max(keys[j] for j in g + [i]) * token_bytes
+            if (len(g) + 1) * width <= max(PAD_SLACK * real, PAD_FREE) and block <= PAD_BYTES:
                 g.append(i)
                 continue
         out.append([i])
     return out
+
+
+def token_bytes(seqs: list[Seq], dtype: torch.dtype) -> int:
+    """One layer's key and value bytes per token in the padded block (``dtype``: the model's; a
+    cache may store fewer), read off the first cache that holds any (0 if none: then the block holds
+    only the new tokens)."""
+    for s in seqs:
+        layer = s.cache.layers[0]
+        if layer.is_initialized:
+            k, v = layer.keys, layer.values  # (1, H, capacity, hd)
+            return (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * dtype.itemsize
+    return 0
 
 
 class _RowsLayer(DynamicLayer):
@@ -128,7 +145,7 @@ def forward_group(runner, seqs: list[Seq]) -> list[torch.Tensor]:
 def forward_padded(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over :func:`groups`' forwards."""
     out: list = [None] * len(seqs)
-    for g in groups(seqs):
+    for g in groups(seqs, token_bytes(seqs, runner.dtype)):
         for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g])):
             out[i] = logits
     return out
