@@ -43,9 +43,13 @@ METHODS = [("ar", {}), ("linear", {}), ("fixed_tree", {}), ("dynatree", {}), ("d
            ("dynatree", {"kv_update": "recompute"})]
 
 
-def test_batched_decoding_equals_ar_every_method_float64(close_pair):
-    """Torch path (float64): a batch of ragged prompts, each row with its own method and length
-    budget, gives every row AR's tokens; a row joins after two steps."""
+@pytest.mark.parametrize("kernel", ["lean", "hf"])
+def test_batched_decoding_equals_ar_every_method_float64(close_pair, kernel):
+    """Torch paths (float64; dynatree's packed forward and transformers' padded one): a batch of
+    ragged prompts, each row with its own method and length budget, gives every row AR's tokens;
+    a row joins after two steps."""
+    if kernel == "hf":
+        close_pair = pair_from_models(close_pair.target, close_pair.draft, None, eos_token_id=EOS, kernel="hf")
     prompts = random_prompts(7, seed=21, lo=1, hi=20)
     ns = [1, 5, 17, 30, 9, 30, 2]
     refs = [decode(close_pair, p, make_config("ar"), max_new_tokens=n, ignore_eos=True)[0] for p, n in zip(prompts, ns)]
@@ -89,12 +93,20 @@ def test_batched_native_greedy_is_batch1_ar(batch):
                     assert m.target_forwards == m.iterations + 1
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
-def test_batched_sample_does_not_depend_on_neighbours():
+@pytest.mark.parametrize("kernel", ["lean", "hf"])
+def test_batched_sample_does_not_depend_on_neighbours(kernel):
     """Sampling: a row's sample is a function of its prompt and seed alone -- ar's, alone or in
     a batch of any method, hardware budget included; rows under top-k / top-p (drawn apart from
-    the forward's heads, all in one read) beside plain ones."""
-    pair = f32_pair()
+    the forward's heads, all in one read) beside plain ones.  On the native kernel (float32, bitwise)
+    and on transformers' padded forward (float64)."""
+    if kernel == "lean" and shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine")
+    if kernel == "lean":
+        pair = f32_pair()
+    else:
+        target, draft = tiny_neox(31, hidden=64), tiny_neox(32, hidden=64, layers=1)
+        pair = pair_from_models(target, draft, None, eos_token_id=EOS, kernel="hf")
+        assert pair.runner("target").batch_problem == ""
     prompts = random_prompts(4, seed=25, lo=3, hi=20)
     warps = [{}, {"top_k": 5}, {"top_p": 0.9}, {"top_k": 3, "top_p": 0.8}]
     cfgs = [make_config("ar", {"temperature": 0.8, "seed": 100 + i, **w}) for i, w in enumerate(warps)]
