@@ -13,7 +13,8 @@ import torch
 from .config import FLOAT16_ON_CPU, KERNELS, NATIVE_KERNELS
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
-from .names import TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask
+from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
+                    rope_switch)
 from .padded import forward_padded
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
@@ -58,6 +59,7 @@ class HFRunner:
         # A 4-D mask is taken as given, so the model's sliding window must be in it; with full and
         # sliding layers both (Qwen2's max_window_layers) the model takes one mask per layer kind.
         self.window = model_window(model)
+        self.switch = rope_switch(model.config)  # padded forwards keep sequences on one side of it (padded.py)
         self.mixed = (self.window is not None and "causal_mask_mapping" in base_forward_source(model)
                       and "full_attention" in (getattr(self.config, "layer_types", None) or ()))
         # transformers 5.x renames forward's past_key_values to cache (the old name warns, then goes

@@ -15,7 +15,8 @@ The new keys and values go into each sequence's own cache exactly as a forward o
 alone writes them (BufferLayer.update); the padded block is a per-layer copy that lives for one
 attention call.  Padding costs compute and the block memory, so sequences are grouped
 (:func:`groups`): a forward pads at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is
-more, and a layer's block stays under PAD_BYTES; the rest take further forwards.
+more, a layer's block stays under PAD_BYTES, and sequences on either side of a LongRoPE switch
+never share a forward (:func:`rope_sides`); the rest take further forwards.
 A model whose padded forward parts from its sequences' own (models._batch_problem probes it at load)
 runs one sequence per forward, as before.
 """
@@ -31,15 +32,17 @@ PAD_FREE = 64  # ... or this many rows: a forward this small costs about what on
 PAD_BYTES = 512 * 2**20  # and one layer's padded keys and values stay under this (they are copies)
 
 
-def groups(seqs: list[Seq], token_bytes: int = 0) -> list[list[int]]:
+def groups(seqs: list[Seq], token_bytes: int = 0, sides: list[int] | None = None) -> list[list[int]]:
     """Indices of ``seqs`` in forwards: the longest first, each group as wide as its padding allows.
-    ``token_bytes``: one layer's key and value bytes per cached token (0: no cap on the block)."""
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i].ids))
+    ``token_bytes``: one layer's key and value bytes per cached token (0: no cap on the block);
+    ``sides``: a forward takes sequences of one side only (:func:`rope_sides`)."""
+    sides = sides or [0] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: (sides[i], -len(seqs[i].ids)))
     keys = [len(s.ids) + (s.cache.length if s.cache is not None else 0) for s in seqs]
     out: list[list[int]] = []
     for i in order:
         n = len(seqs[i].ids)
-        if out:
+        if out and sides[out[-1][0]] == sides[i]:
             g = out[-1]
             width, real = len(seqs[g[0]].ids), sum(len(seqs[j].ids) for j in g) + n
             block = (len(g) + 1) * max(keys[j] for j in g + [i]) * token_bytes
@@ -48,6 +51,17 @@ def groups(seqs: list[Seq], token_bytes: int = 0) -> list[list[int]]:
                 continue
         out.append([i])
     return out
+
+
+def rope_sides(seqs: list[Seq], switch: int | None) -> list[int] | None:
+    """Per sequence, 1 if its largest position reaches a LongRoPE switch (names.rope_switch), else
+    0; None without a switch.  transformers picks a forward's rotary table by its largest position
+    over all rows, so a sequence below the switch beside one past it would read the long factors
+    (the engine keeps each sequence's own forward on one side)."""
+    if switch is None:
+        return None
+    return [int((int(s.positions.max()) if s.positions is not None else s.cache.length + len(s.ids) - 1) >= switch)
+            for s in seqs]  # kept host syncs: positions, only for models with a switch
 
 
 def token_bytes(seqs: list[Seq], dtype: torch.dtype) -> int:
@@ -145,7 +159,7 @@ def forward_group(runner, seqs: list[Seq]) -> list[torch.Tensor]:
 def forward_padded(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over :func:`groups`' forwards."""
     out: list = [None] * len(seqs)
-    for g in groups(seqs, token_bytes(seqs, runner.dtype)):
+    for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch)):
         for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g])):
             out[i] = logits
     return out

@@ -536,8 +536,9 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward():
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
     """padded.groups: the longest sequences first, a forward padding at most PAD_SLACK x its real
-    rows or PAD_FREE rows, and one layer's padded keys and values within PAD_BYTES; the rest take
-    further forwards."""
+    rows or PAD_FREE rows, one layer's padded keys and values within PAD_BYTES, and sequences on
+    either side of a LongRoPE switch apart (tests/test_packed.py's Phi-3 test decodes across one);
+    the rest take further forwards."""
     from dynatree.padded import PAD_BYTES, PAD_FREE, PAD_SLACK, groups
     from dynatree.runtime import Seq
 
@@ -549,6 +550,7 @@ def test_padded_forwards_group_sequences_so_padding_stays_bounded():
     assert groups(seqs(300, 20, 5)) == [[0, 1], [2]]  # 2 x 300 <= 2 x 320; 3 x 300 > 2 x 325
     assert groups(seqs(*[1] * 40)) == [list(range(40))]
     assert groups(seqs(4, 9)) == [[1, 0]]
+    assert groups(seqs(1, 30, 1, 1, 2), sides=[0, 1, 0, 1, 0]) == [[4, 0, 2], [1, 3]]  # a LongRoPE switch apart
     held = [Seq(torch.zeros(1, dtype=torch.long), type("C", (), {"length": n})()) for n in (99, 200, 155)]
     per = PAD_BYTES // (3 * 201)  # bytes a token: the three fit one block just
     assert groups(held, per) == [[0, 1, 2]] and groups(held, per + 1) == [[0, 1], [2]]
