@@ -170,8 +170,7 @@ def _batch_problem(run: HFRunner, model) -> str:
         return "its forward takes no 4-D mask"
     dev, rtol = run.device, PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
     n = max(2, min(7, _context_len(model) - 4))
-    g = torch.Generator().manual_seed(2)
-    vocab = model.config.vocab_size
+    g, vocab = torch.Generator().manual_seed(2), _probe_vocab(model)
     prompts = [torch.randint(0, vocab, (k,), generator=g).to(dev) for k in (n, n - 1)]
     news = [Seq(long_tensor(torch.randint(0, vocab, (3,), generator=g).tolist(), dev), None,
                 long_tensor([n, n + 1, n + 1], dev), KeyMask(n, ancestor_matrix([-1, 0, 0]).to(dev))),
@@ -193,6 +192,16 @@ def _batch_problem(run: HFRunner, model) -> str:
     return "" if gap <= rtol else f"a padded forward's logits part from each sequence's own by {gap:.3g} of their scale"
 
 
+def _probe_vocab(model) -> int:
+    """The ids a probe may feed: the config's vocabulary, or fewer where the embedding has fewer
+    rows (padded configs)."""
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        rows = None
+    return min(model.config.vocab_size, rows or model.config.vocab_size)
+
+
 def _gap(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest difference, relative to the logits' scale (at least 1)."""
     return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
@@ -204,12 +213,7 @@ def _ar_probe(run: HFRunner, model, which: str, rtol: float):
     from .kvcache import new_cache
     from .tree import long_tensor
 
-    n, dev = max(1, min(8, _context_len(model) - 5)), run.device
-    try:
-        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
-    except (AttributeError, NotImplementedError):
-        rows = None
-    vocab = min(model.config.vocab_size, rows or model.config.vocab_size)
+    n, dev, vocab = max(1, min(8, _context_len(model) - 5)), run.device, _probe_vocab(model)
     g = torch.Generator().manual_seed(1)
     prompt, nodes = (torch.randint(0, vocab, (k,), generator=g).tolist() for k in (n, 4))
     cache, ar = new_cache(run, n + 4), {}

@@ -567,7 +567,8 @@ def test_a_model_that_cannot_use_dynatree_caches_is_refused_at_load():
         pair_from_models(gemma, None, None, eos_token_id=None).runner("target")
     wide = _auto("gpt2", 0, **GPT2)
     wide.config.vocab_size = 128  # (padded configs: ids 96..127 have no embedding row)
-    assert pair_from_models(wide, None, None, eos_token_id=None).runner("target").tree_problem == ""
+    wide_run = pair_from_models(wide, None, None, eos_token_id=None).runner("target")
+    assert wide_run.tree_problem == wide_run.batch_problem == ""
     model = _auto("falcon_h1", 0, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     pair = pair_from_models(model, None, None, eos_token_id=None)
