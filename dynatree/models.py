@@ -440,8 +440,8 @@ class ModelPair:
                     "it drafts chains only: methods that grow trees are refused" if run.tree_fails else
                     "its token trees' proposals inexact (outputs are not: the target verifies them)")
             why += f"; {role} ({run.tree_problem})"
-        if not hasattr(run, "native") and run.batch_problem:
-            why += f"; one sequence per forward ({run.batch_problem})"
+        if not hasattr(run, "native"):  # models.HFRunner: how it takes a batch
+            why += f"; one sequence per forward ({run.batch_problem})" if run.batch_problem else "; batches padded"
         return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
 
     def window(self, cfg, which: str = "target"):

@@ -510,6 +510,8 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward():
     for model in models:
         run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
         assert run.batch_problem == "", model.config.model_type
+        assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
+            "transformers' forward (--kernel hf); batches padded")
         calls = []
         hook = model.register_forward_hook(lambda *a: calls.append(1))
         alone, alone_caches, packed, packed_caches = alone_and_packed(model, run)
