@@ -27,8 +27,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .runtime import KeyMask, Seq
 
-PAD_SLACK = 2.0  # a group pads to at most this many times its real rows ...
-PAD_FREE = 64  # ... or this many rows: a forward this small costs about what one row's does (weights stream once)
+# A group pads to at most PAD_SLACK x its real rows, or PAD_FREE rows: on a GPU a forward that small
+# costs about one row's (the weights stream once); on a CPU padded rows cost compute, but on the
+# bench pair (Zen 5, `--kernel hf`, B = 4 and 16) 8 rows or none (with 1.5x) measured the same
+# within noise, so one rule serves both.
+PAD_SLACK = 2.0
+PAD_FREE = 64
 PAD_BYTES = 512 * 2**20  # and one layer's padded keys and values stay under this (they are copies)
 
 
@@ -107,6 +111,8 @@ class _RowsLayer(DynamicLayer):
 
 
 class _RowsCache(Cache):
+    """The Cache a padded forward hands transformers: one _RowsLayer per decoder layer."""
+
     def __init__(self, num_layers: int, seqs: list[Seq], width: int, keys: int):
         super().__init__(layers=[_RowsLayer(i, seqs, width, keys) for i in range(num_layers)])
 
