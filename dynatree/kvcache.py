@@ -54,7 +54,8 @@ class BufferLayer(DynamicLayer):
             setattr(self, name, new)
         self.capacity = new_cap
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def append(self, key_states, value_states) -> int:
+        """Write the new tokens' keys and values after the cached ones; returns the new length."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
@@ -64,6 +65,10 @@ class BufferLayer(DynamicLayer):
         self.keys[:, :, self.length:end] = key_states  # rounded to the store dtype, if any
         self.values[:, :, self.length:end] = value_states
         self.length = end
+        return end
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        end = self.append(key_states, value_states)
         k, v = self.keys[:, :, :end], self.values[:, :, :end]
         if k.dtype != key_states.dtype:  # attention reads what the cache holds, widened
             k, v = k.to(key_states.dtype), v.to(value_states.dtype)

@@ -139,11 +139,9 @@ def _tree_problem(run: HFRunner, model, which: str) -> tuple[str, bool]:
     cfg, dev = model.config, run.device
     rtol = PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
     prompt, nodes, cache, ar = _ar_probe(run, model, which, rtol)
-    if cfg.model_type in SLOT_BOUND:
-        return SLOT_BOUND[cfg.model_type], False
-    key = next((k for k in SLOT_WINDOWS if isinstance(getattr(cfg, k, None), int)), None)
-    if key:
-        return f"its {key} follows cache slots", False
+    slots = _slot_bound(cfg)
+    if slots:
+        return slots, False
     n = len(prompt)
     cache.truncate(n)
     try:
@@ -162,12 +160,16 @@ def _batch_problem(run: HFRunner, model) -> str:
     (padded.py; "" when it can): two sequences of different lengths are prefilled together, then
     one scores a 3-node tree and the other one token, and each must get the logits it gets alone.
     A model whose forward reads the padding (a mask it rebuilds, positions from its cache) fails
-    it and keeps one forward per sequence."""
+    it and keeps one forward per sequence; so does an architecture named as slot-bound
+    (:func:`_slot_bound`), whose effects only show past a window or chunk this probe never reaches."""
     from .kvcache import new_cache
     from .tree import ancestor_matrix, long_tensor
 
     if run.tree_fails:
         return "its forward takes no 4-D mask"
+    slots = _slot_bound(model.config)
+    if slots:  # (GPT-Neo's window counts back from the padded block's end; Llama 4 reads the group's length)
+        return slots
     dev, rtol = run.device, PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
     n = max(2, min(7, _context_len(model) - 4))
     g, vocab = torch.Generator().manual_seed(2), _probe_vocab(model)
@@ -200,6 +202,15 @@ def _probe_vocab(model) -> int:
     except (AttributeError, NotImplementedError):
         rows = None
     return min(model.config.vocab_size, rows or model.config.vocab_size)
+
+
+def _slot_bound(cfg) -> str:
+    """Why the architecture's attention follows cache slots, by name or config key ("" if nothing
+    says so): such effects show only past a window or chunk no short probe reaches."""
+    if cfg.model_type in SLOT_BOUND:
+        return SLOT_BOUND[cfg.model_type]
+    key = next((k for k in SLOT_WINDOWS if isinstance(getattr(cfg, k, None), int)), None)
+    return f"its {key} follows cache slots" if key else ""
 
 
 def _gap(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -15,7 +15,7 @@ The new keys and values go into each sequence's own cache exactly as a forward o
 alone writes them (BufferLayer.update); the padded block is a per-layer copy that lives for one
 attention call.  Padding costs compute and the block memory, so sequences are grouped
 (:func:`groups`): a forward pads at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is
-more, a layer's block stays under PAD_BYTES, and sequences on either side of a LongRoPE switch
+more, a layer's block and the mask stay under PAD_BYTES, and sequences on either side of a LongRoPE switch
 never share a forward (:func:`rope_sides`); the rest take further forwards.
 A model whose padded forward parts from its sequences' own (models._batch_problem probes it at load)
 runs one sequence per forward, as before.
@@ -36,10 +36,13 @@ PAD_FREE = 64
 PAD_BYTES = 512 * 2**20  # and one layer's padded keys and values stay under this (they are copies)
 
 
-def groups(seqs: list[Seq], token_bytes: int = 0, sides: list[int] | None = None) -> list[list[int]]:
+def groups(seqs: list[Seq], token_bytes: int = 0, sides: list[int] | None = None,
+           mask_bytes: int = 0) -> list[list[int]]:
     """Indices of ``seqs`` in forwards: the longest first, each group as wide as its padding allows.
-    ``token_bytes``: one layer's key and value bytes per cached token (0: no cap on the block);
-    ``sides``: a forward takes sequences of one side only (:func:`rope_sides`)."""
+    ``token_bytes``: one layer's key and value bytes per key slot; ``mask_bytes``: the mask's bytes
+    per (query, key) entry -- a group's block and mask stay under PAD_BYTES (a batch of long prompts
+    joining at once would otherwise build a (B, 1, n, L) mask of gigabytes); ``sides``: a forward
+    takes sequences of one side only (:func:`rope_sides`)."""
     sides = sides or [0] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: (sides[i], -len(seqs[i].ids)))
     keys = [len(s.ids) + (s.cache.length if s.cache is not None else 0) for s in seqs]
@@ -49,7 +52,7 @@ def groups(seqs: list[Seq], token_bytes: int = 0, sides: list[int] | None = None
         if out and sides[out[-1][0]] == sides[i]:
             g = out[-1]
             width, real = len(seqs[g[0]].ids), sum(len(seqs[j].ids) for j in g) + n
-            block = (len(g) + 1) * max(keys[j] for j in g + [i]) * token_bytes
+            block = (len(g) + 1) * max(keys[j] for j in g + [i]) * (token_bytes + width * mask_bytes)
             if (len(g) + 1) * width <= max(PAD_SLACK * real, PAD_FREE) and block <= PAD_BYTES:
                 g.append(i)
                 continue
@@ -70,8 +73,8 @@ def rope_sides(seqs: list[Seq], switch: int | None) -> list[int] | None:
 
 def token_bytes(seqs: list[Seq], dtype: torch.dtype) -> int:
     """One layer's key and value bytes per token in the padded block (``dtype``: the model's; a
-    cache may store fewer), read off the first cache that holds any (0 if none: then the block holds
-    only the new tokens)."""
+    cache may store fewer), read off the first cache that holds any -- its first layer's (0 if none
+    does: then the block holds the new tokens' keys alone, no more than the forward's own)."""
     for s in seqs:
         layer = s.cache.layers[0]
         if layer.is_initialized:
@@ -94,15 +97,16 @@ class _RowsLayer(DynamicLayer):
         k_out = key_states.new_empty((b_, h, self.keys_len, key_states.shape[-1]))  # (B, H, L, hd)
         v_out = value_states.new_empty((b_, h, self.keys_len, value_states.shape[-1]))
         for b, s in enumerate(self.seqs):
-            m = len(s.ids)
-            k, v = s.cache.layers[self.index].update(key_states[b:b + 1, :, self.width - m:],
-                                                     value_states[b:b + 1, :, self.width - m:])  # (1, H, P_b + m, hd)
-            end = k.shape[-2]
-            k_out[b, :, :end], v_out[b, :, :end] = k[0], v[0]
+            m, layer = len(s.ids), s.cache.layers[self.index]
+            end = layer.append(key_states[b:b + 1, :, self.width - m:], value_states[b:b + 1, :, self.width - m:])
+            # what a lone forward reads: the cache's slots (rounded to its store dtype), widened here
+            k_out[b, :, :end], v_out[b, :, :end] = layer.keys[0, :, :end], layer.values[0, :, :end]
             if end < self.keys_len:  # only the padding is zeroed (zero-filling the block: 4% of a step at B = 16)
                 k_out[b, :, end:], v_out[b, :, end:] = 0, 0
         return k_out, v_out
 
+    # group-wide sizes: transformers reads them to build masks and cache positions, and a padded
+    # forward hands it every mask and position (forward_group), so no row reads them as its own
     def get_seq_length(self) -> int:
         return self.keys_len - self.width
 
@@ -165,7 +169,9 @@ def forward_group(runner, seqs: list[Seq]) -> list[torch.Tensor]:
 def forward_padded(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over :func:`groups`' forwards."""
     out: list = [None] * len(seqs)
-    for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch)):
+    kinds = 2 if runner.mixed else 1  # (a mask per layer kind)
+    for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch),
+                    kinds * runner.dtype.itemsize):
         for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g])):
             out[i] = logits
     return out

@@ -492,22 +492,24 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert len(decode(bloom, prompts[0], make_config("linear"), max_new_tokens=4, ignore_eos=True)[0]) == 4
 
 
-def test_transformers_forward_scores_a_batch_in_one_padded_forward():
+def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
     """Models no packed runner takes (and --kernel hf) score a batch in one padded forward
     (padded.py): the mixed batch -- a tree, a chain, one token, a prompt joining with an empty
     cache -- gets each sequence's logits, heads and cache keys as alone (float64), in one model
     call, on learned positions (GPT-2), softcapped sliding layers (Gemma 2) and a per-layer-kind
     mask (Qwen2's max_window_layers); and a batch of GPT-2 rows decodes as each row alone.  A
-    model whose forward reads the padding (GPT-Neo's slot-bound window) or takes no 4-D mask
-    (BLOOM) is found at load and keeps one forward per sequence, saying so."""
+    model whose attention follows cache slots (GPT-Neo's window: named, and found by the probe
+    where its window is short enough) or that takes no 4-D mask (BLOOM) keeps one forward per
+    sequence, saying so."""
     from conftest import alone_and_packed, assert_same_runs
+    from dynatree import models
     from dynatree.engine import decode_batch
 
     small = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128)
-    models = [_auto("gpt2", 0, **GPT2), _auto("gemma2", 0, head_dim=8, sliding_window=4, **small),
+    archs = [_auto("gpt2", 0, **GPT2), _auto("gemma2", 0, head_dim=8, sliding_window=4, **small),
               _auto("qwen2", 0, sliding_window=5, use_sliding_window=True, max_window_layers=1, **small)]
-    for model in models:
+    for model in archs:
         run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
         assert run.batch_problem == "", model.config.model_type
         assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
@@ -518,7 +520,7 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward():
         hook.remove()
         assert_same_runs(alone, alone_caches, packed, packed_caches, atol=1e-12)
         assert len(calls) == 2 * 3 + 4 + 1  # two sets of prefills, the four alone, the batch in one
-    pair = pair_from_models(models[0], _auto("gpt2", 1, **GPT2), None, eos_token_id=None, kernel="hf")
+    pair = pair_from_models(archs[0], _auto("gpt2", 1, **GPT2), None, eos_token_id=None, kernel="hf")
     prompts = random_prompts(5, seed=8, lo=2, hi=30, vocab=96)
     for method in ("ar", "dynatree"):
         alone = [decode(pair, p, make_config(method), max_new_tokens=12, ignore_eos=True)[0] for p in prompts]
@@ -527,10 +529,15 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward():
     neo = _auto("gpt_neo", 0, vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
                 attention_types=[[["global", "local"], 1]], max_position_embeddings=128)
     neo_pair = pair_from_models(neo, None, None, eos_token_id=None, kernel="hf")
-    assert "a padded forward's logits part from each sequence's own" in neo_pair.runner("target").batch_problem
-    assert "one sequence per forward (a padded forward's logits" in neo_pair.forward_in_use("target")
+    assert neo_pair.runner("target").batch_problem == "GPT-Neo's local attention window follows cache slots"
+    assert "one sequence per forward (GPT-Neo's local attention window" in neo_pair.forward_in_use("target")
     alone, alone_caches, packed, packed_caches = alone_and_packed(neo, neo_pair.runner("target"))
     assert_same_runs(alone, alone_caches, packed, packed_caches, atol=0)  # the same forwards, one by one
+    with monkeypatch.context() as m:  # unnamed, the probe finds a window it reaches (4 keys) by trying
+        m.delitem(models.SLOT_BOUND, "gpt_neo")
+        m.setattr(models, "SLOT_WINDOWS", ())
+        probed = pair_from_models(neo, None, None, eos_token_id=None, kernel="hf").runner("target").batch_problem
+    assert "a padded forward's logits part from each sequence's own" in probed
     bloom = pair_from_models(_auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4), None, None,
                              eos_token_id=None)
     assert bloom.runner("target").batch_problem == "its forward takes no 4-D mask"
@@ -556,6 +563,9 @@ def test_padded_forwards_group_sequences_so_padding_stays_bounded():
     held = [Seq(torch.zeros(1, dtype=torch.long), type("C", (), {"length": n})()) for n in (99, 200, 155)]
     per = PAD_BYTES // (3 * 201)  # bytes a token: the three fit one block just
     assert groups(held, per) == [[0, 1, 2]] and groups(held, per + 1) == [[0, 1], [2]]
+    prompts = [Seq(torch.zeros(4096, dtype=torch.long), type("C", (), {"length": 0})()) for _ in range(16)]
+    assert groups(prompts) == [list(range(16))]  # (no cap asked for)
+    assert groups(prompts, 0, None, 4) == [list(range(8)), list(range(8, 16))]  # 8 float32 masks of 64 MiB each
 
 
 def test_a_model_that_cannot_use_dynatree_caches_is_refused_at_load():
