@@ -498,9 +498,9 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
     cache -- gets each sequence's logits, heads and cache keys as alone (float64), in one model
     call, on learned positions (GPT-2), softcapped sliding layers (Gemma 2) and a per-layer-kind
     mask (Qwen2's max_window_layers); and a batch of GPT-2 rows decodes as each row alone.  A
-    model whose attention follows cache slots (GPT-Neo's window: named, and found by the probe
-    where its window is short enough) or that takes no 4-D mask (BLOOM) keeps one forward per
-    sequence, saying so."""
+    model whose attention follows cache slots (GPT-Neo's window, Llama 4's chunks: named, and
+    GPT-Neo's found by the probe too where its window is short enough) or that takes no 4-D mask
+    (BLOOM) keeps one forward per sequence, saying so."""
     from conftest import alone_and_packed, assert_same_runs
     from dynatree import models
     from dynatree.engine import decode_batch
@@ -541,6 +541,11 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
     bloom = pair_from_models(_auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4), None, None,
                              eos_token_id=None)
     assert bloom.runner("target").batch_problem == "its forward takes no 4-D mask"
+    llama4 = _auto("llama4_text", 0, vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                   attention_chunk_size=16, floor_scale=32, no_rope_layers=[1, 1, 1, 0], max_position_embeddings=128)
+    assert (pair_from_models(llama4, None, None, eos_token_id=None).runner("target").batch_problem
+            == "Llama 4's attention chunks and temperature follow cache slots")  # (its 16-token chunks: past the probe)
 
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
