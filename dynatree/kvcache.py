@@ -35,6 +35,8 @@ class BufferLayer(DynamicLayer):
         self.capacity = max(int(capacity), 1)
         self.length = 0
         self.store = store
+        # padded.py: (keys, values) of a batch block whose row ``keys`` and ``values`` view, or None
+        self.block = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -53,6 +55,7 @@ class BufferLayer(DynamicLayer):
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = new_cap
+        self.block = None  # (its own buffers again)
 
     def append(self, key_states, value_states) -> int:
         """Write the new tokens' keys and values after the cached ones; returns the new length."""

@@ -85,25 +85,40 @@ def token_bytes(seqs: list[Seq], dtype: torch.dtype) -> int:
 
 class _RowsLayer(DynamicLayer):
     """One decoder layer's view of the group's caches: ``update`` writes each sequence's new keys
-    and values into its own cache and returns the padded (B, H, L, hd) block."""
+    and values into its own cache and returns the padded (B, H, L, hd) block.
 
-    def __init__(self, index: int, seqs: list[Seq], width: int, keys: int):
+    ``mode``: "copy" builds the block afresh; "adopt" builds it with room for every row's
+    capacity and makes it the rows' storage (each row's buffers become views of its block row,
+    zero past its tokens), so the next forward of the same rows, "shared", reads the block in place
+    and copies nothing."""
+
+    def __init__(self, index: int, seqs: list[Seq], width: int, keys: int, mode: str):
         super().__init__()
-        self.index, self.seqs, self.width, self.keys_len = index, seqs, width, keys
+        self.index, self.seqs, self.width, self.keys_len, self.mode = index, seqs, width, keys, mode
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        b_, h, _, _ = key_states.shape  # (B, H, n, hd)
-        k_out = key_states.new_empty((b_, h, self.keys_len, key_states.shape[-1]))  # (B, H, L, hd)
-        v_out = value_states.new_empty((b_, h, self.keys_len, value_states.shape[-1]))
-        for b, s in enumerate(self.seqs):
-            m, layer = len(s.ids), s.cache.layers[self.index]
-            end = layer.append(key_states[b:b + 1, :, self.width - m:], value_states[b:b + 1, :, self.width - m:])
+        layers = [s.cache.layers[self.index] for s in self.seqs]
+        ends = [layer.append(key_states[b:b + 1, :, self.width - len(s.ids):],
+                             value_states[b:b + 1, :, self.width - len(s.ids):])
+                for b, (s, layer) in enumerate(zip(self.seqs, layers))]
+        if self.mode == "shared":
+            kb, vb, _ = layers[0].block  # (B, H, capacity, hd) each
+            return kb[:, :, :self.keys_len], vb[:, :, :self.keys_len]
+        b_, h = key_states.shape[:2]  # (B, H, n, hd)
+        cap = max([self.keys_len] + [layer.capacity for layer in layers]) if self.mode == "adopt" else self.keys_len
+        k_out = key_states.new_empty((b_, h, cap, key_states.shape[-1]))  # (B, H, L or capacity, hd)
+        v_out = value_states.new_empty((b_, h, cap, value_states.shape[-1]))
+        for b, (layer, end) in enumerate(zip(layers, ends)):
             # what a lone forward reads: the cache's slots (rounded to its store dtype), widened here
             k_out[b, :, :end], v_out[b, :, :end] = layer.keys[0, :, :end], layer.values[0, :, :end]
-            if end < self.keys_len:  # only the padding is zeroed (zero-filling the block: 4% of a step at B = 16)
+            if end < cap:  # only the padding is zeroed (zero-filling the block: 4% of a step at B = 16)
                 k_out[b, :, end:], v_out[b, :, end:] = 0, 0
-        return k_out, v_out
+            if self.mode == "adopt":
+                layer.keys, layer.values = k_out[b:b + 1], v_out[b:b + 1]  # (1, H, capacity, hd) views
+                layer.capacity, layer.block = cap, (k_out, v_out, b)
+                self.seqs[b].cache._ptrs = None  # (the buffers moved: BufferCache.pointers reads them anew)
+        return k_out[:, :, :self.keys_len], v_out[:, :, :self.keys_len]
 
     # group-wide sizes: transformers reads them to build masks and cache positions, and a padded
     # forward hands it every mask and position (forward_group), so no row reads them as its own
@@ -117,8 +132,29 @@ class _RowsLayer(DynamicLayer):
 class _RowsCache(Cache):
     """The Cache a padded forward hands transformers: one _RowsLayer per decoder layer."""
 
-    def __init__(self, num_layers: int, seqs: list[Seq], width: int, keys: int):
-        super().__init__(layers=[_RowsLayer(i, seqs, width, keys) for i in range(num_layers)])
+    def __init__(self, num_layers: int, seqs: list[Seq], width: int, keys: int, mode: str):
+        super().__init__(layers=[_RowsLayer(i, seqs, width, keys, mode) for i in range(num_layers)])
+
+
+def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
+    """How a padded forward gets its block (_RowsLayer): "shared" where the rows' caches are one
+    block's rows in this order, every layer, with room for the new tokens; else "adopt" where these
+    rows also made up a forward of the last call (``seen``: rows that stay together) and their
+    caches hold the model's dtype; else "copy"."""
+    first = seqs[0].cache.layers
+    for i in range(len(first)):
+        block = first[i].block
+        if block is None or block[0].shape[0] != len(seqs):
+            break
+        if any(s.cache.layers[i].block is None or s.cache.layers[i].block[0] is not block[0]
+               or s.cache.layers[i].block[2] != b for b, s in enumerate(seqs)):
+            break
+    else:
+        if all(s.cache.length + len(s.ids) <= s.cache.layers[0].capacity for s in seqs):
+            return "shared"
+    if seen and all(l.store in (None, dtype) for s in seqs for l in s.cache.layers[:1]):
+        return "adopt"
+    return "copy"
 
 
 def _row_mask(runner, s: Seq, positions: torch.Tensor):
@@ -142,7 +178,7 @@ def _place(masks: list, width: int, keys: int, dtype, device) -> torch.Tensor:
     return out
 
 
-def forward_group(runner, seqs: list[Seq]) -> list[torch.Tensor]:
+def forward_group(runner, seqs: list[Seq], seen: bool = False) -> list[torch.Tensor]:
     """One padded forward of ``seqs`` -> each sequence's kept logits (1, keep_b, V)."""
     dev = runner.device
     width = max(len(s.ids) for s in seqs)
@@ -160,7 +196,7 @@ def forward_group(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     else:
         mask = _place(masks, width, keys, runner.dtype, dev)
     keeps = [min(s.keep, len(s.ids)) if s.keep else len(s.ids) for s in seqs]
-    cache = _RowsCache(runner.config.num_hidden_layers, seqs, width, keys)
+    cache = _RowsCache(runner.config.num_hidden_layers, seqs, width, keys, _mode(seqs, runner.dtype, seen))
     logits = runner.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                           logits_to_keep=max(keeps), **{runner.cache_kw: cache}).logits  # (B, max keep, V)
     return [logits[b:b + 1, logits.shape[1] - k:] for b, k in enumerate(keeps)]
@@ -170,8 +206,12 @@ def forward_padded(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over :func:`groups`' forwards."""
     out: list = [None] * len(seqs)
     kinds = 2 if runner.mixed else 1  # (a mask per layer kind)
+    last, runner.padded_groups = getattr(runner, "padded_groups", set()), set()
     for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch),
                     kinds * runner.dtype.itemsize):
-        for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g])):
+        g.sort()  # (the callers' order: the same rows keep their block rows from call to call)
+        ids = tuple(id(seqs[i].cache) for i in g)  # (a reused id only costs an adoption)
+        runner.padded_groups.add(ids)
+        for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g], ids in last)):
             out[i] = logits
     return out

@@ -126,7 +126,7 @@ def _sequences_line(runner, prefix: int, n: int, repeats: int, kv_dtype: str) ->
     elif getattr(runner, "batch_problem", ""):
         what = f"this runner decodes each sequence in a forward of its own ({runner.batch_problem})"
     else:
-        what = f"transformers' padded forward copying its {kv / 2**20:.1f} MiB of keys and values into the batch's block"
+        what = f"transformers' padded forward, attention over its {kv / 2**20:.1f} MiB of keys and values in the batch's block"
     click.echo(f"target, {used} sequences of 1 token over {prefix} cached tokens each{fewer}: {apart:.2f} ms, "
                f"against {together:.2f} ms for one sequence of {used} tokens: {extra:+.3f} ms per extra sequence, "
                f"{what}")

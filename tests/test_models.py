@@ -548,6 +548,42 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
             == "Llama 4's attention chunks and temperature follow cache slots")  # (its 16-token chunks: past the probe)
 
 
+def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
+    """The second padded forward of the same rows makes a block of their keys and values their
+    caches' storage (each row's buffers view its block row), and later forwards of those rows read
+    it in place, copying nothing; a row that outgrows it, or a bfloat16 cache, goes back to copies
+    -- each row's logits and keys as alone throughout (float64)."""
+    from dynatree import padded
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import Seq
+
+    model = _auto("gpt2", 0, **GPT2)
+    run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
+    modes, real = [], padded._mode
+    monkeypatch.setattr(padded, "_mode", lambda *a: modes.append(real(*a)) or modes[-1])
+    prompts = [[5, 9, 11, 40, 2], [3, 4, 8, 8, 1, 7, 30, 31, 2], [44, 45]]
+    steps = [[[6], [7], [8]], [[9], [10, 11], [12]], [[13], [14], [15]], [list(range(50, 58)), [19], [20]],
+             [[21], [22], [23]]]
+
+    def run_all(together: bool, kv_dtype: str = "model") -> list:
+        caches = [new_cache(run, len(p) + 6, kv_dtype) for p in prompts]  # (the block: 15 slots; row 0 needs 16 at step 4)
+        out = []
+        for news in [prompts] + steps:
+            seqs = [Seq(torch.tensor(t), c) for t, c in zip(news, caches)]
+            out += [o.logits for o in (run.forward(seqs) if together else [run.forward([q])[0] for q in seqs])]
+        return out + [l.keys[0, :, :l.length] for c in caches for l in c.layers]
+
+    alone = run_all(False)
+    assert modes == []  # (one sequence a forward: no padding)
+    for got, want in zip(run_all(True), alone):
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert modes == ["copy", "adopt", "shared", "shared", "adopt", "shared"]
+    modes.clear()
+    for got, want in zip(run_all(True, "bfloat16"), run_all(False, "bfloat16")):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert set(modes) == {"copy"}  # (a block holds the model's dtype)
+
+
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
     """padded.groups: the longest sequences first, a forward padding at most PAD_SLACK x its real
     rows or PAD_FREE rows, one layer's padded keys and values within PAD_BYTES, and sequences on
