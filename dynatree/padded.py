@@ -33,7 +33,11 @@ from .runtime import KeyMask, Seq
 # within noise, so one rule serves both.
 PAD_SLACK = 2.0
 PAD_FREE = 64
-PAD_BYTES = 512 * 2**20  # and one layer's padded keys and values stay under this (they are copies)
+PAD_BYTES = 512 * 2**20
+# A block the rows adopt holds each at the largest capacity among them: only while that is at most
+# this many times their own capacities together (one long prompt among short ones would multiply
+# the batch's cache memory)
+ADOPT_SLACK = 1.5  # and one layer's padded keys and values stay under this (they are copies)
 
 
 def groups(seqs: list[Seq], token_bytes: int = 0, sides: list[int] | None = None,
@@ -139,8 +143,9 @@ class _RowsCache(Cache):
 def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
     """How a padded forward gets its block (_RowsLayer): "shared" where the rows' caches are one
     block's rows in this order, every layer, with room for the new tokens; else "adopt" where these
-    rows also made up a forward of the last call (``seen``: rows that stay together) and their
-    caches hold the model's dtype; else "copy"."""
+    rows also made up a forward of the last call (``seen``: rows that stay together), their caches
+    hold the model's dtype and a block at their largest capacity costs at most ADOPT_SLACK x their
+    own; else "copy"."""
     first = seqs[0].cache.layers
     for i in range(len(first)):
         block = first[i].block
@@ -152,7 +157,9 @@ def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
     else:
         if all(s.cache.length + len(s.ids) <= s.cache.layers[0].capacity for s in seqs):
             return "shared"
-    if seen and all(l.store in (None, dtype) for s in seqs for l in s.cache.layers[:1]):
+    caps = [max(s.cache.layers[0].capacity, s.cache.length + len(s.ids)) for s in seqs]
+    if (seen and all(s.cache.layers[0].store in (None, dtype) for s in seqs)
+            and len(seqs) * max(caps) <= ADOPT_SLACK * sum(caps)):
         return "adopt"
     return "copy"
 

@@ -551,8 +551,9 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
 def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     """The second padded forward of the same rows makes a block of their keys and values their
     caches' storage (each row's buffers view its block row), and later forwards of those rows read
-    it in place, copying nothing; a row that outgrows it, or a bfloat16 cache, goes back to copies
-    -- each row's logits and keys as alone throughout (float64)."""
+    it in place, copying nothing; a row that outgrows it, a bfloat16 cache, or rows whose capacities
+    differ so that a block at the largest would multiply their memory, go back to copies -- each
+    row's logits and keys as alone throughout (float64)."""
     from dynatree import padded
     from dynatree.kvcache import new_cache
     from dynatree.runtime import Seq
@@ -582,6 +583,11 @@ def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     for got, want in zip(run_all(True, "bfloat16"), run_all(False, "bfloat16")):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
     assert set(modes) == {"copy"}  # (a block holds the model's dtype)
+    modes.clear()
+    prompts[1] = prompts[1] * 4  # (36 tokens: a block at its capacity would hold 3 x 42 slots, over 1.5 x (11 + 42 + 8))
+    for got, want in zip(run_all(True), run_all(False)):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert set(modes) == {"copy"}
 
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
