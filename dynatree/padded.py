@@ -12,8 +12,9 @@ them into a batch.  Layout of a group of B sequences, sequence b with P_b cached
   turn its softmax to NaN).
 
 The new keys and values go into each sequence's own cache exactly as a forward of that sequence
-alone writes them (BufferLayer.update); the padded block is a per-layer copy that lives for one
-attention call.  Padding costs compute and the block memory, so sequences are grouped
+alone writes them (BufferLayer.append); the padded block is a per-layer copy that lives for one
+attention call -- or, where the same sequences meet in consecutive forwards, their caches' storage
+(:class:`_RowsLayer`'s modes), read in place.  Padding costs compute and the block memory, so sequences are grouped
 (:func:`groups`): a forward pads at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is
 more, a layer's block and the mask stay under PAD_BYTES, and sequences on either side of a LongRoPE switch
 never share a forward (:func:`rope_sides`); the rest take further forwards.
@@ -33,11 +34,11 @@ from .runtime import KeyMask, Seq
 # within noise, so one rule serves both.
 PAD_SLACK = 2.0
 PAD_FREE = 64
-PAD_BYTES = 512 * 2**20
+PAD_BYTES = 512 * 2**20  # and one layer's padded keys and values, and the mask, stay under this
 # A block the rows adopt holds each at the largest capacity among them: only while that is at most
 # this many times their own capacities together (one long prompt among short ones would multiply
 # the batch's cache memory)
-ADOPT_SLACK = 1.5  # and one layer's padded keys and values stay under this (they are copies)
+ADOPT_SLACK = 1.5
 
 
 def groups(seqs: list[Seq], token_bytes: int = 0, sides: list[int] | None = None,
