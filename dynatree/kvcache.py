@@ -35,7 +35,7 @@ class BufferLayer(DynamicLayer):
         self.capacity = max(int(capacity), 1)
         self.length = 0
         self.store = store
-        # padded.py: (keys, values) of a batch block whose row ``keys`` and ``values`` view, or None
+        # padded.py: (keys, values, row) of the batch block whose row ``keys`` and ``values`` view, or None
         self.block = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -136,8 +136,7 @@ def _tree_problem(run: HFRunner, model, which: str) -> tuple[str, bool]:
     (MPT's ALiBi) or take no 4-D mask (BLOOM) part from AR."""
     from .tree import ancestor_matrix, long_tensor
 
-    cfg, dev = model.config, run.device
-    rtol = PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
+    cfg, dev, rtol = model.config, run.device, _probe_rtol(run)
     prompt, nodes, cache, ar = _ar_probe(run, model, which, rtol)
     slots = _slot_bound(cfg)
     if slots:
@@ -170,13 +169,13 @@ def _batch_problem(run: HFRunner, model) -> str:
     slots = _slot_bound(model.config)
     if slots:  # (GPT-Neo's window counts back from the padded block's end; Llama 4 reads the group's length)
         return slots
-    dev, rtol = run.device, PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
+    dev, rtol = run.device, _probe_rtol(run)
     n = max(2, min(7, _context_len(model) - 4))
     g, vocab = torch.Generator().manual_seed(2), _probe_vocab(model)
     prompts = [torch.randint(0, vocab, (k,), generator=g).to(dev) for k in (n, n - 1)]
-    news = [Seq(long_tensor(torch.randint(0, vocab, (3,), generator=g).tolist(), dev), None,
-                long_tensor([n, n + 1, n + 1], dev), KeyMask(n, ancestor_matrix([-1, 0, 0]).to(dev))),
-            Seq(long_tensor([int(torch.randint(0, vocab, (1,), generator=g))], dev), None)]
+    news = [Seq(torch.randint(0, vocab, (3,), generator=g).to(dev), None, long_tensor([n, n + 1, n + 1], dev),
+                KeyMask(n, ancestor_matrix([-1, 0, 0]).to(dev))),
+            Seq(torch.randint(0, vocab, (1,), generator=g).to(dev), None)]
 
     def run_all(together: bool) -> list[torch.Tensor]:
         caches = [new_cache(run, n + 4) for _ in prompts]
@@ -192,6 +191,11 @@ def _batch_problem(run: HFRunner, model) -> str:
         return f"a padded forward fails ({type(e).__name__}: {str(e)[:120]})"
     gap = max(_gap(a.float(), b.float()) for a, b in zip(got, run_all(False)))
     return "" if gap <= rtol else f"a padded forward's logits part from each sequence's own by {gap:.3g} of their scale"
+
+
+def _probe_rtol(run: HFRunner) -> float:
+    """How far a probe's logits may part from their reference, relative to their scale."""
+    return PROBE_RTOL if run.dtype in (torch.float32, torch.float64) else TREE_RTOL_16BIT
 
 
 def _probe_vocab(model) -> int:
@@ -446,14 +450,14 @@ class ModelPair:
             bf16 = f", bfloat16 compute on {native.bf16_compute(lib)}" if run.weight_format == native.BF16_COMPUTE else ""
             return f"native kernel ({lib.dt_isa().decode()}{bf16})"
         why = self.not_native(which)
-        if not hasattr(run, "native") and run.tree_problem:  # models.HFRunner
+        if hasattr(run, "native"):  # dynatree's forward on torch's ops
+            return f"torch ops (not the native kernel: {why})"
+        if run.tree_problem:  # models.HFRunner: how it takes trees, and batches
             role = ("token trees verified as chains" if which == "target" else
                     "it drafts chains only: methods that grow trees are refused" if run.tree_fails else
                     "its token trees' proposals inexact (outputs are not: the target verifies them)")
             why += f"; {role} ({run.tree_problem})"
-        if not hasattr(run, "native"):  # models.HFRunner: how it takes a batch
-            why += f"; one sequence per forward ({run.batch_problem})" if run.batch_problem else "; batches padded"
-        return f"torch ops (not the native kernel: {why})" if hasattr(run, "native") else why
+        return why + (f"; one sequence per forward ({run.batch_problem})" if run.batch_problem else "; batches padded")
 
     def window(self, cfg, which: str = "target"):
         """The kvcache.Window of a method config's ``kv_window`` for ``"target"`` or ``"draft"``

@@ -147,22 +147,23 @@ def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
     rows also made up a forward of the last call (``seen``: rows that stay together), their caches
     hold the model's dtype and a block at their largest capacity costs at most ADOPT_SLACK x their
     own; else "copy"."""
-    first = seqs[0].cache.layers
-    for i in range(len(first)):
-        block = first[i].block
-        if block is None or block[0].shape[0] != len(seqs):
-            break
-        if any(s.cache.layers[i].block is None or s.cache.layers[i].block[0] is not block[0]
-               or s.cache.layers[i].block[2] != b for b, s in enumerate(seqs)):
-            break
-    else:
-        if all(s.cache.length + len(s.ids) <= s.cache.layers[0].capacity for s in seqs):
-            return "shared"
+    if _one_block(seqs) and all(s.cache.length + len(s.ids) <= s.cache.layers[0].capacity for s in seqs):
+        return "shared"
     caps = [max(s.cache.layers[0].capacity, s.cache.length + len(s.ids)) for s in seqs]
     if (seen and all(s.cache.layers[0].store in (None, dtype) for s in seqs)
             and len(seqs) * max(caps) <= ADOPT_SLACK * sum(caps)):
         return "adopt"
     return "copy"
+
+
+def _one_block(seqs: list[Seq]) -> bool:
+    """Whether, in every layer, row b of one block of len(seqs) rows is sequence b's storage."""
+    for i in range(len(seqs[0].cache.layers)):
+        blocks = [s.cache.layers[i].block for s in seqs]
+        if blocks[0] is None or blocks[0][0].shape[0] != len(seqs) or any(
+                bl is None or bl[0] is not blocks[0][0] or bl[2] != b for b, bl in enumerate(blocks)):
+            return False
+    return True
 
 
 def _row_mask(runner, s: Seq, positions: torch.Tensor):
