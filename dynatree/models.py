@@ -15,6 +15,7 @@ from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
                     rope_switch)
+from .joined import forward_joined, inner_implementation
 from .padded import forward_padded
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
@@ -93,13 +94,20 @@ class HFRunner:
 
     tree_problem = ""  # why it cannot verify token trees (models._tree_problem; "" when it can)
     tree_fails = False  # its tree forward raises: as a draft it cannot grow trees
-    batch_problem = "not probed"  # why it runs one sequence per forward (models._batch_problem; "" when it pads)
+    batch_problem = "not probed"  # why it runs one sequence per forward (models._batch_problems; "" when it pads)
+    joined_problem = "not probed"  # why it does not join sequences (models._batch_problems; "" when it does)
+    joined = None  # the model's attention implementation, run per sequence in a joined forward (joined.py)
 
     def forward(self, seqs, topk: int = 0, argmax: bool = False, cols: int | None = None):
-        """runtime.Seq inputs -> one runtime.Output each: several sequences in one padded forward
-        (padded.py) where the model passed its probe, else one forward per sequence; all their heads
-        read back at once (heads_each; per sequence, each read was a wait on a GPU)."""
-        if len(seqs) > 1 and not self.batch_problem and all(s.cache is not None for s in seqs):
+        """runtime.Seq inputs -> one runtime.Output each: several sequences in one joined forward
+        (joined.py) where their widths differ, in one padded forward (padded.py) where they are
+        equal (one attention call per layer; rows that stay together share their block), each where
+        the model passed that path's probe, else one forward per sequence; all their heads read back
+        at once (heads_each; per sequence, each read was a wait on a GPU)."""
+        together = len(seqs) > 1 and all(s.cache is not None for s in seqs)
+        if together and not self.joined_problem and (self.batch_problem or len({len(s.ids) for s in seqs}) > 1):
+            parts = forward_joined(self, seqs)
+        elif together and not self.batch_problem:
             parts = forward_padded(self, seqs)
         else:
             parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
@@ -154,21 +162,23 @@ def _tree_problem(run: HFRunner, model, which: str) -> tuple[str, bool]:
 
 
 @torch.inference_mode()
-def _batch_problem(run: HFRunner, model) -> str:
+def _batch_problems(run: HFRunner, model) -> tuple[str, str]:
     """Why transformers' forward of ``model`` cannot score several sequences in one padded forward
-    (padded.py; "" when it can): two sequences of different lengths are prefilled together, then
-    one scores a 3-node tree and the other one token, and each must get the logits it gets alone.
-    A model whose forward reads the padding (a mask it rebuilds, positions from its cache) fails
-    it and keeps one forward per sequence; so does an architecture named as slot-bound
-    (:func:`_slot_bound`), whose effects only show past a window or chunk this probe never reaches."""
+    (padded.py), and why not in one joined forward (joined.py) ("" where it can): two sequences of
+    different lengths are prefilled together, then one scores a 3-node tree and the other one
+    token, and each must get the logits it gets alone.  A model whose forward reads the padding (a
+    mask it rebuilds, positions from its cache) fails the padded probe, one whose attention needs
+    more than its own keys and mask (ALiBi built from a 2-D mask) the joined one; an architecture
+    named as slot-bound (:func:`_slot_bound`), whose effects only show past a window or chunk this
+    probe never reaches, takes neither."""
     from .kvcache import new_cache
     from .tree import ancestor_matrix, long_tensor
 
     if run.tree_fails:
-        return "its forward takes no 4-D mask"
+        return ("its forward takes no 4-D mask",) * 2
     slots = _slot_bound(model.config)
     if slots:  # (GPT-Neo's window counts back from the padded block's end; Llama 4 reads the group's length)
-        return slots
+        return (slots,) * 2
     dev, rtol = run.device, _probe_rtol(run)
     n = max(2, min(7, _context_len(model) - 4))
     g, vocab = torch.Generator().manual_seed(2), _probe_vocab(model)
@@ -177,20 +187,28 @@ def _batch_problem(run: HFRunner, model) -> str:
                 KeyMask(n, ancestor_matrix([-1, 0, 0]).to(dev))),
             Seq(torch.randint(0, vocab, (1,), generator=g).to(dev), None)]
 
-    def run_all(together: bool) -> list[torch.Tensor]:
+    def run_all(forward) -> list[torch.Tensor]:
         caches = [new_cache(run, n + 4) for _ in prompts]
         first = [Seq(p, c) for p, c in zip(prompts, caches)]
         second = [replace(s, cache=c) for s, c in zip(news, caches)]
-        if together:
-            return forward_padded(run, first) + forward_padded(run, second)
+        if forward is not None:
+            return forward(run, first) + forward(run, second)
         return [forward_each(run, [s])[0].logits for s in first + second]
 
-    try:
-        got = run_all(True)
-    except Exception as e:  # noqa: BLE001 -- whatever transformers raises
-        return f"a padded forward fails ({type(e).__name__}: {str(e)[:120]})"
-    gap = max(_gap(a.float(), b.float()) for a, b in zip(got, run_all(False)))
-    return "" if gap <= rtol else f"a padded forward's logits part from each sequence's own by {gap:.3g} of their scale"
+    alone = run_all(None)
+
+    def problem(forward, what: str) -> str:
+        try:
+            got = run_all(forward)
+        except Exception as e:  # noqa: BLE001 -- whatever transformers raises
+            return f"a {what} forward fails ({type(e).__name__}: {str(e)[:120]})"
+        gap = max(_gap(a.float(), b.float()) for a, b in zip(got, alone))
+        return "" if gap <= rtol else f"a {what} forward's logits part from each sequence's own by {gap:.3g} of their scale"
+
+    run.joined = inner_implementation(model)
+    joined = problem(forward_joined, "joined") if run.joined else (
+        f"its attention ({model.config._attn_implementation}) is neither SDPA nor eager")
+    return problem(forward_padded, "padded"), joined
 
 
 def _probe_rtol(run: HFRunner) -> float:
@@ -301,6 +319,17 @@ TAIL_CHARS_PER_TOKEN = 16  # ModelPair._encode_tail: the first suffix's characte
 _WORD_GAP = re.compile(r"[^\W\d_](?= [^\W\d_])")  # a letter before " " and a letter
 
 
+def batch_paths(run: HFRunner) -> str:
+    """How transformers' runner scores several sequences (HFRunner.forward), for forward_in_use."""
+    if not run.batch_problem and not run.joined_problem:
+        return "batches joined where widths differ, padded where equal"
+    if not run.joined_problem:
+        return f"batches joined (not padded: {run.batch_problem})"
+    if not run.batch_problem:
+        return f"batches padded (not joined: {run.joined_problem})"
+    return f"one sequence per forward ({run.batch_problem})"
+
+
 def _word_boundary(text: str, at: int, within: int) -> int | None:
     """The index of the last space between two letters at or before ``at`` (no further back than
     ``within`` characters), or None."""
@@ -399,7 +428,7 @@ class ModelPair:
             if cls is None:  # transformers' forward
                 run = HFRunner(model)
                 run.tree_problem, run.tree_fails = _tree_problem(run, model, which)  # (a PairError: no runner kept)
-                run.batch_problem = _batch_problem(run, model)
+                run.batch_problem, run.joined_problem = _batch_problems(run, model)
                 self.state[key] = run
                 return run
             release = self.release_packed and gem
@@ -457,7 +486,7 @@ class ModelPair:
                     "it drafts chains only: methods that grow trees are refused" if run.tree_fails else
                     "its token trees' proposals inexact (outputs are not: the target verifies them)")
             why += f"; {role} ({run.tree_problem})"
-        return why + (f"; one sequence per forward ({run.batch_problem})" if run.batch_problem else "; batches padded")
+        return why + "; " + batch_paths(run)
 
     def window(self, cfg, which: str = "target"):
         """The kvcache.Window of a method config's ``kv_window`` for ``"target"`` or ``"draft"``

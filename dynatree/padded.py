@@ -18,7 +18,7 @@ attention call -- or, where the same sequences meet in consecutive forwards, the
 (:func:`groups`): a forward pads at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is
 more, a layer's block and the mask stay under PAD_BYTES, and sequences on either side of a LongRoPE switch
 never share a forward (:func:`rope_sides`); the rest take further forwards.
-A model whose padded forward parts from its sequences' own (models._batch_problem probes it at load)
+A model whose padded forward parts from its sequences' own (models._batch_problems probes it at load)
 runs one sequence per forward, as before.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
 """Loading pairs from directories, pair checks, the Python API and the CLI."""
+import itertools
 import json
 
 import numpy as np
@@ -492,34 +493,40 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert len(decode(bloom, prompts[0], make_config("linear"), max_new_tokens=4, ignore_eos=True)[0]) == 4
 
 
-def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
-    """Models no packed runner takes (and --kernel hf) score a batch in one padded forward
-    (padded.py): the mixed batch -- a tree, a chain, one token, a prompt joining with an empty
-    cache -- gets each sequence's logits, heads and cache keys as alone (float64), in one model
-    call, on learned positions (GPT-2), softcapped sliding layers (Gemma 2) and a per-layer-kind
-    mask (Qwen2's max_window_layers); and a batch of GPT-2 rows decodes as each row alone.  A
-    model whose attention follows cache slots (GPT-Neo's window, Llama 4's chunks: named, and
-    GPT-Neo's found by the probe too where its window is short enough) or that takes no 4-D mask
-    (BLOOM) keeps one forward per sequence, saying so."""
+def test_transformers_forward_scores_a_batch_in_one_forward(monkeypatch):
+    """Models no packed runner takes (and --kernel hf) score a batch in one forward, joined
+    (joined.py: the default where widths differ) or padded (padded.py): on either path the mixed
+    batch -- a tree, a chain, one token, a prompt joining with an empty cache -- gets each
+    sequence's logits, heads and cache keys as alone (float64), in one model call, on learned
+    positions (GPT-2), softcapped sliding layers through the model's eager attention (Gemma 2)
+    and a per-layer-kind mask (Qwen2's max_window_layers); and a batch of GPT-2 rows decodes as
+    each row alone.  A model whose attention follows cache slots (GPT-Neo's window, Llama 4's
+    chunks: named, and GPT-Neo's found by the probe too where its window is short enough) or
+    that takes no 4-D mask (BLOOM) keeps one forward per sequence, saying so."""
     from conftest import alone_and_packed, assert_same_runs
-    from dynatree import models
+    from dynatree import joined, models
     from dynatree.engine import decode_batch
 
     small = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128)
     archs = [_auto("gpt2", 0, **GPT2), _auto("gemma2", 0, head_dim=8, sliding_window=4, **small),
               _auto("qwen2", 0, sliding_window=5, use_sliding_window=True, max_window_layers=1, **small)]
-    for model in archs:
+    real_join = joined.forward_join
+    for model, path in itertools.product(archs, ("joined", "padded")):
         run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
-        assert run.batch_problem == "", model.config.model_type
+        assert run.batch_problem == run.joined_problem == "", model.config.model_type
         assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
-            "transformers' forward (--kernel hf); batches padded")
-        calls = []
+            "transformers' forward (--kernel hf); batches joined where widths differ, padded where equal")
+        if path == "padded":
+            run.joined_problem = "(this test's padded half)"
+        calls, joins = [], []
         hook = model.register_forward_hook(lambda *a: calls.append(1))
+        monkeypatch.setattr(joined, "forward_join", lambda r, s: joins.append(1) or real_join(r, s))
         alone, alone_caches, packed, packed_caches = alone_and_packed(model, run)
         hook.remove()
         assert_same_runs(alone, alone_caches, packed, packed_caches, atol=1e-12)
         assert len(calls) == 2 * 3 + 4 + 1  # two sets of prefills, the four alone, the batch in one
+        assert len(joins) == (path == "joined"), (model.config.model_type, path)
     pair = pair_from_models(archs[0], _auto("gpt2", 1, **GPT2), None, eos_token_id=None, kernel="hf")
     prompts = random_prompts(5, seed=8, lo=2, hi=30, vocab=96)
     for method in ("ar", "dynatree"):
@@ -530,6 +537,7 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
                 attention_types=[[["global", "local"], 1]], max_position_embeddings=128)
     neo_pair = pair_from_models(neo, None, None, eos_token_id=None, kernel="hf")
     assert neo_pair.runner("target").batch_problem == "GPT-Neo's local attention window follows cache slots"
+    assert neo_pair.runner("target").joined_problem == neo_pair.runner("target").batch_problem
     assert "one sequence per forward (GPT-Neo's local attention window" in neo_pair.forward_in_use("target")
     alone, alone_caches, packed, packed_caches = alone_and_packed(neo, neo_pair.runner("target"))
     assert_same_runs(alone, alone_caches, packed, packed_caches, atol=0)  # the same forwards, one by one
@@ -540,7 +548,8 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
     assert "a padded forward's logits part from each sequence's own" in probed
     bloom = pair_from_models(_auto("bloom", 0, vocab_size=96, hidden_size=32, n_layer=2, n_head=4), None, None,
                              eos_token_id=None)
-    assert bloom.runner("target").batch_problem == "its forward takes no 4-D mask"
+    assert bloom.runner("target").batch_problem == bloom.runner("target").joined_problem == (
+        "its forward takes no 4-D mask")
     llama4 = _auto("llama4_text", 0, vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
                    attention_chunk_size=16, floor_scale=32, no_rope_layers=[1, 1, 1, 0], max_position_embeddings=128)
@@ -548,18 +557,64 @@ def test_transformers_forward_scores_a_batch_in_one_padded_forward(monkeypatch):
             == "Llama 4's attention chunks and temperature follow cache slots")  # (its 16-token chunks: past the probe)
 
 
+def test_a_joined_forward_is_probed_and_split():
+    """The joined forward's probe catches a joined forward that parts from the sequences' own (here
+    one that drops each tree's mask), and the model then pads; a model whose attention is neither
+    SDPA nor eager is not joined; joined forwards split at a LongRoPE switch and where the masks
+    would pass PAD_BYTES together, keeping order -- by hand."""
+    from dynatree import joined, models, padded
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import Seq
+
+    model = _auto("gpt2", 0, **GPT2)
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        m.setattr(joined, "_mask", lambda runner, s, positions: None)  # (causal SDPA, not the tree's mask)
+        run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
+    assert "a joined forward's logits part from each sequence's own by" in run.joined_problem
+    assert run.batch_problem == ""
+    assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target").joined_problem == ""
+
+    class Cfg:
+        _attn_implementation = "flash_attention_2"
+
+    assert joined.inner_implementation(type("M", (), {"config": Cfg()})()) is None
+    with mp.context() as m:
+        m.setattr(models, "inner_implementation", lambda model: None)
+        run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
+    assert run.joined_problem == "its attention (sdpa) is neither SDPA nor eager"
+    assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
+        "widths differ, padded where equal")
+
+    def seq(n: int, cached: int) -> Seq:
+        cache = new_cache(run, 64)
+        for layer in cache.layers:
+            layer.length = cached
+        return Seq(torch.zeros(n, dtype=torch.long), cache)
+
+    seqs = [seq(1, 30), seq(4, 10), seq(3, 0), seq(1, 5), seq(2, 2)]
+    assert joined.parts(seqs, None, 4) == [[0, 1, 2, 3, 4]]
+    assert joined.parts(seqs, [0, 1, 0, 1, 0], 4) == [[0, 2, 4], [1, 3]]
+    with mp.context() as m:  # masks of 4*14, 3*3, 2*4 entries: 56 + 9 would pass 64 bytes
+        m.setattr(joined, "PAD_BYTES", 64)
+        assert joined.parts(seqs, None, 1) == [[0, 1], [2, 3, 4]]
+    assert padded.PAD_BYTES == joined.PAD_BYTES
+
+
 def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     """The second padded forward of the same rows makes a block of their keys and values their
     caches' storage (each row's buffers view its block row), and later forwards of those rows read
     it in place, copying nothing; a row that outgrows it, a bfloat16 cache, or rows whose capacities
     differ so that a block at the largest would multiply their memory, go back to copies -- each
-    row's logits and keys as alone throughout (float64)."""
+    row's logits and keys as alone throughout (float64).  Joined forwards between padded ones
+    (joined.py, where widths differ) write into the block and keep it."""
     from dynatree import padded
     from dynatree.kvcache import new_cache
     from dynatree.runtime import Seq
 
     model = _auto("gpt2", 0, **GPT2)
     run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
+    run.joined_problem = "(padded forwards only, until the end)"
     modes, real = [], padded._mode
     monkeypatch.setattr(padded, "_mode", lambda *a: modes.append(real(*a)) or modes[-1])
     prompts = [[5, 9, 11, 40, 2], [3, 4, 8, 8, 1, 7, 30, 31, 2], [44, 45]]
@@ -588,6 +643,11 @@ def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     for got, want in zip(run_all(True), run_all(False)):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
     assert set(modes) == {"copy"}
+    prompts[1] = prompts[1][:9]
+    run.joined_problem, modes[:] = "", []  # joined forwards where widths differ: they write into the block
+    for got, want in zip(run_all(True), alone):
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert modes == ["adopt", "shared", "adopt"]  # (the joined prompts count as met; row 0 outgrows at step 4)
 
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
