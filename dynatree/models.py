@@ -16,7 +16,7 @@ from .metrics import release_freed_memory
 from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
                     rope_switch)
 from .joined import forward_joined, inner_implementation
-from .padded import forward_padded
+from .padded import forward_padded, in_place
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
 DTYPES = {
@@ -99,13 +99,14 @@ class HFRunner:
     joined = None  # the model's attention implementation, run per sequence in a joined forward (joined.py)
 
     def forward(self, seqs, topk: int = 0, argmax: bool = False, cols: int | None = None):
-        """runtime.Seq inputs -> one runtime.Output each: several sequences in one joined forward
-        (joined.py) where their widths differ, in one padded forward (padded.py) where they are
-        equal (one attention call per layer; rows that stay together share their block), each where
-        the model passed that path's probe, else one forward per sequence; all their heads read back
-        at once (heads_each; per sequence, each read was a wait on a GPU)."""
+        """runtime.Seq inputs -> one runtime.Output each: several sequences in one padded forward
+        (padded.py) where that pads nothing and copies no cache (equal widths, rows that stay
+        together sharing one block: one attention call per layer), else in one joined forward
+        (joined.py: no padding, attention per sequence), each where the model passed that path's
+        probe, else one forward per sequence; all their heads read back at once (heads_each; per
+        sequence, each read was a wait on a GPU)."""
         together = len(seqs) > 1 and all(s.cache is not None for s in seqs)
-        if together and not self.joined_problem and (self.batch_problem or len({len(s.ids) for s in seqs}) > 1):
+        if together and not self.joined_problem and (self.batch_problem or not in_place(self, seqs)):
             parts = forward_joined(self, seqs)
         elif together and not self.batch_problem:
             parts = forward_padded(self, seqs)
@@ -322,7 +323,7 @@ _WORD_GAP = re.compile(r"[^\W\d_](?= [^\W\d_])")  # a letter before " " and a le
 def batch_paths(run: HFRunner) -> str:
     """How transformers' runner scores several sequences (HFRunner.forward), for forward_in_use."""
     if not run.batch_problem and not run.joined_problem:
-        return "batches joined where widths differ, padded where equal"
+        return "batches joined, or padded where rows share a block"
     if not run.joined_problem:
         return f"batches joined (not padded: {run.batch_problem})"
     if not run.batch_problem:

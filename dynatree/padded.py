@@ -156,6 +156,16 @@ def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
     return "copy"
 
 
+def in_place(runner, seqs: list[Seq]) -> bool:
+    """Whether one padded forward of ``seqs`` pads nothing and copies no cache: their widths are
+    equal and they read a shared block, or meet again and adopt one (:func:`_mode`).  Else
+    transformers' runner joins them (joined.py), which copies nothing either."""
+    if len({len(s.ids) for s in seqs}) > 1:
+        return False
+    seen = tuple(id(s.cache) for s in seqs) in getattr(runner, "padded_groups", ())
+    return _mode(seqs, runner.dtype, seen) != "copy"
+
+
 def _one_block(seqs: list[Seq]) -> bool:
     """Whether, in every layer, row b of one block of len(seqs) rows is sequence b's storage."""
     for i in range(len(seqs[0].cache.layers)):

@@ -516,7 +516,7 @@ def test_transformers_forward_scores_a_batch_in_one_forward(monkeypatch):
         run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
         assert run.batch_problem == run.joined_problem == "", model.config.model_type
         assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
-            "transformers' forward (--kernel hf); batches joined where widths differ, padded where equal")
+            "transformers' forward (--kernel hf); batches joined, or padded where rows share a block")
         if path == "padded":
             run.joined_problem = "(this test's padded half)"
         calls, joins = [], []
@@ -584,7 +584,7 @@ def test_a_joined_forward_is_probed_and_split():
         run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
     assert run.joined_problem == "its attention (sdpa) is neither SDPA nor eager"
     assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
-        "widths differ, padded where equal")
+        "batches joined, or padded where rows share a block")
 
     def seq(n: int, cached: int) -> Seq:
         cache = new_cache(run, 64)
@@ -615,8 +615,14 @@ def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     model = _auto("gpt2", 0, **GPT2)
     run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
     run.joined_problem = "(padded forwards only, until the end)"
-    modes, real = [], padded._mode
-    monkeypatch.setattr(padded, "_mode", lambda *a: modes.append(real(*a)) or modes[-1])
+    modes = []  # each padded forward's
+
+    class Logged(padded._RowsCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            modes.append(args[-1])
+
+    monkeypatch.setattr(padded, "_RowsCache", Logged)
     prompts = [[5, 9, 11, 40, 2], [3, 4, 8, 8, 1, 7, 30, 31, 2], [44, 45]]
     steps = [[[6], [7], [8]], [[9], [10, 11], [12]], [[13], [14], [15]], [list(range(50, 58)), [19], [20]],
              [[21], [22], [23]]]
@@ -648,6 +654,11 @@ def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     for got, want in zip(run_all(True), alone):
         assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
     assert modes == ["adopt", "shared", "adopt"]  # (the joined prompts count as met; row 0 outgrows at step 4)
+    modes.clear()
+    steps[:] = [[[6], [7]], [[9], [10], [12]], [[13], [14], [15]]]  # two rows, then all three, twice
+    for got, want in zip(run_all(True), run_all(False)):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert modes == ["adopt"]  # (padded, the first two steps would copy: joined; the third's rows met in the second)
 
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
