@@ -123,10 +123,13 @@ def _sequences_line(runner, prefix: int, n: int, repeats: int, kv_dtype: str) ->
         what = f"reading its {kv / 2**20:.1f} MiB of keys and values{rate}"
     elif isinstance(runner, Runner):
         what = f"its attention, run apart on torch's path, over its {kv / 2**20:.1f} MiB of keys and values"
-    elif getattr(runner, "batch_problem", ""):
+    elif runner.batch_problem and runner.joined_problem:
         what = f"this runner decodes each sequence in a forward of its own ({runner.batch_problem})"
-    else:
-        what = f"transformers' padded forward, attention over its {kv / 2**20:.1f} MiB of keys and values in the batch's block"
+    elif runner.batch_problem:
+        what = f"transformers' joined forward, attention per sequence over its {kv / 2**20:.1f} MiB of keys and values"
+    else:  # (the repeats meet again: their rows share one block, models.HFRunner.forward)
+        what = (f"transformers' padded forward, attention over its {kv / 2**20:.1f} MiB of keys and values "
+                "in the block the rows share")
     click.echo(f"target, {used} sequences of 1 token over {prefix} cached tokens each{fewer}: {apart:.2f} ms, "
                f"against {together:.2f} ms for one sequence of {used} tokens: {extra:+.3f} ms per extra sequence, "
                f"{what}")

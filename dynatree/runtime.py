@@ -12,8 +12,9 @@ its heads read.  The runner returns one :class:`Output` per sequence: those logi
 the engine reads (softmax top-k for drafting, argmax for verification) as host lists.  The native kernel packs every sequence's rows into one
 forward (one stream over the weights) and is batch invariant, so a sequence's results do not
 depend on its neighbours; lean.py's torch path and packed.py (Llama-family models) pack the GEMMs
-too (attention per sequence), and transformers' runner pads them into one forward (padded.py) where
-a load-time probe finds that the padding leaves each sequence's logits its own, else loops over them.
+too (attention per sequence), and transformers' runner joins them into one forward, attention per
+sequence (joined.py), or pads them (padded.py) where rows share a block, each where a load-time
+probe finds that it leaves each sequence's logits its own, else loops over them.
 
 Kernels and their types (ctypes, packed weights, C structs) stay behind this interface.
 """

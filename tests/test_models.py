@@ -570,8 +570,10 @@ def test_a_joined_forward_is_probed_and_split():
     mp = pytest.MonkeyPatch()
     with mp.context() as m:
         m.setattr(joined, "_mask", lambda runner, s, positions: None)  # (causal SDPA, not the tree's mask)
-        run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
+        broken = pair_from_models(model, None, None, eos_token_id=None, kernel="hf")
+        run = broken.runner("target")
     assert "a joined forward's logits part from each sequence's own by" in run.joined_problem
+    assert "; batches padded (not joined: a joined forward's logits part" in broken.forward_in_use()
     assert run.batch_problem == ""
     assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target").joined_problem == ""
 

@@ -608,9 +608,12 @@ def test_profile_sequences_line_says_when_fewer_caches_fit(capsys, monkeypatch):
     lean.native = False
     _sequences_line(lean, 256, 4, 3, "model")
     assert "its attention, run apart on torch's path, over its 1.0 MiB of keys and values" in capsys.readouterr().out
-    _sequences_line(type("HF", (), {"batch_problem": ""})(), 256, 4, 3, "model")  # transformers' padded forward
+    _sequences_line(type("HF", (), {"batch_problem": "", "joined_problem": ""})(), 256, 4, 3, "model")
     assert "transformers' padded forward, attention over its 1.0 MiB of keys and values" in capsys.readouterr().out
-    _sequences_line(type("HF", (), {"batch_problem": "its forward takes no 4-D mask"})(), 256, 4, 3, "model")
+    _sequences_line(type("HF", (), {"batch_problem": "pads wrong", "joined_problem": ""})(), 256, 4, 3, "model")
+    assert "transformers' joined forward, attention per sequence over its 1.0 MiB" in capsys.readouterr().out
+    no_mask = "its forward takes no 4-D mask"
+    _sequences_line(type("HF", (), {"batch_problem": no_mask, "joined_problem": no_mask})(), 256, 4, 3, "model")
     assert ("this runner decodes each sequence in a forward of its own (its forward takes no 4-D mask)"
             in capsys.readouterr().out)
 
