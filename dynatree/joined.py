@@ -19,7 +19,7 @@ The model's ``_attn_implementation`` names :data:`NAME` only for the duration of
 (transformers builds no mask for an implementation it has no mask function for, and positions come
 in explicitly).  Sequences on either side of a LongRoPE switch take separate forwards (transformers
 picks one rotary table per forward), and the sequences' masks together stay under
-padded.PAD_BYTES per forward.  A load-time probe (models._joined_problem) checks each model's
+padded.PAD_BYTES per forward.  A load-time probe (models._batch_problems) checks each model's
 joined forward against its sequences' own.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .padded import PAD_BYTES, _row_mask, rope_sides
+from .padded import PAD_BYTES, row_mask, rope_sides
 from .runtime import Seq
 
 NAME = "dynatree_joined"
@@ -113,11 +113,11 @@ def inner_implementation(model) -> str | None:
 
 
 def _mask(runner, s: Seq, positions: torch.Tensor):
-    """Sequence ``s``'s mask(s) (padded._row_mask), or None for one token that sees its whole
+    """Sequence ``s``'s mask(s) (padded.row_mask), or None for one token that sees its whole
     cache (SDPA and eager attention alike take no mask as "every key")."""
     if len(s.ids) == 1 and s.mask is None and runner.window is None:
         return None
-    return _row_mask(runner, s, positions)
+    return row_mask(runner, s, positions)
 
 
 def forward_join(runner, seqs: list[Seq]) -> list[torch.Tensor]:

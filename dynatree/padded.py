@@ -176,7 +176,7 @@ def _one_block(seqs: list[Seq]) -> bool:
     return True
 
 
-def _row_mask(runner, s: Seq, positions: torch.Tensor):
+def row_mask(runner, s: Seq, positions: torch.Tensor):
     """Sequence ``s``'s additive mask(s) over its cache and new tokens: (1, 1, n_b, P_b + n_b), or
     a dict per layer kind (models.HFRunner._additive)."""
     n, past = len(s.ids), s.cache.length
@@ -209,7 +209,7 @@ def forward_group(runner, seqs: list[Seq], seen: bool = False) -> list[torch.Ten
         n, past = len(s.ids), s.cache.length
         p = s.positions if s.positions is not None else torch.arange(past, past + n, device=dev)
         ids[b, width - n:], pos[b, width - n:] = s.ids, p
-        masks.append(_row_mask(runner, s, p))
+        masks.append(row_mask(runner, s, p))
     if isinstance(masks[0], dict):
         mask = {kind: _place([m[kind] for m in masks], width, keys, runner.dtype, dev) for kind in masks[0]}
     else:
