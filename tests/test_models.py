@@ -661,6 +661,8 @@ def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     for got, want in zip(run_all(True), run_all(False)):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
     assert modes == ["adopt"]  # (padded, the first two steps would copy: joined; the third's rows met in the second)
+    for got, want in zip(run_all(True, "bfloat16"), run_all(False, "bfloat16")):  # joined rows read bfloat16, widened
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
