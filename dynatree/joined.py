@@ -130,15 +130,18 @@ def forward_join(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     keeps = [min(s.keep, n) if s.keep else n for s, n in zip(seqs, widths)]
     rows = torch.cat([torch.arange(o + n - k, o + n, device=dev) for o, n, k in zip(offsets, widths, keeps)])
     kinds = list(runner.config.layer_types) if runner.mixed else None
-    cfg, token = runner.model.config, _JOIN.set(_Join(seqs, offsets, masks, kinds, runner.joined))
-    cfg._attn_implementation = NAME  # (this forward only: transformers reads it in every attention layer)
-    try:
-        logits = runner.model(input_ids=torch.cat([s.ids for s in seqs])[None], position_ids=pos[None],
-                              use_cache=True, logits_to_keep=rows,
-                              **{runner.cache_kw: _JoinedCache(runner.config.num_hidden_layers, seqs, offsets)}).logits
-    finally:
-        cfg._attn_implementation = runner.joined
-        _JOIN.reset(token)
+    cfg = runner.model.config
+    with runner.lock:  # (models.model_lock: no forward of this model in another thread reads the name)
+        token = _JOIN.set(_Join(seqs, offsets, masks, kinds, runner.joined))
+        cfg._attn_implementation = NAME  # (this forward only: transformers reads it in every attention layer)
+        try:
+            logits = runner.model(input_ids=torch.cat([s.ids for s in seqs])[None], position_ids=pos[None],
+                                  use_cache=True, logits_to_keep=rows,
+                                  **{runner.cache_kw: _JoinedCache(runner.config.num_hidden_layers, seqs,
+                                                                   offsets)}).logits
+        finally:
+            cfg._attn_implementation = runner.joined
+            _JOIN.reset(token)
     return list(logits.split(keeps, dim=1))  # (1, keep_b, V) each
 
 

@@ -52,6 +52,14 @@ def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
         raise PairError(f"unknown dtype {spec!r}; choose one of float32, bfloat16, float16, float64") from None
 
 
+def model_lock(model) -> threading.RLock:
+    """One lock per model object, held by every forward transformers' runners make of it: a joined
+    forward (joined.py) names its attention implementation in the model's config for its
+    duration, which a forward of the same model in another thread (two pairs built on one model)
+    would otherwise read mid-flight."""
+    return model.__dict__.setdefault("_dynatree_lock", threading.RLock())  # (setdefault: atomic)
+
+
 class HFRunner:
     """transformers' own forward, given the additive 4-D mask it expects for a KeyMask."""
 
@@ -68,6 +76,7 @@ class HFRunner:
         # versions take it
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.lock = model_lock(model)
 
     def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,
                  perturb=None, **kwargs):
@@ -76,7 +85,9 @@ class HFRunner:
             attention_mask = self._additive(attention_mask, kwargs)
         if "past_key_values" in kwargs:
             kwargs[self.cache_kw] = kwargs.pop("past_key_values")
-        return with_heads(self.model(attention_mask=attention_mask, **kwargs).logits, topk, argmax, cols, perturb)
+        with self.lock:
+            logits = self.model(attention_mask=attention_mask, **kwargs).logits
+        return with_heads(logits, topk, argmax, cols, perturb)
 
     def _additive(self, mask: KeyMask, kwargs: dict):
         """A KeyMask as the additive 4-D mask(s) the model takes: with its sliding window, the keys
@@ -106,12 +117,13 @@ class HFRunner:
         probe, else one forward per sequence; all their heads read back at once (heads_each; per
         sequence, each read was a wait on a GPU)."""
         together = len(seqs) > 1 and all(s.cache is not None for s in seqs)
-        if together and not self.joined_problem and (self.batch_problem or not in_place(self, seqs)):
-            parts = forward_joined(self, seqs)
-        elif together and not self.batch_problem:
-            parts = forward_padded(self, seqs)
-        else:
-            parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
+        with self.lock:
+            if together and not self.joined_problem and (self.batch_problem or not in_place(self, seqs)):
+                parts = forward_joined(self, seqs)
+            elif together and not self.batch_problem:
+                parts = forward_padded(self, seqs)
+            else:
+                parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
         keeps = [p.shape[1] for p in parts]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (1, K, V)
         del parts  # (the rows' own copies: a batch's logits once, not twice)

@@ -157,13 +157,20 @@ def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
 
 
 def in_place(runner, seqs: list[Seq]) -> bool:
-    """Whether one padded forward of ``seqs`` pads nothing and copies no cache: their widths are
-    equal and they read a shared block, or meet again and adopt one (:func:`_mode`).  Else
-    transformers' runner joins them (joined.py), which copies nothing either."""
-    if len({len(s.ids) for s in seqs}) > 1:
+    """Whether padded forwards of ``seqs`` pad nothing and copy no cache: their widths are equal,
+    and every group (:func:`groups`, as forward_padded forms them) reads a shared block or meets
+    again and adopts one (:func:`_mode`).  Else transformers' runner joins them (joined.py), which
+    copies nothing either -- and always where the model's attention is eager: transformers runs
+    its softmax in float32, and over a padded block's keys a row's rounding differs from its own
+    (~5e-7 of the logits on Gemma 2 in float64), where a joined row's attention is its own."""
+    if runner.joined == "eager" or len({len(s.ids) for s in seqs}) > 1:
         return False
-    seen = tuple(id(s.cache) for s in seqs) in getattr(runner, "padded_groups", ())
-    return _mode(seqs, runner.dtype, seen) != "copy"
+    met = getattr(runner, "padded_groups", ())
+    for g in _groups(runner, seqs):
+        rows = [seqs[i] for i in g]
+        if _mode(rows, runner.dtype, tuple(id(s.cache) for s in rows) in met) == "copy":
+            return False
+    return True
 
 
 def _one_block(seqs: list[Seq]) -> bool:
@@ -216,21 +223,27 @@ def forward_group(runner, seqs: list[Seq], seen: bool = False) -> list[torch.Ten
         mask = _place(masks, width, keys, runner.dtype, dev)
     keeps = [min(s.keep, len(s.ids)) if s.keep else len(s.ids) for s in seqs]
     cache = _RowsCache(runner.config.num_hidden_layers, seqs, width, keys, _mode(seqs, runner.dtype, seen))
-    logits = runner.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                          logits_to_keep=max(keeps), **{runner.cache_kw: cache}).logits  # (B, max keep, V)
+    with runner.lock:  # (models.model_lock)
+        logits = runner.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                              logits_to_keep=max(keeps), **{runner.cache_kw: cache}).logits  # (B, max keep, V)
     return [logits[b:b + 1, logits.shape[1] - k:] for b, k in enumerate(keeps)]
 
 
 def forward_padded(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over :func:`groups`' forwards."""
     out: list = [None] * len(seqs)
-    kinds = 2 if runner.mixed else 1  # (a mask per layer kind)
     last, runner.padded_groups = getattr(runner, "padded_groups", set()), set()
-    for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch),
-                    kinds * runner.dtype.itemsize):
-        g.sort()  # (the callers' order: the same rows keep their block rows from call to call)
+    for g in _groups(runner, seqs):
         ids = tuple(id(seqs[i].cache) for i in g)  # (a reused id only costs an adoption)
         runner.padded_groups.add(ids)
         for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g], ids in last)):
             out[i] = logits
     return out
+
+
+def _groups(runner, seqs: list[Seq]) -> list[list[int]]:
+    """:func:`groups` for ``runner``'s model, each in the callers' order (the same rows keep their
+    block rows from call to call)."""
+    kinds = 2 if runner.mixed else 1  # (a mask per layer kind)
+    return [sorted(g) for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch),
+                                      kinds * runner.dtype.itemsize)]

@@ -1,4 +1,5 @@
 """Loading pairs from directories, pair checks, the Python API and the CLI."""
+import dataclasses
 import itertools
 import json
 
@@ -603,6 +604,64 @@ def test_a_joined_forward_is_probed_and_split():
     assert padded.PAD_BYTES == joined.PAD_BYTES
 
 
+def test_a_joined_forward_holds_its_model_against_other_threads():
+    """A joined forward names its attention implementation in the model's config while it runs: a
+    forward of the same model object in another thread (a second pair built on it) waits for it
+    (models.model_lock) rather than read that name mid-flight -- each gets its own logits."""
+    import threading
+
+    from dynatree import joined
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import Seq
+
+    model = _auto("gpt2", 0, **GPT2)
+    run_a, run_b = (pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
+                    for _ in range(2))
+    assert run_a.lock is run_b.lock and not run_a.joined_problem
+    prompts, news = [[5, 9, 11, 40, 2], [3, 4, 8], [44, 45, 46, 47]], [[6, 7, 8], [9], [10, 11]]
+
+    def caches():
+        out = [new_cache(run_a, 12) for _ in prompts]
+        with torch.inference_mode():
+            for p, c in zip(prompts, out):
+                run_a.forward([Seq(torch.tensor(p), c)])
+        return out
+
+    with torch.inference_mode():
+        want = [run_a.forward([Seq(torch.tensor(t), c)])[0].logits for t, c in zip(news, caches())]
+        lone = run_b.forward([Seq(torch.tensor([1, 2]), new_cache(run_b, 4))])[0].logits
+    paused, resume, got = threading.Event(), threading.Event(), {}
+
+    def hold(module, args):  # (thread A, inside its joined forward's second layer)
+        if model.config._attn_implementation == joined.NAME and threading.current_thread().name == "A":
+            paused.set()
+            resume.wait(10)
+
+    def a():
+        seqs = [Seq(torch.tensor(t), c) for t, c in zip(news, caches())]
+        with torch.inference_mode():
+            got["a"] = run_a.forward(seqs)
+
+    def b():
+        with torch.inference_mode():
+            got["b"] = run_b.forward([Seq(torch.tensor([1, 2]), new_cache(run_b, 4))])
+
+    hook = model.transformer.h[1].register_forward_pre_hook(hold)
+    ta, tb = threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")
+    ta.start()
+    assert paused.wait(10)
+    tb.start()
+    tb.join(0.3)
+    assert tb.is_alive()  # (waiting for A's forward)
+    resume.set()
+    ta.join(10), tb.join(10)
+    hook.remove()
+    for out, w in zip(got["a"], want):
+        assert torch.allclose(out.logits, w, rtol=0, atol=1e-12)
+    assert torch.allclose(got["b"][0].logits, lone, rtol=0, atol=1e-12)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     """The second padded forward of the same rows makes a block of their keys and values their
     caches' storage (each row's buffers view its block row), and later forwards of those rows read
@@ -663,6 +722,39 @@ def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
     assert modes == ["adopt"]  # (padded, the first two steps would copy: joined; the third's rows met in the second)
     for got, want in zip(run_all(True, "bfloat16"), run_all(False, "bfloat16")):  # joined rows read bfloat16, widened
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_padded_forwards_run_only_where_they_copy_nothing(monkeypatch):
+    """padded.in_place, which picks padded over joined forwards: equal widths whose groups (as
+    forward_padded forms them) share or adopt a block -- not rows its byte cap splits apart (each
+    part would copy), not uneven widths, and never on eager attention (its float32 softmax over a
+    padded block rounds a row differently from its own forward; a joined row is exact)."""
+    from dynatree import padded
+    from dynatree.kvcache import new_cache
+    from dynatree.runtime import Seq
+
+    small = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    run = pair_from_models(_auto("gpt2", 0, **GPT2), None, None, eos_token_id=None, kernel="hf").runner("target")
+    caches = [new_cache(run, 16) for _ in range(3)]
+    with torch.inference_mode():
+        run.forward([Seq(torch.tensor(p), c) for p, c in zip([[5, 9, 11], [3, 4], [7]], caches)])  # (joined)
+        seqs = [Seq(torch.tensor([t]), c) for t, c in zip([1, 2, 3], caches)]
+        assert padded.in_place(run, seqs)  # (these rows met in the joined prefill: they adopt)
+        run.forward(seqs)
+        seqs = [Seq(torch.tensor([t]), c) for t, c in zip([4, 5, 6], caches)]
+        assert padded.in_place(run, seqs)  # (shared)
+        assert not padded.in_place(run, [seqs[0], dataclasses.replace(seqs[1], ids=torch.tensor([5, 6])), seqs[2]])
+        with monkeypatch.context() as m:
+            m.setattr(padded, "PAD_BYTES", 1)  # (each row a group of its own: copies)
+            assert not padded.in_place(run, seqs)
+    gemma = pair_from_models(_auto("gemma2", 0, head_dim=8, sliding_window=4, **small), None, None,
+                             eos_token_id=None, kernel="hf").runner("target")
+    assert gemma.joined == "eager" and not gemma.joined_problem
+    caches = [new_cache(gemma, 16) for _ in range(2)]
+    with torch.inference_mode():
+        gemma.forward([Seq(torch.tensor(p), c) for p, c in zip([[5, 9, 11], [3, 4]], caches)])
+        assert not padded.in_place(gemma, [Seq(torch.tensor([t]), c) for t, c in zip([1, 2], caches)])
 
 
 def test_padded_forwards_group_sequences_so_padding_stays_bounded():
