@@ -25,6 +25,7 @@ joined forward against its sequences' own.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -123,7 +124,7 @@ def _mask(runner, s: Seq, positions: torch.Tensor):
 def forward_join(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """One joined forward of ``seqs`` -> each sequence's kept logits (1, keep_b, V)."""
     dev, widths = runner.device, [len(s.ids) for s in seqs]
-    offsets = [sum(widths[:b]) for b in range(len(seqs))]
+    offsets = [0, *itertools.accumulate(widths)][:-1]  # o_b
     pos = torch.cat([s.positions if s.positions is not None else
                      torch.arange(s.cache.length, s.cache.length + n, device=dev) for s, n in zip(seqs, widths)])
     masks = [_mask(runner, s, p) for s, p in zip(seqs, pos.split(widths))]
