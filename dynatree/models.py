@@ -6,6 +6,7 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -52,12 +53,18 @@ def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
         raise PairError(f"unknown dtype {spec!r}; choose one of float32, bfloat16, float16, float64") from None
 
 
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (model_lock)
+_LOCKS_LOCK = threading.Lock()
+
+
 def model_lock(model) -> threading.RLock:
     """One lock per model object, held by every forward transformers' runners make of it: a joined
     forward (joined.py) names its attention implementation in the model's config for its
     duration, which a forward of the same model in another thread (two pairs built on one model)
-    would otherwise read mid-flight."""
-    return model.__dict__.setdefault("_dynatree_lock", threading.RLock())  # (setdefault: atomic)
+    would otherwise read mid-flight.  Kept beside the model, not on it: a lock would make the
+    model impossible to copy or pickle."""
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(model, threading.RLock())
 
 
 class HFRunner:

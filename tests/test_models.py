@@ -607,10 +607,12 @@ def test_a_joined_forward_is_probed_and_split():
 def test_a_joined_forward_holds_its_model_against_other_threads():
     """A joined forward names its attention implementation in the model's config while it runs: a
     forward of the same model object in another thread (a second pair built on it) waits for it
-    (models.model_lock) rather than read that name mid-flight -- each gets its own logits."""
+    (models.model_lock) rather than read that name mid-flight -- each gets its own logits; and the
+    model still deep-copies (the lock lives beside it)."""
+    import copy
     import threading
 
-    from dynatree import joined
+    from dynatree import joined, models
     from dynatree.kvcache import new_cache
     from dynatree.runtime import Seq
 
@@ -660,6 +662,8 @@ def test_a_joined_forward_holds_its_model_against_other_threads():
         assert torch.allclose(out.logits, w, rtol=0, atol=1e-12)
     assert torch.allclose(got["b"][0].logits, lone, rtol=0, atol=1e-12)
     assert model.config._attn_implementation == "sdpa"
+    twin = copy.deepcopy(model)  # (the lock is kept beside the model: it still copies and pickles)
+    assert models.model_lock(twin) is not run_a.lock is models.model_lock(model)
 
 
 def test_padded_forwards_of_the_same_rows_share_one_block(monkeypatch):
