@@ -48,8 +48,9 @@ def _forwards(pair, lat) -> list[tuple[str, dict]]:
         click.echo(f"native kernel: {native.status()}")
     for name in ("target", "draft"):
         why = pair.not_native(name)
-        if why:
-            click.echo(f"{name}: not on dynatree's kernel: {why}")
+        if why:  # (transformers' runner: how it takes trees and batches too)
+            shown = why if hasattr(pair.runner(name), "native") else pair.forward_in_use(name)
+            click.echo(f"{name}: not on dynatree's kernel: {shown}")
     measured = lat.measured or {"verify_ms": lat.verify_ms, "draft_ms": lat.draft_ms}  # as timed
     timed = [("target", measured["verify_ms"])] + ([("draft", measured["draft_ms"])] if pair.draft is not None else [])
     if pair.draft is None:

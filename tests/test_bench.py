@@ -133,7 +133,8 @@ def test_profile_command(pair_dirs):
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert "kernel hf" in lines[0]
-    assert "target: not on dynatree's kernel: transformers' forward (--kernel hf)" in lines
+    assert ("target: not on dynatree's kernel: transformers' forward (--kernel hf); batches joined, or padded "
+            "where rows share a block") in lines
     assert any(line.startswith("target ") and "64:" in line for line in lines)
     assert any(line.startswith("draft ") and "16:" in line for line in lines)
 
