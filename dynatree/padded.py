@@ -18,8 +18,10 @@ attention call -- or, where the same sequences meet in consecutive forwards, the
 (:func:`groups`): a forward pads at most PAD_SLACK x its real rows or PAD_FREE rows, whichever is
 more, a layer's block and the mask stay under PAD_BYTES, and sequences on either side of a LongRoPE switch
 never share a forward (:func:`rope_sides`); the rest take further forwards.
-A model whose padded forward parts from its sequences' own (models._batch_problems probes it at load)
-runs one sequence per forward, as before.
+transformers' runner pads only where that copies nothing (:func:`in_place`: equal widths over
+rows that share or adopt a block) and joins every other batch (joined.py: no padding, no copy).
+A model whose padded forward parts from its sequences' own (models._batch_problems probes it at
+load) joins every batch, or, where it cannot, runs one sequence per forward.
 """
 from __future__ import annotations
 
