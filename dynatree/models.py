@@ -125,10 +125,11 @@ class HFRunner:
         sequence, each read was a wait on a GPU)."""
         together = len(seqs) > 1 and all(s.cache is not None for s in seqs)
         with self.lock:
-            if together and not self.joined_problem and (self.batch_problem or not in_place(self, seqs)):
+            forwards = in_place(self, seqs) if together and not self.batch_problem else None
+            if together and not self.joined_problem and not forwards:
                 parts = forward_joined(self, seqs)
             elif together and not self.batch_problem:
-                parts = forward_padded(self, seqs)
+                parts = forward_padded(self, seqs, forwards)
             else:
                 parts = [o.logits for o in forward_each(self, [replace(s, perturb=None) for s in seqs])]  # no read
         keeps = [p.shape[1] for p in parts]

@@ -158,21 +158,17 @@ def _mode(seqs: list[Seq], dtype: torch.dtype, seen: bool) -> str:
     return "copy"
 
 
-def in_place(runner, seqs: list[Seq]) -> bool:
-    """Whether padded forwards of ``seqs`` pad nothing and copy no cache: their widths are equal,
-    and every group (:func:`groups`, as forward_padded forms them) reads a shared block or meets
-    again and adopts one (:func:`_mode`).  Else transformers' runner joins them (joined.py), which
-    copies nothing either -- and always where the model's attention is eager: transformers runs
-    its softmax in float32, and over a padded block's keys a row's rounding differs from its own
-    (~5e-7 of the logits on Gemma 2 in float64), where a joined row's attention is its own."""
+def in_place(runner, seqs: list[Seq]) -> list[tuple[list[int], str]] | None:
+    """The padded forwards of ``seqs`` (:func:`plan`, for forward_padded) where they pad nothing and
+    copy no cache -- their widths are equal, and every group reads a shared block or meets again
+    and adopts one -- else None: transformers' runner joins them (joined.py), which copies nothing
+    either -- and always where the model's attention is eager: transformers runs its softmax in
+    float32, and over a padded block's keys a row's rounding differs from its own (~5e-7 of the
+    logits on Gemma 2 in float64), where a joined row's attention is its own."""
     if runner.joined == "eager" or len({len(s.ids) for s in seqs}) > 1:
-        return False
-    met = getattr(runner, "padded_groups", ())
-    for g in _groups(runner, seqs):
-        rows = [seqs[i] for i in g]
-        if _mode(rows, runner.dtype, tuple(id(s.cache) for s in rows) in met) == "copy":
-            return False
-    return True
+        return None
+    forwards = plan(runner, seqs)
+    return None if any(mode == "copy" for _, mode in forwards) else forwards
 
 
 def _one_block(seqs: list[Seq]) -> bool:
@@ -206,8 +202,9 @@ def _place(masks: list, width: int, keys: int, dtype, device) -> torch.Tensor:
     return out
 
 
-def forward_group(runner, seqs: list[Seq], seen: bool = False) -> list[torch.Tensor]:
-    """One padded forward of ``seqs`` -> each sequence's kept logits (1, keep_b, V)."""
+def forward_group(runner, seqs: list[Seq], mode: str = "copy") -> list[torch.Tensor]:
+    """One padded forward of ``seqs`` (its block by ``mode``: :func:`_mode`) -> each sequence's kept
+    logits (1, keep_b, V)."""
     dev = runner.device
     width = max(len(s.ids) for s in seqs)
     keys = max(s.cache.length + len(s.ids) for s in seqs)
@@ -224,28 +221,37 @@ def forward_group(runner, seqs: list[Seq], seen: bool = False) -> list[torch.Ten
     else:
         mask = _place(masks, width, keys, runner.dtype, dev)
     keeps = [min(s.keep, len(s.ids)) if s.keep else len(s.ids) for s in seqs]
-    cache = _RowsCache(runner.config.num_hidden_layers, seqs, width, keys, _mode(seqs, runner.dtype, seen))
+    cache = _RowsCache(runner.config.num_hidden_layers, seqs, width, keys, mode)
     with runner.lock:  # (models.model_lock)
         logits = runner.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                               logits_to_keep=max(keeps), **{runner.cache_kw: cache}).logits  # (B, max keep, V)
     return [logits[b:b + 1, logits.shape[1] - k:] for b, k in enumerate(keeps)]
 
 
-def forward_padded(runner, seqs: list[Seq]) -> list[torch.Tensor]:
-    """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over :func:`groups`' forwards."""
+def forward_padded(runner, seqs: list[Seq], forwards: list[tuple[list[int], str]] | None = None
+                   ) -> list[torch.Tensor]:
+    """Each sequence's kept logits (1, keep_b, V), in ``seqs``' order, over the forwards of
+    :func:`plan` (``forwards``: its result, where the caller has it: :func:`in_place`)."""
     out: list = [None] * len(seqs)
-    last, runner.padded_groups = getattr(runner, "padded_groups", set()), set()
-    for g in _groups(runner, seqs):
-        ids = tuple(id(seqs[i].cache) for i in g)  # (a reused id only costs an adoption)
-        runner.padded_groups.add(ids)
-        for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g], ids in last)):
+    forwards = forwards or plan(runner, seqs)
+    runner.padded_groups = {tuple(id(seqs[i].cache) for i in g) for g, _ in forwards}
+    for g, mode in forwards:
+        for i, logits in zip(g, forward_group(runner, [seqs[i] for i in g], mode)):
             out[i] = logits
     return out
 
 
-def _groups(runner, seqs: list[Seq]) -> list[list[int]]:
-    """:func:`groups` for ``runner``'s model, each in the callers' order (the same rows keep their
-    block rows from call to call)."""
+def plan(runner, seqs: list[Seq]) -> list[tuple[list[int], str]]:
+    """The padded forwards of ``seqs``: :func:`groups` for ``runner``'s model, each in the callers'
+    order (the same rows keep their block rows from call to call), with its block's :func:`_mode`
+    (adopted where the same rows made up a forward of the last call: a reused id only costs an
+    adoption)."""
     kinds = 2 if runner.mixed else 1  # (a mask per layer kind)
-    return [sorted(g) for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch),
-                                      kinds * runner.dtype.itemsize)]
+    met = getattr(runner, "padded_groups", ())
+    out = []
+    for g in groups(seqs, token_bytes(seqs, runner.dtype), rope_sides(seqs, runner.switch),
+                    kinds * runner.dtype.itemsize):
+        g = sorted(g)
+        rows = [seqs[i] for i in g]
+        out.append((g, _mode(rows, runner.dtype, tuple(id(s.cache) for s in rows) in met)))
+    return out
