@@ -67,6 +67,12 @@ def model_lock(model) -> threading.RLock:
         return _LOCKS.setdefault(model, threading.RLock())
 
 
+def cache_kw(model) -> str:
+    """The name of a transformers forward's cache argument: 5.x renames past_key_values to cache
+    (the old name warns, then goes in 5.40); the engine says past_key_values, as older 5.x takes it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class HFRunner:
     """transformers' own forward, given the additive 4-D mask it expects for a KeyMask."""
 
@@ -78,11 +84,7 @@ class HFRunner:
         self.switch = rope_switch(model.config)  # padded forwards keep sequences on one side of it (padded.py)
         self.mixed = (self.window is not None and "causal_mask_mapping" in base_forward_source(model)
                       and "full_attention" in (getattr(self.config, "layer_types", None) or ()))
-        # transformers 5.x renames forward's past_key_values to cache (the old name warns, then goes
-        # in 5.40): cache wherever a forward takes it; the engine says past_key_values, as older 5.x
-        # versions take it
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = cache_kw(model)
         self.lock = model_lock(model)
 
     def __call__(self, attention_mask=None, topk: int = 0, argmax: bool = False, cols: int | None = None,

@@ -9,6 +9,13 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from dynatree import pair_from_models
+from dynatree.models import cache_kw
+
+
+def hf_cache(model, cache) -> dict:
+    """A transformers forward's cache argument under the name this version takes (past_key_values
+    warns in 5.x and goes in 5.40)."""
+    return {cache_kw(model): cache}
 
 VOCAB = 96
 EOS = 3

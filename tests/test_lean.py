@@ -6,7 +6,7 @@ from dynatree.kvcache import new_cache
 from dynatree.lean import LeanNeoX, supports
 from dynatree.tree import Tree, ancestor_matrix, flatten_bfs, position_ids, tree_attention_mask
 
-from conftest import alone_and_packed, assert_same_runs, tiny_neox
+from conftest import alone_and_packed, assert_same_runs, hf_cache, tiny_neox
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -21,7 +21,7 @@ def test_lean_matches_transformers(parallel):
     with torch.inference_mode():
         ref = hf(input_ids=prompt).logits
         c_hf, c_lean = new_cache(hf, 64), new_cache(hf, 64)
-        a = hf(input_ids=prompt, past_key_values=c_hf, use_cache=True).logits
+        a = hf(input_ids=prompt, **hf_cache(hf, c_hf), use_cache=True).logits
         b = lean(input_ids=prompt, past_key_values=c_lean).logits
         assert torch.allclose(a, ref, atol=1e-12) and torch.allclose(b, ref, atol=1e-12)
         last = lean(input_ids=prompt, logits_to_keep=1).logits  # no cache, causal
@@ -32,13 +32,13 @@ def test_lean_matches_transformers(parallel):
         mask = tree_attention_mask(anc, prompt.shape[1], torch.float64)
         pos = position_ids(tree.depths, prompt.shape[1])
         ids = torch.tensor([tree.tokens])
-        a = hf(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c_hf, use_cache=True).logits
+        a = hf(input_ids=ids, attention_mask=mask, position_ids=pos, **hf_cache(hf, c_hf), use_cache=True).logits
         b = lean(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c_lean).logits
         assert torch.allclose(a, b, atol=1e-12)
         for c in (c_hf, c_lean):
             c.truncate(prompt.shape[1])
         step = torch.tensor([[17]])
-        a = hf(input_ids=step, past_key_values=c_hf, use_cache=True).logits
+        a = hf(input_ids=step, **hf_cache(hf, c_hf), use_cache=True).logits
         b = lean(input_ids=step, past_key_values=c_lean).logits
         assert torch.allclose(a, b, atol=1e-12)
         full = hf(input_ids=torch.cat([prompt, step], 1)).logits[:, -1]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from dynatree import ContextError, PairError, bench, decode, generate, load_pair, make_config, pair_from_models
 from dynatree.cli import main
 
-from conftest import random_prompts, tiny_neox
+from conftest import hf_cache, random_prompts, tiny_neox
 
 def test_load_pair_from_directories_and_generate(pair_dirs):
     pair = load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", dtype="float64")
@@ -440,7 +440,7 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
             out = target(torch.tensor([p]), use_cache=True)
             ids = [int(out.logits[0, -1].argmax())]
             for _ in range(15):
-                out = target(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+                out = target(torch.tensor([ids[-1:]]), **hf_cache(target, out.past_key_values), use_cache=True)
                 ids.append(int(out.logits[0, -1].argmax()))
         refs.append(ids)
     run, masks = pair.runner("target"), []

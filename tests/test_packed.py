@@ -1,5 +1,7 @@
 """packed.py: Llama-family models decode many sequences per forward -- and each sequence gets
 what transformers' own forward gives it alone (float64)."""
+import warnings
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -10,7 +12,7 @@ from dynatree.engine import decode_batch
 from dynatree.models import HFRunner
 from dynatree.packed import PackedRunner, supports
 
-from conftest import alone_and_packed, assert_same_runs, random_prompts
+from conftest import alone_and_packed, assert_same_runs, hf_cache, random_prompts
 
 FAMILIES = {  # GQA in all; Qwen2 with biases on q/k/v; Qwen3 with per-head q/k norms and head_dim != d / heads
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -334,8 +336,10 @@ def test_freeing_as_packed_keeps_memory_near_the_float32_model(monkeypatch):
 
     def live() -> int:
         gc.collect()
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-                    if isinstance(t, torch.Tensor) and t.device.type == "cpu"}.values())
+        with warnings.catch_warnings():  # isinstance on every live object touches torch's deprecated aliases
+            warnings.simplefilter("ignore", FutureWarning)
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+                        if isinstance(t, torch.Tensor) and t.device.type == "cpu"}.values())
 
     real, seen = cmodel.Runner.packed_callback, []
 
@@ -397,7 +401,7 @@ def hf_greedy(model, prompt: list[int], n: int, cached: bool = False) -> list[in
         past = None
         for _ in range(n):
             x = torch.tensor([ids[-1:] if past is not None else ids])
-            out = model(x, past_key_values=past, use_cache=cached)
+            out = model(x, **hf_cache(model, past), use_cache=cached)
             past = out.past_key_values if cached else None
             ids.append(int(out.logits[0, -1].argmax()))
     return ids[len(prompt):]

@@ -9,7 +9,7 @@ from dynatree.policies import DynaTree, DySpecHeap
 from dynatree.config import DynaTreeConfig, DySpecConfig
 from dynatree.tree import Tree, flatten_bfs
 
-from conftest import random_prompts
+from conftest import hf_cache, random_prompts
 
 
 def path_tokens(tree: Tree, u: int) -> list[int]:
@@ -43,7 +43,7 @@ def test_tree_logits_equal_sequential_path_logits(target):
         cache = new_cache(target, 64)
         with torch.no_grad():
             if prefix:
-                target(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+                target(input_ids=torch.tensor([prefix]), **hf_cache(target, cache), use_cache=True)
             tree = hand_tree(root)
             out = HFRunner(target).forward([verify_seq(tree, len(prefix), cache, target.device)], argmax=True)[0]
             logits = out.logits[0]
@@ -121,7 +121,7 @@ def test_draft_commit_keeps_accepted_nodes_and_feeds_the_rest(close_pair):
     assert full[n_cached:] == d.pending and d.pending[-1] == 42
     ref = new_cache(close_pair.draft, 64)
     with torch.no_grad():
-        close_pair.draft(input_ids=torch.tensor([full[:n_cached]]), past_key_values=ref, use_cache=True)
+        close_pair.draft(input_ids=torch.tensor([full[:n_cached]]), **hf_cache(close_pair.draft, ref), use_cache=True)
     for a, b in zip(d.cache.layers, ref.layers):
         torch.testing.assert_close(a.keys[:, :, :n_cached], b.keys[:, :, :n_cached], rtol=0, atol=1e-10)
         torch.testing.assert_close(a.values[:, :, :n_cached], b.values[:, :, :n_cached], rtol=0, atol=1e-10)
@@ -139,7 +139,7 @@ def test_a_draft_restarts_on_its_last_tokens_when_catching_up_would_cost_more(cl
     def assert_cache_is_a_prefill_of(ids):
         ref = new_cache(close_pair.draft, 64)
         with torch.no_grad():
-            close_pair.draft(input_ids=torch.tensor([ids]), past_key_values=ref, use_cache=True)
+            close_pair.draft(input_ids=torch.tensor([ids]), **hf_cache(close_pair.draft, ref), use_cache=True)
         assert d.cache.length == len(ids)
         for a, b in zip(d.cache.layers, ref.layers):
             torch.testing.assert_close(a.keys[:, :, :len(ids)], b.keys[:, :, :len(ids)], rtol=0, atol=1e-10)
@@ -179,10 +179,10 @@ def test_crop_forgets_the_last_tokens_as_transformers_expects(target):
     ids = torch.tensor([random_prompts(1, seed=12, lo=12, hi=12)[0]])
     cache = new_cache(target, 32)
     with torch.no_grad():
-        full = target(input_ids=ids, past_key_values=cache).logits[0, -1]
+        full = target(input_ids=ids, **hf_cache(target, cache)).logits[0, -1]
         cache.crop(-3)
         assert cache.get_seq_length() == 9
-        again = target(input_ids=ids[:, 9:], past_key_values=cache).logits[0, -1]
+        again = target(input_ids=ids[:, 9:], **hf_cache(target, cache)).logits[0, -1]
     assert cache.get_seq_length() == 12 and torch.allclose(again, full, rtol=0, atol=1e-10)
 
 
