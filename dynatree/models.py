@@ -41,7 +41,11 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
         raise PairError(f"device {spec!r} requested but CUDA is not available")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(spec)):  # what the engine runs on (and is tested on)
         raise PairError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
-    return torch.device(spec)
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise PairError(f"device {spec!r} requested but this process sees {torch.cuda.device_count()} GPU(s), "
+                        "numbered from 0 (CUDA_VISIBLE_DEVICES renumbers them)")
+    return device
 
 
 def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
@@ -454,7 +458,7 @@ class ModelPair:
                 run.batch_problem, run.joined_problem = _batch_problems(run, model)
                 self.state[key] = run
                 return run
-            release = self.release_packed and gem
+            release = self.release_packed and gem and model.device.type == "cpu"  # (native runs only there)
             twin = _twin(cls, model) if release else None  # (taken before `run` frees the weights it reads)
             bf16 = self.kernel == "lean-bf16"
             run = cls(model, gemm=gem, release=release, compute="bfloat16" if bf16 else "float32")

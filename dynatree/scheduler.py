@@ -45,6 +45,16 @@ _DEVICE_LOST = tuple(c for c in (getattr(torch, "AcceleratorError", None),) if c
 _OUT_OF_MEMORY = tuple(c for c in (getattr(torch, "OutOfMemoryError", None),) if c is not None)
 
 
+def device_lost(e: BaseException) -> bool:
+    """A CUDA error that ends the process's use of the device: torch 2.8 on raises AcceleratorError,
+    earlier versions a plain RuntimeError whose message begins so (an allocation failure aside)."""
+    if isinstance(e, _DEVICE_LOST):
+        return True
+    text = str(e)
+    return (type(e) is RuntimeError and text.startswith("CUDA error") and "out of memory" not in text
+            and not isinstance(e, _OUT_OF_MEMORY))
+
+
 @dataclass(frozen=True)
 class Request:
     ids: list[int]
@@ -317,7 +327,7 @@ class Scheduler:
             try:
                 finished = dec.step()
             except Exception as e:  # noqa: BLE001 - the rows' callers get it; the thread lives on
-                if isinstance(e, _DEVICE_LOST):
+                if device_lost(e):
                     raise  # the device cannot run anything more in this process: end the thread
                 oom = isinstance(e, _OUT_OF_MEMORY)
                 if oom:  # smaller batches before the rows' retries can come; the traceback's frames

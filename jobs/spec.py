@@ -149,6 +149,9 @@ class JobSpec:
         if self.gpus_per_actor is not None and not 0 <= self.gpus_per_actor <= 1:
             problems.append("gpus_per_actor must be within [0, 1]: an actor runs its pair on one GPU "
                             "(start more actors to use more GPUs)")
+        elif self.gpus_per_actor == 0 and self.device.startswith("cuda"):
+            problems.append(f"device {self.device} with gpus_per_actor 0: Ray gives such actors no GPU (or "
+                            "the same one, unaccounted); use gpus_per_actor > 0, or device cpu")
         if self.kernel not in KERNELS:
             problems.append(f"kernel must be one of {', '.join(KERNELS)}")
         elif self.kernel == "lean-bf16" and (self.dtype != "float32" or self.device.startswith("cuda")):

@@ -856,3 +856,15 @@ def test_ids_the_target_produces_past_the_drafts_vocabulary_are_prompt_and_stop_
     assert generate(pair, high, "dynatree", max_new_tokens=12, stop_token_ids=[95]).finish_reason in ("stop", "length")
     with pytest.raises(ValueError, match=r"token id 96 is outside the vocabulary \(0..95\)"):
         generate(pair, [4, 96], "ar", max_new_tokens=2)
+
+
+def test_a_gpu_index_past_the_visible_ones_is_refused_clearly(monkeypatch):
+    """`cuda:N` past the GPUs this process sees fails naming them, not at the first tensor moved."""
+    from dynatree.models import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    assert resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(PairError, match="'cuda:1' requested but this process sees 1 GPU"):
+        resolve_device("cuda:1")

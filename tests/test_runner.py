@@ -469,6 +469,9 @@ def test_spec_validation_messages(tmp_path):
     with pytest.raises(SpecError, match="gpus_per_actor must be within"):
         build_spec(None, input="x", output="y", gpus_per_actor=2)
     assert build_spec(None, input="x", output="y", device="cuda:0", gpus_per_actor=0.5).gpus_per_actor == 0.5
+    with pytest.raises(SpecError, match="device cuda with gpus_per_actor 0"):
+        build_spec(None, input="x", output="y", device="cuda", gpus_per_actor=0)
+    assert build_spec(None, input="x", output="y", device="auto", gpus_per_actor=0).gpus_per_actor == 0
     for field, value in (("cpus_per_actor", float("inf")), ("memory_per_actor", float("nan")),
                          ("prefix_cache_gb", float("nan")), ("cpus_per_actor", float("nan"))):
         with pytest.raises(SpecError, match=f"{field} must be a finite number"):  # (nan passes comparisons)

@@ -154,20 +154,34 @@ def test_nothing_waits_forever_when_the_decoding_thread_dies(close_pair, monkeyp
         sched.submit([Request(ok[0], make_config("ar"), 4)])
 
 
-@pytest.mark.skipif(not hasattr(torch, "AcceleratorError"), reason="this torch has no AcceleratorError")
-def test_a_device_error_stops_the_thread(close_pair, monkeypatch):
+@pytest.mark.parametrize("error", ["AcceleratorError", "RuntimeError"])
+def test_a_device_error_stops_the_thread(close_pair, monkeypatch, error):
     """A CUDA error poisons the process: no fresh decoder, the thread stops and says why (the
-    actor then exits and the job replaces it)."""
+    actor then exits and the job replaces it) -- torch 2.8 on raises AcceleratorError, earlier
+    versions a RuntimeError."""
     from dynatree import engine
 
+    kind = RuntimeError if error == "RuntimeError" else getattr(torch, error, None)
+    if kind is None:
+        pytest.skip(f"this torch has no {error}")
+
     def lost(self, rows):
-        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+        raise kind("CUDA error: device-side assert triggered")
 
     sched = Scheduler(close_pair, 2, threads=1)
     monkeypatch.setattr(engine.BatchDecoder, "_iterate", lost)
     with pytest.raises(RuntimeError, match="decoding thread stopped"):
         sched.submit([Request(random_prompts(1, seed=5)[0], make_config("ar"), 4)]).result(timeout=60)
-    assert isinstance(sched.broken, torch.AcceleratorError)
+    assert type(sched.broken) is kind
+
+
+def test_which_errors_end_the_device():
+    from dynatree.scheduler import device_lost
+
+    assert device_lost(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not device_lost(RuntimeError("CUDA error: out of memory"))  # an allocation: the batch halves
+    assert not device_lost(RuntimeError("shape mismatch"))  # a row's problem: its rows fail
+    assert not device_lost(ValueError("CUDA error: looks like one, but not torch's"))
 
 
 @pytest.mark.parametrize("batch_size", [4, None])
