@@ -13,6 +13,22 @@ import sys
 import ray
 
 
+def placed(spec):
+    """``spec`` for this Ray worker: device auto without a GPU reserved is the CPU, even where CUDA
+    devices are visible (Ray need not hide them from an actor that asked for none)."""
+    if spec.device == "auto" and ray.is_initialized() and not ray.get_gpu_ids():
+        return dataclasses.replace(spec, device="cpu")
+    return spec
+
+
+def assigned_cpus() -> int | None:
+    """The CPUs Ray reserved for this worker (its torch threads), or None outside Ray."""
+    if not ray.is_initialized():
+        return None
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    return max(1, int(cpus)) if cpus else None
+
+
 @ray.remote
 class PairActor:
     """One per GPU on a GPU box; a CPU share (``cpus_per_actor`` threads) on CPU machines."""
@@ -20,10 +36,7 @@ class PairActor:
     def __init__(self, spec, threads: int | None = None, share: float | None = None):
         from .worker import ShardWorker
 
-        if spec.device == "auto" and not ray.get_gpu_ids():
-            # no GPU reserved for this actor: the CPU, even where CUDA devices are visible (Ray
-            # need not hide them from an actor that asked for none)
-            spec = dataclasses.replace(spec, device="cpu")
+        spec = placed(spec)
         self.failed: Exception | None = None
         try:
             self.worker = ShardWorker(spec, threads, share)

@@ -1,0 +1,87 @@
+"""actors/ray_data.py: dynatree as a Ray Data stage -- rows decoded exactly as `generate` decodes
+them, input columns carried through, per-row errors, options checked as a job's are."""
+import asyncio
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynatree import generate, load_pair
+from dynatree.actors.ray_data import Generate, decoding_spec
+from dynatree.jobs.driver import start_local_ray
+from dynatree.jobs.spec import SpecError
+
+PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael.", "Some years ago",
+           "never mind how long", "The lazy dog", "it was the worst", "precisely the best"]
+
+
+def options(pair_dirs, **kw):
+    return dict(target=str(pair_dirs / "target"), draft=str(pair_dirs / "draft"), method="dynatree",
+                max_new_tokens=10, dtype="float64", device="cpu", verify_fraction=1.0, batch_size=3, **kw)
+
+
+def ar_tokens(pair_dirs, texts):
+    pair = load_pair(str(pair_dirs / "target"), str(pair_dirs / "draft"), device="cpu", dtype="float64")
+    return [generate(pair, t, "ar", max_new_tokens=10).token_ids for t in texts]
+
+
+def test_a_batch_decodes_as_generate_does_and_keeps_its_columns(pair_dirs):
+    udf = Generate(**options(pair_dirs))
+    batch = pa.table({"text": PROMPTS[:3] + [None, "  ", None], "n": pa.array(range(6), pa.int16()),
+                      "meta": [{"a": i} for i in range(6)]})
+    out = asyncio.run(udf(batch))
+    assert out.column_names[:2] == ["id", "generated_text"] and out.column_names[-3:] == ["text", "n", "meta"]
+    assert out.schema.field("n").type == pa.int16() and out.column("meta").to_pylist()[4] == {"a": 4}
+    rows = out.to_pylist()
+    assert [r["generated_token_ids"] for r in rows[:3]] == ar_tokens(pair_dirs, PROMPTS[:3])
+    assert all(r["matches_ar"] and r["error"] is None and r["id"] is None for r in rows[:3])
+    assert [r["error"] for r in rows[3:]] == ["prompt is null", "prompt is empty or only whitespace", "prompt is null"]
+    # dicts of arrays (Ray Data's numpy format) and an id column: the id is the result's, as text
+    out = asyncio.run(udf({"id": [10, 11], "text": PROMPTS[3:5]}))
+    assert out.column("id").to_pylist() == ["10", "11"] and "id" not in out.column_names[1:]
+    assert out.column("generated_token_ids").to_pylist() == ar_tokens(pair_dirs, PROMPTS[3:5])
+
+
+def test_samples_repeat_their_prompts_columns_and_need_ids(pair_dirs):
+    udf = Generate(**options(pair_dirs, samples=2, options={"temperature": 0.9}, id_column="key"))
+    out = asyncio.run(udf(pa.table({"key": ["a", "b"], "text": PROMPTS[:2], "x": [1, 2]})))
+    assert out.column("id").to_pylist() == ["a", "a", "b", "b"] and out.column("sample").to_pylist() == [0, 1, 0, 1]
+    assert out.column("x").to_pylist() == [1, 1, 2, 2] and out.column("key").to_pylist() == ["a", "a", "b", "b"]
+    again = asyncio.run(udf(pa.table({"key": ["b"], "text": PROMPTS[1:2], "x": [2]})))  # a seed follows the id
+    assert again.column("generated_token_ids").to_pylist() == out.column("generated_token_ids").to_pylist()[2:]
+    with pytest.raises(ValueError, match="sampling needs an id column"):
+        asyncio.run(Generate(**options(pair_dirs, options={"temperature": 0.9}))(pa.table({"text": PROMPTS[:1]})))
+
+
+def test_bad_options_and_batches_fail_clearly(pair_dirs):
+    with pytest.raises(SpecError, match=r"num_actors \(use map_batches\(concurrency=...\)\)"):
+        decoding_spec(num_actors=2)
+    with pytest.raises(SpecError, match="max_new_tokens must be >= 1"):
+        decoding_spec(max_new_tokens=0)
+    udf = Generate(**options(pair_dirs))
+    with pytest.raises(ValueError, match="no prompt column 'text'"):
+        asyncio.run(udf(pa.table({"prompt": ["x"]})))
+    with pytest.raises(ValueError, match="error, method would be overwritten"):
+        asyncio.run(udf(pa.table({"text": ["x"], "error": [None], "method": ["m"]})))
+    with pytest.raises(ValueError, match="id column 'id' holds a null"):
+        asyncio.run(udf(pa.table({"text": ["x", "y"], "id": ["a", None]})))
+
+
+def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_path):
+    """Parquet in, a pool of one actor holding several batches at once, Parquet out: every row once,
+    the text `generate` gives, the input's columns beside it."""
+    pq.write_table(pa.table({"key": [f"k{i}" for i in range(len(PROMPTS))], "text": PROMPTS,
+                             "source": ["wiki"] * len(PROMPTS)}), tmp_path / "in.parquet", row_group_size=3)
+    ray = start_local_ray(num_cpus=2, log_to_driver=False)
+    try:
+        ds = ray.data.read_parquet(str(tmp_path / "in.parquet"))
+        pool = ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=2)
+        ds = ds.map_batches(Generate, fn_constructor_kwargs=options(pair_dirs, id_column="key"), batch_size=2,
+                            batch_format="pyarrow", compute=pool, num_cpus=1)
+        ds.write_parquet(str(tmp_path / "out"))
+    finally:
+        ray.shutdown()
+    rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: int(r["id"][1:]))
+    assert [r["id"] for r in rows] == [f"k{i}" for i in range(len(PROMPTS))]
+    assert [r["generated_token_ids"] for r in rows] == ar_tokens(pair_dirs, PROMPTS)
+    assert all(r["matches_ar"] and r["source"] == "wiki" and r["text"] == p for r, p in zip(rows, PROMPTS))
