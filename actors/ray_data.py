@@ -25,6 +25,7 @@ those that spread a job over a cluster are Ray Data's here (``concurrency``, ``n
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pyarrow as pa
 
@@ -59,13 +60,16 @@ class Generate:
     """Ray Data stateful batch UDF: input batch (pyarrow, pandas or dict of arrays) -> a pyarrow
     Table of result columns then the input's columns, ``samples`` rows per input row."""
 
-    def __init__(self, **options):
+    def __init__(self, threads: int | None = None, **options):
+        """``threads``: torch threads (default: the CPUs Ray reserved for the actor -- fewer than a
+        node has, so Ray Data's read and write tasks can run beside it); ``options``: JobSpec fields."""
         from . import ray_actor
         from .worker import ShardWorker
 
         spec = ray_actor.placed(decoding_spec(**options))
         self.spec = spec
-        self.worker = ShardWorker(spec, ray_actor.assigned_cpus())
+        _warn_if_starving()
+        self.worker = ShardWorker(spec, threads or ray_actor.assigned_cpus())
         self.worker.scheduler.tell_backlog(_HORIZON)
         self.sampled = spec.method_config.temperature > 0
         self.schema = output_schema(spec.samples > 1)
@@ -105,6 +109,23 @@ class Generate:
             raise ValueError("dynatree: sampling needs an id column (option id_column, or a column named id): a "
                              "row's seed comes from its id, so that it does not depend on how Ray Data batches rows")
         return id_col
+
+
+def _warn_if_starving() -> None:
+    """Say so where this actor holds every CPU of its node: Ray Data's read and write tasks cannot
+    run there, and on a one-node cluster the pipeline then waits for ever without a message."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    ctx = ray.get_runtime_context()
+    mine = ctx.get_assigned_resources().get("CPU", 0)
+    node = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
+    total = node.get("Resources", {}).get("CPU", 0)
+    if mine and mine >= total:
+        print(f"dynatree Generate: WARNING this actor reserved all {total:g} CPUs of its node, so Ray Data's read "
+              "and write tasks cannot run beside it (a one-node pipeline waits for ever): reserve fewer "
+              "(map_batches num_cpus) and keep the threads (Generate's threads option)", file=sys.stderr, flush=True)
 
 
 def _as_table(batch) -> pa.Table:

@@ -73,14 +73,29 @@ def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_p
     pq.write_table(pa.table({"key": [f"k{i}" for i in range(len(PROMPTS))], "text": PROMPTS,
                              "source": ["wiki"] * len(PROMPTS)}), tmp_path / "in.parquet", row_group_size=3)
     ray = start_local_ray(num_cpus=2, log_to_driver=False)
+
+    @ray.remote
+    def probe() -> str:  # (a task holding num_cpus, as the stage's actor does)
+        import contextlib
+        import io
+
+        from dynatree.actors.ray_data import _warn_if_starving
+
+        out = io.StringIO()
+        with contextlib.redirect_stderr(out):
+            _warn_if_starving()
+        return out.getvalue()
+
     try:
         ds = ray.data.read_parquet(str(tmp_path / "in.parquet"))
         pool = ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=2)
         ds = ds.map_batches(Generate, fn_constructor_kwargs=options(pair_dirs, id_column="key"), batch_size=2,
                             batch_format="pyarrow", compute=pool, num_cpus=1)
         ds.write_parquet(str(tmp_path / "out"))
+        said = [ray.get(probe.options(num_cpus=c).remote()) for c in (1, 2)]
     finally:
         ray.shutdown()
+    assert said[0] == "" and "reserved all 2 CPUs of its node" in said[1]  # (a pipeline would wait for ever)
     rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: int(r["id"][1:]))
     assert [r["id"] for r in rows] == [f"k{i}" for i in range(len(PROMPTS))]
     assert [r["generated_token_ids"] for r in rows] == ar_tokens(pair_dirs, PROMPTS)
