@@ -25,7 +25,11 @@ those that spread a job over a cluster are Ray Data's here (``concurrency``, ``n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
@@ -37,27 +41,36 @@ from dynatree.parts import py_values
 # JobSpec fields that spread a job over actors and files: Ray Data's own settings do that here
 _JOB_ONLY = {"input": "the dataset", "output": "write_parquet or any Ray Data sink",
              "limit": "ds.limit(n)", "keep_columns": "ds.select_columns / drop_columns (all input columns are kept)",
-             "num_actors": "map_batches(concurrency=...)", "cpus_per_actor": "map_batches(num_cpus=...)",
+             "num_actors": "ActorPoolStrategy(size=...)", "cpus_per_actor": "map_batches(num_cpus=...)",
              "gpus_per_actor": "map_batches(num_gpus=...)", "memory_per_actor": "map_batches(memory=...)",
-             "shard_size": "map_batches(batch_size=...)", "max_inflight_per_actor": "map_batches(max_concurrency=...)",
+             "shard_size": "map_batches(batch_size=...)",
+             "max_inflight_per_actor": "ActorPoolStrategy(max_concurrent_calls_per_actor=...)",
              "max_retries": "Ray Data's own retries (DataContext)", "fail_on_mismatch": "the matches_ar column",
              "address": "ray.init(address=...)", "placement_timeout_s": "Ray Data's scheduling",
              "ready_timeout_s": "Ray Data's scheduling", "resume": "Ray Data's sinks", "overwrite": "Ray Data's sinks"}
-# an id for the engine: it keys a sampled row's seed and the rows --verify-fraction picks
-_STREAM = "ray-data"
+_STREAM = "ray-data"  # the spec's input and output, and the worker's shard name
 _HORIZON = 10**9  # rows still to come, as the batch tuner hears it: a stream's length is unknown
+_CALLS = 256  # threads waiting on the worker at once: every batch Ray Data hands the actor
 
 
 def decoding_spec(**options) -> JobSpec:
-    """A JobSpec of the decoding ``options`` (JobSpec field names); SpecError for a job-only one."""
+    """A JobSpec of the decoding ``options`` (JobSpec field names); SpecError for a job-only or
+    unknown one.  None is kept where a field takes it (max_prompt_tokens=None: the whole context)."""
+    fields = {f.name for f in dataclasses.fields(JobSpec)}
     job_only = sorted(set(options) & set(_JOB_ONLY))
     if job_only:
         raise SpecError("not options of a Ray Data stage: " + "; ".join(f"{k} (use {_JOB_ONLY[k]})" for k in job_only))
-    return build_spec(None, input=_STREAM, output=_STREAM, **options)
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise SpecError(f"unknown option(s) {', '.join(unknown)}; the stage takes threads and "
+                        f"{', '.join(sorted(fields - set(_JOB_ONLY)))}")
+    spec = build_spec(None, input=_STREAM, output=_STREAM, **options)  # (which drops None: a flag not given)
+    nones = {k: None for k, v in options.items() if v is None}
+    return dataclasses.replace(spec, **nones) if nones else spec
 
 
 class Generate:
-    """Ray Data stateful batch UDF: input batch (pyarrow, pandas or dict of arrays) -> a pyarrow
+    """Ray Data stateful batch UDF: a pyarrow batch (``batch_format="pyarrow"``) -> a pyarrow
     Table of result columns then the input's columns, ``samples`` rows per input row."""
 
     def __init__(self, threads: int | None = None, **options):
@@ -70,27 +83,56 @@ class Generate:
         self.spec = spec
         _warn_if_starving()
         self.worker = ShardWorker(spec, threads or ray_actor.assigned_cpus())
-        self.worker.scheduler.tell_backlog(_HORIZON)
         self.sampled = spec.method_config.temperature > 0
         self.schema = output_schema(spec.samples > 1)
+        self.pool = ThreadPoolExecutor(_CALLS, thread_name_prefix="dynatree-batch")
 
-    async def __call__(self, batch) -> pa.Table:
-        table = _as_table(batch)
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        if not isinstance(batch, pa.Table):
+            raise TypeError("dynatree Generate takes pyarrow batches: map_batches(..., batch_format=\"pyarrow\") "
+                            "(numpy and pandas batches turn integer ids with nulls into floats and lose column types)")
+        rows, id_col = self._rows(batch)
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self.pool, self.worker.run_shard, _STREAM, rows, _HORIZON)
+        except BaseException:
+            self._exit_if_broken()
+            raise
+        return self._table(batch, results, id_col)
+
+    def _rows(self, table: pa.Table) -> tuple[list[dict], str | None]:
+        """The batch's {"id", "text"} rows for the worker, and its id column."""
         id_col = self._check(table.column_names)
-        ids = id_strings(table.column(id_col)) if id_col else [str(i) for i in range(table.num_rows)]
-        if None in ids:
-            raise ValueError(f"dynatree: id column {id_col!r} holds a null (ids key each row's seed and check)")
-        rows = [{"id": i, "text": t} for i, t in zip(ids, py_values(table.column(self.spec.prompt_column)))]
-        results = await asyncio.to_thread(self.worker.run_shard, _STREAM, rows)
+        texts = py_values(table.column(self.spec.prompt_column))
+        if id_col is None:  # keyed by the prompt (the rows --verify-fraction picks), not by where Ray Data put it
+            ids = ["#" + hashlib.blake2b(repr(t).encode(), digest_size=8).hexdigest() for t in texts]
+        else:
+            ids = id_strings(table.column(id_col))
+            if None in ids or len(set(ids)) < len(ids):
+                raise ValueError(f"dynatree: id column {id_col!r} holds a null or a duplicate id in one batch (ids key "
+                                 "each row's seed and check; keep them unique)")
+        return [{"id": i, "text": t} for i, t in zip(ids, texts)], id_col
+
+    def _table(self, batch: pa.Table, results: list[dict], id_col: str | None) -> pa.Table:
         out = pa.Table.from_pylist(results, schema=self.schema)
-        if id_col is None:  # the engine's ids were the rows' positions in the batch: none to show
+        if id_col is None:  # the engine's ids were the prompts' hashes: none to show
             out = out.set_column(self.schema.get_field_index("id"), "id", pa.nulls(len(results), pa.string()))
         n = self.spec.samples
-        carried = table if n == 1 else table.take(pa.array([i for i in range(len(rows)) for _ in range(n)], pa.int64()))
+        carried = batch if n == 1 else batch.take(pa.array([i for i in range(batch.num_rows) for _ in range(n)],
+                                                           pa.int64()))
         for name in carried.column_names:
             if name != "id":  # (an input id is the result's id column, as text)
                 out = out.append_column(carried.schema.field(name), carried.column(name))
         return out
+
+    def _exit_if_broken(self) -> None:
+        """The decoding thread died (a lost GPU): end this process, as the job's actor does, so Ray
+        Data starts another in its place rather than failing every later batch here."""
+        broken = self.worker.scheduler.broken
+        if broken is not None:
+            print(f"dynatree Generate: decoding thread died ({broken!r}); exiting so Ray Data replaces this actor",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
 
     def _check(self, names: list[str]) -> str | None:
         """The batch's id column (None: none); ValueError for a batch no row of which can decode."""
@@ -105,15 +147,15 @@ class Generate:
         if clash:
             raise ValueError(f"dynatree: input column(s) {', '.join(clash)} would be overwritten by result columns "
                              "of the same name; rename or drop them first (ds.rename_columns / drop_columns)")
-        if id_col is None and self.sampled:
+        if id_col is None and self.sampled:  # (equal prompts would draw equal samples)
             raise ValueError("dynatree: sampling needs an id column (option id_column, or a column named id): a "
                              "row's seed comes from its id, so that it does not depend on how Ray Data batches rows")
         return id_col
 
 
 def _warn_if_starving() -> None:
-    """Say so where this actor holds every CPU of its node: Ray Data's read and write tasks cannot
-    run there, and on a one-node cluster the pipeline then waits for ever without a message."""
+    """Say so where Ray Data's own tasks (listing, reading, writing files: a CPU each by default)
+    may find no CPU beside the actors: the pipeline then waits for ever without a message."""
     import ray
 
     if not ray.is_initialized():
@@ -123,14 +165,11 @@ def _warn_if_starving() -> None:
     node = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
     total = node.get("Resources", {}).get("CPU", 0)
     if mine and mine >= total:
-        print(f"dynatree Generate: WARNING this actor reserved all {total:g} CPUs of its node, so Ray Data's read "
-              "and write tasks cannot run beside it (a one-node pipeline waits for ever): reserve fewer "
-              "(map_batches num_cpus) and keep the threads (Generate's threads option)", file=sys.stderr, flush=True)
-
-
-def _as_table(batch) -> pa.Table:
-    if isinstance(batch, pa.Table):
-        return batch
-    if isinstance(batch, dict):
-        return pa.table({k: pa.array(list(v)) if not isinstance(v, pa.Array) else v for k, v in batch.items()})
-    return pa.Table.from_pandas(batch, preserve_index=False)  # a pandas DataFrame
+        why = f"this actor reserved all {total:g} CPUs of its node"
+    elif ray.available_resources().get("CPU", 0) < 1:  # (the actors placed so far hold the rest)
+        why = "the cluster has less than one CPU left now that this actor is placed"
+    else:
+        return
+    print(f"dynatree Generate: WARNING {why}, so Ray Data's read and write tasks may not run beside the actors "
+          "(the pipeline then waits for ever): reserve fewer CPUs (map_batches num_cpus, ActorPoolStrategy size) "
+          "and keep the threads (Generate's threads option)", file=sys.stderr, flush=True)

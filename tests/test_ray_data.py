@@ -16,8 +16,8 @@ PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael."
 
 
 def options(pair_dirs, **kw):
-    return dict(target=str(pair_dirs / "target"), draft=str(pair_dirs / "draft"), method="dynatree",
-                max_new_tokens=10, dtype="float64", device="cpu", verify_fraction=1.0, batch_size=3, **kw)
+    return dict(dict(target=str(pair_dirs / "target"), draft=str(pair_dirs / "draft"), method="dynatree",
+                     max_new_tokens=10, dtype="float64", device="cpu", verify_fraction=1.0, batch_size=3), **kw)
 
 
 def ar_tokens(pair_dirs, texts):
@@ -36,10 +36,20 @@ def test_a_batch_decodes_as_generate_does_and_keeps_its_columns(pair_dirs):
     assert [r["generated_token_ids"] for r in rows[:3]] == ar_tokens(pair_dirs, PROMPTS[:3])
     assert all(r["matches_ar"] and r["error"] is None and r["id"] is None for r in rows[:3])
     assert [r["error"] for r in rows[3:]] == ["prompt is null", "prompt is empty or only whitespace", "prompt is null"]
-    # dicts of arrays (Ray Data's numpy format) and an id column: the id is the result's, as text
-    out = asyncio.run(udf({"id": [10, 11], "text": PROMPTS[3:5]}))
+    # an id column: the id is the result's, as text
+    out = asyncio.run(udf(pa.table({"id": [10, 11], "text": PROMPTS[3:5]})))
     assert out.column("id").to_pylist() == ["10", "11"] and "id" not in out.column_names[1:]
     assert out.column("generated_token_ids").to_pylist() == ar_tokens(pair_dirs, PROMPTS[3:5])
+    assert udf.worker.scheduler.backlog >= 10**6  # auto's horizon: a stream, not the rows queued now
+
+
+def test_without_ids_the_rows_checked_follow_the_prompt_not_its_place(pair_dirs):
+    udf = Generate(**options(pair_dirs, verify_fraction=0.5))
+    texts = PROMPTS + [p + " again" for p in PROMPTS]
+    checked = [dict(zip(t, asyncio.run(udf(pa.table({"text": t}))).column("matches_ar").to_pylist()))
+               for t in (texts, texts[::-1], texts[5:9])]
+    assert 0 < sum(v is not None for v in checked[0].values()) < len(texts)
+    assert checked[0] == checked[1] and all(checked[0][t] == checked[2][t] for t in texts[5:9])
 
 
 def test_samples_repeat_their_prompts_columns_and_need_ids(pair_dirs):
@@ -54,17 +64,41 @@ def test_samples_repeat_their_prompts_columns_and_need_ids(pair_dirs):
 
 
 def test_bad_options_and_batches_fail_clearly(pair_dirs):
-    with pytest.raises(SpecError, match=r"num_actors \(use map_batches\(concurrency=...\)\)"):
+    with pytest.raises(SpecError, match=r"num_actors \(use ActorPoolStrategy\(size=...\)\)"):
         decoding_spec(num_actors=2)
     with pytest.raises(SpecError, match="max_new_tokens must be >= 1"):
         decoding_spec(max_new_tokens=0)
+    with pytest.raises(SpecError, match=r"unknown option\(s\) max_tokens; the stage takes threads and .*max_new_tokens"):
+        decoding_spec(max_tokens=5)
+    assert decoding_spec(max_prompt_tokens=None).max_prompt_tokens is None  # (the whole context, not 512)
     udf = Generate(**options(pair_dirs))
+    with pytest.raises(TypeError, match='batch_format="pyarrow"'):
+        asyncio.run(udf({"text": ["x"]}))
     with pytest.raises(ValueError, match="no prompt column 'text'"):
         asyncio.run(udf(pa.table({"prompt": ["x"]})))
     with pytest.raises(ValueError, match="error, method would be overwritten"):
         asyncio.run(udf(pa.table({"text": ["x"], "error": [None], "method": ["m"]})))
-    with pytest.raises(ValueError, match="id column 'id' holds a null"):
-        asyncio.run(udf(pa.table({"text": ["x", "y"], "id": ["a", None]})))
+    for ids in (["a", None], ["a", "a"]):
+        with pytest.raises(ValueError, match="id column 'id' holds a null or a duplicate"):
+            asyncio.run(udf(pa.table({"text": ["x", "y"], "id": ids})))
+
+
+def test_a_lost_device_ends_the_actor_so_ray_data_replaces_it(pair_dirs, monkeypatch):
+    from dynatree import engine
+    from dynatree.actors import ray_data
+
+    udf = Generate(**options(pair_dirs))
+
+    def lost(self, rows):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(engine.BatchDecoder, "_iterate", lost)
+    monkeypatch.setattr(ray_data.os, "_exit", exit_)
+    with pytest.raises(SystemExit):
+        asyncio.run(udf(pa.table({"text": PROMPTS[:2]})))
 
 
 def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_path):
