@@ -81,8 +81,8 @@ class Generate:
 
         spec = ray_actor.placed(decoding_spec(**options))
         self.spec = spec
-        _warn_if_starving()
         self.worker = ShardWorker(spec, threads or ray_actor.assigned_cpus())
+        _warn_if_starving()  # (once the pair is loaded: by then Ray's view of free CPUs counts this actor)
         self.sampled = spec.method_config.temperature > 0
         self.schema = output_schema(spec.samples > 1)
         self.pool = ThreadPoolExecutor(_CALLS, thread_name_prefix="dynatree-batch")

@@ -109,16 +109,21 @@ def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_p
     ray = start_local_ray(num_cpus=2, log_to_driver=False)
 
     @ray.remote
-    def probe() -> str:  # (a task holding num_cpus, as the stage's actor does)
+    def probe(patience: float = 1.0) -> str:  # (a task holding num_cpus, as the stage's actor does)
         import contextlib
         import io
+        import time
 
         from dynatree.actors.ray_data import _warn_if_starving
 
-        out = io.StringIO()
-        with contextlib.redirect_stderr(out):
-            _warn_if_starving()
-        return out.getvalue()
+        t0 = time.monotonic()
+        while True:  # (the stage checks once its pair has loaded: Ray's view of free CPUs lags)
+            time.sleep(0.25)
+            out = io.StringIO()
+            with contextlib.redirect_stderr(out):
+                _warn_if_starving()
+            if out.getvalue() or time.monotonic() - t0 > patience:
+                return out.getvalue()
 
     try:
         ds = ray.data.read_parquet(str(tmp_path / "in.parquet"))
@@ -127,9 +132,13 @@ def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_p
                             batch_format="pyarrow", compute=pool, num_cpus=1)
         ds.write_parquet(str(tmp_path / "out"))
         said = [ray.get(probe.options(num_cpus=c).remote()) for c in (1, 2)]
+        holder = ray.remote(num_cpus=1)(type("Holder", (), {"ready": lambda self: True})).remote()
+        ray.get(holder.ready.remote())  # (another actor of the pool, holding the other CPU)
+        said.append(ray.get(probe.options(num_cpus=1).remote(10.0)))
     finally:
         ray.shutdown()
     assert said[0] == "" and "reserved all 2 CPUs of its node" in said[1]  # (a pipeline would wait for ever)
+    assert "less than one CPU left" in said[2]
     rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: int(r["id"][1:]))
     assert [r["id"] for r in rows] == [f"k{i}" for i in range(len(PROMPTS))]
     assert [r["generated_token_ids"] for r in rows] == ar_tokens(pair_dirs, PROMPTS)
