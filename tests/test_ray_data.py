@@ -1,6 +1,8 @@
 """actors/ray_data.py: dynatree as a Ray Data stage -- rows decoded exactly as `generate` decodes
 them, input columns carried through, per-row errors, options checked as a job's are."""
 import asyncio
+import importlib.util
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,6 +12,10 @@ from dynatree import generate, load_pair
 from dynatree.actors.ray_data import Generate, decoding_spec
 from dynatree.jobs.driver import start_local_ray
 from dynatree.jobs.spec import SpecError
+
+_EXAMPLE = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "ray_data_stage.py"
+example = importlib.util.module_from_spec(importlib.util.spec_from_file_location("ray_data_stage", _EXAMPLE))
+example.__spec__.loader.exec_module(example)
 
 PROMPTS = ["The quick brown fox", "It was the best of times", "Call me Ishmael.", "Some years ago",
            "never mind how long", "The lazy dog", "it was the worst", "precisely the best"]
@@ -102,8 +108,8 @@ def test_a_lost_device_ends_the_actor_so_ray_data_replaces_it(pair_dirs, monkeyp
 
 
 def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_path):
-    """Parquet in, a pool of one actor holding several batches at once, Parquet out: every row once,
-    the text `generate` gives, the input's columns beside it."""
+    """jobs/examples/ray_data_stage.py: Parquet in, a pool of one actor holding several batches at
+    once, Parquet out -- every row once, the text `generate` gives, the input's columns beside it."""
     pq.write_table(pa.table({"key": [f"k{i}" for i in range(len(PROMPTS))], "text": PROMPTS,
                              "source": ["wiki"] * len(PROMPTS)}), tmp_path / "in.parquet", row_group_size=3)
     ray = start_local_ray(num_cpus=2, log_to_driver=False)
@@ -126,11 +132,8 @@ def test_a_ray_data_pipeline_reads_decodes_and_writes_every_row(pair_dirs, tmp_p
                 return out.getvalue()
 
     try:
-        ds = ray.data.read_parquet(str(tmp_path / "in.parquet"))
-        pool = ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=2)
-        ds = ds.map_batches(Generate, fn_constructor_kwargs=options(pair_dirs, id_column="key"), batch_size=2,
-                            batch_format="pyarrow", compute=pool, num_cpus=1)
-        ds.write_parquet(str(tmp_path / "out"))
+        example.pipeline(str(tmp_path / "in.parquet"), str(tmp_path / "out"), batch_rows=2,
+                         **options(pair_dirs, id_column="key"))
         said = [ray.get(probe.options(num_cpus=c).remote()) for c in (1, 2)]
         holder = ray.remote(num_cpus=1)(type("Holder", (), {"ready": lambda self: True})).remote()
         ray.get(holder.ready.remote())  # (another actor of the pool, holding the other CPU)
