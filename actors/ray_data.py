@@ -1,10 +1,13 @@
 """dynatree as a Ray Data stage: a stateful batch UDF for ``Dataset.map_batches``.
 
     ds = ray.data.read_parquet("prompts/")
-    ds = ds.map_batches(Generate, fn_constructor_kwargs={"target": ..., "draft": ..., "method": "dynatree"},
-                        batch_size=16, num_cpus=2,
-                        compute=ray.data.ActorPoolStrategy(size=2, max_concurrent_calls_per_actor=4))
+    ds = ds.map_batches(Generate, batch_size=16, batch_format="pyarrow", num_cpus=1,
+                        fn_constructor_kwargs={"target": ..., "draft": ..., "method": "dynatree", "threads": 2},
+                        compute=ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=4))
     ds.write_parquet("out/")
+
+(jobs/examples/ray_data_stage.py runs it.)  An actor's CPUs stay below its node's: Ray Data's own
+tasks take a CPU each, and actors holding them all starve the pipeline (``_warn_if_starving``).
 
 Each actor loads its pair once (:class:`~dynatree.actors.worker.ShardWorker`, the job runner's
 worker) and decodes the rows of every batch it holds in one batched engine: ``__call__`` is a
@@ -19,7 +22,7 @@ constructor (Ray Data fails the dataset); a prompt that is null, empty, not text
 that row's ``error``, the others decode.
 
 Options are ``dynatree run``'s (JobSpec fields, validated the same way) that say what is decoded;
-those that spread a job over a cluster are Ray Data's here (``concurrency``, ``num_cpus``,
+those that spread a job over a cluster are Ray Data's here (``ActorPoolStrategy``, ``num_cpus``,
 ``num_gpus``, ``memory`` of ``map_batches``) and are refused by name.
 """
 from __future__ import annotations
@@ -143,7 +146,8 @@ class Generate:
         id_col = spec.id_column or ("id" if "id" in names else None)
         if id_col is not None and id_col not in names:
             raise ValueError(f"dynatree: the batch has no id column {id_col!r} (columns: {', '.join(names)})")
-        clash = [c for c in names if c in self.schema.names and c != "id" or c == "id" and id_col != "id"]
+        taken = set(self.schema.names) - ({"id"} if id_col == "id" else set())  # (an id column is the result's id)
+        clash = [c for c in names if c in taken]
         if clash:
             raise ValueError(f"dynatree: input column(s) {', '.join(clash)} would be overwritten by result columns "
                              "of the same name; rename or drop them first (ds.rename_columns / drop_columns)")
