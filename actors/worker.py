@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dynatree import budget
+from dynatree import budget, sampling
 from dynatree.check import divergence, prompt_budget, truncate_prompt
 from dynatree.config import FLOAT16_ON_CPU, ar_reference, within_native_rows
 from dynatree.metrics import fill_row, freeze_heap, result_row, rss_bytes
@@ -135,6 +135,8 @@ class ShardWorker:
         self.pair.runner("target")
         if self.pair.draft is not None:
             self.pair.runner("draft")
+        if self.cfg.temperature > 0:  # the sampling noise comes from the C library on every device: a
+            sampling.gumbel(0, 1)  # GPU actor builds it here, not on the first row (holding the batch)
         self.startup["kernel_s"] = time.perf_counter() - t0
         problem = self.pair.method_problem(self.cfg)
         if problem:  # every row would fail: fail the actor's start instead, saying why
