@@ -6,7 +6,7 @@
                         compute=ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=4))
     ds.write_parquet("out/")
 
-(jobs/examples/ray_data_stage.py runs it.)  An actor's CPUs stay below its node's: Ray Data's own
+(jobs/examples/ray_data_stage.py runs it, after :func:`check`.)  An actor's CPUs stay below its node's: Ray Data's own
 tasks take a CPU each, and actors holding them all starve the pipeline (``_warn_if_starving``).
 
 Each actor loads its pair once (:class:`~dynatree.actors.worker.ShardWorker`, the job runner's
@@ -70,6 +70,17 @@ def decoding_spec(**options) -> JobSpec:
     spec = build_spec(None, input=_STREAM, output=_STREAM, **options)  # (which drops None: a flag not given)
     nones = {k: None for k, v in options.items() if v is None}
     return dataclasses.replace(spec, **nones) if nones else spec
+
+
+def check(**options) -> JobSpec:
+    """In the driver, before ``map_batches``: the options as the stage takes them, and what a job's
+    driver checks before any actor starts (model paths, shared tokenizer, context, stop ids) --
+    SpecError / JobError now, rather than in every actor once Ray Data has started them."""
+    from dynatree.jobs.driver import check_models
+
+    spec = decoding_spec(**{k: v for k, v in options.items() if k != "threads"})
+    check_models(spec)
+    return spec
 
 
 class Generate:

@@ -193,6 +193,12 @@ def preflight(spec: JobSpec) -> None:
     """Problems found before any actor starts: missing model paths, mismatched tokenizers, a local
     job's actors this machine cannot hold (a GPU it lacks, more CPUs or memory than it has)."""
     _check_this_machine(spec)
+    check_models(spec)
+
+
+def check_models(spec: JobSpec) -> None:
+    """The models' problems a driver can see without loading them (paths, tokenizers, context,
+    stop ids, a draft that cannot grow trees, a chat template): JobError saying which."""
     names = {"--target": spec.target, "--draft": spec.draft if spec.method != "ar" else None}
     for flag, name in names.items():
         problem = model_problem(name) if name else None

@@ -69,6 +69,19 @@ def test_samples_repeat_their_prompts_columns_and_need_ids(pair_dirs):
         asyncio.run(Generate(**options(pair_dirs, options={"temperature": 0.9}))(pa.table({"text": PROMPTS[:1]})))
 
 
+def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
+    from dynatree.actors.ray_data import check
+    from dynatree.jobs.driver import JobError
+
+    assert check(**options(pair_dirs), threads=2).method == "dynatree"
+    with pytest.raises(JobError, match="no such file"):
+        check(**options(pair_dirs, target="/nonexistent/target"))
+    with pytest.raises(JobError, match="do not share a tokenizer"):
+        check(**options(pair_dirs, draft=str(pair_dirs / "foreign")))
+    with pytest.raises(SpecError, match="unknown option"):
+        check(**options(pair_dirs, temprature=0.5))
+
+
 def test_bad_options_and_batches_fail_clearly(pair_dirs):
     with pytest.raises(SpecError, match=r"num_actors \(use ActorPoolStrategy\(size=...\)\)"):
         decoding_spec(num_actors=2)
