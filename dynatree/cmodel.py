@@ -187,7 +187,7 @@ class NativeForward:
             n, cache = len(s.ids), s.cache
             past = cache.length
             end = past + n
-            keep = min(s.keep, n) if s.keep else n
+            keep = s.kept
             ids.append(s.ids)
             pos.append(s.positions)
             if s.mask is not None:

@@ -125,10 +125,9 @@ def forward_join(runner, seqs: list[Seq]) -> list[torch.Tensor]:
     """One joined forward of ``seqs`` -> each sequence's kept logits (1, keep_b, V)."""
     dev, widths = runner.device, [len(s.ids) for s in seqs]
     offsets = [0, *itertools.accumulate(widths)][:-1]  # o_b
-    pos = torch.cat([s.positions if s.positions is not None else
-                     torch.arange(s.cache.length, s.cache.length + n, device=dev) for s, n in zip(seqs, widths)])
+    pos = torch.cat([s.position_ids(dev) for s in seqs])
     masks = [_mask(runner, s, p) for s, p in zip(seqs, pos.split(widths))]
-    keeps = [min(s.keep, n) if s.keep else n for s, n in zip(seqs, widths)]
+    keeps = [s.kept for s in seqs]
     rows = torch.cat([torch.arange(o + n - k, o + n, device=dev) for o, n, k in zip(offsets, widths, keeps)])
     kinds = list(runner.config.layer_types) if runner.mixed else None
     cfg = runner.model.config

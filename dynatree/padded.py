@@ -212,15 +212,14 @@ def forward_group(runner, seqs: list[Seq], mode: str = "copy") -> list[torch.Ten
     pos = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)  # (B, n)
     masks = []
     for b, s in enumerate(seqs):
-        n, past = len(s.ids), s.cache.length
-        p = s.positions if s.positions is not None else torch.arange(past, past + n, device=dev)
+        n, p = len(s.ids), s.position_ids(dev)
         ids[b, width - n:], pos[b, width - n:] = s.ids, p
         masks.append(row_mask(runner, s, p))
     if isinstance(masks[0], dict):
         mask = {kind: _place([m[kind] for m in masks], width, keys, runner.dtype, dev) for kind in masks[0]}
     else:
         mask = _place(masks, width, keys, runner.dtype, dev)
-    keeps = [min(s.keep, len(s.ids)) if s.keep else len(s.ids) for s in seqs]
+    keeps = [s.kept for s in seqs]
     cache = _RowsCache(runner.config.num_hidden_layers, seqs, width, keys, mode)
     with runner.lock:  # (models.model_lock)
         logits = runner.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,

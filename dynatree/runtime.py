@@ -111,6 +111,19 @@ class Seq:
     keep: int = 0  # logits of the last ``keep`` rows; 0: all n
     perturb: Perturb | None = None  # sampled rows: what the heads read
 
+    @property
+    def kept(self) -> int:
+        """How many rows' logits the forward returns (the last ones)."""
+        n = len(self.ids)
+        return min(self.keep, n) if self.keep else n
+
+    def position_ids(self, device) -> torch.Tensor:
+        """(n,) the new tokens' positions: as given, or following the cache (an empty one: from 0)."""
+        if self.positions is not None:
+            return self.positions
+        past = self.cache.length if self.cache is not None else 0
+        return torch.arange(past, past + len(self.ids), device=device)
+
 
 class Output:
     """A runner's result for one sequence: ``logits`` (1, n, V) and, when asked for, heads over
@@ -198,7 +211,7 @@ def seq_masks(seqs: list[Seq], dtype: torch.dtype, device: torch.device) -> list
     out = []
     for s in seqs:
         n, past = len(s.ids), s.cache.length if s.cache is not None else 0
-        pos = s.positions if s.positions is not None else torch.arange(past, past + n, device=device)
+        pos = s.position_ids(device)
         mask = s.mask.additive(dtype) if isinstance(s.mask, KeyMask) else s.mask
         if mask is None and n > 1:  # causal over the new tokens, all of the cached prefix
             mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
