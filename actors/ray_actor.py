@@ -29,6 +29,16 @@ def assigned_cpus() -> int | None:
     return max(1, int(cpus)) if cpus else None
 
 
+def exit_if_broken(worker, replacer: str) -> None:
+    """End this process where the worker's decoding thread died (a lost GPU): it can decode nothing
+    more, and a dead actor is what ``replacer`` (the job's driver, Ray Data) starts another for."""
+    broken = worker.scheduler.broken
+    if broken is not None:
+        print(f"dynatree actor: decoding thread died ({broken!r}); exiting so {replacer} replaces this actor",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 @ray.remote
 class PairActor:
     """One per GPU on a GPU box; a CPU share (``cpus_per_actor`` threads) on CPU machines."""
@@ -62,9 +72,5 @@ class PairActor:
         try:
             return self.worker.run_shard(shard, rows, backlog)
         except BaseException:
-            broken = self.worker.scheduler.broken
-            if broken is not None:  # this actor can decode nothing more: end its process, which
-                print(f"dynatree actor: decoding thread died ({broken!r}); exiting so the job "
-                      "replaces this actor", file=sys.stderr, flush=True)
-                os._exit(1)  # the driver sees a dead actor and starts another in its bundle
+            exit_if_broken(self.worker, "the job")  # (the driver starts another in its bundle)
             raise

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,7 +38,9 @@ import pyarrow as pa
 from dynatree.data import id_strings
 from dynatree.jobs.spec import JobSpec, SpecError, build_spec
 from dynatree.metrics import output_schema
-from dynatree.parts import py_values
+from dynatree.parts import each_repeated, py_values
+
+from .ray_actor import assigned_cpus, exit_if_broken, placed
 
 # JobSpec fields that spread a job over actors and files: Ray Data's own settings do that here
 _JOB_ONLY = {"input": "the dataset", "output": "write_parquet or any Ray Data sink",
@@ -90,12 +91,11 @@ class Generate:
     def __init__(self, threads: int | None = None, **options):
         """``threads``: torch threads (default: the CPUs Ray reserved for the actor -- fewer than a
         node has, so Ray Data's read and write tasks can run beside it); ``options``: JobSpec fields."""
-        from . import ray_actor
         from .worker import ShardWorker
 
-        spec = ray_actor.placed(decoding_spec(**options))
+        spec = placed(decoding_spec(**options))
         self.spec = spec
-        self.worker = ShardWorker(spec, threads or ray_actor.assigned_cpus())
+        self.worker = ShardWorker(spec, threads or assigned_cpus())
         _warn_if_starving()  # (once the pair is loaded: by then Ray's view of free CPUs counts this actor)
         self.sampled = spec.method_config.temperature > 0
         self.schema = output_schema(spec.samples > 1)
@@ -110,7 +110,7 @@ class Generate:
         try:
             results = await loop.run_in_executor(self.pool, self.worker.run_shard, _STREAM, rows, _HORIZON)
         except BaseException:
-            self._exit_if_broken()
+            exit_if_broken(self.worker, "Ray Data")  # (a lost GPU: Ray Data starts another actor)
             raise
         return self._table(batch, results, id_col)
 
@@ -131,22 +131,11 @@ class Generate:
         out = pa.Table.from_pylist(results, schema=self.schema)
         if id_col is None:  # the engine's ids were the prompts' hashes: none to show
             out = out.set_column(self.schema.get_field_index("id"), "id", pa.nulls(len(results), pa.string()))
-        n = self.spec.samples
-        carried = batch if n == 1 else batch.take(pa.array([i for i in range(batch.num_rows) for _ in range(n)],
-                                                           pa.int64()))
+        carried = each_repeated(batch, self.spec.samples)
         for name in carried.column_names:
             if name != "id":  # (an input id is the result's id column, as text)
                 out = out.append_column(carried.schema.field(name), carried.column(name))
         return out
-
-    def _exit_if_broken(self) -> None:
-        """The decoding thread died (a lost GPU): end this process, as the job's actor does, so Ray
-        Data starts another in its place rather than failing every later batch here."""
-        broken = self.worker.scheduler.broken
-        if broken is not None:
-            print(f"dynatree Generate: decoding thread died ({broken!r}); exiting so Ray Data replaces this actor",
-                  file=sys.stderr, flush=True)
-            os._exit(1)
 
     def _check(self, names: list[str]) -> str | None:
         """The batch's id column (None: none); ValueError for a batch no row of which can decode."""

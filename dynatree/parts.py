@@ -29,6 +29,11 @@ CONVERT_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError)
 SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def each_repeated(table: pa.Table, n: int) -> pa.Table:
+    """Every row of ``table`` n times in a row (a prompt's columns beside each of its n samples)."""
+    return table if n == 1 else table.take(pa.array([i for i in range(table.num_rows) for _ in range(n)], pa.int64()))
+
+
 def py_values(col) -> list:
     """A column's values as Python objects.  A string column holding invalid UTF-8 (Parquet writers
     that do not check it) gives those values as bytes -- each prompt's own error, as in a binary

@@ -31,6 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dynatree.data import id_strings, would_read
+from dynatree.parts import each_repeated
 from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
                             model_problem, no_tree_mask)
@@ -471,8 +472,7 @@ def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Tab
     table = pa.Table.from_pylist(results, schema=output_schema(n > 1))
     names = plan.kept_names
     kept = pa.table({c: as_stored(kept.column(c), plan.schema.field(c).type) for c in names}) if names else kept
-    if n > 1:  # every sample row carries its prompt's kept columns
-        kept = kept.take(pa.array([i for i in range(len(rows)) for _ in range(n)], pa.int64()))
+    kept = each_repeated(kept, n)  # every sample row carries its prompt's kept columns
     for c in names:
         table = table.append_column(plan.schema.field(c), kept.column(c))
     return table

@@ -103,8 +103,9 @@ def test_bad_options_and_batches_fail_clearly(pair_dirs):
 
 
 def test_a_lost_device_ends_the_actor_so_ray_data_replaces_it(pair_dirs, monkeypatch):
+    import os
+
     from dynatree import engine
-    from dynatree.actors import ray_data
 
     udf = Generate(**options(pair_dirs))
 
@@ -115,7 +116,7 @@ def test_a_lost_device_ends_the_actor_so_ray_data_replaces_it(pair_dirs, monkeyp
         raise SystemExit(code)
 
     monkeypatch.setattr(engine.BatchDecoder, "_iterate", lost)
-    monkeypatch.setattr(ray_data.os, "_exit", exit_)
+    monkeypatch.setattr(os, "_exit", exit_)
     with pytest.raises(SystemExit):
         asyncio.run(udf(pa.table({"text": PROMPTS[:2]})))
 
