@@ -112,13 +112,16 @@ def test_a_draft_restarted_on_the_prompts_end_keeps_to_the_window(close_pair, op
     prompts = random_prompts(2, seed=43, lo=70, hi=70)
     refs = [decode(close_pair, p, make_config("ar", with_window(opts)), max_new_tokens=150, ignore_eos=True)[0]
             for p in prompts]
+    ctxs = range(3, 40, 4)
     for method in ("dynatree", "linear", "dyspec"):
-        for ctx in range(3, 40, 4):
+        for ctx in ctxs[::3]:  # alone (the B = 1 case) ...
             cfg = make_config(method, with_window({**opts, "draft_context": ctx}))
             got = [decode(close_pair, p, cfg, max_new_tokens=150, ignore_eos=True)[0] for p in prompts]
             assert got == refs, (method, ctx)
-        cfg = make_config(method, with_window({**opts, "draft_context": 11}))
-        assert [t for t, _, _ in decode_batch(close_pair, prompts, cfg, max_new_tokens=150, ignore_eos=True)] == refs
+        # ... and every draft_context, each row its own, in one batch
+        cfgs = [make_config(method, with_window({**opts, "draft_context": ctx})) for ctx in ctxs for _ in prompts]
+        got = [t for t, _, _ in decode_batch(close_pair, prompts * len(ctxs), cfgs, max_new_tokens=150, ignore_eos=True)]
+        assert got == refs * len(ctxs), method
 
 
 def test_windowed_speculation_still_speculates(same_pair):
