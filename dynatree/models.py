@@ -16,8 +16,6 @@ from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
                     rope_switch)
-from .joined import forward_joined, inner_implementation
-from .padded import forward_padded, in_place
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
 DTYPES = {
@@ -129,6 +127,9 @@ class HFRunner:
         (joined.py: no padding, attention per sequence), each where the model passed that path's
         probe, else one forward per sequence; all their heads read back at once (heads_each; per
         sequence, each read was a wait on a GPU)."""
+        from .joined import forward_joined  # (with padded.py: transformers' modeling imports, ~1.3 s,
+        from .padded import forward_padded, in_place  # that a native-kernel actor never needs)
+
         together = len(seqs) > 1 and all(s.cache is not None for s in seqs)
         with self.lock:
             forwards = in_place(self, seqs) if together and not self.batch_problem else None
@@ -231,6 +232,9 @@ def _batch_problems(run: HFRunner, model) -> tuple[str, str]:
             return f"a {what} forward fails ({type(e).__name__}: {str(e)[:120]})"
         gap = max(_gap(a.float(), b.float()) for a, b in zip(got, alone))
         return "" if gap <= rtol else f"a {what} forward's logits part from each sequence's own by {gap:.3g} of their scale"
+
+    from .joined import forward_joined, inner_implementation
+    from .padded import forward_padded
 
     run.joined = inner_implementation(model)
     joined = problem(forward_joined, "joined") if run.joined else (

@@ -95,3 +95,15 @@ def test_the_package_lists_its_lazy_names_without_importing_torch():
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_native_kernel_actor_starts_without_transformers_modeling_code():
+    """An actor on the native kernel loads its pair and decodes without transformers' modeling
+    stack (modeling_utils and what it imports: ~1.3 s of every actor's start, and of
+    `dynatree generate`'s); only `--kernel hf` and other architectures need it."""
+    code = ("import sys, dynatree.actors.worker; from dynatree import generate, load_pair; "
+            "p = load_pair(device='cpu'); g = generate(p, 'The quick brown fox', max_new_tokens=4); "
+            "assert not p.not_native('target') and not p.not_native('draft'), p.forward_in_use(); "
+            "bad = [m for m in sys.modules if m.startswith('transformers.modeling_utils')]; assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

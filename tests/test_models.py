@@ -583,7 +583,7 @@ def test_a_joined_forward_is_probed_and_split():
 
     assert joined.inner_implementation(type("M", (), {"config": Cfg()})()) is None
     with mp.context() as m:
-        m.setattr(models, "inner_implementation", lambda model: None)
+        m.setattr(joined, "inner_implementation", lambda model: None)
         run = pair_from_models(model, None, None, eos_token_id=None, kernel="hf").runner("target")
     assert run.joined_problem == "its attention (sdpa) is neither SDPA nor eager"
     assert pair_from_models(model, None, None, eos_token_id=None, kernel="hf").forward_in_use().endswith(
