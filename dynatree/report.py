@@ -227,12 +227,11 @@ def _sweep_table(srows: list[dict], key: str, title: str) -> str:
             for m, rs in by.items():
                 ref = rs[0].get("ref_method") or "ar"
                 sp, spr = _speedup(rs, by.get("ar", [])), _speedup(rs, by.get(ref, []))
-                exact = [r["matches_ar"] for r in rs if r["matches_ar"] is not None]
                 lines.append(f"| {d} | {v} | {m} | {_ms([r['tokens_per_s'] for r in rs])} | "
                              f"{f'{sp:.2f}×' if sp else '-'} | {f'{spr:.2f}×' if spr else '-'} | "
                              f"{_ms([r.get('tokens_per_iteration') for r in rs], '{:.2f}')} | "
                              f"{_ms([r.get('kv_cache_mb') for r in rs])} | {_ms([r.get('peak_memory_mb') for r in rs])} | "
-                             f"{_per_iteration_ms(rs)} | {f'{sum(exact)}/{len(exact)}' if exact else '-'} |")
+                             f"{_per_iteration_ms(rs)} | {_exact(rs)} |")
     return "\n".join(lines)
 
 
@@ -247,15 +246,21 @@ def tables(rows: list[dict]) -> str:
 
     grid = _groups(rows, "grid")
     if grid:
-        lines = ["## Fixed-tree grid (speedup vs ar; best first)", "", "| dataset | setting | tokens/s | speedup | L̄ |",
-                 "|---|---|---|---|---|"]
+        lines = ["## Fixed-tree grid (speedup vs ar; best first)", "",
+                 "| dataset | setting | tokens/s | speedup | L̄ | exact |", "|---|---|---|---|---|---|"]
         for d, by in grid.items():
             res = [(m, _speedup(rs, by.get("ar", [])), rs) for m, rs in by.items() if m != "ar"]
             for m, sp, rs in sorted(res, key=lambda x: -(x[1] or 0)):
                 lines.append(f"| {d} | {m} | {_ms([r['tokens_per_s'] for r in rs])} | {sp:.2f}× | "
-                             f"{_ms([r['tokens_per_iteration'] for r in rs], '{:.2f}')} |")
+                             f"{_ms([r['tokens_per_iteration'] for r in rs], '{:.2f}')} | {_exact(rs)} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def _exact(rs: list[dict]) -> str:
+    """Rows identical to their ar reference, of those checked ("-": none was)."""
+    checked = [r["matches_ar"] for r in rs if r["matches_ar"] is not None]
+    return f"{sum(checked)}/{len(checked)}" if checked else "-"
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:

@@ -57,6 +57,8 @@ def test_bench_and_report(pair_dirs, tmp_path):
     for title in ("Main results", "Latency", "Verification efficiency", "Ablation", "KV update",
                   "Peak memory", "Generation length sweep", "Prompt length sweep", "Fixed-tree grid"):
         assert title in md
+    grid = md.split("## Fixed-tree grid")[1].split("\n## ")[0].splitlines()[4:]  # its rows: each checked against ar
+    assert len(grid) == 4 and all(re.search(r"\| ([1-9]\d*)/\1 \|$", line) for line in grid), grid
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["grid_tiny.png", "sweep_prompt_len.png", "sweep_tokens.png", "throughput.png"]
     # report rebuilds everything from the Parquet alone
