@@ -80,8 +80,10 @@ def _sizes(cfg, factor: int, layers: int | None, vocab: int | None) -> tuple[int
         raise ValueError(f"widen takes GPT-NeoX models with the parallel residual, not {cfg.model_type}")
     n, v = cfg.num_hidden_layers, cfg.vocab_size
     layers, vocab = layers or n, vocab or v
-    if factor < 1 or layers < n or vocab < v:
-        raise ValueError(f"widen grows a model: factor {factor} >= 1, layers {layers} >= {n}, vocab {vocab} >= {v}")
+    short = [f"{what} {got} < {least}" for what, got, least in (("factor", factor, 1), ("layers", layers, n),
+                                                               ("vocab", vocab, v)) if got < least]
+    if short:  # (each named with what it must reach: the model's own size, or 1 copy)
+        raise ValueError(f"widen grows a model, never shrinks it: {', '.join(short)}")
     if vocab > v and factor < 2:
         raise ValueError("extra vocabulary needs factor >= 2 (copy 1 of the hidden state carries its constant)")
     return layers, vocab

@@ -64,8 +64,10 @@ def test_a_perturbed_copy_is_caught():
 def test_widen_refuses_what_it_cannot_grow():
     with pytest.raises(ValueError, match="parallel residual"):
         widened(neox(parallel=False), factor=2)
-    with pytest.raises(ValueError, match="grows a model"):
+    with pytest.raises(ValueError, match="grows a model, never shrinks it: layers 1 < 2$"):
         widened(neox(), factor=2, layers=1)
+    with pytest.raises(ValueError, match="never shrinks it: factor 0 < 1$"):  # (it named no failing size)
+        widened(neox(), factor=0)
     with pytest.raises(ValueError, match="factor >= 2"):
         widened(neox(), factor=1, vocab=100)
 
