@@ -228,7 +228,7 @@ def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig =
         kept.append(t[:cfg.max_chars - total])  # the last document cut to the cap
         total += len(kept[-1])
     held, train = split_heldout(kept, cfg.heldout_fraction)
-    log(f"corpus: {len(train)} training documents ({total / 1e6:.1f}M chars), {len(held)} held out "
+    log(f"corpus: {len(train)} training document{'s' * (len(train) != 1)} ({total / 1e6:.1f}M chars), {len(held)} held out "
         f"({sum(map(len, held)) / max(total, 1):.1%} of the characters)")
 
     t0 = time.perf_counter()
