@@ -105,6 +105,7 @@ def _init_ray(spec: JobSpec, log=print):
             _probe(address)
             ray.init(address=spec.address, log_to_driver=True)
         else:
+            _warn_if_shared(log)
             with held_while_starting(getattr(getattr(ray, "_private", None), "utils", None)):
                 start_local_ray(log_to_driver=True)
     except AuthenticationError as e:  # (a token asked for by RAY_AUTH_MODE=token that cannot be read, ...)
@@ -128,6 +129,24 @@ class MismatchError(JobError):
 class ClusterLost(JobError):
     """The Ray cluster's head went away mid-job: the process ends at once after saying so (Ray's
     client would otherwise wait for it, then exit with its own fatal error)."""
+
+
+def _warn_if_shared(log) -> None:
+    """A local job's cluster counts every CPU of this machine as its own: say so when another Ray
+    cluster runs here (another local job, a `ray start` head), whose actors would share the cores.
+    Measured (2 cores, bench pair): two 1 x 2-CPU jobs at once made 670 tokens/s together against
+    1513 for one alone -- each forward waits for its thread the other job's threads displaced --,
+    two 1 x 1-CPU jobs 1900."""
+    import ray  # noqa: F401 -- puts Ray's own copy of psutil on the path
+    import psutil
+
+    raylets = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+    if raylets:
+        log(f"warning: another Ray cluster runs on this machine (raylet pid {', '.join(map(str, raylets))}). This job "
+            "starts its own, which counts all of this machine's CPUs as free: both clusters' actors would share "
+            "the cores, and a forward whose threads share cores stalls at every step (two 2-CPU jobs on 2 cores "
+            "made 0.44x one job's tokens/s together). Run one job at a time, or give each job its share of the "
+            "cores (--num-actors x --cpus-per-actor, e.g. 1 x 1 each for two jobs on 2 CPUs).")
 
 
 def start_local_ray(**kw):
@@ -345,7 +364,7 @@ def _check_this_machine(spec: JobSpec) -> None:
     here = {"CPU": get_num_cpus(), "GPU": gpus}
     memory = spec.memory_per_actor * 1e9 if spec.memory_per_actor else None
     if memory:  # the machine's whole memory: more than Ray will offer, so a request past it cannot fit
-        import psutil
+        import psutil  # (Ray's copy: importing ray, above, puts it on the path)
 
         here["memory"] = psutil.virtual_memory().total
     n, cpus, gpus = _actor_shape(spec, here)

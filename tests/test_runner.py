@@ -1571,3 +1571,27 @@ def test_a_run_that_decoded_nothing_is_not_the_last_decoding_run(tmp_path):
     run = {**run, "rows_this_run": 4, "tokens_this_run": 40}
     (tmp_path / "summary.json").write_text(json.dumps({"this_run": run, "startup": {"plan_s": 0.1}}))
     assert previous_decoding_run(tmp_path) == {"this_run": run, "startup": {"plan_s": 0.1}}
+
+
+def test_a_local_job_beside_another_ray_cluster_warns_that_they_share_the_cores(tmp_path):
+    """Another cluster's raylet on this machine: a local job's cluster counts every CPU as its own,
+    and the two jobs' multi-thread forwards stall each other (measured 0.44x), so the driver says so."""
+    import shutil
+    import subprocess
+
+    from dynatree.jobs import driver
+
+    fake = tmp_path / "raylet"  # a process named as Ray's raylet is
+    shutil.copy(shutil.which("sleep"), fake)
+    proc = subprocess.Popen([str(fake), "60"])
+    try:
+        said = []
+        driver._warn_if_shared(said.append)
+        assert said and "raylet pid" in said[0] and str(proc.pid) in said[0], said
+        assert "--cpus-per-actor" in said[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    said = []
+    driver._warn_if_shared(said.append)
+    assert not any(str(proc.pid) in m for m in said)
