@@ -376,15 +376,18 @@ def _check_this_machine(spec: JobSpec) -> None:
 
 
 def _local_gpus() -> int:
-    """The GPUs a local Ray cluster will hold: counted as Ray counts them (NVML, CUDA_VISIBLE_DEVICES),
-    not by importing torch (1.1 s and ~150 MB of the driver's memory)."""
+    """The GPUs a local Ray cluster will hold, counted as Ray counts them (NVML, capped by
+    CUDA_VISIBLE_DEVICES; ray._private.resource_and_label_spec), not by importing torch (1.1 s and
+    ~180 MB of the driver's memory)."""
     try:
         from ray._private.accelerators import get_accelerator_manager_for_resource  # (private: may move)
     except ImportError:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators()
+    gpu = get_accelerator_manager_for_resource("GPU")
+    n, visible = gpu.get_current_node_num_accelerators(), gpu.get_current_process_visible_accelerator_ids()
+    return n if visible is None else min(n, len(visible))
 
 
 def _check_devices(spec: JobSpec, resources: dict) -> None:

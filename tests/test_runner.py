@@ -1595,3 +1595,25 @@ def test_a_local_job_beside_another_ray_cluster_warns_that_they_share_the_cores(
     said = []
     driver._warn_if_shared(said.append)
     assert not any(str(proc.pid) in m for m in said)
+
+
+def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
+    """The GPUs a local cluster will offer: Ray's count (NVML), capped by CUDA_VISIBLE_DEVICES."""
+    from ray._private import accelerators
+
+    from dynatree.jobs.driver import _local_gpus
+
+    class Manager:
+        visible = None
+
+        def get_current_node_num_accelerators(self):
+            return 4
+
+        def get_current_process_visible_accelerator_ids(self):
+            return self.visible
+
+    m = Manager()
+    monkeypatch.setattr(accelerators, "get_accelerator_manager_for_resource", lambda name: m)
+    assert _local_gpus() == 4
+    m.visible = ["1", "3"]
+    assert _local_gpus() == 2
