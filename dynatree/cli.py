@@ -20,13 +20,24 @@ def _margin(m: float | None) -> str:
     return "unknown (evicted by the cache window)" if m is None else f"{m:.3g}"
 
 
-def _threads(n: int | None) -> None:
+def _threads(n: int | None, device: str = "cpu") -> None:
     """--threads: the native kernel runs on torch's thread count (its OpenMP regions split work
-    evenly, so a thread the OS pauses for another process stalls each forward)."""
-    if n:
-        import torch
+    evenly, so a thread the OS pauses for another process stalls each forward) -- with a note when
+    other processes leave fewer free CPUs than that."""
+    import torch
 
+    if n:
         torch.set_num_threads(n)
+    if device.startswith("cuda") or device == "auto" and torch.cuda.is_available():
+        return
+    from .machine import busy_cpus
+
+    busy, threads, cpus = busy_cpus(), torch.get_num_threads(), os.cpu_count() or 1
+    if busy is not None and threads > 1 and threads + busy > cpus + 0.5:
+        click.echo(f"note: other processes are using ~{busy:.1f} of this machine's {cpus} CPUs; a forward on "
+                   f"{threads} threads waits at every step for any thread they displace, which can make decoding "
+                   f"many times slower: give --threads {max(1, min(threads - 1, round(cpus - busy)))} (fewer "
+                   "threads than free CPUs) if it runs slowly", err=True)
 
 
 THREADS_HELP = "torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)"
@@ -101,7 +112,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     from .models import PairError, load_pair
     from .parts import file_text
 
-    _threads(threads)
+    _threads(threads, device)
     # (`echo text | dynatree generate` must decode "text", not "text\n": another prompt, other tokens)
     prompts = list(prompts) or [file_text(sys.stdin.read())]  # (as a .txt input reads)
     blank = [i for i, p in enumerate(prompts) if not p.strip()]
@@ -179,7 +190,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
           max_new_tokens, max_prompt_tokens, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
-    _threads(threads)
+    _threads(threads, device)
     from .check import all_windowed, check_methods, prompt_budget
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
@@ -433,7 +444,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
     from .models import PairError, load_pair
     from .report import report
 
-    _threads(threads)
+    _threads(threads, device)
     try:
         grid = {}
         if grid_depth or grid_branch or grid_tau:
@@ -498,7 +509,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
     from .models import PairError, load_pair
     from .profiling import report
 
-    _threads(threads)
+    _threads(threads, device)
     lengths = _number_list(cache_lengths, "--cache-lengths")
     try:
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)

@@ -60,3 +60,25 @@ def describe_rates(rates: dict) -> str:
     one = f" ({rates['gflops'] / rates['one_thread_gflops']:.2f}x one thread's {rates['one_thread_gflops']:.1f})" \
         if rates["threads"] > 1 else ""
     return f"{rates['gflops']:.1f} GFLOP/s on {rates['threads']} thread{'s' * (rates['threads'] > 1)}{one}"
+
+
+def busy_cpus(seconds: float = 0.05) -> float | None:
+    """CPUs' worth of time the machine spent busy over ``seconds`` while this process slept: what
+    other processes use (from /proc/stat; None where there is none).  Why: a forward on N threads
+    waits at every step for a thread another process displaced -- with both of 2 cores busy
+    elsewhere a 2-thread `generate` ran up to ~300x slower in a user's trial, one thread not at all."""
+    import time
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return sum(v), v[3] + v[4]
+
+    try:
+        total0, idle0 = ticks()
+        time.sleep(seconds)
+        total1, idle1 = ticks()
+    except (OSError, ValueError):
+        return None
+    total = total1 - total0
+    return (1 - (idle1 - idle0) / total) * (os.cpu_count() or 1) if total > 0 else None

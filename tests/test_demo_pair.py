@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -107,3 +108,34 @@ def test_a_native_kernel_actor_starts_without_transformers_modeling_code():
             "bad = [m for m in sys.modules if m.startswith('transformers.modeling_utils')]; assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_busy_cpus_sees_another_process_and_generate_notes_it(monkeypatch, capsys):
+    """A process spinning beside us is seen in /proc/stat; the commands that decode here say when
+    other work leaves fewer free CPUs than their threads (a forward waits for a displaced thread)."""
+    import torch
+
+    from dynatree import cli, machine
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat on this system")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert machine.busy_cpus(0.2) >= 0.6
+    finally:
+        spin.kill()
+        spin.wait()
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        for busy, noted in ((1.5, True), (0.2, False), (None, False)):
+            monkeypatch.setattr(machine, "busy_cpus", lambda busy=busy: busy)
+            cli._threads(2)
+            err = capsys.readouterr().err
+            assert ("other processes are using ~1.5 of this machine's 2 CPUs" in err
+                    and "give --threads 1" in err) is noted, err
+        cli._threads(2, "cuda")  # (a GPU run's forwards do not wait on CPU threads)
+        assert not capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
