@@ -670,6 +670,8 @@ def chat_messages(value) -> list[dict]:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
         empty = " (an empty conversation)" if isinstance(value, (list, tuple)) and not value else ""
         raise ValueError(f"prompt is not a list of {{role, content}} messages with string values{empty}")
+    if not any(m["content"].strip() for m in value):  # (as a text prompt: a blank one is an input's mistake)
+        raise ValueError("prompt's messages are all empty or only whitespace")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

@@ -111,6 +111,9 @@ def test_refused_and_long_conversations_are_row_errors(chat_dirs, chat_pair, tmp
         prompt_ids(chat_pair, CHATS[0], 8, 5, chat=True)
     with pytest.raises(ValueError, match="list of {role, content} messages"):
         generate_batch(chat_pair, [[{"role": "user", "content": None}]], "ar", max_new_tokens=2)
+    with pytest.raises(ValueError, match="messages are all empty or only whitespace"):  # (as a blank text is)
+        prompt_ids(chat_pair, [{"role": "system", "content": ""}, {"role": "user", "content": " \n"}], 8, None, chat=True)
+    assert prompt_ids(chat_pair, [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}], 8, None, chat=True)
     ids = rendered(chat_pair, CHATS[2])  # token ids as an array still read as ids, not as messages
     assert generate_batch(chat_pair, [np.array(ids)], "ar", max_new_tokens=4)[0].token_ids == \
         generate_batch(chat_pair, [CHATS[2]], "ar", max_new_tokens=4)[0].token_ids
