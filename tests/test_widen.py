@@ -109,7 +109,7 @@ def test_the_cli_never_writes_over_the_source_or_an_existing_directory(tmp_path)
         res = runner.invoke(main, ["widen", str(src), str(out), "--factor", "2", *extra])
         assert res.exit_code != 0 and why in res.output, res.output
     for bad, why in ((tmp_path / "full", "is not a saved model: it has no config.json"),
-                     (tmp_path / "none", "is not a saved model: no such directory")):
+                     (tmp_path / "none", "does not exist")):
         res = runner.invoke(main, ["widen", str(bad), str(tmp_path / "new"), "--factor", "2"])
         assert res.exit_code != 0 and why in res.output, res.output
     assert {f.name: f.read_bytes() for f in src.iterdir()} == before
