@@ -138,9 +138,14 @@ def _warn_if_shared(log) -> None:
     1513 for one alone -- each forward waits for its thread the other job's threads displaced --,
     two 1 x 1-CPU jobs 1900."""
     import ray  # noqa: F401 -- puts Ray's own copy of psutil on the path
-    import psutil
 
-    raylets = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+    try:
+        import psutil
+
+        raylets = [p.pid for p in psutil.process_iter(["name", "status"])  # (a zombie is a dead raylet no one reaped)
+                   if p.info["name"] == "raylet" and p.info["status"] != psutil.STATUS_ZOMBIE]
+    except Exception:  # noqa: BLE001 -- advice only: never what stops a job
+        return
     if raylets:
         log(f"warning: another Ray cluster runs on this machine (raylet pid {', '.join(map(str, raylets))}). This job "
             "starts its own, which counts all of this machine's CPUs as free: both clusters' actors would share "
@@ -351,7 +356,7 @@ def _check_this_machine(spec: JobSpec) -> None:
         return
 
     gpus = _local_gpus()
-    if spec.device.startswith("cuda") and not gpus:
+    if spec.device.startswith("cuda") and not _local_gpus(cuda=True):
         raise JobError(f"--device {spec.device}: this machine has no CUDA GPU, and a job without --address runs "
                        "here; use --device cpu or auto")
     if ray.is_initialized():  # (a Python caller's cluster: placement checks it once connected)
@@ -375,19 +380,24 @@ def _check_this_machine(spec: JobSpec) -> None:
         raise JobError(str(e)) from e
 
 
-def _local_gpus() -> int:
-    """The GPUs a local Ray cluster will hold, counted as Ray counts them (NVML, capped by
-    CUDA_VISIBLE_DEVICES; ray._private.resource_and_label_spec), not by importing torch (1.1 s and
-    ~180 MB of the driver's memory)."""
+def _local_gpus(cuda: bool = False) -> int:
+    """The GPUs a local Ray cluster will hold, counted as Ray counts them (capped by the visible
+    devices; ray._private.resource_and_label_spec), not by importing torch (1.1 s and ~180 MB of
+    the driver's memory).  ``cuda``: only those torch's "cuda" device runs on (NVIDIA's, AMD's
+    ROCm), where Ray's GPU resource may be another kind (Apple's, Intel's)."""
     try:
-        from ray._private.accelerators import get_accelerator_manager_for_resource  # (private: may move)
+        from ray._private import accelerators  # (private: may move)
     except ImportError:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu = get_accelerator_manager_for_resource("GPU")
-    n, visible = gpu.get_current_node_num_accelerators(), gpu.get_current_process_visible_accelerator_ids()
-    return n if visible is None else min(n, len(visible))
+    kinds = ([accelerators.NvidiaGPUAcceleratorManager, accelerators.AMDGPUAcceleratorManager] if cuda
+             else [accelerators.get_accelerator_manager_for_resource("GPU")])
+    count = 0
+    for gpu in kinds:
+        n, visible = gpu.get_current_node_num_accelerators(), gpu.get_current_process_visible_accelerator_ids()
+        count += n if visible is None else min(n, len(visible))
+    return count
 
 
 def _check_devices(spec: JobSpec, resources: dict) -> None:

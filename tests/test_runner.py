@@ -1589,16 +1589,19 @@ def test_a_local_job_beside_another_ray_cluster_warns_that_they_share_the_cores(
         driver._warn_if_shared(said.append)
         assert said and "raylet pid" in said[0] and str(proc.pid) in said[0], said
         assert "--cpus-per-actor" in said[0]
+        proc.kill()
+        time.sleep(0.2)  # a zombie now (not yet waited for): a dead raylet is no cluster
+        said = []
+        driver._warn_if_shared(said.append)
+        assert not any(str(proc.pid) in m for m in said), said
     finally:
         proc.kill()
         proc.wait()
-    said = []
-    driver._warn_if_shared(said.append)
-    assert not any(str(proc.pid) in m for m in said)
 
 
 def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
-    """The GPUs a local cluster will offer: Ray's count (NVML), capped by CUDA_VISIBLE_DEVICES."""
+    """The GPUs a local cluster will offer: Ray's count, capped by the visible devices; --device
+    cuda asks for NVIDIA's or AMD's only."""
     from ray._private import accelerators
 
     from dynatree.jobs.driver import _local_gpus
@@ -1612,8 +1615,17 @@ def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
         def get_current_process_visible_accelerator_ids(self):
             return self.visible
 
+    class NoGPU(Manager):
+        def get_current_node_num_accelerators(self):
+            return 0
+
     m = Manager()
     monkeypatch.setattr(accelerators, "get_accelerator_manager_for_resource", lambda name: m)
+    monkeypatch.setattr(accelerators, "NvidiaGPUAcceleratorManager", NoGPU())
+    monkeypatch.setattr(accelerators, "AMDGPUAcceleratorManager", NoGPU())
     assert _local_gpus() == 4
     m.visible = ["1", "3"]
     assert _local_gpus() == 2
+    assert _local_gpus(cuda=True) == 0  # (Ray's GPUs here are another kind: Apple's, Intel's)
+    monkeypatch.setattr(accelerators, "NvidiaGPUAcceleratorManager", m)
+    assert _local_gpus(cuda=True) == 2
