@@ -22,22 +22,37 @@ def _margin(m: float | None) -> str:
 
 def _threads(n: int | None, device: str = "cpu") -> None:
     """--threads: the native kernel runs on torch's thread count (its OpenMP regions split work
-    evenly, so a thread the OS pauses for another process stalls each forward) -- with a note when
-    other processes leave fewer free CPUs than that."""
+    evenly, so a thread the OS pauses for another process stalls each forward) -- with a note,
+    from a thread that measures while the command loads its models, when other processes leave
+    fewer free CPUs than that."""
+    import threading
+
     import torch
 
     if n:
         torch.set_num_threads(n)
     if device.startswith("cuda") or device == "auto" and torch.cuda.is_available():
         return
+    threading.Thread(target=_note_shared_cores, args=(torch.get_num_threads(),), daemon=True).start()
+
+
+def _note_shared_cores(threads: int) -> None:
     from .machine import busy_cpus
 
-    busy, threads, cpus = busy_cpus(), torch.get_num_threads(), os.cpu_count() or 1
-    if busy is not None and threads > 1 and threads + busy > cpus + 0.5:
-        click.echo(f"note: other processes are using ~{busy:.1f} of this machine's {cpus} CPUs; a forward on "
-                   f"{threads} threads waits at every step for any thread they displace, which can make decoding "
-                   f"many times slower: give --threads {max(1, min(threads - 1, round(cpus - busy)))} (fewer "
-                   "threads than free CPUs) if it runs slowly", err=True)
+    note = cores_note(busy_cpus(), threads, os.cpu_count() or 1)
+    if note:
+        click.echo(note, err=True)
+
+
+def cores_note(busy: float | None, threads: int, cpus: int) -> str | None:
+    """The note for ``threads`` forward threads where other processes keep ``busy`` of ``cpus``
+    CPUs busy, or None when the threads fit in what they leave free (half a CPU of slack)."""
+    if busy is None or threads < 2 or threads + busy <= cpus + 0.5:
+        return None
+    return (f"note: other processes are using ~{busy:.1f} of this machine's {cpus} CPUs; a forward on {threads} "
+            "threads waits at every step for any thread they displace, which can make decoding many times slower: "
+            f"give --threads {max(1, min(threads - 1, round(cpus - busy)))} (no more threads than free CPUs) if it "
+            "runs slowly")
 
 
 THREADS_HELP = "torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)"

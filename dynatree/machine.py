@@ -62,23 +62,36 @@ def describe_rates(rates: dict) -> str:
     return f"{rates['gflops']:.1f} GFLOP/s on {rates['threads']} thread{'s' * (rates['threads'] > 1)}{one}"
 
 
-def busy_cpus(seconds: float = 0.05) -> float | None:
-    """CPUs' worth of time the machine spent busy over ``seconds`` while this process slept: what
-    other processes use (from /proc/stat; None where there is none).  Why: a forward on N threads
-    waits at every step for a thread another process displaced -- with both of 2 cores busy
-    elsewhere a 2-thread `generate` ran up to ~300x slower in a user's trial, one thread not at all."""
+def busy_cpus(seconds: float = 0.25) -> float | None:
+    """CPUs' worth of time other processes kept this machine busy over the next ``seconds`` (from
+    /proc/stat, less this process's own CPU time: it may load models meanwhile), or None where
+    there is no /proc/stat.  Why: a forward on N threads waits at every step for a thread another
+    process displaced -- with both of 2 cores busy elsewhere a 2-thread `generate` ran up to ~300x
+    slower in a user's trial, one thread not at all.  (A quarter second: over 50 ms, a process
+    using 0.3 CPU in bursts read above 0.5 in 28 of 100 samples.)"""
     import time
 
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        return sum(v), v[3] + v[4]
-
     try:
-        total0, idle0 = ticks()
+        before = cpu_snapshot()
         time.sleep(seconds)
-        total1, idle1 = ticks()
-    except (OSError, ValueError):
+        return busy_between(before, cpu_snapshot())
+    except (OSError, ValueError, IndexError):
         return None
-    total = total1 - total0
-    return (1 - (idle1 - idle0) / total) * (os.cpu_count() or 1) if total > 0 else None
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(monotonic seconds, CPU-seconds the machine has been busy since boot, this process's
+    CPU-seconds -- its threads' and its finished children's, a kernel build's)."""
+    import time
+
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    t = os.times()
+    return (time.monotonic(), (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"),
+            t.user + t.system + t.children_user + t.children_system)
+
+
+def busy_between(a: tuple[float, float, float], b: tuple[float, float, float]) -> float | None:
+    """CPUs other processes kept busy between two cpu_snapshot()s (None if no time passed)."""
+    wall = b[0] - a[0]
+    return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else None

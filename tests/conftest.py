@@ -22,6 +22,15 @@ EOS = 3
 
 
 @pytest.fixture(autouse=True)
+def _no_shared_cores_note(monkeypatch):
+    """The commands' note on CPUs other processes use (cli._threads) reads the machine's load: off
+    in tests, whose output must not depend on what else runs (tests/test_demo_pair.py tests it)."""
+    from dynatree import machine
+
+    monkeypatch.setattr(machine, "busy_cpus", lambda seconds=0.25: None)
+
+
+@pytest.fixture(autouse=True)
 def _collectable_heap():
     """Tests that run an actor or a command in this process freeze its heap (metrics.freeze_heap,
     for processes that keep one pair): undone after each, so later tests' garbage stays collectable."""
