@@ -125,7 +125,7 @@ def _check_dirs(src: str, out: str) -> None:
 
     s, o = Path(src).resolve(), Path(out).resolve()
     if not (s / "config.json").is_file():  # (transformers' own words there: "Unrecognized model ... model_type")
-        raise ValueError(f"SRC {src} is not a saved model: {'it has no config.json' if s.is_dir() else 'no such directory'}")
+        raise ValueError(f"SRC {src} is not a saved model: {'it has no config.json' if s.is_dir() else 'not a directory'}")
     if o == s or s in o.parents:
         raise ValueError(f"OUT {out} is SRC or inside it: widen writes a new model beside SRC")
     if o.exists() and (not o.is_dir() or any(o.iterdir())):
