@@ -323,6 +323,19 @@ def _spec_options(f):
     return f
 
 
+def _how_to_go_on(spec, fields: dict) -> str:
+    """What a job ended early left and how to finish it: the same command resumes -- unless it
+    overwrites (then it would start over), or nothing was written."""
+    out = spec.output if spec is not None else fields.get("output")
+    if not out or not any(Path(out, "shards").glob("part-*.parquet")):
+        return "no shard was finished; the same command starts the job again"
+    overwrite = spec.overwrite if spec is not None else fields.get("overwrite")
+    if overwrite:
+        return (f"finished shards are kept in {out}; to resume, run the command without --overwrite (a job file's "
+                "overwrite: true, or give --no-overwrite): with it the job starts over")
+    return f"finished shards are kept in {out}; the same command resumes"
+
+
 @main.command()
 @click.option("--config", "config_file", type=click.Path(), help="job file (YAML or JSON); flags override it")
 @_spec_options
@@ -338,6 +351,7 @@ def run(config_file, quiet, dry_run, **fields):
     from .jobs.summary import OTHER_ERRORS
 
     ask()  # SIGTERM ends the job as Ctrl-C does, once Ray is up
+    spec = None
     try:
         fields["options"] = parse_options(fields["options"])
         spec = build_spec(config_file, **fields)
@@ -353,12 +367,10 @@ def run(config_file, quiet, dry_run, **fields):
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
-        _fail(str(e) if dry_run else f"{e}; finished shards are kept in {fields.get('output') or 'the output'} "
-                                     "and the same command resumes")
+        _fail(str(e) if dry_run else f"{e}; {_how_to_go_on(spec, fields)}")
     except KeyboardInterrupt as e:
         how, code = interrupted(e)
-        click.echo(f"\n{how}: finished shards are kept in {fields.get('output') or 'the output'}; "
-                   "the same command resumes", err=True)
+        click.echo(f"\n{how}: {_how_to_go_on(spec, fields)}", err=True)
         sys.exit(code)
     if dry_run:
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))

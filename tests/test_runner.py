@@ -906,8 +906,15 @@ def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(driver, "run_job", interrupted)
-    res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "o")])
-    assert res.exit_code == 130 and "the same command resumes" in res.output
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "o")]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 130 and "no shard was finished; the same command starts the job again" in res.output
+    (tmp_path / "o" / "shards").mkdir(parents=True)
+    (tmp_path / "o" / "shards" / "part-000000.parquet").write_bytes(b"")
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 130 and "finished shards are kept in" in res.output and "the same command resumes" in res.output
+    res = CliRunner().invoke(main, [*args, "--overwrite"])  # (the same command would start over)
+    assert res.exit_code == 130 and "to resume, run the command without --overwrite" in res.output, res.output
 
 
 def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp_path, monkeypatch):
@@ -1076,6 +1083,8 @@ def test_an_os_error_mid_job_is_a_message_that_says_how_to_go_on(tmp_path, monke
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(driver, "run_job", full)
+    (tmp_path / "o" / "shards").mkdir(parents=True)
+    (tmp_path / "o" / "shards" / "part-000000.parquet").write_bytes(b"")
     res = CliRunner().invoke(main, ["run", "--input", "x.parquet", "--output", str(tmp_path / "o")])
     assert res.exit_code == 1 and "No space left on device; finished shards are kept" in res.output
     assert isinstance(res.exception, SystemExit)  # no traceback
