@@ -688,7 +688,10 @@ def _draws_of(cfg, prompts: int, samples: int) -> list:
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
              options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
              stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
-    """Decode one prompt (text or token ids) and return tokens, text and metrics."""
+    """Decode one prompt (text, token ids, chat messages or one message) and return tokens, text
+    and metrics."""
+    if isinstance(prompt, dict):  # one message: a conversation of one (as a job's cell and the CLI read it)
+        prompt = [prompt]
     return generate_batch(pair, [prompt], method, options, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                           stop=stop, stop_token_ids=stop_token_ids)[0]
 
@@ -697,7 +700,9 @@ def prompt_token_ids(pair: ModelPair, prompt: str | list[int] | list[dict]) -> l
     """A prompt as generate_batch reads it: text, chat messages (the chat template), or token ids."""
     if isinstance(prompt, str):
         return pair.encode(prompt)
-    return pair.encode_chat(prompt) if is_chat(prompt) else prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    if is_chat(prompt) or isinstance(prompt, dict):  # (a dict: one message)
+        return pair.encode_chat(prompt)
+    return prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
 
 
 def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]], method: str = "dynatree",
@@ -714,8 +719,11 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     ``options["seed"]`` reproduces it alone)."""
     if not isinstance(pair, ModelPair):
         raise TypeError(f"pair must be a ModelPair from load_pair(target, draft), got {type(pair).__name__}")
-    if isinstance(prompts, (str, bytes)) or is_chat(prompts):
+    if isinstance(prompts, (str, bytes)):
         raise ValueError("generate_batch takes a list of prompts; for one, use generate (or pass [prompt])")
+    if is_chat(prompts) or isinstance(prompts, dict):
+        raise ValueError("generate_batch takes a list of prompts, and this is one conversation (messages): pass "
+                         "[messages], or use generate")
     prompts = list(prompts)  # (a generator is read once)
     if any(isinstance(p, bytes) for p in prompts):
         raise ValueError("a prompt is bytes: pass text (str), token ids or chat messages")
@@ -723,7 +731,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if blank:
         raise ValueError(f"{prompt_name(blank[0], len(prompts))} is empty or only whitespace")  # as `dynatree run` treats it
     _check_max_new_tokens(max_new_tokens)
-    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple)) and not hasattr(p, "tolist")]
+    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list, tuple, dict)) and not hasattr(p, "tolist")]
     if bad:
         raise ValueError(f"a prompt is a text, token ids or chat messages, got {bad[0]}")
     rule = Stop.of(stop, stop_token_ids)

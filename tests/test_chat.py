@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynatree import generate_batch, load_pair
+from dynatree import generate, generate_batch, load_pair
 from dynatree.jobs.driver import JobError, run_job
 from dynatree.jobs.summary import read_rows
 from dynatree.actors.worker import prompt_ids
@@ -111,6 +111,12 @@ def test_refused_and_long_conversations_are_row_errors(chat_dirs, chat_pair, tmp
         prompt_ids(chat_pair, CHATS[0], 8, 5, chat=True)
     with pytest.raises(ValueError, match="list of {role, content} messages"):
         generate_batch(chat_pair, [[{"role": "user", "content": None}]], "ar", max_new_tokens=2)
+    one = {"role": "user", "content": "Call me"}  # one message: a conversation of one, as a job's cell reads
+    assert generate(chat_pair, one, "ar", max_new_tokens=3).token_ids == \
+        generate(chat_pair, [one], "ar", max_new_tokens=3).token_ids == \
+        generate_batch(chat_pair, ["Call me", one], "ar", max_new_tokens=3)[1].token_ids
+    with pytest.raises(ValueError, match=r"this is one conversation \(messages\): pass \[messages\]"):
+        generate_batch(chat_pair, [one], "ar", max_new_tokens=2)
     with pytest.raises(ValueError, match="messages are all empty or only whitespace"):  # (as a blank text is)
         prompt_ids(chat_pair, [{"role": "system", "content": ""}, {"role": "user", "content": " \n"}], 8, None, chat=True)
     assert prompt_ids(chat_pair, [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}], 8, None, chat=True)
