@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,11 +78,21 @@ def check(**options) -> JobSpec:
     """In the driver, before ``map_batches``: the options as the stage takes them, and what a job's
     driver checks before any actor starts (model paths, shared tokenizer, context, stop ids) --
     SpecError / JobError now, rather than in every actor once Ray Data has started them."""
-    from dynatree.jobs.driver import check_models
+    from dynatree.jobs.driver import JobError, check_models
 
     spec = decoding_spec(**{k: v for k, v in options.items() if k != "threads"})
-    check_models(spec)
+    try:
+        check_models(spec)
+    except JobError as e:
+        raise JobError(stage_names(str(e))) from e
     return spec
+
+
+def stage_names(message: str) -> str:
+    """A job driver's message as the stage's options name things: `--chat-template` is
+    chat_template, `--option kv_window=...` options kv_window=... (not inside paths)."""
+    message = re.sub(r"(?<![\w/.-])--option (\w+)=", r"options \1=", message)
+    return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
 
 
 class Generate:

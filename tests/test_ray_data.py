@@ -74,8 +74,14 @@ def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
     from dynatree.jobs.driver import JobError
 
     assert check(**options(pair_dirs), threads=2).method == "dynatree"
-    with pytest.raises(JobError, match="no such file"):
+    with pytest.raises(JobError, match="^target /nonexistent/target: no such file"):  # (the option's name, not a flag's)
         check(**options(pair_dirs, target="/nonexistent/target"))
+    with pytest.raises(JobError, match="^chat_template: ") as e:
+        check(**options(pair_dirs, chat_template=True))
+    assert "--" not in str(e.value), e.value
+    from dynatree.actors.ray_data import stage_names
+    assert stage_names("--max-new-tokens 2000 is past the context; give --option kv_window=N (see /a/b--c-d)") == \
+        "max_new_tokens 2000 is past the context; give options kv_window=N (see /a/b--c-d)"
     with pytest.raises(JobError, match="do not share a tokenizer"):
         check(**options(pair_dirs, draft=str(pair_dirs / "foreign")))
     with pytest.raises(SpecError, match="unknown option"):
