@@ -116,10 +116,12 @@ def _kept_columns(spec: JobSpec, source: InputSource, log) -> tuple[tuple[str, .
             raise JobError(f"--keep-columns: no column(s) {', '.join(missing)} in {spec.input} "
                            f"(columns: {', '.join(source.column_names)})")
         renamed = _id_renamed(spec, spec.keep_columns, source.column_names)  # as when every column is kept
-        clash = [c for c in spec.keep_columns if c in result_cols and c not in dict(renamed)]
+        # (the row-id column named `id` is the output's id already: asking to keep it asks for nothing more)
+        keep = [c for c in spec.keep_columns if not (c == "id" == spec.id_column)]
+        clash = [c for c in keep if c in result_cols and c not in dict(renamed)]
         if clash:
             raise JobError(f"--keep-columns: {', '.join(clash)} would overwrite result column(s) of the same name")
-        return tuple(dict.fromkeys(spec.keep_columns)), renamed  # (a Python caller may repeat one)
+        return tuple(dict.fromkeys(keep)), renamed  # (a Python caller may repeat one)
     # -- unless an output begun without input_id resumes (its shards and new ones form one dataset)
     begun = _begun_schema(spec)
     renamed = _id_renamed(spec, source.column_names, source.column_names)

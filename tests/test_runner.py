@@ -966,6 +966,8 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     pq.write_table(pa.table({"id": [f"a{i}" for i in range(4)], "text": PROMPTS[:4]}), tmp_path / "in.parquet")
     job = spec(pair_dirs, tmp_path, id_column=None)
     assert default_ids(job, logs.append)[0].id_column == "id" and "the input's id column" in logs[-1]
+    with_id = dataclasses.replace(default_ids(job, logs.append)[0], keep_columns=("id", "text"))
+    assert make_plan(with_id, quiet).kept_names == ["text"]  # (the row-id column is the output's id already)
     assert default_ids(spec(pair_dirs, tmp_path, id_column="text"), logs.append)[0].id_column == "text"
     prepare_output(job, make_plan(job, quiet))  # an output begun (by an older version) with row indexes
     assert default_ids(job, logs.append)[0].id_column is None
