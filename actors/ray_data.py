@@ -91,8 +91,14 @@ def check(**options) -> JobSpec:
 def stage_names(message: str) -> str:
     """A job driver's message as the stage's options name things: `--chat-template` is
     chat_template, `--option kv_window=...` options kv_window=... (not inside paths)."""
+    flags = {f.name: f.default for f in dataclasses.fields(JobSpec)}
+
+    def option(m: re.Match) -> str:
+        name = m.group(1).replace("-", "_")
+        return f"{name}=True" if isinstance(flags.get(name), bool) else name  # (a switch: --chat-template)
+
     message = re.sub(r"(?<![\w/.-])--option (\w+)=", r"options \1=", message)
-    return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), message)
+    return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", option, message)
 
 
 class Generate:
@@ -139,6 +145,9 @@ class Generate:
         return [{"id": i, "text": t} for i, t in zip(ids, texts)], id_col
 
     def _table(self, batch: pa.Table, results: list[dict], id_col: str | None) -> pa.Table:
+        for r in results:  # (a row's error as the stage's options name things, not a job's flags)
+            if r.get("error"):
+                r["error"] = stage_names(r["error"])
         out = pa.Table.from_pylist(results, schema=self.schema)
         if id_col is None:  # the engine's ids were the prompts' hashes: none to show
             out = out.set_column(self.schema.get_field_index("id"), "id", pa.nulls(len(results), pa.string()))

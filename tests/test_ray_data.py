@@ -42,6 +42,8 @@ def test_a_batch_decodes_as_generate_does_and_keeps_its_columns(pair_dirs):
     assert [r["generated_token_ids"] for r in rows[:3]] == ar_tokens(pair_dirs, PROMPTS[:3])
     assert all(r["matches_ar"] and r["error"] is None and r["id"] is None for r in rows[:3])
     assert [r["error"] for r in rows[3:]] == ["prompt is null", "prompt is empty or only whitespace", "prompt is null"]
+    chat = asyncio.run(udf(pa.table({"text": [[{"role": "user", "content": "Hi"}]]}))).column("error").to_pylist()[0]
+    assert "chat messages? run with chat_template=True" in chat and "--" not in chat, chat  # (the stage's option)
     # an id column: the id is the result's, as text
     out = asyncio.run(udf(pa.table({"id": [10, 11], "text": PROMPTS[3:5]})))
     assert out.column("id").to_pylist() == ["10", "11"] and "id" not in out.column_names[1:]
@@ -76,7 +78,7 @@ def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
     assert check(**options(pair_dirs), threads=2).method == "dynatree"
     with pytest.raises(JobError, match="^target /nonexistent/target: no such file"):  # (the option's name, not a flag's)
         check(**options(pair_dirs, target="/nonexistent/target"))
-    with pytest.raises(JobError, match="^chat_template: ") as e:
+    with pytest.raises(JobError, match="^chat_template=True: ") as e:
         check(**options(pair_dirs, chat_template=True))
     assert "--" not in str(e.value), e.value
     from dynatree.actors.ray_data import stage_names
