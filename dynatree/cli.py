@@ -331,8 +331,8 @@ def _how_to_go_on(spec, fields: dict) -> str:
         return "no shard was finished; the same command starts the job again"
     overwrite = spec.overwrite if spec is not None else fields.get("overwrite")
     if overwrite:
-        return (f"finished shards are kept in {out}; to resume, run the command without --overwrite (a job file's "
-                "overwrite: true, or give --no-overwrite): with it the job starts over")
+        return (f"finished shards are kept in {out}; to resume, run it without --overwrite (a job file that sets "
+                "overwrite: true needs --no-overwrite) -- as it is, the command would start over")
     return f"finished shards are kept in {out}; the same command resumes"
 
 

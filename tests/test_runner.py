@@ -914,7 +914,7 @@ def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 130 and "finished shards are kept in" in res.output and "the same command resumes" in res.output
     res = CliRunner().invoke(main, [*args, "--overwrite"])  # (the same command would start over)
-    assert res.exit_code == 130 and "to resume, run the command without --overwrite" in res.output, res.output
+    assert res.exit_code == 130 and "to resume, run it without --overwrite" in res.output, res.output
 
 
 def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp_path, monkeypatch):
