@@ -40,7 +40,7 @@ from dynatree.config import FLOAT16_ON_CPU, grows_trees
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
-                   output_lock, prepare_output, write_shard)
+                   output_lock, prepare_output, start_over, write_shard)
 from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
@@ -451,6 +451,8 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
         log(f"resuming: {len(done)} of {plan.num_shards} shards already done")
     if plan.num_shards == 0:
         log(f"the input {spec.input} has no rows; writing an empty dataset")
+        if spec.overwrite:
+            start_over(spec, plan)
         write_shard(out, spec, plan, 0, plan.schema.empty_table())
     run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
     if todo:
@@ -588,6 +590,8 @@ class _Dispatch:
         self.actors, self.pg = [], None
         try:
             self._start(ray, n)
+            if self.spec.overwrite:  # (only now: a job that cannot start leaves the old output whole)
+                start_over(self.spec, self.plan)
             self._loop(ray, deque((k, None) for k in todo), progress)
             self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
                                             if a is not None and slot not in self.restarts], timeout=30)

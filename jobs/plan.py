@@ -479,13 +479,25 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
     except OSError as e:
         raise JobError(f"output directory {out} is not writable: {e}") from e
     manifest = check_output(spec, plan)
-    if spec.overwrite:
-        _clear(out)
+    if not spec.overwrite:  # (an overwrite clears and pins its manifest once its actors are ready: start_over)
+        _write_manifest(out, manifest)
+    return out
+
+
+def start_over(spec: JobSpec, plan: Plan) -> None:
+    """--overwrite, once the job can decode (its actors ready): what dynatree wrote there goes and
+    this job's manifest comes -- so a job that fails to start (placement, loading) leaves the old
+    output whole."""
+    out = Path(spec.output)
+    _clear(out)
+    _write_manifest(out, check_output(spec, plan))
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
     path = out / "manifest.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, path)
-    return out
 
 
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:

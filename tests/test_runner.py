@@ -126,6 +126,20 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     # a different config on the same directory is refused, unless overwrite
     with pytest.raises(JobError, match="different config .*max_new_tokens"):
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
+    from dynatree.jobs import driver
+
+    def no_actor(self, ray, n):
+        raise JobError("1 of 1 actor(s) not ready")
+
+    kept = {p.name: p.read_bytes() for p in (*shards.iterdir(), tmp_path / "out" / "manifest.json",
+                                             tmp_path / "out" / "summary.json")}
+    with pytest.MonkeyPatch.context() as mp:  # an overwrite that cannot start leaves the old output whole
+        mp.setattr(driver._Dispatch, "_start", no_actor)
+        with pytest.raises(JobError, match="not ready"):
+            run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5, overwrite=True), progress=False,
+                    log=quiet)
+    assert {p.name: p.read_bytes() for p in (*shards.iterdir(), tmp_path / "out" / "manifest.json",
+                                             tmp_path / "out" / "summary.json")} == kept
     (tmp_path / "out" / "notes.txt").write_text("mine")  # overwrite removes what dynatree wrote, only that
     s = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5, overwrite=True, stop=("zq",)),
                 progress=False, log=quiet)
