@@ -397,8 +397,11 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     if greedy_only:  # (run_hf_batch is transformers' greedy generate: it would pass for a sample)
         log(f"  {', '.join(greedy_only)}: transformers' batched generate runs greedy only; left out of the sampled "
             "batch sweep")
-    methods = [ms for ms in methods if (ms.method not in HF_METHODS or ms.method == "hf_ar")  # assisted: B = 1 only
-               and ms.label not in greedy_only]
+    one_at_a_time = [ms.label for ms in methods if ms.method in HF_METHODS and ms.method != "hf_ar"]
+    if one_at_a_time:  # (transformers' assisted generation and prompt lookup decode one sequence at a time)
+        log(f"  {', '.join(one_at_a_time)}: transformers runs it one sequence at a time (batch size 1 only); left "
+            "out of the batch sweep")
+    methods = [ms for ms in methods if ms.label not in one_at_a_time and ms.label not in greedy_only]
     over = [b for b in batch_sizes if b > len(prompts)]
     if over:  # (a batch of the prompts there are, not B of them: labelled as what ran)
         log(f"  B = {', '.join(map(str, over))}: only {len(prompts)} prompts are measured, so the largest batch is "
