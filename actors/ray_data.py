@@ -55,6 +55,7 @@ _JOB_ONLY = {"input": "the dataset", "output": "write_parquet or any Ray Data si
              "ready_timeout_s": "Ray Data's scheduling", "resume": "Ray Data's sinks", "overwrite": "Ray Data's sinks"}
 _STREAM = "ray-data"  # the spec's input and output, and the worker's shard name
 _HORIZON = 10**9  # rows still to come, as the batch tuner hears it: a stream's length is unknown
+_SWITCHES = {f.name for f in dataclasses.fields(JobSpec) if isinstance(f.default, bool)}  # (stage_names)
 _CALLS = 256  # threads waiting on the worker at once: every batch Ray Data hands the actor
 
 
@@ -91,11 +92,9 @@ def check(**options) -> JobSpec:
 def stage_names(message: str) -> str:
     """A job driver's message as the stage's options name things: `--chat-template` is
     chat_template, `--option kv_window=...` options kv_window=... (not inside paths)."""
-    flags = {f.name: f.default for f in dataclasses.fields(JobSpec)}
-
     def option(m: re.Match) -> str:
         name = m.group(1).replace("-", "_")
-        return f"{name}=True" if isinstance(flags.get(name), bool) else name  # (a switch: --chat-template)
+        return f"{name}=True" if name in _SWITCHES else name  # (a switch: --chat-template)
 
     message = re.sub(r"(?<![\w/.-])--option (\w+)=", r"options \1=", message)
     return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", option, message)

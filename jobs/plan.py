@@ -490,7 +490,7 @@ def start_over(spec: JobSpec, plan: Plan) -> None:
     output whole."""
     out = Path(spec.output)
     _clear(out)
-    _write_manifest(out, check_output(spec, plan))
+    _write_manifest(out, _manifest(spec, plan))  # (check_output's for an overwrite; it read every footer already)
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
