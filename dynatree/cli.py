@@ -123,7 +123,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import divergence
-    from .config import ContextError, ar_reference, make_config, parse_options
+    from .config import ContextError, ar_reference, make_config, parse_options, reference_label
     from .models import PairError, load_pair
     from .parts import file_text
 
@@ -151,6 +151,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         results = [{"prompt": i // samples, "sample": i % samples, **g.as_dict()} for i, g in enumerate(gens)]
         if check_ar:  # ar with the method's seed and cache window
             refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
+            compared = _compared_with(pair, ar_reference(cfg), reference_label)
             for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
                 if not res["matches_ar"]:  # where, and how close the target's top two were there
@@ -178,10 +179,25 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
                    f"{m.iterations} iterations"
                    + (f", {m.tokens_per_iteration:.2f} tokens/iteration" if m.iterations else "") + ", "
-                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}" if check_ar else "")
+                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}{compared}" if check_ar else "")
                    + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
                       f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
                    err=True)
+    if not as_json and any(g.finish_reason == "context" for g in gens):
+        click.echo(f"note: finish=context: the target's {pair.max_context}-token context is full; a cache window "
+                   "generates past it (StreamingLLM: --option kv_window=N, N below the context, keeps the first 4 "
+                   "tokens and the most recent, N in all)",
+                   err=True)
+
+
+def _compared_with(pair, ref, reference_label) -> str:
+    """What --check-ar compared with, where it is not plain float32-kernel ar: the ar with the
+    method's cache window, cache dtype or sampling, and the bfloat16 kernel's ar under lean-bf16."""
+    label = reference_label(ref)
+    bf16 = pair.kernel == "lean-bf16" and pair.forward_in_use("target").startswith("native")
+    if label == "ar" and not bf16:
+        return ""
+    return f" (against {label}" + (" on this bfloat16-compute kernel, not float32's" if bf16 else "") + ")"
 
 
 @main.command()

@@ -179,13 +179,20 @@ def _memory_table(g: dict, datasets: list, methods: list) -> str:
     return "\n".join(lines)
 
 
+def _ar_said(rows: list[dict]) -> str:
+    """What the rows labelled ``ar`` ran: plain ar, or ar with options every method was given (a
+    bare ``--option kv_window=N`` windows ``ar`` too)."""
+    opts = next((json.loads(r["options"]) for r in rows if r["method"] == "ar" and r.get("options")), {})
+    return "ar (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "plain ar"
+
+
 def _batch_table(rows: list[dict]) -> list[str]:
     """Throughput per actor against batch size (``--batch-sizes``)."""
     brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
     if not brows:
         return []
     lines = ["## Batched decoding (tokens/s per actor: all tokens ÷ all wall time, prefill included; "
-             "× ar / × ref: against batched plain ar / the ar with the row's sampling and cache options, at the "
+             f"× ar / × ref: against batched {_ar_said(brows)} / the ar with the row's sampling and cache options, at the "
              "same B; rows identical to batch-1 ref)", "",
              "| dataset | B | method | tokens/s | × ar at B | × ref at B | L̄ | tree nodes | identical to ref |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -215,7 +222,7 @@ def _per_iteration_ms(rs) -> str:
 def _sweep_table(srows: list[dict], key: str, title: str) -> str:
     """One row per (dataset, sweep value, method): the seeds' length table (baseline and method
     tokens/s, speedup, tokens per iteration) plus memory, the iteration's time split and exactness."""
-    lines = [f"## {title} (tokens/s; × ar = speedup vs plain ar at the same {key}; × ref = vs the ar with the "
+    lines = [f"## {title} (tokens/s; × ar = speedup vs {_ar_said(srows)} at the same {key}; × ref = vs the ar with the "
              "same cache window, which greedy tokens must equal)", "",
              f"| dataset | {key} | method | tokens/s | × ar | × ref | L̄ | KV cache MB | peak MB above start "
              "| draft / verify / other ms per iteration | identical to ref |",

@@ -579,6 +579,10 @@ def test_sweep_tables_divide_by_plain_ar_and_by_the_reference_at_each_swept_valu
     md = tables(rows)
     assert "| d | 4 | dts | 75.0 (n = 1) | 0.75× | 1.50× |" in md, md
     assert "| d | 8 | dts | 100.0 (n = 1) | 0.50× | 1.00× |" in md, md
+    assert "× ar = speedup vs plain ar at the same T" in md, md
+    for r in rows:  # a bare --option kv_window=N windows every method, the one labelled ar too: said
+        r["options"] = json.dumps({"kv_window": 512})
+    assert "× ar = speedup vs ar (kv_window=512) at the same T" in tables(rows)
 
 
 def test_the_grid_table_lists_the_fastest_tree_first():

@@ -168,6 +168,23 @@ def test_profile_and_summaries_say_bf16_compute_and_its_peak(tmp_path):
     assert f"bfloat16 compute on {how}" in pair.forward_in_use("target")
 
 
+def test_check_ar_says_it_compared_with_the_bf16_kernels_ar(pair_dirs, tmp_path):
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer
+
+    from dynatree.cli import main
+
+    tok = AutoTokenizer.from_pretrained(pair_dirs / "target")
+    neox32(12, vocab=len(tok)).save_pretrained(tmp_path / "m")  # (a head size the native kernel takes)
+    tok.save_pretrained(tmp_path / "m")
+    args = ["generate", "--target", str(tmp_path / "m"), "--draft", str(tmp_path / "m"), "--device", "cpu",
+            "--method", "dynatree", "--max-new-tokens", "12", "--prompt", "It was the best", "--check-ar"]
+    res = CliRunner().invoke(main, args + ["--kernel", "lean-bf16"])
+    assert res.exit_code == 0 and "matches_ar=True (against ar on this bfloat16-compute kernel" in res.output, res.output
+    res = CliRunner().invoke(main, args)  # (float32's ar: plain)
+    assert res.exit_code == 0 and "matches_ar=True\n" in res.output, res.output
+
+
 def test_no_silent_float32_stand_in_for_what_the_kernel_does_not_take(monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 

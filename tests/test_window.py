@@ -267,6 +267,12 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 150 and out["matches_ar"] is True  # past the 128-token context
+    res = CliRunner().invoke(main, ["generate", *pair, "--max-new-tokens", "150", "--prompt", "It was the best",
+                                    "--ignore-eos"])  # no window: stops at the context, and says how to go past it
+    assert res.exit_code == 0 and "finish=context" in res.output and "--option kv_window=N" in res.output, res.output
+    res = CliRunner().invoke(main, ["generate", *pair, *win, "--max-new-tokens", "30", "--prompt", "It was the best",
+                                    "--check-ar"])  # says which ar it compared with
+    assert res.exit_code == 0 and "matches_ar=True (against ar_window24_evict4)" in res.output, res.output
     long = "It was the best of times, it was the worst of times. " * 40  # far past the context
     pq.write_table(pa.table({"text": ["It was the best of times", long]}), tmp_path / "p.parquet")
     res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "p.parquet"), "--methods",
