@@ -172,8 +172,9 @@ def _connect_hint(e: ConnectionError) -> str:
 
 
 def _probe(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast when nothing listens at a HOST:PORT address: ray.init would retry for minutes,
-    printing only its own connection warnings."""
+    """Fail fast when nothing listens at a HOST:PORT address, or a web server does (a dashboard's
+    port given for the GCS's): ray.init would retry for minutes, printing only its own connection
+    warnings."""
     import socket
 
     means = ""
@@ -185,7 +186,8 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit() or "://" in host:
         return  # http:// and the like: Ray resolves them
     try:
-        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s) as sock:
+            web = _answers_http1(sock)
     except OSError as e:
         if means:
             raise JobError(f"cannot reach the Ray cluster at {address}, which `auto` means here ({means}): nothing "
@@ -193,6 +195,23 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         what = "Ray client server address (port 10001 unless set)" if address.startswith("ray://") else "GCS address"
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
                        f"is its head running (`ray start --head`), and is this its {what}?") from e
+    if web:  # (ray.init would dial it for minutes: a web server is no GCS)
+        want = ("its Ray client server's address, ray://HOST:PORT (port 10001 unless set)" if address.startswith("ray://")
+                else "its GCS address, HOST:PORT with the port of `ray start --head --port` (6379 unless set)")
+        raise JobError(f"{address} answers as a web server, not as a Ray cluster (a Ray dashboard, port 8265 unless "
+                       f"set?): give {want}")
+
+
+def _answers_http1(sock) -> bool:
+    """Whether the server on ``sock`` answers HTTP/1 to the HTTP/2 preface that Ray's gRPC servers
+    take (a GCS replies with an HTTP/2 SETTINGS frame, a Ray dashboard "HTTP/1.0 400 Bad Request").  Anything else -- TLS, silence within half
+    a second -- is left to ray.init."""
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        return sock.recv(8).lstrip().startswith((b"HTTP/", b"<"))  # (a status line, or a page without one)
+    except OSError:
+        return False
 
 
 def _resolve_auto() -> tuple[str | None, str]:

@@ -434,6 +434,16 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
     with pytest.raises(JobError, match="nothing answers .*Ray client server address"):  # a Ray client address alike
         _probe(f"ray://127.0.0.1:{port}")
     assert time.time() - t0 < 30
+    import http.server
+    import threading
+    web = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # a dashboard's port, say
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        for addr in (f"127.0.0.1:{web.server_port}", f"ray://127.0.0.1:{web.server_port}"):
+            with pytest.raises(JobError, match=f"{addr} answers as a web server, not as a Ray cluster .*dashboard"):
+                _probe(addr)
+    finally:
+        web.shutdown()
     with socket.socket() as s:  # something listening: no error
         s.bind(("127.0.0.1", 0))
         s.listen()
