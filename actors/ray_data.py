@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import operator
+import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -81,12 +83,44 @@ def check(**options) -> JobSpec:
     SpecError / JobError now, rather than in every actor once Ray Data has started them."""
     from dynatree.jobs.driver import JobError, check_models
 
+    _threads(options.get("threads"))
     spec = decoding_spec(**{k: v for k, v in options.items() if k != "threads"})
     try:
         check_models(spec)
+        _check_device(spec)
     except JobError as e:
         raise JobError(stage_names(str(e))) from e
     return spec
+
+
+def _threads(value) -> int | None:
+    """The stage's ``threads`` option: None (the actor's CPUs) or a positive integer; SpecError else."""
+    if value is None:
+        return None
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise SpecError(f"threads must be a positive integer (torch threads per actor; default: the CPUs Ray "
+                        f"reserved for it), got {value!r}")
+    return n
+
+
+def _check_device(spec: JobSpec) -> None:
+    """device=cuda where the actors will find no GPU: the cluster this driver joined (ray.init
+    before check), else this machine, where Ray Data starts its own."""
+    import ray
+
+    from dynatree.jobs.driver import JobError, _check_devices, _local_gpus
+
+    if not spec.device.startswith("cuda"):
+        return
+    if ray.is_initialized():
+        _check_devices(spec, ray.cluster_resources())
+    elif not os.environ.get("RAY_ADDRESS") and not _local_gpus(cuda=True):
+        raise JobError(f"device {spec.device}: this machine has no CUDA GPU, and Ray Data starts its cluster here "
+                       "(no ray.init(address=...) before check); use device cpu or auto")
 
 
 def stage_names(message: str) -> str:
@@ -111,7 +145,7 @@ class Generate:
 
         spec = placed(decoding_spec(**options))
         self.spec = spec
-        self.worker = ShardWorker(spec, threads or assigned_cpus())
+        self.worker = ShardWorker(spec, _threads(threads) or assigned_cpus())
         _warn_if_starving()  # (once the pair is loaded: by then Ray's view of free CPUs counts this actor)
         self.sampled = spec.method_config.temperature > 0
         self.schema = output_schema(spec.samples > 1)

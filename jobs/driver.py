@@ -514,8 +514,24 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             "output_rows_to_write": rows * plan.samples,
             # every field of the job's identity (what a resume must match), as this run resolves it
             **{k: shown.get(k, getattr(spec, k)) for k in OUTPUT_IDENTITY if k != "options"},
-            "batch_size": spec.batch_size, "overwrite": spec.overwrite,
+            "batch_size": spec.batch_size, "overwrite": spec.overwrite, "actors": _actors_said(spec),
             "options": dataclasses.asdict(spec.method_config)}
+
+
+def _actors_said(spec: JobSpec) -> str:
+    """A dry run's actors and where they run: a local job's were checked against this machine;
+    a cluster's room is asked only when the job starts (a dry run starts and joins no Ray)."""
+    import ray
+
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    local = not address and not ray.is_initialized()
+    n, cpus, gpus = _actor_shape(spec, {"GPU": _local_gpus()} if local else {})
+    gpus = "1 if the cluster has one" if spec.gpus_per_actor is None and not local and spec.device != "cpu" else f"{gpus:g}"
+    shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}}}"
+    if local:
+        return shape + " on this machine (they fit)"
+    where = f"the cluster at {address}" if address else "this process's Ray cluster"
+    return shape + f" on {where} (not asked in a dry run: whether they fit is checked when the job starts)"
 
 
 def _read_shard(spec: JobSpec, plan: Plan, k: int) -> tuple[list[dict], pa.Table]:

@@ -305,7 +305,7 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     if unknown:
         raise SpecError(f"unknown job field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
     options = _file_options(data.get("options"))
-    options.update(overrides.pop("options", None) or {})
+    options.update(_file_options(overrides.pop("options", None)))  # (a Ray Data stage's options= as a file's)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:  # typed values, so "8" from a flag and 8 from YAML are the same job
         cfg = make_config(data.get("method", "dynatree"), options)
@@ -325,10 +325,12 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
 
 def _file_options(value) -> dict:
     """A job file's ``options``: a mapping KEY: VALUE, or a list of "KEY=VALUE" strings as the
-    --option flag takes them; anything else is a SpecError saying so."""
+    --option flag takes them (or one such string); anything else is a SpecError saying so."""
     if value is None or isinstance(value, dict):
         return dict(value or {})
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if isinstance(value, str):  # (one, as one --option)
+        value = [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         try:
             return parse_options(value)
         except ValueError as e:

@@ -88,6 +88,16 @@ def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
         check(**options(pair_dirs, draft=str(pair_dirs / "foreign")))
     with pytest.raises(SpecError, match="unknown option"):
         check(**options(pair_dirs, temprature=0.5))
+    for bad in ("x", 0, -1, 1.5, True):  # (Generate(threads=-1) ran with one thread)
+        with pytest.raises(SpecError, match=f"threads must be a positive integer .*got {bad!r}"):
+            check(**options(pair_dirs), threads=bad)
+    with pytest.raises(JobError, match="^device cuda: this machine has no CUDA GPU"):  # not in every actor, later
+        check(**options(pair_dirs, device="cuda"))
+    # options as a job file takes them: KEY=VALUE strings (one, or a list)
+    assert check(**options(pair_dirs, options=["tau=0.05", "d_max=6"])).options == {"tau": 0.05, "d_max": 6}
+    assert check(**options(pair_dirs, options="tau=0.05")).options == {"tau": 0.05}
+    with pytest.raises(SpecError, match="options must be a mapping KEY: VALUE .* or a list of KEY=VALUE strings"):
+        check(**options(pair_dirs, options=3))
 
 
 def test_bad_options_and_batches_fail_clearly(pair_dirs):

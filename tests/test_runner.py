@@ -90,6 +90,8 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     assert (plan["shards"], plan["shards_done"], plan["rows_to_decode"]) == (3, 2, 4)
     assert (plan["target"], plan["draft"]) == (str(pair_dirs / "target"), str(pair_dirs / "draft"))  # the models named
+    assert plan["actors"].endswith("on this process's Ray cluster (not asked in a dry run: whether they fit is "
+                                   "checked when the job starts)"), plan["actors"]
     assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest and len(os.listdir(shards)) == 2
     with pytest.raises(JobError, match="different config .*max_new_tokens"):  # what a run would refuse
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet,
@@ -843,8 +845,12 @@ def test_the_driver_imports_neither_torch_nor_transformers(pair_dirs, tmp_path):
     code = ("import sys, dynatree, dynatree.jobs.driver as d, dynatree.actors.ray_actor, dynatree.cli\n"
             "from dynatree.jobs.spec import JobSpec\n"
             f"spec = JobSpec(**{local.__dict__!r})\n"
-            "d.run_job(spec, progress=False, log=print, dry_run=True)\n"
+            "plan = d.run_job(spec, progress=False, log=print, dry_run=True)\n"
+            "assert plan['actors'].endswith(' on this machine (they fit)'), plan\n"  # (a dry run says where actors go)
             "import dataclasses\n"
+            "plan = d.run_job(dataclasses.replace(spec, address='127.0.0.1:1'), progress=False, log=print, dry_run=True)\n"
+            "assert plan['actors'].endswith(' on the cluster at 127.0.0.1:1 (not asked in a dry run: whether they fit is "
+            "checked when the job starts)'), plan\n"
             "try:\n    d.run_job(dataclasses.replace(spec, device='cuda'), progress=False, log=print, dry_run=True)\n"
             "    raise SystemExit('no error')\n"
             "except d.JobError as e:\n    assert 'no CUDA GPU' in str(e), e\n"
