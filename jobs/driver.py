@@ -102,7 +102,7 @@ def _init_ray(spec: JobSpec, log=print):
     address = spec.address or os.environ.get("RAY_ADDRESS")  # RAY_ADDRESS: inside `ray job submit`
     try:
         if address:
-            _probe(address)
+            _probe(address, "--address" if spec.address else "RAY_ADDRESS")
             ray.init(address=spec.address, log_to_driver=True)
         else:
             _warn_if_shared(log)
@@ -171,10 +171,11 @@ def _connect_hint(e: ConnectionError) -> str:
     return "(if the head uses token authentication, this client needs the same RAY_AUTH_MODE and token)"
 
 
-def _probe(address: str, timeout_s: float = 5.0) -> None:
+def _probe(address: str, name: str = "--address", timeout_s: float = 5.0) -> None:
     """Fail fast when nothing listens at a HOST:PORT address, or a web server does (a dashboard's
     port given for the GCS's): ray.init would retry for minutes, printing only its own connection
-    warnings."""
+    warnings.  An HTTP address or one without a port: say what to give (Ray's message blames
+    RAY_ADDRESS).  ``name``: where the address came from."""
     import socket
 
     means = ""
@@ -183,8 +184,14 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         if address is None:
             return  # nothing recorded: ray.init says so (or finds a GCS process to attach to)
     host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit() or "://" in host:
-        return  # http:// and the like: Ray resolves them
+    gcs = "the head's GCS address, HOST:PORT with the port of `ray start --head --port` (6379 unless set)"
+    if address.startswith(("http://", "https://")):  # (Ray's own message blames RAY_ADDRESS)
+        raise JobError(f"{name} {address} is an HTTP address (a Ray dashboard's, which `ray job submit --address` "
+                       f"takes), not a cluster's: give {gcs}, or submit this job with `ray job submit`")
+    if not sep and "://" not in address and address != "local":  # ("local": ray.init starts one here)
+        raise JobError(f"{name} {address}: give {gcs}, ray://HOST:PORT (a Ray client server's, 10001 unless set) or auto")
+    if not port.isdigit() or "://" in host:
+        return  # other schemes: Ray resolves them
     try:
         with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s) as sock:
             web = _answers_http1(sock)
@@ -196,8 +203,8 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
                        f"is its head running (`ray start --head`), and is this its {what}?") from e
     if web:  # (ray.init would dial it for minutes: a web server is no GCS)
-        want = ("its Ray client server's address, ray://HOST:PORT (port 10001 unless set)" if address.startswith("ray://")
-                else "its GCS address, HOST:PORT with the port of `ray start --head --port` (6379 unless set)")
+        want = ("the head's Ray client server address, ray://HOST:PORT (port 10001 unless set)" if address.startswith("ray://")
+                else gcs)
         raise JobError(f"{address} answers as a web server, not as a Ray cluster (a Ray dashboard, port 8265 unless "
                        f"set?): give {want}")
 

@@ -446,6 +446,10 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
                 _probe(addr)
     finally:
         web.shutdown()
+    with pytest.raises(JobError, match="--address http://127.0.0.1:8265 is an HTTP address .*give the head's GCS address"):
+        _probe("http://127.0.0.1:8265")  # (Ray's message blamed RAY_ADDRESS)
+    with pytest.raises(JobError, match="^RAY_ADDRESS localhost: give the head's GCS address, HOST:PORT"):
+        _probe("localhost", "RAY_ADDRESS")
     with socket.socket() as s:  # something listening: no error
         s.bind(("127.0.0.1", 0))
         s.listen()
