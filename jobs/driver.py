@@ -432,13 +432,31 @@ def _check_devices(spec: JobSpec, resources: dict) -> None:
                        f"{resources.get('CPU', 0):g} CPU); use --device cpu or auto")
 
 
+def _warn_if_submitted_relative(spec: JobSpec, log) -> None:
+    """Under `ray job submit` a relative path lies in the job's working directory, which Ray
+    manages: an output there may be deleted; an input or model in a --working-dir's copy is named
+    by a path holding the copy's hash, so the next submission -- with any file of the directory
+    changed -- is another job, which cannot resume this one's output."""
+    if not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # (set by `ray job submit`)
+        return
+    if not os.path.isabs(spec.output):
+        log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
+            "in the job's working directory, which Ray manages and may delete; give an absolute path")
+    here = os.getcwd()
+    if "_ray_pkg_" not in here:  # (not a --working-dir's copy, whose name is its files' hash)
+        return
+    for flag, path in (("--input", spec.input), ("--target", spec.target), ("--draft", spec.draft)):
+        if path and os.path.isabs(path) and Path(path).is_relative_to(here):  # (paths are absolute by now)
+            log(f"warning: {flag} {path} lies in the copy of the working directory `ray job submit` made, whose name "
+                "changes with any of its files, and the output's identity holds the path: resuming after such a "
+                "change is refused; give a path outside it (a shared filesystem's on a cluster)")
+
+
 def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = False) -> dict:
     """Run (or resume) a job; returns the summary.  Raises JobError on fatal problems.
     ``dry_run``: every check a run makes before it starts Ray, nothing written; returns the plan."""
     t_start = time.time()
-    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not os.path.isabs(spec.output):  # set by `ray job submit`
-        log(f"warning: --output {spec.output} is relative: under `ray job submit` it is {os.path.abspath(spec.output)}, "
-            "in the job's working directory, which Ray manages and may delete; give an absolute path")
+    _warn_if_submitted_relative(spec, log)
     _check_output_outside_input(spec)
     spec, source = default_ids(spec, log)
     plan = make_plan(spec, log, source)

@@ -366,6 +366,9 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
             keys = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
             changed[changed.index("options")] = "options " + ", ".join(
                 f"{k}: {was.get(k, 'default')} -> {now.get(k, 'default')}" for k in keys)
+        for k in PATH_FIELDS:  # (where a path moved: a job submitted from a changed working directory)
+            if k in changed:
+                changed[changed.index(k)] = f"{k}: {before.get(k)} -> {new['identity'].get(k)}"
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it

@@ -989,6 +989,25 @@ def test_a_relative_output_under_ray_job_submit_is_named_in_full(pair_dirs, tmp_
     with pytest.raises(JobError):  # (no input: the warning comes first)
         driver.run_job(spec(pair_dirs, tmp_path, input="missing.parquet", output="out/x"), log=logs.append)
     assert any(f"is {tmp_path / 'out' / 'x'}" in m and "absolute path" in m for m in logs), logs
+    # a relative input there is named by the working directory's copy, which any change renames: said
+    # up front, and a resume refused for it names the old and new paths
+    from dynatree.jobs.plan import _manifest, _refuse_change, make_plan
+    pkg = tmp_path / "working_dir_files" / "_ray_pkg_0123abcd"  # (what `ray job submit --working-dir .` runs in)
+    pkg.mkdir(parents=True)
+    monkeypatch.chdir(pkg)
+    write_input(pkg)
+    logs.clear()
+    with pytest.raises(JobError):
+        driver.run_job(spec(pair_dirs, tmp_path, input="in.parquet", output="/nonexistent/o", id_column="nope"),
+                       log=logs.append)
+    assert [m for m in logs if m.startswith(f"warning: --input {pkg / 'in.parquet'} lies in the copy of the working "
+                                            "directory")], logs
+    write_input(tmp_path)
+    shutil.copy(tmp_path / "in.parquet", tmp_path / "moved.parquet")
+    job = spec(pair_dirs, tmp_path)
+    moved = dataclasses.replace(job, input=str(tmp_path / "moved.parquet"))
+    with pytest.raises(JobError, match=f"changed: input: {tmp_path / 'in.parquet'} -> {tmp_path / 'moved.parquet'}\\)"):
+        _refuse_change(tmp_path, _manifest(job, make_plan(job, quiet)), _manifest(moved, make_plan(moved, quiet)))
 
 
 def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
@@ -1156,7 +1175,7 @@ def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
 def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):
     """A version that reads the input differently (a JSONL column typed from every row, views
     stored plain) would add shards that do not read as one dataset with the old ones."""
-    from dynatree.jobs.plan import check_output, make_plan, prepare_output
+    from dynatree.jobs.plan import _manifest, _refuse_change, make_plan
 
     write_input(tmp_path)
     job = spec(pair_dirs, tmp_path)
