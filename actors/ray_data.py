@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
+from dynatree.config import METHODS, close_names, did_you_mean
 from dynatree.data import id_strings
 from dynatree.jobs.spec import JobSpec, SpecError, build_spec
 from dynatree.metrics import output_schema
@@ -70,8 +71,12 @@ def decoding_spec(**options) -> JobSpec:
         raise SpecError("not options of a Ray Data stage: " + "; ".join(f"{k} (use {_JOB_ONLY[k]})" for k in job_only))
     unknown = sorted(set(options) - fields)
     if unknown:
-        raise SpecError(f"unknown option(s) {', '.join(unknown)}; the stage takes threads and "
-                        f"{', '.join(sorted(fields - set(_JOB_ONLY)))}")
+        stage = fields - set(_JOB_ONLY)
+        method = {f.name for c in METHODS.values() for f in dataclasses.fields(c)}  # (options={...}'s keys)
+        close = ", ".join(f"'{k}': ..." for k in close_names(unknown, method))
+        hint = did_you_mean(unknown, stage) or (f" (a method's: options={{{close}}}?)" if close else "")
+        raise SpecError(f"unknown option(s) {', '.join(unknown)}{hint}; the stage takes threads and "
+                        f"{', '.join(sorted(stage))}, and a method's options as options={{KEY: VALUE}}")
     spec = build_spec(None, input=_STREAM, output=_STREAM, **options)  # (which drops None: a flag not given)
     nones = {k: None for k, v in options.items() if v is None}
     return dataclasses.replace(spec, **nones) if nones else spec

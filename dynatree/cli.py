@@ -599,11 +599,19 @@ def build(isas):
 @main.command("report")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 def report_cmd(out_dir):
-    """Rebuild summary.md and PNG plots from a bench directory's results.parquet."""
+    """Rebuild summary.md and PNG plots from a bench directory's results.parquet (or print a
+    `dynatree run` output's summary table)."""
     from .report import NothingMeasured, report
 
     if not (Path(out_dir) / "results.parquet").is_file():
-        _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet)")
+        job = Path(out_dir) / "summary.json"
+        if job.is_file() and (Path(out_dir) / "manifest.json").is_file():  # a run's output: its table, as run printed it
+            from .jobs.summary import format_table
+            click.echo(format_table(json.loads(job.read_text())))
+            click.echo(f"results: {os.path.abspath(out_dir)}/shards/*.parquet   summary: {os.path.abspath(job)}")
+            return
+        _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet) nor a finished "
+              "`dynatree run` output (no summary.json and manifest.json)")
     try:
         md, pngs = report(out_dir)
     except NothingMeasured as e:

@@ -190,7 +190,8 @@ class DynaTreeConfig(SpecConfig):
     dynamic_breadth: bool = opt(True, "per-node branching from draft confidence (off: b_mid everywhere)")
     dynamic_depth: bool = opt(True, "rho_stop / rho_deep depth gating up to d_max (off: fixed depth d0)")
     history: bool = opt(True, "adapt d0 and tau_h from the acceptance of the last W iterations")
-    lookup: int = opt(-1, "context lookup (see SpecConfig): up to this many copied tokens, grafted while "
+    lookup: int = opt(-1, "context lookup (tokens copied from what followed an earlier occurrence of the text's "
+                          "latest tokens): up to this many, grafted while "
                           "their learned acceptance pays for their verification under the hardware budget "
                           "(all of them with hw_budget=off); -1 (default) = 8 when the hardware budget is "
                           "on and decoding is greedy, off when sampling (copies are rarely the draw) or "
@@ -402,17 +403,30 @@ def _checked(t: type, value, name: str):
     return t(value)
 
 
+def close_names(words, names) -> list[str]:
+    """For each of ``words`` the one of ``names`` it looks like a misspelling of (if any)."""
+    import difflib
+
+    return [m[0] for w in words for m in [difflib.get_close_matches(w, list(names), n=1, cutoff=0.75)] if m]
+
+
+def did_you_mean(words, names) -> str:
+    """" (did you mean X?)" for misspelt ``words`` close to one of ``names``, else ""."""
+    close = close_names(words, names)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 def make_config(method: str, options: dict | None = None):
     """Build a method config from a dict of overrides (values may be strings from the CLI)."""
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {method!r}{did_you_mean([method], METHODS)}; choose one of {', '.join(METHODS)}")
     cls = METHODS[method]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in (options or {}).items():
         if key not in fields:
             known = ", ".join(fields) or "(none)"
-            raise ValueError(f"method {method!r} has no option {key!r}; its options: {known}")
+            raise ValueError(f"method {method!r} has no option {key!r}{did_you_mean([key], fields)}; its options: {known}")
         kwargs[key] = _coerce(fields[key].type, value, key)
     return cls(**kwargs)  # (its __post_init__ checks the values)
 

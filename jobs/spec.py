@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import (ANNOTATION_TYPES, KERNELS, METHODS, check_samples, make_config, non_default_options,
-                             parse_options)
+from dynatree.config import (ANNOTATION_TYPES, KERNELS, METHODS, check_samples, did_you_mean, make_config,
+                             non_default_options, parse_options)
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -95,9 +95,13 @@ class JobSpec:
     max_inflight_per_actor: int | None = _f(None, "shards queued per actor (default: enough to keep "
                                                   "its batch full)")
     max_retries: int = _f(3, "attempts per shard after actor failures")
-    verify_fraction: float = _f(0.0, "fraction of prompts re-decoded with ar to check equality")
+    verify_fraction: float = _f(0.0, "fraction of output rows (a prompt, or with --samples a prompt's sample) "
+                                         "re-decoded with ar to check equality, picked by id hash")
     fail_on_mismatch: bool = _f(False, "exit non-zero if a checked row differs from ar")
-    address: str | None = _f(None, "Ray address (default: start a local cluster)")
+    address: str | None = _f(None, "Ray cluster to run on: its GCS address HOST:PORT (the port of `ray "
+                                       "start --head --port`, 6379 unless set; not the dashboard's), "
+                                       "ray://HOST:10001 (its Ray client server) or auto (default: start "
+                                       "a local cluster)")
     placement_timeout_s: float = _f(60.0, "give up if the actors cannot be placed within this time")
     ready_timeout_s: float = _f(900.0, "give up if actors have not loaded the models within this time")
     resume: bool = _f(True, "continue a job found in output")
@@ -301,9 +305,10 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     data = _load_file(config_file) if config_file else {}
     _check_file_relative(config_file, data, overrides)
     names = {f.name for f in dataclasses.fields(JobSpec)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted((set(data) | set(overrides)) - names)  # (overrides: a Python caller's keywords)
     if unknown:
-        raise SpecError(f"unknown job field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        raise SpecError(f"unknown job field(s): {', '.join(unknown)}{did_you_mean(unknown, names)}; known: "
+                        f"{', '.join(sorted(names))}")
     options = _file_options(data.get("options"))
     options.update(_file_options(overrides.pop("options", None)))  # (a Ray Data stage's options= as a file's)
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -313,9 +313,11 @@ def _batch_of(actor: dict) -> str:
 
 
 def _machines(actors: list[dict]) -> str:
-    """'2 x Intel(R) Xeon(R) ... , 2 CPUs': the CPUs (and GPUs) this run's actors had, counted."""
+    """'2 actors on Intel(R) Xeon(R) ... with 2 CPUs': the machines (CPUs, GPUs) this run's actors
+    ran on, counted -- the CPUs the machine's, not each actor's ("2 x ..., 2 CPUs" read as 4)."""
     counts = Counter(a["machine"] for a in actors if a.get("machine"))
-    return "; ".join(f"{n} x {m}" for m, n in counts.most_common())
+    return "; ".join(f"{n} actor{'s' * (n > 1)} on " + re.sub(r", (\d+) CPUs", r" with \1 CPUs", m)
+                     for m, n in counts.most_common())
 
 
 def _run_line(run: dict) -> str:

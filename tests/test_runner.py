@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -228,7 +229,14 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     from dynatree.machine import cpu, describe
     assert s["speedup_vs_ar"]["n"] == 0 and "shared forwards at batch size > 1" in format_table(s)
     # the CPU its rates came from (the actor is on this machine)
-    assert f"actors ran on            1 x {describe(cpu())}" in format_table(s)
+    machine = re.sub(r", (\d+) CPUs", r" with \1 CPUs", describe(cpu()))  # (the machine's CPUs, not the actor's)
+    assert f"actors ran on            1 actor on {machine}" in format_table(s), format_table(s)
+    from click.testing import CliRunner
+    from dynatree.cli import main
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])  # a run's output: its table again
+    assert res.exit_code == 0 and format_table(json.loads((tmp_path / "out" / "summary.json").read_text())) in res.output
+    res = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert res.exit_code == 1 and "nor a finished `dynatree run` output" in res.output
     assert all(r["ar_tokens_per_s"] is None for r in read_rows(tmp_path / "out"))
 
 
@@ -542,6 +550,13 @@ def test_spec_validation_messages(tmp_path):
     job.write_text("input: a.parquet\noutput: out\nmethod: fixed_tree\noptions: {depth: 3}\nbogus: 1\n")
     with pytest.raises(SpecError, match="unknown job field.*bogus"):
         build_spec(str(job))
+    job.write_text("input: a.parquet\noutput: out\nmax_new_token: 8\noptions: {dmax: 3}\n")  # typos: named
+    with pytest.raises(SpecError, match=r"unknown job field\(s\): max_new_token \(did you mean max_new_tokens\?\)"):
+        build_spec(str(job))
+    with pytest.raises(SpecError, match=r"has no option 'dmax' \(did you mean d_max\?\)"):
+        build_spec(None, input="x", output="y", options={"dmax": 3})
+    with pytest.raises(SpecError, match=r"unknown job field\(s\): max_new_token"):  # (a Python caller's keyword)
+        build_spec(None, input="x", output="y", max_new_token=3)
     job.write_text("input: a.parquet\noutput: out\nmethod: fixed_tree\noptions: {depth: 3}\n")
     a = build_spec(str(job))
     b = build_spec(str(job), options={"depth": "3"})
@@ -1175,7 +1190,7 @@ def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
 def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):
     """A version that reads the input differently (a JSONL column typed from every row, views
     stored plain) would add shards that do not read as one dataset with the old ones."""
-    from dynatree.jobs.plan import _manifest, _refuse_change, make_plan
+    from dynatree.jobs.plan import check_output, make_plan, prepare_output
 
     write_input(tmp_path)
     job = spec(pair_dirs, tmp_path)
