@@ -203,16 +203,16 @@ def _probe(address: str, name: str = "--address", timeout_s: float = 5.0) -> Non
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
                        f"is its head running (`ray start --head`), and is this its {what}?") from e
     if web:  # (ray.init would dial it for minutes: a web server is no GCS)
-        want = ("the head's Ray client server address, ray://HOST:PORT (port 10001 unless set)" if address.startswith("ray://")
-                else gcs)
+        client = "the head's Ray client server address, ray://HOST:PORT (port 10001 unless set)"
+        want = client if address.startswith("ray://") else gcs
         raise JobError(f"{address} answers as a web server, not as a Ray cluster (a Ray dashboard, port 8265 unless "
                        f"set?): give {want}")
 
 
 def _answers_http1(sock) -> bool:
     """Whether the server on ``sock`` answers HTTP/1 to the HTTP/2 preface that Ray's gRPC servers
-    take (a GCS replies with an HTTP/2 SETTINGS frame, a Ray dashboard "HTTP/1.0 400 Bad Request").  Anything else -- TLS, silence within half
-    a second -- is left to ray.init."""
+    take (a GCS replies with an HTTP/2 SETTINGS frame, a Ray dashboard "HTTP/1.0 400 Bad Request").
+    Anything else -- TLS, silence within half a second -- is left to ray.init."""
     try:
         sock.settimeout(0.5)
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
@@ -551,7 +551,8 @@ def _actors_said(spec: JobSpec) -> str:
     address = spec.address or os.environ.get("RAY_ADDRESS")
     local = not address and not ray.is_initialized()
     n, cpus, gpus = _actor_shape(spec, {"GPU": _local_gpus()} if local else {})
-    gpus = "1 if the cluster has one" if spec.gpus_per_actor is None and not local and spec.device != "cpu" else f"{gpus:g}"
+    auto_gpu = spec.gpus_per_actor is None and not local and spec.device != "cpu"  # (counted at the job's start)
+    gpus = "1 if the cluster has one" if auto_gpu else f"{gpus:g}"
     shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}}}"
     if local:
         return shape + " on this machine (they fit)"
