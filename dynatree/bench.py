@@ -427,23 +427,26 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
         for j, ms in enumerate(methods):
             ref = reference(ms, methods)  # (None: a peer's, plain ar, which may not be among the methods)
             rows.append(_batch_row(dataset, ms, b, prompts, got[j], wall[j], ref_tokens(ms),
-                                   ref.label if ref else "ar", max_new_tokens, max_prompt_tokens))
+                                   ref.label if ref else "ar", max_new_tokens, max_prompt_tokens,
+                                   asked=[x for x in over if b == len(prompts)]))
             log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, "
                 f"{rows[-1]['rows_matching_ar']}/{len(prompts)} rows == ar")
     return rows
 
 
 def _batch_row(dataset: str, ms: MethodSpec, b: int, prompts: list, got: list, wall: float, ref: list,
-               ref_label: str, max_new_tokens: int, max_prompt_tokens: int) -> dict:
+               ref_label: str, max_new_tokens: int, max_prompt_tokens: int, asked: list = ()) -> dict:
     """One (dataset, method, B) row of the batch sweep; got: (tokens, metrics or None) per prompt;
-    ref: batch-1 tokens of its reference ``ar`` (labelled ref_label) per prompt."""
+    ref: batch-1 tokens of its reference ``ar`` (labelled ref_label) per prompt; asked: the batch
+    sizes asked for that this B, all the prompts, stands for (kept in the setting: the report says so)."""
     mets = [m for _, m in got if m is not None]
     same = sum(t == r for (t, _), r in zip(got, ref))
     new_tokens = sum(len(t) for t, _ in got)
     return {
         "dataset": dataset, "prompt_id": -1, "warmup": False, "method": ms.label, "base_method": ms.method,
         "options": json.dumps(ms.options, sort_keys=True),
-        "setting": json.dumps({"sweep": "batch", "B": b}, sort_keys=True), "max_new_tokens": max_new_tokens,
+        "setting": json.dumps({"sweep": "batch", "B": b, **({"asked": list(asked)} if asked else {})}, sort_keys=True),
+        "max_new_tokens": max_new_tokens,
         "max_prompt_tokens": max_prompt_tokens, "prompt_tokens": sum(map(len, prompts)),  # (all the rows')
         "ref_method": ref_label,
         "new_tokens": new_tokens, "tokens_per_s": new_tokens / wall, "wall_time_s": wall,
