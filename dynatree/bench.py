@@ -624,7 +624,8 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
     """Every setting of every dataset, appended to ``rows`` as measured (``keep``: _prompt_budgets)."""
     for ds, name, texts in loaded:
         enc = [pair.encode(t) for t in texts]
-        full = [truncate_prompt(e, lmax) for e in enc]
+        lead = len(pair.leading_ids)  # (a BOS the tokenizer adds stays first when a prompt is cut)
+        full = [truncate_prompt(e, lmax, lead=lead) for e in enc]
         cut = f" (cut from {spec.max_prompt_tokens}: the {pair.max_context}-token context holds the new tokens too)"
         log(f"{name}: {len(full)} prompts ({spec.warmup} warm-up), L_max={lmax}"
             f"{cut if lmax < spec.max_prompt_tokens else ''}, T={spec.max_new_tokens}")
@@ -640,11 +641,11 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
             lt = keep[spec.max_prompt_tokens, t]
             if lt < spec.max_prompt_tokens:
                 log(f"{name}: sweep T={t}: prompts cut to {lt} tokens (the context holds the new tokens too)")
-            rows += bench_rows(pair, name, [truncate_prompt(e, lt) for e in enc[skip:]], sweep_ms, warmup=warm,
+            rows += bench_rows(pair, name, [truncate_prompt(e, lt, lead=lead) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, first=skip, log=log)
         for lp in spec.sweep_prompt_len:
             ll = keep[lp, spec.max_new_tokens]
-            rows += bench_rows(pair, name, [truncate_prompt(e, ll) for e in enc[skip:]], sweep_ms, warmup=warm,
+            rows += bench_rows(pair, name, [truncate_prompt(e, ll, lead=lead) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=ll,
                                setting={"sweep": "prompt_len", "L": lp}, first=skip, log=log)
         if spec.batch_sizes:  # (the batch sweep warms each (B, method) up itself)

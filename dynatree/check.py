@@ -60,15 +60,17 @@ def divergence(pair: ModelPair, prompt_ids: list[int], reference: list[int],
     return i, float(top2[0] - top2[1])
 
 
-def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = False) -> list[int]:
-    """Keep the last ``max_prompt_tokens`` tokens: generation continues from the end of the text.
-    A ``chat`` prompt (rendered by a chat template) is never cut -- its last tokens would lose the
-    template's header -- so a longer one is a ValueError."""
+def truncate_prompt(ids: list[int], max_prompt_tokens: int | None, chat: bool = False, lead: int = 0) -> list[int]:
+    """Keep the last ``max_prompt_tokens`` tokens: generation continues from the end of the text
+    (``lead``: the first ``lead`` ids, the tokenizer's BOS, kept before them, as ModelPair.encode
+    keeps them).  A ``chat`` prompt (rendered by a chat template) is never cut -- its last tokens
+    would lose the template's header -- so a longer one is a ValueError."""
     if chat and max_prompt_tokens and len(ids) > max_prompt_tokens:
         raise ValueError(f"chat prompt of {len(ids)} tokens is longer than the {max_prompt_tokens} a prompt may keep "
                          "(max_prompt_tokens, or the context less max_new_tokens); shorten the conversation")
     if max_prompt_tokens and len(ids) > max_prompt_tokens:
-        return ids[-max_prompt_tokens:]
+        lead = lead if lead < max_prompt_tokens else 0
+        return ids[:lead] + ids[len(ids) - max_prompt_tokens + lead:]
     return ids
 
 

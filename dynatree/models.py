@@ -589,9 +589,22 @@ class ModelPair:
         if self.draft is not None and make_policy(cfg).needs_draft:
             self.window(cfg, "draft")
 
-    def encode(self, text: str, last: int | None = None) -> list[int]:
-        """The text's token ids; ``last``: only (at most) its last ``last`` tokens, a long text's
-        tokenized from its end (_encode_tail)."""
+    @property
+    def leading_ids(self) -> list[int]:
+        """The special tokens the tokenizer puts before a text (a Llama tokenizer's BOS; none for
+        GPT-NeoX's): a prompt starts with them, as ``tokenizer(text)`` and vLLM's prompts do.  Those
+        it puts after one (an EOS some set to add) are left out: the text goes on from there."""
+        if "leading_ids" not in self.state:
+            plain = self.tokenizer("a b", add_special_tokens=False)["input_ids"]
+            full = self.tokenizer("a b")["input_ids"]
+            at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+            self.state["leading_ids"] = list(full[:at])
+        return self.state["leading_ids"]
+
+    def encode(self, text: str, last: int | None = None, specials: bool = True) -> list[int]:
+        """The text's token ids after the tokenizer's leading special tokens (``leading_ids``;
+        ``specials=False``: without them); ``last``: at most ``last`` ids, the leading ones and the
+        text's last tokens -- a long text's tokenized from its end (_encode_tail)."""
         if self.tokenizer is None:
             raise PairError(f"this pair has no tokenizer (none was given, or the target's directory has none of "
                             f"{', '.join(TOKENIZER_FILES)}); pass token ids")
@@ -601,9 +614,13 @@ class ModelPair:
             text.encode("utf-8")  # (a command line's or a pipe's bad bytes arrive as lone surrogates)
         except UnicodeEncodeError as e:
             raise PairError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
-        tail = self._encode_tail(text, last) if last else None
+        lead = self.leading_ids if specials else []
+        if last and last <= len(lead):  # (no room for the text after them: its last tokens alone)
+            lead = []
+        keep = last - len(lead) if last else None
+        tail = self._encode_tail(text, keep) if keep else None
         ids = tail if tail is not None else self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[-last:] if last else ids
+        return lead + (ids[-keep:] if keep else ids)
 
     def _encode_tail(self, text: str, last: int) -> list[int] | None:
         """The last ``last`` tokens of a long text's ids, read from suffixes of the text: a
@@ -645,7 +662,7 @@ class ModelPair:
         except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception: roles must
             # alternate, ...) or whatever a template trips on: this conversation's problem, not the job's
             raise PairError(f"the chat template refused this conversation: {e}") from e
-        return self.encode(text)
+        return self.encode(text, specials=False)  # (a template writes its BOS into the text)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

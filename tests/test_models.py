@@ -102,6 +102,47 @@ def test_a_long_prompts_last_tokens_come_from_its_end(pair_dirs):
         pair.tokenizer = kept
 
 
+def test_a_bos_the_tokenizer_adds_starts_every_text_prompt(pair_dirs, tmp_path):
+    """A Llama-style tokenizer puts a BOS before a text (transformers' tokenizer(text) and vLLM
+    prompt with it; a model trained so reads a text without it poorly): a text prompt starts with
+    it, a cut prompt keeps it before the text's last tokens, a chat template's text (which writes
+    its own) and a trailing special token (an EOS some tokenizers add) get none."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from dynatree.check import truncate_prompt
+
+    for name in ("target", "draft"):
+        shutil.copytree(pair_dirs / name, tmp_path / name)
+    tok = AutoTokenizer.from_pretrained(pair_dirs / "target")
+    bos = tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(  # BOS before, EOS after
+        single=f"{tok.eos_token} $A {tok.eos_token}", special_tokens=[(tok.eos_token, bos)])
+    for name in ("target", "draft"):
+        tok.save_pretrained(tmp_path / name)
+    text = "It was the best of times, it was the worst of times"
+    body = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok(text)["input_ids"] == [bos, *body, bos]  # (what the tokenizer does)
+    pair = load_pair(tmp_path / "target", tmp_path / "draft", device="cpu", dtype="float64")
+    assert pair.leading_ids == [bos] and pair.encode(text) == [bos, *body]
+    assert pair.encode(text, last=4) == [bos, *body[-3:]] and pair.encode(text, last=1) == body[-1:]
+    assert pair.encode(text, specials=False) == body
+    assert truncate_prompt([bos, *body], 4, lead=1) == [bos, *body[-3:]] == truncate_prompt([bos, *body], 4, lead=1)
+    gen = generate(pair, text, "dynatree", max_new_tokens=8, ignore_eos=True)
+    assert gen.metrics.prompt_tokens == len(body) + 1  # (the BOS counted)
+    assert gen.token_ids == generate(pair, [bos, *body], "ar", max_new_tokens=8, ignore_eos=True).token_ids
+    res = CliRunner().invoke(main, ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                                    "--device", "cpu", "--dtype", "float64", "--prompt", text, "--max-prompt-tokens",
+                                    "4", "--max-new-tokens", "8", "--ignore-eos", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["token_ids"] == generate(
+        pair, [bos, *body[-3:]], "ar", max_new_tokens=8, ignore_eos=True).token_ids
+    plain = load_pair(pair_dirs / "target", None, device="cpu")  # (GPT-NeoX's tokenizer adds nothing)
+    assert plain.leading_ids == [] and plain.encode(text) == body
+
+
 def test_mismatched_tokenizers_are_a_clear_error(pair_dirs):
     with pytest.raises(PairError, match="do not share a tokenizer"):
         load_pair(pair_dirs / "target", pair_dirs / "foreign", device="cpu")
