@@ -183,11 +183,11 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                    + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
                       f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
                    err=True)
-    if not as_json and any(g.finish_reason == "context" for g in gens):
+    window = not as_json and any(g.finish_reason == "context" for g in gens) and engine.window_options(pair, cfg)
+    if window:  # (where these models take a window)
         click.echo(f"note: finish=context: the target's {pair.max_context}-token context is full; a cache window "
-                   "generates past it (StreamingLLM: --option kv_window=N, N below the context, keeps the first 4 "
-                   "tokens and the most recent, N in all)",
-                   err=True)
+                   "generates past it (StreamingLLM: the first tokens and the most recent are kept), e.g. "
+                   + " ".join(f"--option {o}" for o in window.split()), err=True)
 
 
 def _compared_with(pair, ref, reference_label) -> str:

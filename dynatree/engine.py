@@ -224,6 +224,20 @@ class _Step:
     __slots__ = ("row", "tree", "order", "chain", "fresh", "match", "prefix_len", "commit_time")
 
 
+def window_options(pair, cfg) -> str | None:
+    """The options of a StreamingLLM window that takes ``cfg``'s decoding past the context -- half
+    the context, its eviction at most a quarter of that ("kv_window=512", "kv_window=32
+    kv_evict=8") -- where that passes the checks a windowed run makes (config.check_windows with
+    ModelPair.windows: it fits the context, and the models the method runs take one); else None."""
+    size = pair.max_context // 2
+    evict = min(ARConfig.kv_evict, size // 4)
+    try:
+        check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, pair.max_context, pair.windows)
+    except ValueError:
+        return None
+    return f"kv_window={size}" + (f" kv_evict={evict}" if evict != ARConfig.kv_evict else "")
+
+
 def _token_ids(ids, vocab: int) -> list[int]:
     """A prompt's token ids as host ints in [0, vocab); ValueError names what is wrong."""
     if isinstance(ids, (str, bytes)):
@@ -335,19 +349,10 @@ class BatchDecoder:
         self.joining.append(row)
 
     def _window_hint(self, cfg) -> str:
-        """What to do about a prompt that fills the context: shorten it, or decode with a StreamingLLM
-        window of half the context (its eviction at most a quarter of that) where that passes the
-        checks a windowed run makes (config.check_windows with ModelPair.windows: it fits the
-        context, and the models the method runs take one)."""
-        size = self.pair.max_context // 2
-        evict = min(ARConfig.kv_evict, size // 4)
-        try:
-            check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, self.pair.max_context,
-                          self.pair.windows)
-        except ValueError:
-            return "shorten it"
-        extra = f" kv_evict={evict}" if evict != ARConfig.kv_evict else ""
-        return f"shorten it, or decode with a cache window: option{'s' if extra else ''} kv_window={size}{extra}"
+        """What to do about a prompt that fills the context: shorten it, or decode with a cache window."""
+        options = window_options(self.pair, cfg)
+        return "shorten it" + (f", or decode with a cache window: option{'s' * (' ' in options)} {options}"
+                               if options else "")
 
     def _prompt(self, prompt_ids, cfg) -> list[int]:
         """The prompt's ids, checked; an error about the prompt itself (not the config or the pair,

@@ -269,7 +269,16 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
     assert len(out["token_ids"]) == 150 and out["matches_ar"] is True  # past the 128-token context
     res = CliRunner().invoke(main, ["generate", *pair, "--max-new-tokens", "150", "--prompt", "It was the best",
                                     "--ignore-eos"])  # no window: stops at the context, and says how to go past it
-    assert res.exit_code == 0 and "finish=context" in res.output and "--option kv_window=N" in res.output, res.output
+    assert res.exit_code == 0 and "finish=context" in res.output, res.output
+    assert "e.g. --option kv_window=64 --option kv_evict=16" in res.output, res.output  # (half the context)
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    tok = AutoTokenizer.from_pretrained(pair_dirs / "target")  # a model no window runs on: no such note
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=32)).save_pretrained(
+        tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    res = CliRunner().invoke(main, ["generate", "--target", str(tmp_path / "gpt2"), "--method", "ar", "--device", "cpu",
+                                    "--max-new-tokens", "40", "--prompt", "It was the best", "--ignore-eos"])
+    assert res.exit_code == 0 and "finish=context" in res.output and "kv_window" not in res.output, res.output
     res = CliRunner().invoke(main, ["generate", *pair, *win, "--max-new-tokens", "30", "--prompt", "It was the best",
                                     "--check-ar"])  # says which ar it compared with
     assert res.exit_code == 0 and "matches_ar=True (against ar_window24_evict4)" in res.output, res.output
