@@ -162,11 +162,14 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         cut = getattr(e, "prompt_problem", False) and isinstance(e, ContextError) and not chat_template
         _fail(f"{e}" + (" -- or --max-prompt-tokens N keeps its last N" if cut else ""))
     forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
+    drafted = pair.draft is not None and any(g.metrics.draft_forwards for g in gens)
+    draft_forward = pair.forward_in_use("draft") if drafted else None
     if not as_json:
-        click.echo(f"target forward: {forward}", err=True)
+        click.echo(f"target forward: {forward}" + (f"\ndraft forward: {draft_forward}" if drafted else ""), err=True)
     for gen, result in zip(gens, results):
         if as_json:
             result["forward"] = forward
+            result["draft_forward"] = draft_forward  # (null: no draft ran)
             click.echo(json.dumps(result))
             continue
         which = (f"prompt {result['prompt']}" + (f" sample {result['sample']}" if samples > 1 else "")

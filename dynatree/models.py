@@ -229,7 +229,7 @@ def _batch_problems(run: HFRunner, model) -> tuple[str, str]:
         try:
             got = run_all(forward)
         except Exception as e:  # noqa: BLE001 -- whatever transformers raises
-            return f"a {what} forward fails ({type(e).__name__}: {str(e)[:120]})"
+            return f"a {what} forward raised {type(e).__name__} in the load-time probe: {str(e)[:120]}"
         gap = max(_gap(a.float(), b.float()) for a, b in zip(got, alone))
         return "" if gap <= rtol else f"a {what} forward's logits part from each sequence's own by {gap:.3g} of their scale"
 

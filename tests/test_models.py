@@ -235,6 +235,13 @@ def test_cli_generate_json(pair_dirs):
     assert out["matches_ar"] is True
     assert out["options"]["d0"] == 3 and out["metrics"]["new_tokens"] == 10
     assert (out["prompt"], out["sample"]) == (0, 0)  # the keys several generations have
+    assert out["forward"] and out["draft_forward"]  # (what ran each model's forward: the draft's may differ)
+    plain = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+             "--max-new-tokens", "4", "--prompt", "It was the best", "--method", "ar"]
+    res = runner.invoke(main, plain)
+    assert res.exit_code == 0 and "target forward: " in res.output and "draft forward" not in res.output  # (none ran)
+    res = runner.invoke(main, args[:-2])
+    assert res.exit_code == 0 and "\ndraft forward: " in res.output, res.output
     bad = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
            "--device", "cpu", "--method", "dynatree", "--option", "depth=3", "--prompt", "x"]
     res = runner.invoke(main, bad)
