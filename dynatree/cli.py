@@ -186,11 +186,31 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
                    + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
                       f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
                    err=True)
+    if not as_json:
+        _say_if_idle(method, cfg, gens)
     window = not as_json and any(g.finish_reason == "context" for g in gens) and engine.window_options(pair, cfg)
     if window:  # (where these models take a window)
         click.echo(f"note: finish=context: the target's {pair.max_context}-token context is full; a cache window "
                    "generates past it (StreamingLLM: the first tokens and the most recent are kept), e.g. "
                    + " ".join(f"--option {o}" for o in window.split()), err=True)
+
+
+_THRESHOLDS = {"fixed_tree": "tau", "dynatree": "tau", "dyspec": "threshold"}  # (the option that prunes candidates)
+
+
+def _say_if_idle(method: str, cfg, gens) -> None:
+    """A method that drafted nothing ran as ar does: say so, and why it may have (a new pair's
+    draft can sit below thresholds tuned for another: a user's trial saw 1.00 tokens/iteration)."""
+    ran = [g.metrics for g in gens if g.metrics.iterations]
+    if method == "ar" or not ran or any(m.mean_tree_size for m in ran):
+        return
+    knob = _THRESHOLDS.get(method)
+    why = [f"every candidate fell below its {knob} (the draft's probabilities are low here: thresholds suit one "
+           f"pair, not every pair; try a lower --option {knob}=...)"] if knob else []
+    if getattr(cfg, "budget_on", False):
+        why.append("the hardware budget priced every tree out (--option hw_budget=off drafts regardless)")
+    click.echo(f"note: {method} drafted no token in {sum(m.iterations for m in ran)} iterations, so it ran as ar "
+               "does" + (": " + " or ".join(why) if why else ""), err=True)
 
 
 def _compared_with(pair, ref, reference_label) -> str:

@@ -242,6 +242,11 @@ def test_cli_generate_json(pair_dirs):
     assert res.exit_code == 0 and "target forward: " in res.output and "draft forward" not in res.output  # (none ran)
     res = runner.invoke(main, args[:-2])
     assert res.exit_code == 0 and "\ndraft forward: " in res.output, res.output
+    res = runner.invoke(main, plain[:-1] + ["fixed_tree", "--option", "tau=0.999"])  # (no candidate that likely)
+    assert res.exit_code == 0 and "note: fixed_tree drafted no token in 3 iterations, so it ran as ar does: every " \
+        "candidate fell below its tau" in res.output, res.output
+    res = runner.invoke(main, plain[:-1] + ["fixed_tree", "--option", "tau=0"])  # (it drafts: no note)
+    assert res.exit_code == 0 and "drafted no token" not in res.output, res.output
     bad = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
            "--device", "cpu", "--method", "dynatree", "--option", "depth=3", "--prompt", "x"]
     res = runner.invoke(main, bad)
