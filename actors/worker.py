@@ -165,7 +165,9 @@ class ShardWorker:
         p = self.pair
         return {"pid": os.getpid(), "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
                 "context": p.max_context, "vocab": p.vocab, "threads": self.threads, "forward": p.forward_in_use(),
-                "startup": self.startup, "batch_cap": self.batch_cap}
+                "startup": self.startup, "batch_cap": self.batch_cap,
+                # (what a text prompt starts with: the driver pins it in the output's manifest)
+                "leading_ids": [] if self.spec.chat_template or p.tokenizer is None else p.leading_ids}
 
     def stats(self) -> dict:
         s, dev = self.scheduler, self.pair.device

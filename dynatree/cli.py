@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -102,7 +103,8 @@ def _pair_options(f):
                    "to decode several prompts together, "
                    "many sequences per forward")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1),
-              help="keep each prompt's last N tokens (default: all; unlike `dynatree run`, no cut to fit the context)")
+              help="keep each prompt's last N tokens, a BOS the tokenizer adds among them (default: all; unlike "
+                   "`dynatree run`, no cut to fit the context)")
 @click.option("--ignore-eos", is_flag=True, help="generate exactly --max-new-tokens tokens")
 @click.option("--chat-template", is_flag=True,
               help="send each prompt through the target tokenizer's chat template: a text as a user message, a "
@@ -202,9 +204,9 @@ def _say_if_idle(method: str, cfg, gens) -> None:
     """A method that drafted nothing ran as ar does: say so, and why it may have (a new pair's
     draft can sit below thresholds tuned for another: a user's trial saw 1.00 tokens/iteration)."""
     ran = [g.metrics for g in gens if g.metrics.iterations]
-    if method == "ar" or not ran or any(m.mean_tree_size for m in ran):
-        return
-    knob = _THRESHOLDS.get(method)
+    if method == "ar" or not ran or any(m.mean_tree_size for m in ran) or sum(m.iterations for m in ran) < 8:
+        return  # (a few iterations, or the last tokens of a generation, leave no room to draft)
+    knob = None if getattr(cfg, "mode", None) == "heap" else _THRESHOLDS.get(method)  # (DySpec's heap: no threshold)
     why = [f"every candidate fell below its {knob} (the draft's probabilities are low here: thresholds suit one "
            f"pair, not every pair; try a lower --option {knob}=...)"] if knob else []
     if getattr(cfg, "budget_on", False):
@@ -629,9 +631,12 @@ def report_cmd(out_dir):
     if not (Path(out_dir) / "results.parquet").is_file():
         job = Path(out_dir) / "summary.json"
         if job.is_file() and (Path(out_dir) / "manifest.json").is_file():  # a run's output: its table, as run printed it
-            from .jobs.summary import format_table
-            click.echo(format_table(json.loads(job.read_text())))
-            click.echo(f"results: {os.path.abspath(out_dir)}/shards/*.parquet   summary: {os.path.abspath(job)}")
+            try:
+                summary = json.loads(job.read_text())
+                _print_summary(summary, types.SimpleNamespace(output=out_dir))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                _fail(f"cannot read {job} ({type(e).__name__}: {e}); re-running the job's `dynatree run` command "
+                      "rewrites it without decoding what is done")
             return
         _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet) nor a finished "
               "`dynatree run` output (no summary.json and manifest.json)")

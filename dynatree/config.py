@@ -407,7 +407,9 @@ def close_names(words, names) -> list[str]:
     """For each of ``words`` the one of ``names`` it looks like a misspelling of (if any)."""
     import difflib
 
-    return [m[0] for w in words for m in [difflib.get_close_matches(w, list(names), n=1, cutoff=0.75)] if m]
+    names = [n for n in names if isinstance(n, str)]  # (a YAML `method: 3` or `options: {1: 2}` has no spelling)
+    return [m[0] for w in words if isinstance(w, str) for m in [difflib.get_close_matches(w, names, n=1, cutoff=0.75)]
+            if m]
 
 
 def did_you_mean(words, names) -> str:

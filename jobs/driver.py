@@ -40,7 +40,7 @@ from dynatree.config import FLOAT16_ON_CPU, grows_trees
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
-                   output_lock, prepare_output, start_over, write_shard)
+                   output_lock, pin_prompt_start, prepare_output, start_over, write_shard)
 from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
@@ -186,15 +186,19 @@ def _probe(address: str, name: str = "--address", timeout_s: float = 5.0) -> Non
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     gcs = "the head's GCS address, HOST:PORT with the port of `ray start --head --port` (6379 unless set)"
     if address.startswith(("http://", "https://")):  # (Ray's own message blames RAY_ADDRESS)
+        local = " (or unset RAY_ADDRESS to run on this machine)" if name == "RAY_ADDRESS" else ""
         raise JobError(f"{name} {address} is an HTTP address (a Ray dashboard's, which `ray job submit --address` "
-                       f"takes), not a cluster's: give {gcs}, or submit this job with `ray job submit`")
+                       f"takes), not a cluster's: give {gcs}, or submit this job with `ray job submit`{local}")
     if not sep and "://" not in address and address != "local":  # ("local": ray.init starts one here)
         raise JobError(f"{name} {address}: give {gcs}, ray://HOST:PORT (a Ray client server's, 10001 unless set) or auto")
     if not port.isdigit() or "://" in host:
         return  # other schemes: Ray resolves them
     try:
         with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s) as sock:
-            web = _answers_http1(sock)
+            # (a GCS address only, and not under TLS: a ray:// client port may sit behind an HTTPS ingress
+            # that answers plain bytes in HTTP/1, where ray.init would still get through)
+            tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+            web = not address.startswith("ray://") and not tls and _answers_http1(sock)
     except OSError as e:
         if means:
             raise JobError(f"cannot reach the Ray cluster at {address}, which `auto` means here ({means}): nothing "
@@ -203,10 +207,8 @@ def _probe(address: str, name: str = "--address", timeout_s: float = 5.0) -> Non
         raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
                        f"is its head running (`ray start --head`), and is this its {what}?") from e
     if web:  # (ray.init would dial it for minutes: a web server is no GCS)
-        client = "the head's Ray client server address, ray://HOST:PORT (port 10001 unless set)"
-        want = client if address.startswith("ray://") else gcs
         raise JobError(f"{address} answers as a web server, not as a Ray cluster (a Ray dashboard, port 8265 unless "
-                       f"set?): give {want}")
+                       f"set?): give {gcs}")
 
 
 def _answers_http1(sock) -> bool:
@@ -548,15 +550,17 @@ def _actors_said(spec: JobSpec) -> str:
     a cluster's room is asked only when the job starts (a dry run starts and joins no Ray)."""
     import ray
 
-    address = spec.address or os.environ.get("RAY_ADDRESS")
-    local = not address and not ray.is_initialized()
+    joined = ray.is_initialized()  # (a Python caller's connection: the job runs there, whatever --address says)
+    address = None if joined else spec.address or os.environ.get("RAY_ADDRESS")
+    local = not address and not joined
     n, cpus, gpus = _actor_shape(spec, {"GPU": _local_gpus()} if local else {})
     auto_gpu = spec.gpus_per_actor is None and not local and spec.device != "cpu"  # (counted at the job's start)
     gpus = "1 if the cluster has one" if auto_gpu else f"{gpus:g}"
     shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}}}"
     if local:
         return shape + " on this machine (they fit)"
-    where = f"the cluster at {address}" if address else "this process's Ray cluster"
+    where = ("this process's Ray cluster" if joined else "the cluster `auto` finds" if address == "auto"
+             else f"the cluster at {address}")
     return shape + f" on {where} (not asked in a dry run: whether they fit is checked when the job starts)"
 
 
@@ -622,6 +626,7 @@ class _Dispatch:
                                      max(REPLACE_MIN_S, REPLACE_FACTOR * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
+        self.leading_ids = infos[0].get("leading_ids", [])
         caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
         if caps:
             span = str(caps[0]) if len(caps) == 1 else f"{caps[0]}-{caps[-1]}"
@@ -653,6 +658,7 @@ class _Dispatch:
             self._start(ray, n)
             if self.spec.overwrite:  # (only now: a job that cannot start leaves the old output whole)
                 start_over(self.spec, self.plan)
+            pin_prompt_start(self.out, self.leading_ids)
             self._loop(ray, deque((k, None) for k in todo), progress)
             self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
                                             if a is not None and slot not in self.restarts], timeout=30)

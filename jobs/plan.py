@@ -465,6 +465,8 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
         # shards an older version wrote carry the hash of its spelling of the paths: still this job's
         aliases = set(old.get("aliases", [])) | {old.get("identity_hash")}
         manifest["aliases"] = sorted(a for a in aliases if a and a != manifest["identity_hash"])
+        if "leading_ids" in old:  # (pinned by the first run's actors: pin_prompt_start)
+            manifest["leading_ids"] = old["leading_ids"]
         if not spec.resume:
             raise JobError(f"{out} already holds this job; pass --resume to continue it or --overwrite")
     elif _has_shards(out):
@@ -494,6 +496,22 @@ def start_over(spec: JobSpec, plan: Plan) -> None:
     out = Path(spec.output)
     _clear(out)
     _write_manifest(out, _manifest(spec, plan))  # (check_output's for an overwrite; it read every footer already)
+
+
+def pin_prompt_start(out: Path, leading: list[int]) -> None:
+    """Keep in the manifest the ids every text prompt starts with (ModelPair.leading_ids: the BOS a
+    Llama tokenizer puts before a text), known once an actor has loaded the tokenizer; refuse an
+    output whose shards began otherwise -- dynatree before 2026-11-30 prompted without the BOS, and
+    a resume would mix prompts with and without it."""
+    manifest = read_manifest(out) or {}
+    had = manifest.get("leading_ids", [] if _has_shards(out) else None)  # (older shards: none)
+    if had is not None and had != leading and _has_shards(out):
+        how = lambda ids: f"with the ids {ids}" if ids else "with no special token"  # noqa: E731
+        raise JobError(f"{out}'s finished shards were prompted {how(had)} before each text (dynatree before "
+                       f"2026-11-30 put no BOS there); this run would start them {how(leading)}, the tokenizer's "
+                       "BOS -- mixing the two: --overwrite to redo the job, or another --output")
+    if manifest and manifest.get("leading_ids") != leading:
+        _write_manifest(out, {**manifest, "leading_ids": leading})
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:

@@ -68,7 +68,7 @@ class JobSpec:
     method: str = _f("dynatree", "decoding method", choices=METHODS)
     options: dict = _f({}, "method option KEY=VALUE, repeatable", flag="option")
     max_new_tokens: int = _f(128, "new tokens per prompt (T)")
-    max_prompt_tokens: int | None = _f(512, "L_max: prompts keep their last L_max tokens")
+    max_prompt_tokens: int | None = _f(512, "L_max: prompts keep their last L_max tokens (a BOS the tokenizer adds among them)")
     ignore_eos: bool = _f(False, "generate max_new_tokens even past EOS")
     samples: int = _f(1, "completions drawn per prompt, each an output row (its number in column sample, "
                          "its own seed); needs sampling (--option temperature=...)")

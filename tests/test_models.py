@@ -129,7 +129,8 @@ def test_a_bos_the_tokenizer_adds_starts_every_text_prompt(pair_dirs, tmp_path):
     assert pair.leading_ids == [bos] and pair.encode(text) == [bos, *body]
     assert pair.encode(text, last=4) == [bos, *body[-3:]] and pair.encode(text, last=1) == body[-1:]
     assert pair.encode(text, specials=False) == body
-    assert truncate_prompt([bos, *body], 4, lead=1) == [bos, *body[-3:]] == truncate_prompt([bos, *body], 4, lead=1)
+    assert truncate_prompt([bos, *body], 4, lead=1) == [bos, *body[-3:]] and truncate_prompt(body, 4) == body[-4:]
+    assert truncate_prompt([bos, *body], 1, lead=1) == body[-1:]  # (no room for the text after it: the last token)
     gen = generate(pair, text, "dynatree", max_new_tokens=8, ignore_eos=True)
     assert gen.metrics.prompt_tokens == len(body) + 1  # (the BOS counted)
     assert gen.token_ids == generate(pair, [bos, *body], "ar", max_new_tokens=8, ignore_eos=True).token_ids
@@ -242,9 +243,12 @@ def test_cli_generate_json(pair_dirs):
     assert res.exit_code == 0 and "target forward: " in res.output and "draft forward" not in res.output  # (none ran)
     res = runner.invoke(main, args[:-2])
     assert res.exit_code == 0 and "\ndraft forward: " in res.output, res.output
-    res = runner.invoke(main, plain[:-1] + ["fixed_tree", "--option", "tau=0.999"])  # (no candidate that likely)
-    assert res.exit_code == 0 and "note: fixed_tree drafted no token in 3 iterations, so it ran as ar does: every " \
+    idle = plain[:-1] + ["fixed_tree", "--option", "tau=0.999"]  # (no candidate that likely)
+    res = runner.invoke(main, idle + ["--max-new-tokens", "12", "--ignore-eos"])
+    assert res.exit_code == 0 and "note: fixed_tree drafted no token in 11 iterations, so it ran as ar does: every " \
         "candidate fell below its tau" in res.output, res.output
+    res = runner.invoke(main, idle)  # (3 iterations: too few to say)
+    assert res.exit_code == 0 and "drafted no token" not in res.output, res.output
     res = runner.invoke(main, plain[:-1] + ["fixed_tree", "--option", "tau=0"])  # (it drafts: no note)
     assert res.exit_code == 0 and "drafted no token" not in res.output, res.output
     bad = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),

@@ -88,6 +88,7 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     before = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
     os.remove(shards / "part-000001.parquet")  # as if the driver died while it was in flight
     manifest = (tmp_path / "out" / "manifest.json").read_bytes()
+    assert json.loads(manifest)["leading_ids"] == []  # (pinned by the actors: this tokenizer puts no BOS)
     plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     assert (plan["shards"], plan["shards_done"], plan["rows_to_decode"]) == (3, 2, 4)
     assert (plan["target"], plan["draft"]) == (str(pair_dirs / "target"), str(pair_dirs / "draft"))  # the models named
@@ -449,13 +450,28 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
     web = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # a dashboard's port, say
     threading.Thread(target=web.serve_forever, daemon=True).start()
     try:
-        for addr in (f"127.0.0.1:{web.server_port}", f"ray://127.0.0.1:{web.server_port}"):
-            with pytest.raises(JobError, match=f"{addr} answers as a web server, not as a Ray cluster .*dashboard"):
-                _probe(addr)
+        addr = f"127.0.0.1:{web.server_port}"
+        with pytest.raises(JobError, match=f"{addr} answers as a web server, not as a Ray cluster .*dashboard"):
+            _probe(addr)
+        _probe(f"ray://{addr}")  # (a client port may sit behind an HTTPS ingress: left to ray.init)
+        monkeypatch.setenv("RAY_USE_TLS", "1")  # (a TLS GCS is not asked in plain bytes)
+        _probe(addr)
+        monkeypatch.delenv("RAY_USE_TLS")
     finally:
         web.shutdown()
+    import grpc  # (Ray's own dependency) a gRPC server, as a GCS is, passes the probe
+    from concurrent.futures import ThreadPoolExecutor
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        _probe(f"127.0.0.1:{port}")
+    finally:
+        server.stop(None)
     with pytest.raises(JobError, match="--address http://127.0.0.1:8265 is an HTTP address .*give the head's GCS address"):
         _probe("http://127.0.0.1:8265")  # (Ray's message blamed RAY_ADDRESS)
+    with pytest.raises(JobError, match="RAY_ADDRESS http://127.0.0.1:8265 .*or unset RAY_ADDRESS to run on this machine"):
+        _probe("http://127.0.0.1:8265", "RAY_ADDRESS")  # (as Ray's Jobs docs have users export it)
     with pytest.raises(JobError, match="^RAY_ADDRESS localhost: give the head's GCS address, HOST:PORT"):
         _probe("localhost", "RAY_ADDRESS")
     with socket.socket() as s:  # something listening: no error
@@ -557,6 +573,9 @@ def test_spec_validation_messages(tmp_path):
         build_spec(None, input="x", output="y", options={"dmax": 3})
     with pytest.raises(SpecError, match=r"unknown job field\(s\): max_new_token"):  # (a Python caller's keyword)
         build_spec(None, input="x", output="y", max_new_token=3)
+    for bad in ({"method": 3}, {"options": {1: 2}}):  # (no spelling to suggest: the plain error, no traceback)
+        with pytest.raises(SpecError, match="unknown method 3|has no option 1"):
+            build_spec(None, input="x", output="y", **bad)
     job.write_text("input: a.parquet\noutput: out\nmethod: fixed_tree\noptions: {depth: 3}\n")
     a = build_spec(str(job))
     b = build_spec(str(job), options={"depth": "3"})
@@ -1185,6 +1204,27 @@ def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     assert "rows_to_decode         12" in res.output and "shards                 3" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_prompted_without_the_bos_is_not_resumed_with_it(tmp_path):
+    """Shards an older version wrote prompted a Llama-style tokenizer's texts without its BOS; this
+    version starts them with it: resuming would mix the two, so it is refused (pinned per output)."""
+    from dynatree.jobs.plan import pin_prompt_start, read_manifest
+    out = tmp_path / "o"
+    (out / "shards").mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps({"identity_hash": "h"}))  # an older version's, before any shard
+    pin_prompt_start(out, [1])  # no shard yet: pinned
+    assert read_manifest(out)["leading_ids"] == [1]
+    pin_prompt_start(out, [1])
+    (out / "shards" / "part-000000.parquet").write_bytes(b"")
+    with pytest.raises(JobError, match=r"prompted with the ids \[1\] before each text .*start them with no special "
+                                       "token.*--overwrite"):
+        pin_prompt_start(out, [])
+    (out / "manifest.json").write_text(json.dumps({"identity_hash": "h"}))  # shards from before the pin: no BOS
+    with pytest.raises(JobError, match="prompted with no special token before each text .*with the ids \\[1\\]"):
+        pin_prompt_start(out, [1])
+    pin_prompt_start(out, [])  # (a tokenizer that puts none, as GPT-NeoX's: the same job)
+    assert read_manifest(out)["leading_ids"] == []
 
 
 def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):
