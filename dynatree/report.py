@@ -202,7 +202,7 @@ def _batch_table(rows: list[dict]) -> list[str]:
             for r in sub:  # (rows written before ref_method was: plain ar's)
                 sp, spr = (_speedup([r], [x for x in sub if x["method"] == ref]) for ref in ("ar", r.get("ref_method") or "ar"))
                 asked = json.loads(r["setting"]).get("asked")  # (B larger than the prompts measured: all of them)
-                shown = f"{b} (asked {', '.join(map(str, asked))}: the prompts measured)" if asked else b
+                shown = f"{b} (also for B = {', '.join(map(str, asked))}: {b} prompts measured)" if asked else b
                 lines.append(f"| {d} | {shown} | {r['method']} | {r['tokens_per_s']:.1f} | {f'{sp:.2f}×' if sp else '-'} | "
                              f"{f'{spr:.2f}×' if spr else '-'} | "
                              + " | ".join(f"{v:.2f}" if v is not None else "-" for v in (r["tokens_per_iteration"], r["mean_tree_size"]))

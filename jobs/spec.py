@@ -334,6 +334,9 @@ def _file_options(value) -> dict:
     if value is None or isinstance(value, dict):
         return dict(value or {})
     if isinstance(value, str):  # (one, as one --option)
+        if "," in value:
+            raise SpecError(f"invalid job spec: options {value!r}: one KEY=VALUE per string; several as a list "
+                            "(e.g. ['tau=0.05', 'd_max=6']) or a mapping")
         value = [value]
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         try:
@@ -341,7 +344,7 @@ def _file_options(value) -> dict:
         except ValueError as e:
             raise SpecError(f"invalid job spec: options: {e}") from None
     raise SpecError(f"invalid job spec: options must be a mapping KEY: VALUE (e.g. options: {{d_max: 8}}) or a list "
-                    f"of KEY=VALUE strings, got {type(value).__name__} {value!r}")
+                    f"of KEY=VALUE strings (or one), got {type(value).__name__} {value!r}")
 
 
 def _coerce(data: dict) -> dict:

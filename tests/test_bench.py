@@ -204,7 +204,7 @@ def test_bench_batch_sizes(pair_dirs, tmp_path):
         assert r["new_tokens"] == 12 and r["tokens_per_s"] > 0
     assert "Batched decoding" in (out / "summary.md").read_text() and (out / "batch.png").exists()
     assert {json.dumps(json.loads(r["setting"]).get("asked")) for r in rows} == {"null", "[3]"}  # (B = 2 stood for 3)
-    assert "| 2 (asked 3: the prompts measured) | dynatree |" in (out / "summary.md").read_text()
+    assert "| 2 (also for B = 3: 2 prompts measured) | dynatree |" in (out / "summary.md").read_text()
 
 
 def test_bench_windowed_rows_use_the_windowed_ar(pair_dirs, tmp_path):
