@@ -615,6 +615,8 @@ class ModelPair:
         except UnicodeEncodeError as e:
             raise PairError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
         lead = self.leading_ids if specials else []
+        if lead and text.startswith(self.tokenizer.decode(lead)):  # (a text rendered with its BOS: not twice)
+            lead = []
         if last and last <= len(lead):  # (no room for the text after them: its last tokens alone)
             lead = []
         keep = last - len(lead) if last else None

@@ -129,6 +129,8 @@ def test_a_bos_the_tokenizer_adds_starts_every_text_prompt(pair_dirs, tmp_path):
     assert pair.leading_ids == [bos] and pair.encode(text) == [bos, *body]
     assert pair.encode(text, last=4) == [bos, *body[-3:]] and pair.encode(text, last=1) == body[-1:]
     assert pair.encode(text, specials=False) == body
+    rendered = tok.eos_token + text  # (a chat template's text rendered beforehand, BOS and all: one BOS, not two)
+    assert pair.encode(rendered) == tok(rendered, add_special_tokens=False)["input_ids"] == [bos, *body]
     assert truncate_prompt([bos, *body], 4, lead=1) == [bos, *body[-3:]] and truncate_prompt(body, 4) == body[-4:]
     assert truncate_prompt([bos, *body], 1, lead=1) == body[-1:]  # (no room for the text after it: the last token)
     gen = generate(pair, text, "dynatree", max_new_tokens=8, ignore_eos=True)
