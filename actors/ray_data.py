@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
-from dynatree.config import METHODS, close_names, did_you_mean
+from dynatree.config import METHODS, close_names
 from dynatree.data import id_strings
 from dynatree.jobs.spec import JobSpec, SpecError, build_spec
 from dynatree.metrics import output_schema
@@ -72,9 +72,12 @@ def decoding_spec(**options) -> JobSpec:
     unknown = sorted(set(options) - fields)
     if unknown:
         stage = fields - set(_JOB_ONLY)
-        method = {f.name for c in METHODS.values() for f in dataclasses.fields(c)}  # (options={...}'s keys)
-        close = ", ".join(f"'{k}': ..." for k in close_names(unknown, method))
-        hint = did_you_mean(unknown, stage) or (f" (a method's: options={{{close}}}?)" if close else "")
+        chosen = METHODS.get(options.get("method", "dynatree"))  # (options={...}'s keys: the method's)
+        method = {f.name for c in ([chosen] if chosen else METHODS.values()) for f in dataclasses.fields(c)}
+        near = {w: close_names([w], stage) or close_names([w], method) for w in unknown}
+        said = [f"{w}: did you mean {c[0]}?" if c[0] in stage else f"{w}: the method's options={{'{c[0]}': ...}}?"
+                for w, c in near.items() if c]
+        hint = f" ({'; '.join(said)})" if said else ""
         raise SpecError(f"unknown option(s) {', '.join(unknown)}{hint}; the stage takes threads and "
                         f"{', '.join(sorted(stage))}, and a method's options as options={{KEY: VALUE}}")
     spec = build_spec(None, input=_STREAM, output=_STREAM, **options)  # (which drops None: a flag not given)

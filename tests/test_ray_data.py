@@ -109,11 +109,14 @@ def test_bad_options_and_batches_fail_clearly(pair_dirs):
         decoding_spec(num_actors=2)
     with pytest.raises(SpecError, match="max_new_tokens must be >= 1"):
         decoding_spec(max_new_tokens=0)
-    with pytest.raises(SpecError, match=r"unknown option\(s\) max_tokens \(did you mean max_new_tokens\?\); the stage "
-                                        r"takes threads and .*max_new_tokens"):
+    with pytest.raises(SpecError, match=r"unknown option\(s\) max_tokens \(max_tokens: did you mean max_new_tokens\?\); "
+                                        r"the stage takes threads and .*max_new_tokens"):
         decoding_spec(max_tokens=5)
-    with pytest.raises(SpecError, match=r"unknown option\(s\) temprature \(a method's: options=\{'temperature': ...\}\?\)"):
-        decoding_spec(temprature=0.5)
+    with pytest.raises(SpecError, match=r"unknown option\(s\) max_tokens, temprature \(max_tokens: did you mean "
+                                        r"max_new_tokens\?; temprature: the method's options=\{'temperature': ...\}\?\)"):
+        decoding_spec(temprature=0.5, max_tokens=5)  # (each named: one hint did not hide the other)
+    with pytest.raises(SpecError, match=r"unknown option\(s\) dpeth; the stage"):  # (fixed_tree's depth, not ar's)
+        decoding_spec(method="ar", dpeth=3)
     assert decoding_spec(max_prompt_tokens=None).max_prompt_tokens is None  # (the whole context, not 512)
     udf = Generate(**options(pair_dirs))
     with pytest.raises(TypeError, match='batch_format="pyarrow"'):
