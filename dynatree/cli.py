@@ -59,7 +59,25 @@ def cores_note(busy: float | None, threads: int, cpus: int) -> str | None:
 THREADS_HELP = "torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)"
 
 
-@click.group()
+class _Commands(click.Group):
+    """Every command ends on Ctrl-C or SIGTERM as `run` and `bench` do: "interrupted" / "terminated
+    (SIGTERM)" and the shell's 130 / 143 (click said "Aborted!" and exited 1, like a failure; a
+    SIGTERM ended a command with no word and no cleanup -- a kernel build left its compilers and a
+    temporary object behind).  Commands that say more (what was kept) catch it first."""
+
+    def invoke(self, ctx):
+        from .signals import ask, interrupted
+
+        ask()
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            how, code = interrupted(e)
+            click.echo(f"\n{how}", err=True)
+            sys.exit(code)
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="dynatree")
 def main() -> None:
     """Exact tree speculative decoding (DynaTree, DySpec) for batch generation."""

@@ -7,11 +7,13 @@ of each compiling it on the same cores.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -61,7 +63,7 @@ def cache_dir() -> Path:
 
 def variant() -> str:
     """The kernel variant this process asks for: ``$DYNATREE_ISA`` (default ``native``)."""
-    return os.environ.get("DYNATREE_ISA", "native")
+    return os.environ.get("DYNATREE_ISA") or "native"  # (set but empty: unset, as for most knobs)
 
 
 def variants_here() -> list[str]:
@@ -88,21 +90,25 @@ def _compile(cc: str, flags: list[str], out: str) -> str | None:
     the build) and link them into ``out``; the compiler's errors, or None."""
     with tempfile.TemporaryDirectory() as work:
         objs = [str(Path(work) / f"{i}-{src.stem}.o") for i, (src, _) in enumerate(OBJECTS)]
-        procs = [subprocess.Popen([cc, *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True)
-                 for (src, extra), obj in zip(OBJECTS, objs)]
+        # (each compiler in its own process group, ended with it below: a killed driver left cc1 running)
+        procs = [subprocess.Popen([cc, *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for (src, extra), obj in zip(OBJECTS, objs)]
         try:  # (a hung compiler would hold the build lock every other process waits on)
             errors = [p.communicate(timeout=COMPILE_TIMEOUT_S)[1] for p in procs]
             if any(p.returncode for p in procs):
                 return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
-            link = subprocess.run([cc, *flags, *objs, "-o", out, "-lm"], capture_output=True, text=True,
-                                  timeout=COMPILE_TIMEOUT_S)
+            procs.append(subprocess.Popen([cc, *flags, *objs, "-o", out, "-lm"], stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+            error = procs[-1].communicate(timeout=COMPILE_TIMEOUT_S)[1]
         except subprocess.TimeoutExpired:
             return f"no result after {COMPILE_TIMEOUT_S} s"
-        finally:
+        finally:  # (an interrupt or a timeout: no compiler outlives the build)
             for p in procs:
-                p.kill()  # (no-op for a finished one)
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        return (link.stderr.strip() or f"link: exit status {link.returncode}") if link.returncode else None
+        return (error.strip() or f"link: exit status {procs[-1].returncode}") if procs[-1].returncode else None
 
 
 def build(isa: str | None = None) -> tuple[Path | None, str]:
@@ -156,11 +162,14 @@ def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path 
             # build beside the target and rename: a reader never sees a half-written object
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            error = _compile(cc, flags, tmp)
-            if error:
-                os.unlink(tmp)
-                return None, f"{cc} failed: {error[:500]}"
-            os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp's file is private: another user's jobs could not load it)
-            os.replace(tmp, lib_path)
+            try:
+                error = _compile(cc, flags, tmp)
+                if error:
+                    return None, f"{cc} failed: {error[:500]}"
+                os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp's file is private: another user's jobs could not load it)
+                os.replace(tmp, lib_path)
+            finally:  # (a failed or interrupted build leaves nothing in the cache)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
     return lib_path, ""
 

@@ -393,6 +393,25 @@ def test_cli_generate_check_ar_says_where_and_how_close(pair_dirs, monkeypatch):
     assert "matches_ar=False (first difference at token 4, target top-2 logit margin there" in res.output
 
 
+def test_every_command_ends_on_ctrl_c_and_sigterm_with_the_shells_codes(pair_dirs, monkeypatch):
+    """generate (and any command that says nothing more itself) ends on Ctrl-C with "interrupted"
+    and 130, on SIGTERM with "terminated (SIGTERM)" and 143 -- click said "Aborted!" and exited 1,
+    as a failure does, and a SIGTERM ended it with no word."""
+    from dynatree import engine
+    from dynatree.signals import Terminated
+
+    args = ["generate", "--target", str(pair_dirs / "target"), "--device", "cpu", "--method", "ar",
+            "--max-new-tokens", "4", "--prompt", "It was"]
+    for signal_, (code, said) in ((KeyboardInterrupt, (130, "interrupted")),
+                                  (Terminated, (143, "terminated (SIGTERM)"))):
+        def stopped(*a, **k):
+            raise signal_()
+
+        monkeypatch.setattr(engine, "generate_batch", stopped)
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == code and res.output.rstrip().endswith(said) and "Aborted" not in res.output, res.output
+
+
 def test_several_prompts_texts_are_told_apart_on_stdout(pair_dirs):
     args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
             "--max-new-tokens", "4", "--prompt", "It was the best", "--prompt", "The quick brown", "--ignore-eos"]

@@ -654,6 +654,51 @@ def test_extra_cflags_reach_the_build_and_its_key(monkeypatch, tmp_path):
     assert plain != extra and seen[1][-2:] == ["-g", "-DDT_TEST=1"] and "-g" not in seen[0]
 
 
+def test_an_interrupted_build_leaves_no_compiler_nor_object(monkeypatch, tmp_path):
+    """Ctrl-C or SIGTERM mid-build (a command's KeyboardInterrupt): the compilers are ended, their
+    children too (a killed driver left cc1 running), and no temporary object stays in the cache."""
+    import subprocess
+    import time
+
+    slow = tmp_path / "slow-cc"  # answers --version; a compile is a shell waiting on its own child
+    slow.write_text('#!/bin/sh\n[ "$1" = --version ] && echo slow 1.0 && exit 0\nsleep 60 &\nwait\n')
+    slow.chmod(0o755)
+    monkeypatch.setenv("CC", str(slow))
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    spawned, real = [], subprocess.Popen
+
+    class Interrupted(real):  # (the interrupt lands while the build waits on its compilers)
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            spawned.append(self)
+
+        def communicate(self, *a, **k):
+            time.sleep(0.3)  # (the shell has started its child)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(kbuild.subprocess, "Popen", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        kbuild.build("generic")
+    assert spawned and all(p.poll() is not None for p in spawned)
+    assert not list((tmp_path / "cache").glob("*.so"))  # (the temporary object went with the build)
+    time.sleep(0.2)
+    left = [pid for p in spawned for pid in _live_in_group(p.pid)]  # (the shells' `sleep 60` children)
+    assert not left, left
+
+
+def _live_in_group(pgid: int) -> list[int]:
+    """The live (not zombie) pids of process group ``pgid``, from /proc/*/stat (state, ppid, pgrp)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            state, _ppid, group = (d / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
 def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
     """`dynatree build` compiles each requested variant into the cache (a fake compiler here: the
     real build is tested above) and says which could not be built."""
