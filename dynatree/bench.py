@@ -16,6 +16,7 @@ tables and plots from those rows alone.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -503,7 +504,10 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     spec = _decodable(pair, spec, log)
     out = Path(out_dir)
     made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)  # (now: an unwritable --out fails before hours of measuring)
+    _check_writable(out)  # (now: an unwritable or full --out fails before hours of measuring)
+    if (out / "results.parquet").exists():
+        log(f"note: {out} holds an earlier bench's results.parquet: this bench's replace it once it ends (another "
+            "--out keeps them)")
     rows: list[dict] = []
     t0 = time.time()
     host = _machine(pair)  # the CPU, and its FMA rate before the first prompt
@@ -520,6 +524,24 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
             out.rmdir()
         raise
     return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept, host=host)
+
+
+def _check_writable(out: Path, room: int = 1 << 20) -> None:
+    """ValueError unless ``out`` can be made and holds ``room`` bytes more (results, summary and
+    plots take well under a megabyte): a bench on a read-only or full disk measured everything,
+    then lost it to a traceback."""
+    probe = out / ".write-probe"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * room)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot take the results: {e.strerror or e}") from None
+    finally:
+        with contextlib.suppress(OSError):  # (none made: a path through a file, a full disk)
+            probe.unlink()
 
 
 def _machine(pair: ModelPair) -> dict:

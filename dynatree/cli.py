@@ -40,7 +40,8 @@ def _threads(n: int | None, device: str = "cpu") -> None:
 def _note_shared_cores(threads: int) -> None:
     from .machine import busy_cpus
 
-    note = cores_note(busy_cpus(), threads, os.cpu_count() or 1)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (taskset)
+    note = cores_note(busy_cpus(), threads, usable)
     if note:
         click.echo(note, err=True)
 
@@ -48,12 +49,14 @@ def _note_shared_cores(threads: int) -> None:
 def cores_note(busy: float | None, threads: int, cpus: int) -> str | None:
     """The note for ``threads`` forward threads where other processes keep ``busy`` of ``cpus``
     CPUs busy, or None when the threads fit in what they leave free (half a CPU of slack)."""
-    if busy is None or threads < 2 or threads + busy <= cpus + 0.5:
+    if threads < 2 or threads + (busy or 0.0) <= cpus + 0.5:
         return None
-    return (f"note: other processes are using ~{busy:.1f} of this machine's {cpus} CPUs; a forward on {threads} "
-            "threads waits at every step for any thread they displace, which can make decoding many times slower: "
-            f"give --threads {max(1, min(threads - 1, round(cpus - busy)))} (no more threads than free CPUs) if it "
-            "runs slowly")
+    wait = (f"a forward on {threads} threads waits at every step for any thread {{}}, which can make decoding many "
+            "times slower: give --threads {} (no more threads than free CPUs)")
+    if threads > cpus:  # (more threads than CPUs, whatever else runs: a taskset, --threads 64)
+        return "note: " + wait.format("that has no CPU of its own", cpus) + f"; this process may use {cpus} CPUs"
+    return (f"note: other processes are using ~{busy:.1f} of this machine's {cpus} CPUs; "
+            + wait.format("they displace", max(1, min(threads - 1, round(cpus - busy)))) + " if it runs slowly")
 
 
 THREADS_HELP = "torch and kernel threads (default: torch's, one per core; fewer when other work shares the cores)"
@@ -77,7 +80,7 @@ class _Commands(click.Group):
             sys.exit(code)
 
 
-@click.group(cls=_Commands)
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dynatree")
 def main() -> None:
     """Exact tree speculative decoding (DynaTree, DySpec) for batch generation."""
@@ -410,6 +413,9 @@ def run(config_file, quiet, dry_run, **fields):
     from .jobs.summary import OTHER_ERRORS
 
     ask()  # SIGTERM ends the job as Ctrl-C does, once Ray is up
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:  # (a base install: the driver imports it at the first check)
+        _fail("dynatree run needs Ray: pip install 'dynatree[ray]' (or '.[ray]' in a checkout)")
     spec = None
     try:
         fields["options"] = parse_options(fields["options"])
@@ -550,6 +556,8 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
         out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
     except (PairError, InputError, ValueError) as e:
         _fail(str(e))
+    except OSError as e:  # (a disk that filled up while measuring: the checks at the start passed)
+        _fail(f"--out {out_dir}: could not write the results: {e.strerror or e}")
     except KeyboardInterrupt as e:
         how, code = interrupted(e)
         saved = (f"the prompts measured so far are in {out_dir}/results.parquet (`dynatree report {out_dir}` "
@@ -563,6 +571,9 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
         click.echo(f"\n{how} while writing the report: every measurement is in {out}/results.parquet; "
                    f"`dynatree report {out}` writes summary.md and the plots", err=True)
         sys.exit(code)
+    except OSError as e:  # (the disk filled up: the measurements were written first)
+        _fail(f"could not write the report in {out} ({e.strerror or e}); every measurement is in "
+              f"{out}/results.parquet: `dynatree report {out}` writes summary.md and the plots once there is room")
     click.echo(md.read_text())
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
 

@@ -273,7 +273,13 @@ def _exact(rs: list[dict]) -> str:
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (a base install: the tables are the results; the plots an extra)
+        import warnings
+
+        warnings.warn("no plots: matplotlib is not installed (pip install 'dynatree[plot]')", stacklevel=2)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

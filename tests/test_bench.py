@@ -431,6 +431,36 @@ def test_options_given_to_every_method_reach_the_grid_and_are_named_and_peers_re
     assert parse_methods("streaming_spec,hf_ar", ["kv_evict=32"])[2].options == {}  # a peer is not refused for it
 
 
+def test_a_bench_that_cannot_write_its_out_fails_before_measuring(pair_dirs, tmp_path, monkeypatch):
+    """A read-only or full --out: one line before the first prompt (it measured everything, then
+    lost it to a traceback); an earlier bench's results there are said to be replaced."""
+    import dynatree.bench
+
+    args = bench_args(pair_dirs, tmp_path, 3, 1) + ["--methods", "ar"]
+    (tmp_path / "a-file").write_text("")
+    res = CliRunner().invoke(main, args + ["--out", str(tmp_path / "a-file" / "b")])
+    assert res.exit_code == 1 and f"--out {tmp_path / 'a-file' / 'b'} cannot take the results" in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output  # (no traceback)
+    measured = []
+    monkeypatch.setattr(dynatree.bench, "_measure", lambda *a, **k: measured.append(1))
+    real_open = open
+
+    def full(path, mode="r", *a, **k):  # a disk with no room left for the probe's megabyte
+        if str(path).endswith(".write-probe"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", full)
+    res = CliRunner().invoke(main, args + ["--out", str(tmp_path / "full")])
+    assert res.exit_code == 1 and "cannot take the results: No space left on device" in res.output, res.output
+    assert not measured
+    monkeypatch.setattr("builtins.open", real_open)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.parquet").write_text("")
+    dynatree.bench._check_writable(tmp_path / "old")
+    assert not (tmp_path / "old" / ".write-probe").exists()
+
+
 def test_an_interrupted_check_prints_the_prompts_it_finished(pair_dirs, tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM mid-check: the table of the prompts checked whole, then exit 130 (it
     printed only click's "Aborted!")."""

@@ -145,3 +145,7 @@ def test_busy_cpus_sees_other_processes_not_its_own_and_the_note_follows_it():
     assert cli.cores_note(0.2, 2, 2) is None and cli.cores_note(None, 2, 2) is None
     assert cli.cores_note(1.5, 1, 2) is None  # (one thread: nothing to wait for)
     assert "give --threads 3" in cli.cores_note(5.0, 4, 8)  # (3 CPUs free)
+    for busy in (0.0, None):  # more threads than CPUs (taskset, --threads 64): said as that, not as others' load
+        note = cli.cores_note(busy, 3, 2)
+        assert note.startswith("note: a forward on 3 threads waits at every step for any thread that has no CPU of "
+                               "its own") and "give --threads 2" in note and "other processes" not in note, note

@@ -412,6 +412,26 @@ def test_every_command_ends_on_ctrl_c_and_sigterm_with_the_shells_codes(pair_dir
         assert res.exit_code == code and res.output.rstrip().endswith(said) and "Aborted" not in res.output, res.output
 
 
+def test_a_base_install_says_which_extra_a_command_needs(monkeypatch, tmp_path):
+    """Without the `ray` extra `dynatree run` names it (a ModuleNotFoundError traceback); without
+    `plot` a report has its tables and says why it has no plots; `python -m dynatree -h` works."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from dynatree import report
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    res = CliRunner().invoke(main, ["run", "--input", "x.parquet", "--output", str(tmp_path / "o")])
+    assert res.exit_code == 1 and "dynatree run needs Ray: pip install 'dynatree[ray]'" in res.output, res.output
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib: ImportError)
+    with pytest.warns(UserWarning, match=r"no plots: matplotlib is not installed \(pip install 'dynatree\[plot\]'\)"):
+        assert report.plots([], tmp_path) == []
+    res = subprocess.run([sys.executable, "-m", "dynatree", "-h"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("Usage: dynatree "), res.stderr
+
+
 def test_several_prompts_texts_are_told_apart_on_stdout(pair_dirs):
     args = ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
             "--max-new-tokens", "4", "--prompt", "It was the best", "--prompt", "The quick brown", "--ignore-eos"]
