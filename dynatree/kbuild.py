@@ -133,12 +133,38 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = cache_dir()
     lib_path = cache / f"libdtgemm-{key}.so"
-    if lib_path.exists():
+    if lib_path.exists() and _whole(lib_path):
         return lib_path, ""
     try:
         return _build_into(cache, key, cc, flags)
     except OSError as e:  # (an unwritable or misplaced DYNATREE_CACHE)
         return None, f"cannot build in {cache} (DYNATREE_CACHE): {e.strerror or e}"
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _whole(lib: Path) -> bool:
+    """Whether a cached object is the one its build wrote: the digest kept beside it matches (one an
+    older version built has none, and is trusted).  A truncated copy -- a cache copied or shared
+    over a network filesystem -- crashed every process that loaded it with a bus error."""
+    try:
+        want = _digest_path(lib).read_text().strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
+def _write_digest(lib: Path, digest: str) -> None:
+    tmp = _digest_path(lib).with_suffix(".tmp")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, _digest_path(lib))
 
 
 def _umask() -> int:
@@ -158,7 +184,7 @@ def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path 
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"libdtgemm-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this object: wait for its result
-        if not lib_path.exists():
+        if not (lib_path.exists() and _whole(lib_path)):  # (a damaged copy is built again)
             # build beside the target and rename: a reader never sees a half-written object
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
@@ -167,7 +193,9 @@ def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path 
                 if error:
                     return None, f"{cc} failed: {error[:500]}"
                 os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp's file is private: another user's jobs could not load it)
+                digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
                 os.replace(tmp, lib_path)
+                _write_digest(lib_path, digest)
             finally:  # (a failed or interrupted build leaves nothing in the cache)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)

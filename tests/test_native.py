@@ -654,6 +654,26 @@ def test_extra_cflags_reach_the_build_and_its_key(monkeypatch, tmp_path):
     assert plain != extra and seen[1][-2:] == ["-g", "-DDT_TEST=1"] and "-g" not in seen[0]
 
 
+def test_a_damaged_cached_object_is_built_again(monkeypatch, tmp_path):
+    """A truncated object in the cache (copied, or on a network filesystem) crashed every process
+    that loaded it with a bus error, and `dynatree build` called it built: its digest, kept beside
+    it, no longer matches, so it is built again; an older version's object (no digest) is kept."""
+    fake = tmp_path / "fake-cc"  # writes a file where -o says
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = -o ] && echo a-whole-object > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    lib, why = kbuild.build("generic")
+    assert lib is not None and lib.read_text() == "a-whole-object\n", why
+    lib.write_text("a-who")  # truncated
+    again, _ = kbuild.build("generic")
+    assert again == lib and lib.read_text() == "a-whole-object\n"  # (built again, not trusted)
+    kbuild._digest_path(lib).unlink()  # an object an older version built: no digest, kept as it is
+    lib.write_text("older")
+    assert kbuild.build("generic")[0] == lib and lib.read_text() == "older"
+
+
 def test_an_interrupted_build_leaves_no_compiler_nor_object(monkeypatch, tmp_path):
     """Ctrl-C or SIGTERM mid-build (a command's KeyboardInterrupt): the compilers are ended, their
     children too (a killed driver left cc1 running), and no temporary object stays in the cache."""
