@@ -16,7 +16,6 @@ tables and plots from those rows alone.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +29,7 @@ import torch
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
 from .config import METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label
 from .engine import decode
+from .machine import ensure_writable
 from .metrics import Metrics, defined_mean, release_freed_memory, rss_bytes
 from .models import ModelPair
 from .policies import make_policy
@@ -504,7 +504,10 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     spec = _decodable(pair, spec, log)
     out = Path(out_dir)
     made = not out.exists()
-    _check_writable(out)  # (now: an unwritable or full --out fails before hours of measuring)
+    try:  # (now: an unwritable or full --out fails before hours of measuring; results and plots take < 1 MB)
+        ensure_writable(out, room=1 << 20)
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot take the results: {e.strerror or e}") from None
     if (out / "results.parquet").exists():
         log(f"note: {out} holds an earlier bench's results.parquet: this bench's replace it once it ends (another "
             "--out keeps them)")
@@ -524,24 +527,6 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
             out.rmdir()
         raise
     return _write(out, pair, spec, rows, t0, loaded, log=log, kept=kept, host=host)
-
-
-def _check_writable(out: Path, room: int = 1 << 20) -> None:
-    """ValueError unless ``out`` can be made and holds ``room`` bytes more (results, summary and
-    plots take well under a megabyte): a bench on a read-only or full disk measured everything,
-    then lost it to a traceback."""
-    probe = out / ".write-probe"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"\0" * room)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise ValueError(f"--out {out} cannot take the results: {e.strerror or e}") from None
-    finally:
-        with contextlib.suppress(OSError):  # (none made: a path through a file, a full disk)
-            probe.unlink()
 
 
 def _machine(pair: ModelPair) -> dict:

@@ -146,7 +146,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import divergence
-    from .config import ContextError, ar_reference, make_config, parse_options, reference_label
+    from .config import ContextError, ar_reference, make_config, parse_options
     from .models import PairError, load_pair
     from .parts import file_text
 
@@ -173,8 +173,9 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         # (the same keys for one generation as for several: a parser need not tell the cases apart)
         results = [{"prompt": i // samples, "sample": i % samples, **g.as_dict()} for i, g in enumerate(gens)]
         if check_ar:  # ar with the method's seed and cache window
-            refs = engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
-            compared = _compared_with(pair, ar_reference(cfg), reference_label)
+            ref_cfg = ar_reference(cfg)
+            refs = engine.generate_batch(pair, prompts, "ar", ref_cfg, **limits)
+            compared = _compared_with(pair, ref_cfg)
             for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
                 if not res["matches_ar"]:  # where, and how close the target's top two were there
@@ -236,9 +237,11 @@ def _say_if_idle(method: str, cfg, gens) -> None:
                "does" + (": " + " or ".join(why) if why else ""), err=True)
 
 
-def _compared_with(pair, ref, reference_label) -> str:
+def _compared_with(pair, ref) -> str:
     """What --check-ar compared with, where it is not plain float32-kernel ar: the ar with the
     method's cache window, cache dtype or sampling, and the bfloat16 kernel's ar under lean-bf16."""
+    from .config import reference_label
+
     label = reference_label(ref)
     bf16 = pair.kernel == "lean-bf16" and pair.forward_in_use("target").startswith("native")
     if label == "ar" and not bf16:

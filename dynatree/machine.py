@@ -2,12 +2,15 @@
 
 Why: the same code measures up to ~2x apart on two CPUs of one cloud's "2 vCPU" size, and on one
 VM over an afternoon (two vCPUs that sometimes share a physical core); a table of tokens/s means
-little without the CPU it came from and the FMA rate it had then.
+little without the CPU it came from and the FMA rate it had then.  (Also: whether a directory
+here can take what a command will write, before it works for hours.)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+from pathlib import Path
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # what the kernels use
 
@@ -95,3 +98,20 @@ def busy_between(a: tuple[float, float, float], b: tuple[float, float, float]) -
     """CPUs other processes kept busy between two cpu_snapshot()s (None if no time passed)."""
     wall = b[0] - a[0]
     return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else None
+
+
+def ensure_writable(directory: Path, room: int = 0) -> None:
+    """Make ``directory`` and write ``room`` bytes (at least one) into a probe file there, removed
+    again whatever happens (a failed probe on a full disk had left an empty one); OSError if it
+    cannot be made or take them."""
+    probe = directory / ".write-probe"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * max(room, 1))
+            if room:  # (a megabyte the filesystem accepted into its cache may still not fit on disk)
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(OSError):  # (none made: a path through a file, a full disk)
+            probe.unlink()

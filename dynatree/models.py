@@ -594,12 +594,13 @@ class ModelPair:
         """The special tokens the tokenizer puts before a text (a Llama tokenizer's BOS; none for
         GPT-NeoX's): a prompt starts with them, as ``tokenizer(text)`` and vLLM's prompts do.  Those
         it puts after one (an EOS some set to add) are left out: the text goes on from there."""
-        if "leading_ids" not in self.state:
+        if "leading_ids" not in self.state:  # (with their text, which a text rendered with them starts with)
             plain = self.tokenizer("a b", add_special_tokens=False)["input_ids"]
             full = self.tokenizer("a b")["input_ids"]
             at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
-            self.state["leading_ids"] = list(full[:at])
-        return self.state["leading_ids"]
+            lead = list(full[:at])
+            self.state["leading_ids"] = lead, self.tokenizer.decode(lead) if lead else ""
+        return self.state["leading_ids"][0]
 
     def encode(self, text: str, last: int | None = None, specials: bool = True) -> list[int]:
         """The text's token ids after the tokenizer's leading special tokens (``leading_ids``;
@@ -615,7 +616,7 @@ class ModelPair:
         except UnicodeEncodeError as e:
             raise PairError(f"the prompt is not valid UTF-8 text (at character {e.start})") from None
         lead = self.leading_ids if specials else []
-        if lead and text.startswith(self.tokenizer.decode(lead)):  # (a text rendered with its BOS: not twice)
+        if lead and text.startswith(self.state["leading_ids"][1]):  # (a text rendered with its BOS: not twice)
             lead = []
         if last and last <= len(lead):  # (no room for the text after them: its last tokens alone)
             lead = []

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynatree.data import InputError, InputSource
+from dynatree.machine import ensure_writable
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
@@ -477,10 +478,8 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
 def prepare_output(spec: JobSpec, plan: Plan) -> Path:
     out = Path(spec.output)
     try:
-        (out / "shards").mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-probe"
-        probe.write_text("ok")
-        probe.unlink()
+        ensure_writable(out)
+        (out / "shards").mkdir(exist_ok=True)
     except OSError as e:
         raise JobError(f"output directory {out} is not writable: {e}") from e
     manifest = check_output(spec, plan)
@@ -503,9 +502,9 @@ def pin_prompt_start(out: Path, leading: list[int]) -> None:
     Llama tokenizer puts before a text), known once an actor has loaded the tokenizer; refuse an
     output whose shards began otherwise -- dynatree before 2026-11-30 prompted without the BOS, and
     a resume would mix prompts with and without it."""
-    manifest = read_manifest(out) or {}
-    had = manifest.get("leading_ids", [] if _has_shards(out) else None)  # (older shards: none)
-    if had is not None and had != leading and _has_shards(out):
+    manifest, begun = read_manifest(out) or {}, _has_shards(out)
+    had = manifest.get("leading_ids", [])  # (shards of an older version: none)
+    if begun and had != leading:
         how = lambda ids: f"with the ids {ids}" if ids else "with no special token"  # noqa: E731
         raise JobError(f"{out}'s finished shards were prompted {how(had)} before each text (dynatree before "
                        f"2026-11-30 put no BOS there); this run would start them {how(leading)}, the tokenizer's "

@@ -457,7 +457,8 @@ def test_a_bench_that_cannot_write_its_out_fails_before_measuring(pair_dirs, tmp
     monkeypatch.setattr("builtins.open", real_open)
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "results.parquet").write_text("")
-    dynatree.bench._check_writable(tmp_path / "old")
+    from dynatree.machine import ensure_writable
+    ensure_writable(tmp_path / "old", room=1 << 20)
     assert not (tmp_path / "old" / ".write-probe").exists()
 
 
