@@ -120,13 +120,15 @@ def _check_device(spec: JobSpec) -> None:
     before check), else this machine, where Ray Data starts its own."""
     import ray
 
-    from dynatree.jobs.driver import JobError, _check_devices, _local_gpus
+    from dynatree.jobs import placement
+    from dynatree.jobs.driver import JobError
 
     if not spec.device.startswith("cuda"):
         return
     if ray.is_initialized():
-        _check_devices(spec, ray.cluster_resources())
-    elif not os.environ.get("RAY_ADDRESS") and not _local_gpus(cuda=True):
+        if (no_gpu := placement.no_gpu(spec.device, ray.cluster_resources())):
+            raise JobError(no_gpu)
+    elif not os.environ.get("RAY_ADDRESS") and not placement.local_gpus(cuda=True):
         raise JobError(f"device {spec.device}: this machine has no CUDA GPU, and Ray Data starts its cluster here "
                        "(no ray.init(address=...) before check); use device cpu or auto")
 

@@ -88,16 +88,18 @@ COMPILE_TIMEOUT_S = 600  # a build takes 10-40 s
 def _compile(cc: str, flags: list[str], out: str) -> str | None:
     """Compile the objects side by side (one compiler each: the first job on a machine waits for
     the build) and link them into ``out``; the compiler's errors, or None."""
-    with tempfile.TemporaryDirectory() as work:
+    # (the objects beside the cache and -pipe, no assembler files in $TMPDIR: a build writes only where
+    # DYNATREE_CACHE is, and a full /tmp cannot fail it with "No usable temporary directory")
+    with tempfile.TemporaryDirectory(dir=Path(out).parent, prefix="build-") as work:
         objs = [str(Path(work) / f"{i}-{src.stem}.o") for i, (src, _) in enumerate(OBJECTS)]
         # (each compiler in its own process group, ended with it below: a killed driver left cc1 running)
-        procs = [subprocess.Popen([cc, *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True,
+        procs = [subprocess.Popen([cc, "-pipe", *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True,
                                   start_new_session=True) for (src, extra), obj in zip(OBJECTS, objs)]
         try:  # (a hung compiler would hold the build lock every other process waits on)
             errors = [p.communicate(timeout=COMPILE_TIMEOUT_S)[1] for p in procs]
             if any(p.returncode for p in procs):
                 return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
-            procs.append(subprocess.Popen([cc, *flags, *objs, "-o", out, "-lm"], stderr=subprocess.PIPE, text=True,
+            procs.append(subprocess.Popen([cc, "-pipe", *flags, *objs, "-o", out, "-lm"], stderr=subprocess.PIPE, text=True,
                                           start_new_session=True))
             error = procs[-1].communicate(timeout=COMPILE_TIMEOUT_S)[1]
         except subprocess.TimeoutExpired:

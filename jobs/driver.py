@@ -383,8 +383,8 @@ def _check_this_machine(spec: JobSpec) -> None:
     if spec.address or os.environ.get("RAY_ADDRESS"):  # (set inside `ray job submit`: the cluster's nodes run it)
         return
 
-    gpus = _local_gpus()
-    if spec.device.startswith("cuda") and not _local_gpus(cuda=True):
+    gpus = placement.local_gpus()
+    if spec.device.startswith("cuda") and not placement.local_gpus(cuda=True):
         raise JobError(f"--device {spec.device}: this machine has no CUDA GPU, and a job without --address runs "
                        "here; use --device cpu or auto")
     if ray.is_initialized():  # (a Python caller's cluster: placement checks it once connected)
@@ -406,32 +406,6 @@ def _check_this_machine(spec: JobSpec) -> None:
                                   "Resources": here}], n, cpus, gpus, memory)
     except placement.PlacementError as e:
         raise JobError(str(e)) from e
-
-
-def _local_gpus(cuda: bool = False) -> int:
-    """The GPUs a local Ray cluster will hold, counted as Ray counts them (capped by the visible
-    devices; ray._private.resource_and_label_spec), not by importing torch (1.1 s and ~180 MB of
-    the driver's memory).  ``cuda``: only those torch's "cuda" device runs on (NVIDIA's, AMD's
-    ROCm), where Ray's GPU resource may be another kind (Apple's, Intel's)."""
-    try:
-        from ray._private import accelerators  # (private: may move)
-    except ImportError:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    kinds = ([accelerators.NvidiaGPUAcceleratorManager, accelerators.AMDGPUAcceleratorManager] if cuda
-             else [accelerators.get_accelerator_manager_for_resource("GPU")])
-    count = 0
-    for gpu in kinds:
-        n, visible = gpu.get_current_node_num_accelerators(), gpu.get_current_process_visible_accelerator_ids()
-        count += n if visible is None else min(n, len(visible))
-    return count
-
-
-def _check_devices(spec: JobSpec, resources: dict) -> None:
-    if spec.device.startswith("cuda") and resources.get("GPU", 0) <= 0:
-        raise JobError(f"--device {spec.device}: the Ray cluster has no GPUs (resources: "
-                       f"{resources.get('CPU', 0):g} CPU); use --device cpu or auto")
 
 
 def _warn_if_submitted_relative(spec: JobSpec, log) -> None:
@@ -553,7 +527,7 @@ def _actors_said(spec: JobSpec) -> str:
     joined = ray.is_initialized()  # (a Python caller's connection: the job runs there, whatever --address says)
     address = None if joined else spec.address or os.environ.get("RAY_ADDRESS")
     local = not address and not joined
-    n, cpus, gpus = _actor_shape(spec, {"GPU": _local_gpus()} if local else {})
+    n, cpus, gpus = _actor_shape(spec, {"GPU": placement.local_gpus()} if local else {})
     auto_gpu = spec.gpus_per_actor is None and not local and spec.device != "cpu"  # (counted at the job's start)
     gpus = "1 if the cluster has one" if auto_gpu else f"{gpus:g}"
     shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}}}"
@@ -639,7 +613,8 @@ class _Dispatch:
         t0 = time.time()
         ray = _init_ray(self.spec, self.log)
         resources = ray.cluster_resources()
-        _check_devices(self.spec, resources)
+        if (no_gpu := placement.no_gpu(self.spec.device, resources)):
+            raise JobError(no_gpu)
         n, self.cpus, self.gpus = _actor_shape(self.spec, resources)
         if not self.gpus and self.spec.dtype == "float16":
             self.log(f"warning: CPU actors: {FLOAT16_ON_CPU}")

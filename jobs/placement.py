@@ -233,3 +233,31 @@ def release(pg) -> None:
 
     if pg is not None and ray.is_initialized():
         remove_placement_group(pg)
+
+
+def local_gpus(cuda: bool = False) -> int:
+    """The GPUs a local Ray cluster will hold, counted as Ray counts them (capped by the visible
+    devices; ray._private.resource_and_label_spec), not by importing torch (1.1 s and ~180 MB of
+    the driver's memory).  ``cuda``: only those torch's "cuda" device runs on (NVIDIA's, AMD's
+    ROCm), where Ray's GPU resource may be another kind (Apple's, Intel's)."""
+    try:
+        from ray._private import accelerators  # (private: may move)
+    except ImportError:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kinds = ([accelerators.NvidiaGPUAcceleratorManager, accelerators.AMDGPUAcceleratorManager] if cuda
+             else [accelerators.get_accelerator_manager_for_resource("GPU")])
+    count = 0
+    for gpu in kinds:
+        n, visible = gpu.get_current_node_num_accelerators(), gpu.get_current_process_visible_accelerator_ids()
+        count += n if visible is None else min(n, len(visible))
+    return count
+
+
+def no_gpu(device: str, resources: dict) -> str | None:
+    """Why a ``cuda`` device cannot run on a cluster with these resources (None: it can)."""
+    if device.startswith("cuda") and resources.get("GPU", 0) <= 0:
+        return (f"--device {device}: the Ray cluster has no GPUs (resources: {resources.get('CPU', 0):g} CPU); "
+                "use --device cpu or auto")
+    return None

@@ -706,6 +706,20 @@ def test_an_interrupted_build_leaves_no_compiler_nor_object(monkeypatch, tmp_pat
     assert not left, left
 
 
+def test_a_build_writes_only_where_the_cache_is(monkeypatch, tmp_path):
+    """Python's temporary directory unusable (a full /tmp: "No usable temporary directory", which
+    the build reported as "cannot build in ...: No such file or directory") does not fail a build:
+    its objects lie beside the cache and the compiler pipes instead of writing assembler files."""
+    src = tmp_path / "tiny.c"
+    src.write_text("int dt_tiny(void) { return 1; }\n")
+    monkeypatch.setattr(kbuild, "OBJECTS", [(src, [])])
+    monkeypatch.setattr(kbuild.tempfile, "tempdir", str(tmp_path / "gone"))  # (what gettempdir() answers)
+    out = tmp_path / "cache" / "lib.so"
+    out.parent.mkdir()
+    assert kbuild._compile(os.environ.get("CC", "cc"), kbuild.FLAGS, str(out)) is None
+    assert [p.name for p in out.parent.iterdir()] == ["lib.so"]  # (the objects' directory went with the build)
+
+
 def _live_in_group(pgid: int) -> list[int]:
     """The live (not zombie) pids of process group ``pgid``, from /proc/*/stat (state, ppid, pgrp)."""
     pids = []

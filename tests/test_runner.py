@@ -854,15 +854,15 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
 
 
 def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
-    from dynatree.jobs.driver import _check_devices
+    from dynatree.jobs.placement import no_gpu
 
     write_input(tmp_path)
     for dry_run in (True, False):  # a local job: this machine's GPUs, known before Ray starts, nothing written
         with pytest.raises(JobError, match="--device cuda: this machine has no CUDA GPU"):
             run_job(spec(pair_dirs, tmp_path, device="cuda"), progress=False, log=quiet, dry_run=dry_run)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(JobError, match="the Ray cluster has no GPUs"):  # a cluster's (--address): its resources
-        _check_devices(spec(pair_dirs, tmp_path, device="cuda", address="127.0.0.1:1"), {"CPU": 2.0})
+    assert "--device cuda: the Ray cluster has no GPUs" in no_gpu("cuda", {"CPU": 2.0})  # a cluster's (--address)
+    assert no_gpu("cuda:1", {"CPU": 2.0, "GPU": 1.0}) is None and no_gpu("cpu", {"CPU": 2.0}) is None
     with pytest.raises(JobError, match=r"memory: 9000\.0 GB}.*lower --memory-per-actor"):  # more than any node has
         run_job(spec(pair_dirs, tmp_path, memory_per_actor=9000.0), progress=False, log=quiet)
     # no shard was written, so another config on the same output is not refused (memory that fits: placed)
@@ -1723,7 +1723,7 @@ def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
     cuda asks for NVIDIA's or AMD's only."""
     from ray._private import accelerators
 
-    from dynatree.jobs.driver import _local_gpus
+    from dynatree.jobs.placement import local_gpus
 
     class Manager:
         visible = None
@@ -1742,9 +1742,9 @@ def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
     monkeypatch.setattr(accelerators, "get_accelerator_manager_for_resource", lambda name: m)
     monkeypatch.setattr(accelerators, "NvidiaGPUAcceleratorManager", NoGPU())
     monkeypatch.setattr(accelerators, "AMDGPUAcceleratorManager", NoGPU())
-    assert _local_gpus() == 4
+    assert local_gpus() == 4
     m.visible = ["1", "3"]
-    assert _local_gpus() == 2
-    assert _local_gpus(cuda=True) == 0  # (Ray's GPUs here are another kind: Apple's, Intel's)
+    assert local_gpus() == 2
+    assert local_gpus(cuda=True) == 0  # (Ray's GPUs here are another kind: Apple's, Intel's)
     monkeypatch.setattr(accelerators, "NvidiaGPUAcceleratorManager", m)
-    assert _local_gpus(cuda=True) == 2
+    assert local_gpus(cuda=True) == 2
