@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Sequence
 
@@ -283,6 +284,50 @@ def _unify(parts: list[Part]) -> tuple[pa.Schema, list[str]]:
     return schema, notes
 
 
+_HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # (Hive's, Spark's and pyarrow's name for a null key)
+
+
+def _hive_keys(path: str, root: str) -> dict[str, str | None]:
+    """The ``key=value`` directories between ``root`` and a file -- a dataset written with
+    partition columns (pyarrow's ``write_to_dataset(partition_cols=...)``, Spark, Hive) keeps
+    them only there -- with their values URI-decoded, as pyarrow's hive partitioning reads them."""
+    keys: dict[str, str | None] = {}
+    for segment in Path(os.path.relpath(os.path.dirname(path), root)).parts:
+        name, eq, value = segment.partition("=")
+        if eq and name:
+            value = urllib.parse.unquote(value)
+            keys[name] = None if value == _HIVE_NULL else value
+    return keys
+
+
+def _partitioned(parts: list[Part], root: str | None, schema: pa.Schema) -> tuple[pa.Schema, list[str]]:
+    """``schema`` with the directories' partition keys as columns after the files' own (int32
+    where every value is one, else string: pyarrow's discovery), each part's values kept as
+    ``part.keys``; a file's own column of the same name wins."""
+    for part in parts:
+        part.keys = _hive_keys(part.info.path, root) if root else {}
+    names = list(dict.fromkeys(k for p in parts for k in p.keys))
+    own = [n for n in names if n in schema.names]
+    for part in parts:
+        for name in own:
+            part.keys.pop(name, None)
+    fields = []
+    for name in (n for n in names if n not in own):
+        values = [p.keys.get(name) for p in parts]
+        try:
+            typed = pa.array(values, pa.string()).cast(pa.int32())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            typed = pa.array(values, pa.string())
+        for part, value in zip(parts, typed.to_pylist()):
+            part.keys[name] = value
+        fields.append(pa.field(name, typed.type))
+    notes = [f"partition column(s) from the directories' key=value names: {', '.join(f'{f.name} ({f.type})' for f in fields)}"
+             ] if fields else []
+    notes += [f"directories name a partition {n!r}, which the files hold as a column too: the files' values are read"
+              for n in own]
+    return pa.schema(list(schema) + fields), notes
+
+
 def _text_of(col) -> pa.Array:
     """A column's values as text the way a JSONL column of mixed values is read (parts.as_text: 1.0,
     true), and as ids of one numeric type are written (id_strings: str(1.0)); Arrow's cast wrote 1.0
@@ -342,11 +387,13 @@ class InputSource:
                 dup = next(n for n in names if names.count(n) > 1)
                 raise InputError(f"{part.info.path}: two columns named {dup!r}; rename one")
         schema, notes = _unify(parts)
-        return cls(source, parts, schema, notes=[n for p in parts for n in p.notes] + notes)
+        schema, keyed = _partitioned(parts, input_root(source), schema)
+        return cls(source, parts, schema, notes=[n for p in parts for n in p.notes] + notes + keyed)
 
     def files_without(self, column: str) -> list[str]:
         """The input's files with rows but no ``column`` (their rows would read it as null)."""
-        return [p.info.path for p in self._parts if p.info.rows and column not in p.schema.names]
+        return [p.info.path for p in self._parts
+                if p.info.rows and column not in p.schema.names and column not in p.keys]
 
     def fingerprint(self) -> dict:
         fp = {"source": self.source, "num_rows": self.num_rows,
@@ -395,8 +442,8 @@ class InputSource:
         arrays = []
         for c in columns:
             field = self.schema.field(c)
-            if c not in table.column_names:
-                arrays.append(pa.nulls(n, field.type))
+            if c not in table.column_names:  # (a partition key's value, or null: a column the file lacks)
+                arrays.append(pa.array([part.keys[c]] * n, field.type) if c in part.keys else pa.nulls(n, field.type))
                 continue
             col = table.column(c)
             if pa.types.is_string(field.type) and _textual(col.type) and not _stringlike(col.type):

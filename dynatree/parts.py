@@ -94,6 +94,7 @@ class Part:
     def __init__(self, info: InputFile, schema: pa.Schema):
         self.info, self.schema = info, schema.remove_metadata()
         self.notes: list[str] = []  # how the file is read, for the job's plan (values read as text)
+        self.keys: dict = {}  # its directories' partition values (data._partitioned)
         self._it = self._cur = self._cols = None
         self._pos = 0
 

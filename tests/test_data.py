@@ -3,6 +3,7 @@ import json
 import os
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
@@ -124,6 +125,28 @@ def test_directory_and_glob_order_and_schema_unification(tmp_path):
     pq.write_table(pa.table({"text": ["e"], "n": [{"k": 1}]}), d / "p4.parquet")  # no text for a struct
     with pytest.raises(InputError, match="p4.parquet.*Field n"):
         InputSource.open(str(d / "p*.parquet"))
+
+
+def test_hive_partition_directories_are_read_as_columns_as_pyarrow_reads_them(tmp_path):
+    """A dataset written with partition columns keeps them only in its directories' key=value
+    names: they were dropped without a word (a data engineer's trial)."""
+    h = tmp_path / "h"
+    t = pa.table({"id": [f"r{i}" for i in range(5)], "text": list("abcde"),
+                  "lang": ["en", "fr/x", None, "en", "de"], "year": [2020, 2021, 2020, 2021, 2021]})
+    pq.write_to_dataset(t, h, partition_cols=["lang", "year"])
+    want = ds.dataset(h, partitioning="hive").to_table()
+    for source in (h, h / "*" / "*" / "*.parquet"):
+        src = InputSource.open(str(source))
+        assert src.schema == want.schema  # (lang string, year int32, after the files' columns)
+        rows = src.read(0, src.num_rows, src.column_names)[0].to_pylist()
+        assert sorted(rows, key=lambda r: r["id"]) == sorted(want.to_pylist(), key=lambda r: r["id"])
+        assert any("lang (string), year (int32)" in n for n in src.notes)
+    assert "lang" not in InputSource.open(str(next(h.glob("lang=en/*/*.parquet")))).column_names  # (one file)
+    pq.write_table(pa.table({"id": ["z"], "text": ["f"], "year": ["old"]}), h / "lang=en" / "year=2020" / "x.parquet")
+    src = InputSource.open(str(h))  # a file's own column of a key's name: the files' values
+    assert src.schema.field("year").type == pa.string() and any("'year'" in n for n in src.notes)
+    rows = src.read(0, src.num_rows, ["id", "lang", "year"])[0].to_pylist()
+    assert {"id": "z", "lang": "en", "year": "old"} in rows and {"id": "r0", "lang": "en", "year": None} in rows
 
 
 def test_arrow_file_and_stream_formats(tmp_path):
