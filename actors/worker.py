@@ -28,7 +28,7 @@ import torch
 
 from dynatree import budget, sampling
 from dynatree.check import divergence, prompt_budget, truncate_prompt
-from dynatree.config import FLOAT16_ON_CPU, ar_reference, within_native_rows
+from dynatree.config import SLOW_ON_CPU, ar_reference, within_native_rows
 from dynatree.metrics import fill_row, freeze_heap, result_row, rss_bytes
 from dynatree.machine import cpu, describe
 from dynatree.models import PairError, load_pair
@@ -116,7 +116,8 @@ class ShardWorker:
     def _load(self):
         spec, t0 = self.spec, time.perf_counter()
         with warnings.catch_warnings():  # the driver said it once for the job, not once per actor
-            warnings.filterwarnings("ignore", message=re.escape(FLOAT16_ON_CPU))
+            for said in SLOW_ON_CPU.values():
+                warnings.filterwarnings("ignore", message=re.escape(said))
             self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                                   load_draft=spec.method != "ar", kernel=spec.kernel)
         self.pair.prefix_cache_bytes = int(spec.prefix_cache_gb * 2**30)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import FLOAT16_ON_CPU, KERNELS, NATIVE_KERNELS
+from .config import KERNELS, NATIVE_KERNELS, SLOW_ON_CPU
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
@@ -758,6 +758,9 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
             raise PairError(f"target and draft vocabularies do not match ({wt} vs {wd} logits)")
     eos_ids = _eos_ids(tokenizer, target, eos_token_id)
     p = next(target.parameters())
+    slow = SLOW_ON_CPU.get(str(p.dtype).removeprefix("torch.")) if p.device.type == "cpu" else None
+    if slow:  # (said here, not only by load_pair: a model loaded with transformers' default dtype came in bfloat16)
+        warnings.warn(slow, stacklevel=2)
     if p.device.type == "cpu":
         for m in (target, draft):
             if m is not None:
@@ -851,8 +854,6 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         if problem:
             raise PairError(f"{role} {name}: {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    if dt == torch.float16 and dev.type == "cpu":
-        warnings.warn(FLOAT16_ON_CPU, stacklevel=2)
     tok = load_tokenizer(str(target))
     lean = kernel != "hf" and not transformers_models
     tmodel = load_model(str(target), dev, dt, attn_implementation, lean)

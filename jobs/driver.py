@@ -36,7 +36,7 @@ from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
                             model_problem, no_tree_mask)
 from dynatree.metrics import output_schema
-from dynatree.config import FLOAT16_ON_CPU, grows_trees
+from dynatree.config import SLOW_ON_CPU, grows_trees
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
@@ -616,8 +616,8 @@ class _Dispatch:
         if (no_gpu := placement.no_gpu(self.spec.device, resources)):
             raise JobError(no_gpu)
         n, self.cpus, self.gpus = _actor_shape(self.spec, resources)
-        if not self.gpus and self.spec.dtype == "float16":
-            self.log(f"warning: CPU actors: {FLOAT16_ON_CPU}")
+        if not self.gpus and self.spec.dtype in SLOW_ON_CPU:
+            self.log(f"warning: CPU actors: {SLOW_ON_CPU[self.spec.dtype]}")
         self.memory = self.spec.memory_per_actor * 1e9 if self.spec.memory_per_actor else None  # bytes
         try:
             n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)
