@@ -130,7 +130,8 @@ class _Row:
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = cfg.lookup_length
-        self.lookup_stats = pair.state.setdefault(("lookup", *cfg.sampling_key), LookupStats()) if self.lookup else None
+        self.lookup_stats = (pair.learned(("lookup", *cfg.sampling_key), lambda last: last if last is not None else LookupStats())
+                             if self.lookup else None)
         self.capacity = cache_rows(cfg, len(prompt) + max_new_tokens, pair.max_context)
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
@@ -300,9 +301,7 @@ class BatchDecoder:
             cfg = None
         key = ("governor", 1 << (size - 1).bit_length(), cfg)
         if key not in self.governors:
-            last = self.pair.state.get(key)
-            self.governors[key] = last.carry() if last is not None else Governor()
-            self.pair.state[key] = self.governors[key]
+            self.governors[key] = self.pair.learned(key, lambda last: last.carry() if last is not None else Governor())
         gov = self.governors[key]
         if self.last_governor is not None and self.last_governor is not gov:
             self.last_governor.pause()

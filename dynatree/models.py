@@ -57,6 +57,7 @@ def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
 
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (model_lock)
 _LOCKS_LOCK = threading.Lock()
+LEARNED_KEPT = 32  # ModelPair.learned: entries of one kind a pair keeps
 
 
 def model_lock(model) -> threading.RLock:
@@ -373,15 +374,15 @@ def _word_boundary(text: str, at: int, within: int) -> int | None:
 
 @dataclass
 class ModelPair:
-    target: torch.nn.Module
-    draft: torch.nn.Module | None
-    tokenizer: object | None
+    target: torch.nn.Module = field(repr=False)  # (a notebook showing the pair printed both module trees)
+    draft: torch.nn.Module | None = field(repr=False)
+    tokenizer: object | None = field(repr=False)
     device: torch.device
     dtype: torch.dtype
     vocab: int  # logit columns both models score (tokens ids < vocab are comparable)
     max_context: int  # most tokens (prompt + generated) a sequence may hold
     names: dict = field(default_factory=dict)
-    state: dict = field(default_factory=dict)  # per-pair measurements (latency profile, calibration)
+    state: dict = field(default_factory=dict, repr=False)  # per-pair measurements (latency profile, calibration)
     # "lean": lean.py's forward through dynatree's C kernels (native.py) where they build; "lean-mkl":
     # the same forward on torch's MKL/oneDNN kernels; "hf": transformers' own forward
     kernel: str = "lean"
@@ -410,6 +411,19 @@ class ModelPair:
     def eos_token_id(self) -> int | None:
         """The first of eos_token_ids (a padding id for transformers' peers), or None."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def learned(self, key: tuple, make):
+        """What decoding learned under ``key`` -- a governor, a calibration, lookup statistics --
+        as ``make(the previous value or None)`` returns it.  At most LEARNED_KEPT of a kind
+        (``key[0]``) are kept, the least recently used dropped first: keyed by sampling settings,
+        a service sending each request at its own temperature added one per temperature for the
+        process's life (a dropped one starts again from the prior: speed, never the output)."""
+        value = make(self.state.pop(key, None))  # (popped and put back last: the most recently used)
+        kind = [k for k in self.state if isinstance(k, tuple) and k[0] == key[0]]
+        for old in kind[:max(0, len(kind) + 1 - LEARNED_KEPT)]:
+            del self.state[old]
+        self.state[key] = value
+        return value
 
     def prefix_store(self, which: str, kv_dtype: str = "model"):
         """The prefix.PrefixStore of ``"target"`` or ``"draft"`` caches in ``kv_dtype``, or None when

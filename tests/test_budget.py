@@ -281,6 +281,30 @@ def test_batch_decoders_keep_a_governor_per_batch_size_and_method_and_carry_it(c
         assert govs() - before == {("governor", 2, make_config("dynatree", {"temperature": 0.8}))}
 
 
+def test_what_a_pair_learned_per_sampling_setting_is_bounded(close_pair, monkeypatch):
+    """A service sending each request at its own temperature added a calibration (and lookup
+    statistics, and at batch a governor) per temperature for the process's life (the Python API
+    trial: 400 temperatures, 400 entries); the pair keeps LEARNED_KEPT of a kind, the least
+    recently used dropped first."""
+    from conftest import random_prompts
+    from dynatree import decode, make_config, models
+
+    monkeypatch.setattr(models, "LEARNED_KEPT", 3)
+    kind = lambda: [k for k in close_pair.state if isinstance(k, tuple) and k[0] == "calibration"]
+    for k in kind():
+        del close_pair.state[k]
+    prompt = random_prompts(1, seed=8)[0]
+    for t in (0.5, 0.6, 0.7, 0.8):
+        decode(close_pair, prompt, make_config("dynatree", {"temperature": t}), max_new_tokens=3)
+    kept = kind()
+    assert len(kept) == 3 and [k[2] for k in kept] == [0.6, 0.7, 0.8]
+    first = close_pair.state[kept[0]]
+    decode(close_pair, prompt, make_config("dynatree", {"temperature": 0.6}), max_new_tokens=3)  # used: kept
+    decode(close_pair, prompt, make_config("dynatree", {"temperature": 0.9}), max_new_tokens=3)
+    assert [k[2] for k in kind()] == [0.8, 0.6, 0.9] and close_pair.state[kind()[1]] is first
+    assert "target=" not in repr(close_pair) and "GPTNeoX" not in repr(close_pair)  # (not both module trees)
+
+
 def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tmp_path, monkeypatch):
     """The budget's profile is saved on disk and reused by the next pair of the same models; a
     fresh profile (`dynatree profile`) measures again whatever was saved."""
