@@ -238,10 +238,11 @@ class DynaTreeConfig(SpecConfig):
         if not 0 <= self.hist_low < self.hist_high <= 1:
             raise ValueError(f"need 0 <= hist_low < hist_high <= 1, got hist_low={self.hist_low}, "
                              f"hist_high={self.hist_high}")
-        if self.hw_budget == "on":  # (YAML's `on`, a True: the budget on, which is 'auto')
-            object.__setattr__(self, "hw_budget", "auto")
+        said = self.hw_budget.strip().lower()  # (YAML's `on`, a True; the spellings a switch option takes)
+        said = "auto" if said in ("on", "true", "yes", "1") else "off" if said in ("false", "no", "0") else said
+        object.__setattr__(self, "hw_budget", said)
         if self.hw_budget not in ("auto", "off"):
-            raise ValueError(f"hw_budget must be 'auto' (or on) or 'off', got {self.hw_budget!r}")
+            raise ValueError(f"hw_budget must be 'auto' (or on, true) or 'off' (or false), got {self.hw_budget!r}")
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,10 @@ def test_bad_options_are_clear_errors():
     assert make_config("linear", {"k": 3.0}).k == 3 and make_config("ar", {"temperature": 1}).temperature == 1.0
     assert make_config("dynatree", {"hw_budget": False}).hw_budget == "off"  # YAML's `hw_budget: off`
     assert make_config("dynatree", {"hw_budget": True}).hw_budget == "auto"  # YAML's `on`: the budget on
-    with pytest.raises(ValueError, match="hw_budget must be 'auto' \\(or on\\) or 'off', got 'sometimes'"):
+    # a switch option's spellings too (prefix_cache took 'false', hw_budget refused it: the Python API trial)
+    assert [make_config("dynatree", {"hw_budget": v}).hw_budget for v in ("false", "No", "true", "1")] == [
+        "off", "off", "auto", "auto"]
+    with pytest.raises(ValueError, match="hw_budget must be 'auto' \\(or on, true\\) or 'off' \\(or false\\), got 'sometimes'"):
         make_config("dynatree", {"hw_budget": "sometimes"})
     with pytest.raises(ValueError, match="a cache window needs kv_sinks >= 0 and kv_evict >= 1, got kv_sinks=4, kv_evict=0"):
         make_config("ar", {"kv_window": 100, "kv_evict": 0})  # (not the window's size, which is fine)
