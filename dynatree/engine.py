@@ -285,6 +285,7 @@ class BatchDecoder:
         self.governed: dict = {}  # each budgeted config without its seed, once (governor's key)
         self.last_governor: Governor | None = None
         self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
+        self.broken: str | None = None  # why no step can follow (a step that raised part-way)
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
@@ -317,6 +318,7 @@ class BatchDecoder:
         first profile) on runners another thread is decoding with, and a row added during a step
         was lost or joined unprefilled."""
         with self.pair.lock:
+            self._check_whole()
             self._add(prompt_ids, cfg, max_new_tokens, ignore_eos, stop, key, again)
 
     def _add(self, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, key, again) -> None:
@@ -370,9 +372,26 @@ class BatchDecoder:
     def step(self) -> list[tuple[object, list[int], str, Metrics]]:
         """One iteration for every row (prefilling the ones that joined); returns the rows that
         finished, as (key, new token ids, finish reason, metrics).  Holds the pair's lock (other
-        threads decoding with the pair wait for the step)."""
+        threads decoding with the pair wait for the step).  A step that raises (Ctrl-C, out of
+        memory) may leave rows part-way through an iteration -- a draft's fed tokens consumed, a
+        cache half committed -- so the decoder then refuses to go on, naming its rows in flight:
+        add them to a new one (the pair is unharmed).  Before, the next step failed inside the
+        drafter ("both buffer length (0) and count (-1) must not be 0")."""
         with self.pair.lock:
-            return self._step()
+            self._check_whole()
+            try:
+                return self._step()
+            except BaseException as e:
+                keys = [r.key for r in self.joining + self.active]
+                self.broken = (f"this BatchDecoder's step raised {type(e).__name__}{': ' + str(e) if str(e) else ''}, "
+                               f"part-way through an iteration of its rows, so it cannot go on: add the {len(keys)} "
+                               f"row(s) in flight (keys {keys[:8]}{' ...' if len(keys) > 8 else ''}) to a new "
+                               "BatchDecoder (the pair is unharmed)")
+                raise
+
+    def _check_whole(self) -> None:
+        if self.broken:
+            raise RuntimeError(self.broken)
 
     def _step(self) -> list[tuple[object, list[int], str, Metrics]]:
         if self.joining:

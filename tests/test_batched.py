@@ -241,6 +241,35 @@ def test_a_bad_row_is_refused_by_add_and_the_batch_goes_on(close_pair):
     assert sorted(got) == ["a", "n", "t"] and got["n"] == got["t"] and len(got["a"]) == 4
 
 
+def test_a_step_that_raised_part_way_refuses_to_go_on_and_names_its_rows(close_pair, monkeypatch):
+    """An error inside a step (Ctrl-C, out of memory) leaves rows part-way through an iteration:
+    the next step failed inside the drafter with "both buffer length (0) and count (-1) must not
+    be 0" (the Python API trial).  It now says what happened; the rows, added to a new decoder,
+    still give ar's tokens."""
+    prompts = random_prompts(3, seed=9)
+    ref = [decode(close_pair, p, make_config("ar"), max_new_tokens=12, ignore_eos=True)[0] for p in prompts]
+    dec = BatchDecoder(close_pair)
+    for i, (p, m) in enumerate(zip(prompts, ("linear", "dynatree", "ar"))):
+        dec.add(p, make_config(m), max_new_tokens=12, ignore_eos=True, key=i)
+    dec.step()
+    dec.step()
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(dec.target, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        dec.step()
+    monkeypatch.undo()
+    for again in (dec.step, lambda: dec.add([3], key="x")):
+        with pytest.raises(RuntimeError, match=r"step raised RuntimeError: out of memory \(injected\).*3 row\(s\) in "
+                                               r"flight \(keys \[0, 1, 2\]\) to a new BatchDecoder"):
+            again()
+    got = decode_batch(close_pair, prompts, [make_config(m) for m in ("linear", "dynatree", "ar")], max_new_tokens=12,
+                       ignore_eos=True)
+    assert [g[0] for g in got] == ref
+
+
 def test_generate_batch_takes_a_list_of_prompts(close_pair):
     from dynatree import generate_batch
 
