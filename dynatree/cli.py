@@ -684,20 +684,22 @@ def report_cmd(out_dir):
 
 @main.command("train-pair")
 @click.option("--corpus", required=True, help="Parquet/Arrow/JSONL/text file, directory, glob or dataset")
-@click.option("--column", default="text", show_default=True)
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--vocab-size", default=4096, show_default=True)
+@click.option("--column", default="text", show_default=True, help="the corpus column holding text")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="directory for the pair: target/ and draft/ (each with the tokenizer), card.json")
+@click.option("--vocab-size", default=4096, show_default=True, help="the byte-level BPE tokenizer's size")
 @click.option("--target-shape", default="4,192,4", show_default=True, help="layers,hidden,heads")
 @click.option("--draft-shape", default="2,96,2", show_default=True, help="layers,hidden,heads")
-@click.option("--seq-len", default=256, show_default=True)
-@click.option("--batch-size", default=16, show_default=True)
+@click.option("--seq-len", default=256, show_default=True, help="tokens per training window")
+@click.option("--batch-size", default=16, show_default=True, help="windows per training step")
 @click.option("--context", default=1024, show_default=True, help="max_position_embeddings")
-@click.option("--target-minutes", default=10.0, show_default=True)
-@click.option("--draft-minutes", default=5.0, show_default=True)
-@click.option("--lr", default=2e-3, show_default=True)
+@click.option("--target-minutes", default=10.0, show_default=True, help="the target's training time (wall clock)")
+@click.option("--draft-minutes", default=5.0, show_default=True,
+              help="the draft's training time, distilled toward the target (KL + cross-entropy)")
+@click.option("--lr", default=2e-3, show_default=True, help="learning rate of both models")
 @click.option("--max-chars", default=40_000_000, show_default=True, help="corpus size cap")
 @click.option("--bf16/--no-bf16", default=True, show_default=True, help="bfloat16 autocast")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="initialisation and data order")
 @click.option("--overwrite", is_flag=True, help="replace what --out holds (a pair trained before)")
 def train_pair_cmd(corpus, column, out_dir, vocab_size, target_shape, draft_shape, seq_len, batch_size,
                    context, target_minutes, draft_minutes, lr, max_chars, bf16, seed, overwrite):

@@ -162,9 +162,9 @@ class JobSpec:
             problems.append("kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models "
                             "as float32 on a CPU (dtype float32, device cpu or auto)")
         if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None):
-            problems.append("give both target and draft, or neither (the bundled demo pair)"
-                            + ("; ar needs only a target" if self.target is None else
-                               "; a target alone runs --method ar only"))
+            problems.append("give both target and draft, or neither (the bundled demo pair); ar needs only a target"
+                            if self.target is None else
+                            f"method {self.method} needs a draft: add --draft, or run --method ar with a target alone")
         try:
             check_samples(make_config(self.method, self.options), self.samples)
         except (ValueError, TypeError) as e:

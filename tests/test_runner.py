@@ -560,6 +560,8 @@ def test_spec_validation_messages(tmp_path):
     with pytest.raises(SpecError, match="give both target and draft, or neither.*ar needs only a target"):
         build_spec(None, input="x", output="y", method="ar", draft="d")  # (ran ar on the demo target)
     assert build_spec(None, input="x", output="y", method="ar", target="t").draft is None
+    with pytest.raises(SpecError, match="method dynatree needs a draft: add --draft, or run --method ar with a target"):
+        build_spec(None, input="x", output="y", target="t")  # (it read "give both ..., or neither; a target alone ...")
     with pytest.raises(SpecError, match="no option 'depth'"):
         build_spec(None, input="x", output="y", options={"depth": "3"})
     job = tmp_path / "job.yaml"
