@@ -386,7 +386,8 @@ class InputSource:
             if len(set(names)) < len(names):
                 dup = next(n for n in names if names.count(n) > 1)
                 raise InputError(f"{part.info.path}: two columns named {dup!r}; rename one")
-        schema, notes = _unify(parts)
+        # (files without rows add no columns nor types: a stray empty file turned int ids into text)
+        schema, notes = _unify([p for p in parts if p.info.rows] or parts)
         schema, keyed = _partitioned(parts, input_root(source), schema)
         return cls(source, parts, schema, notes=[n for p in parts for n in p.notes] + notes + keyed)
 

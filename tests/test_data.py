@@ -149,6 +149,19 @@ def test_hive_partition_directories_are_read_as_columns_as_pyarrow_reads_them(tm
     assert {"id": "z", "lang": "en", "year": "old"} in rows and {"id": "r0", "lang": "en", "year": None} in rows
 
 
+def test_a_file_without_rows_does_not_shape_the_inputs_columns(tmp_path):
+    """An empty file in a directory added its columns (all null) to every row and turned the
+    others' int ids into text (a data engineer's trial)."""
+    pq.write_table(pa.table({"id": [1, 2], "text": ["a", "b"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "zzz": pa.array([], pa.float32())}),
+                   tmp_path / "c.parquet")
+    src = InputSource.open(str(tmp_path))
+    assert src.schema == pa.schema([("id", pa.int64()), ("text", pa.string())]) and not src.notes
+    assert src.read(0, 2, ["id", "text"])[0].to_pylist() == [{"id": 1, "text": "a"}, {"id": 2, "text": "b"}]
+    (tmp_path / "a.parquet").unlink()  # every file empty: their columns, as before
+    assert InputSource.open(str(tmp_path)).column_names == ["id", "zzz"]
+
+
 def test_arrow_file_and_stream_formats(tmp_path):
     t = pa.table({"text": [f"x{i}" for i in range(10)], "n": list(range(10))})
     with ipc.new_file(tmp_path / "f.arrow", t.schema) as w:

@@ -375,6 +375,21 @@ def test_models_changed_in_place_are_refused_on_resume(pair_dirs, tmp_path):
         prepare_output(job, make_plan(job, quiet))
 
 
+def test_an_id_column_that_gained_duplicates_is_named_in_the_refusal(pair_dirs, tmp_path):
+    """Without --id-column, an input whose id column gained duplicates (a file added to its
+    directory) falls back to row indexes: the refusal named "changed: id_column", a flag the user
+    never set (a data engineer's trial); it now says what the ids were and are."""
+    import dataclasses
+    from dynatree.jobs.plan import make_plan, prepare_output
+    write_input(tmp_path)
+    job = spec(pair_dirs, tmp_path, id_column="key")
+    prepare_output(job, make_plan(job, quiet))
+    (tmp_path / "out" / "shards" / "part-000000.parquet").write_text("a finished shard")
+    rows = dataclasses.replace(job, id_column=None)
+    with pytest.raises(JobError, match=r"changed: id_column: 'key' -> row indexes, as the ids: line says"):
+        prepare_output(rows, make_plan(rows, quiet))
+
+
 def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypatch):
     """Outputs written when the identity kept paths as typed (relative) resume under absolute
     paths: the old hash is this job's alias, its shards count as finished."""
