@@ -46,7 +46,7 @@ def _serve_checkout() -> None:
 
 
 _serve_checkout()
-_WHERE = {"METHODS": "config", "make_config": "config", "parse_options": "config",
+_WHERE = {"METHODS": "config", "make_config": "config", "parse_options": "config", "options_help": "config",
           "BatchDecoder": "engine", "ContextError": "config", "Generation": "engine", "decode": "engine",
           "decode_batch": "engine", "generate": "engine", "generate_batch": "engine",
           "ModelPair": "models", "PairError": "models", "load_pair": "models", "pair_from_models": "models",

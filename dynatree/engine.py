@@ -711,8 +711,19 @@ def _draws_of(cfg, prompts: int, samples: int) -> list:
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
              options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
              stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
-    """Decode one prompt (text, token ids, chat messages or one message) and return tokens, text
-    and metrics."""
+    """Decode one prompt (text, token ids, chat messages or one message) and return a Generation:
+    ``token_ids``, ``text``, ``finish_reason`` ("eos", "stop", "length", or "context" where the
+    model's context ends first) and ``metrics``.
+
+    ``method``: one of METHODS (``ar``, ``linear``, ``fixed_tree``, ``dynatree``, ``dyspec``);
+    greedy outputs equal ``ar``'s token for token, sampled ones (``temperature > 0``) ``ar``'s with
+    the same ``seed``.  ``options``: the method's options (``dynatree.options_help()`` lists them
+    with their defaults), or a config from ``make_config``.  ``ignore_eos``: decode past EOS.
+    ``stop`` / ``stop_token_ids``: as in :func:`generate_batch` -- the text ends before a stop
+    string, while ``token_ids`` keep the token that completed it.  Raises ValueError for a bad
+    argument, ContextError for a prompt the context cannot hold.  The first call on a machine
+    compiles the native kernel and profiles the hardware (seconds; ``dynatree build`` does the
+    former ahead)."""
     if isinstance(prompt, dict):  # one message: a conversation of one (as a job's cell and the CLI read it)
         prompt = [prompt]
     return generate_batch(pair, [prompt], method, options, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
@@ -739,7 +750,9 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     tokens that end it like EOS (stops.py).  ``samples``: draws per prompt (sampling only);
     ``samples`` Generations per prompt, a prompt's together, computing the prompt once (prefix
     caching).  Sampling, every draw has its own seed, the first the config's (each Generation's
-    ``options["seed"]`` reproduces it alone)."""
+    ``options["seed"]`` reproduces it alone): a prompt's draw depends on its place in the list.
+    Each Generation's ``metrics.tokens_per_s`` is its own row's (its tokens over its time, which
+    shares every forward): the batch's rate is the tokens of all over the call's time."""
     if not isinstance(pair, ModelPair):
         raise TypeError(f"pair must be a ModelPair from load_pair(target, draft), got {type(pair).__name__}")
     if isinstance(prompts, (str, bytes)):

@@ -52,7 +52,8 @@ def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
     try:
         return DTYPES[spec]
     except KeyError:
-        raise PairError(f"unknown dtype {spec!r}; choose one of float32, bfloat16, float16, float64") from None
+        raise PairError(f"unknown dtype {spec!r}; choose one of float32 (fp32), bfloat16 (bf16), float16 (fp16), "
+                        "float64 (fp64)") from None
 
 
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (model_lock)
