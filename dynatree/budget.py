@@ -58,6 +58,7 @@ import torch
 
 from .config import NATIVE_KERNELS
 from .kvcache import new_cache
+from .machine import replaced
 from .names import model_files
 from .runtime import Seq
 
@@ -545,9 +546,8 @@ def _disk_path(pair, params) -> Path | None:
 def _save(path: Path, data: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        with replaced(path, path.with_suffix(f".{os.getpid()}.tmp")) as tmp:
+            tmp.write_text(json.dumps(data))
     except OSError:
         pass  # an unwritable cache only means profiling again next time
 

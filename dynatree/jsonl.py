@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from . import parts
+from .machine import replaced
 from .parts import CONVERT_ERRORS, SURROGATE, InputError, InputFile, Part, as_text, file_digest, stat
 
 JSONL_CHECKPOINT_EVERY = 4096  # rows between remembered byte offsets (10M lines -> ~2.5k offsets)
@@ -190,9 +191,8 @@ def _cached_schema(info: InputFile, infer) -> pa.Schema:
     schema = infer()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(schema.serialize().to_pybytes())
-        os.replace(tmp, path)
+        with replaced(path, path.with_suffix(f".{os.getpid()}.tmp")) as tmp:
+            tmp.write_bytes(schema.serialize().to_pybytes())
     except OSError:
         pass  # an unwritable cache: inferred again next time
     return schema

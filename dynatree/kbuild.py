@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .machine import replaced
+
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("gemm.c", "attn.c", "neox.c")]
 HEADERS = [_CSRC / "vec.h", _CSRC / "attn.h", _CSRC / "neox.h"]
@@ -164,9 +166,8 @@ def _whole(lib: Path) -> bool:
 
 
 def _write_digest(lib: Path, digest: str) -> None:
-    tmp = _digest_path(lib).with_suffix(".tmp")
-    tmp.write_text(digest + "\n")
-    os.replace(tmp, _digest_path(lib))
+    with replaced(_digest_path(lib)) as tmp:
+        tmp.write_text(digest + "\n")
 
 
 def _umask() -> int:

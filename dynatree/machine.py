@@ -3,7 +3,8 @@
 Why: the same code measures up to ~2x apart on two CPUs of one cloud's "2 vCPU" size, and on one
 VM over an afternoon (two vCPUs that sometimes share a physical core); a table of tokens/s means
 little without the CPU it came from and the FMA rate it had then.  (Also: whether a directory
-here can take what a command will write, before it works for hours.)
+here can take what a command will write, before it works for hours, and writing a file whole or
+not at all.)
 """
 from __future__ import annotations
 
@@ -115,3 +116,17 @@ def ensure_writable(directory: Path, room: int = 0) -> None:
     finally:
         with contextlib.suppress(OSError):  # (none made: a path through a file, a full disk)
             probe.unlink()
+
+
+@contextlib.contextmanager
+def replaced(path: Path, tmp: Path | None = None):
+    """A temporary path (``tmp``, default ``path`` with suffix .tmp) to write ``path``'s new
+    contents into: renamed over ``path`` once written, so a reader never sees half a file, and
+    removed if writing fails (a full disk had left an empty one beside the output)."""
+    tmp = tmp or path.with_suffix(".tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):  # (renamed already: no such file)
+            tmp.unlink()

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynatree.data import InputError, InputSource
-from dynatree.machine import ensure_writable
+from dynatree.machine import ensure_writable, replaced
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
@@ -483,7 +483,7 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
     out = Path(spec.output)
     try:
         ensure_writable(out)
-        (out / "shards").mkdir(exist_ok=True)
+        ensure_writable(out / "shards")  # (its own: an immutable shards/ failed the job only at its first shard)
     except OSError as e:
         raise JobError(f"output directory {out} is not writable: {e}") from e
     manifest = check_output(spec, plan)
@@ -518,10 +518,8 @@ def pin_prompt_start(out: Path, leading: list[int]) -> None:
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    path = out / "manifest.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp, path)
+    with replaced(out / "manifest.json") as tmp:
+        tmp.write_text(json.dumps(manifest, indent=2, default=str))
 
 
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
@@ -546,6 +544,5 @@ def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -
                        "tally": shard_tally(table, plan.samples > 1)}).encode()  # (summaries read the footer)
     table = table.replace_schema_metadata({META_KEY: meta})
     final = out / "shards" / f"{name}.parquet"
-    tmp = final.with_name(f".{name}.parquet.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, final)  # atomic: a shard file is either absent or complete
+    with replaced(final, final.with_name(f".{name}.parquet.tmp")) as tmp:  # a shard file is absent or complete
+        pq.write_table(table, tmp)

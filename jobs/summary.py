@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dynatree.machine import replaced
+
 
 def _config(spec) -> dict:
     """The job's fields, its output named in full (a reader elsewhere finds the shards)."""
@@ -253,10 +255,8 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    path = Path(out) / "summary.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, path)
+    with replaced(Path(out) / "summary.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=2, default=str))
 
 
 def _per_prompt(s: dict) -> str:

@@ -375,6 +375,47 @@ def test_models_changed_in_place_are_refused_on_resume(pair_dirs, tmp_path):
         prepare_output(job, make_plan(job, quiet))
 
 
+def test_an_unwritable_shards_directory_stops_the_job_before_any_work(pair_dirs, tmp_path, monkeypatch):
+    """out/shards made immutable (chattr +i) after a run began: the dry run refused it at once,
+    the run only after Ray, the actors and a shard's decoding (the faults trial)."""
+    from dynatree.jobs import plan as plan_module
+    write_input(tmp_path)
+    job = spec(pair_dirs, tmp_path)
+    real = plan_module.ensure_writable
+
+    def immutable_shards(directory, room=0):
+        if directory.name == "shards":
+            raise PermissionError(1, "Operation not permitted", str(directory / ".write-probe"))
+        real(directory, room)
+
+    monkeypatch.setattr(plan_module, "ensure_writable", immutable_shards)
+    with pytest.raises(JobError, match="output directory .* is not writable: .*Operation not permitted"):
+        plan_module.prepare_output(job, plan_module.make_plan(job, quiet))
+
+
+def test_a_summary_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The disk full as summary.json was written left an empty summary.tmp in the output (the
+    faults trial); every file written whole-or-not (shards, manifest, summary, caches) now goes
+    through machine.replaced, which removes its temporary file when the write fails."""
+    from pathlib import Path
+
+    from dynatree.jobs.summary import write_summary
+
+    write_summary(tmp_path, {"rows": 1})
+    real = Path.write_text
+
+    def full(self, *a, **k):
+        real(self, "")  # (what a full disk leaves: the file made, nothing in it)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_summary(tmp_path, {"rows": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"rows": 1}
+
+
 def test_an_id_column_that_gained_duplicates_is_named_in_the_refusal(pair_dirs, tmp_path):
     """Without --id-column, an input whose id column gained duplicates (a file added to its
     directory) falls back to row indexes: the refusal named "changed: id_column", a flag the user
