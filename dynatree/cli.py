@@ -146,7 +146,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
     from .check import divergence
-    from .config import ContextError, ar_reference, make_config, parse_options
+    from .config import ContextError, ar_reference, make_config, parse_options, reference_label
     from .models import PairError, load_pair
     from .parts import file_text
 
@@ -174,10 +174,12 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         results = [{"prompt": i // samples, "sample": i % samples, **g.as_dict()} for i, g in enumerate(gens)]
         if check_ar:  # ar with the method's seed and cache window
             ref_cfg = ar_reference(cfg)
-            refs = engine.generate_batch(pair, prompts, "ar", ref_cfg, **limits)
-            compared = _compared_with(pair, ref_cfg)
+            # (--method ar is its own reference: decoding it twice compared it with itself)
+            refs = gens if method == "ar" else engine.generate_batch(pair, prompts, "ar", ref_cfg, **limits)
+            compared = " (--method ar is the reference itself)" if method == "ar" else _compared_with(pair, ref_cfg)
             for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
+                res["ar_reference"] = reference_label(ref_cfg)  # (what --json readers compared with)
                 if not res["matches_ar"]:  # where, and how close the target's top two were there
                     ids = engine.prompt_token_ids(pair, prompts[i // samples])
                     res["first_divergence"], res["divergence_margin"] = divergence(

@@ -248,6 +248,8 @@ def test_cli_generate_json(pair_dirs):
     assert res.exit_code == 0 and "target forward: " in res.output and "draft forward" not in res.output  # (none ran)
     res = runner.invoke(main, args[:-2])
     assert res.exit_code == 0 and "\ndraft forward: " in res.output, res.output
+    res = runner.invoke(main, [*plain, "--check-ar"])  # (it compared ar, decoded twice, with itself)
+    assert res.exit_code == 0 and "matches_ar=True (--method ar is the reference itself)" in res.output, res.output
     idle = plain[:-1] + ["fixed_tree", "--option", "tau=0.999"]  # (no candidate that likely)
     res = runner.invoke(main, idle + ["--max-new-tokens", "12", "--ignore-eos"])
     assert res.exit_code == 0 and "note: fixed_tree drafted no token in 11 iterations, so it ran as ar does: every " \

@@ -267,6 +267,7 @@ def test_cli_generate_and_check_compare_with_windowed_ar(pair_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 150 and out["matches_ar"] is True  # past the 128-token context
+    assert out["ar_reference"] == "ar_window24_evict4"  # (what it was compared with, for a --json reader)
     res = CliRunner().invoke(main, ["generate", *pair, "--max-new-tokens", "150", "--prompt", "It was the best",
                                     "--ignore-eos"])  # no window: stops at the context, and says how to go past it
     assert res.exit_code == 0 and "finish=context" in res.output, res.output
