@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import statistics
+
 import click
 import torch
 
@@ -68,9 +70,8 @@ def _rates(pair, timed: list[tuple[str, dict]]) -> None:
     runner = pair.runner("target")
     peak = fma_peak_line(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
     bf16 = getattr(runner, "weight_format", None) == native.BF16_COMPUTE  # (--kernel lean-bf16)
-    if peak and not bf16 and runner.lib.dt_bf16_dot():
-        click.echo("note: this CPU multiplies bfloat16 at twice the float32 FMA's rate: --kernel lean-bf16 "
-                   "computes in bfloat16 on it (its own numbers, exact against ar on it; README: bfloat16 compute)")
+    if peak and runner.lib.dt_bf16_dot():  # (measured: the flag alone promised Intel's CPUs a speed they lack)
+        _bf16_note(peak, native.dot_peak(torch.get_num_threads()), bf16)
     if bf16:
         peak = native.dot_peak(torch.get_num_threads())
         click.echo(f"bfloat16 compute on {native.bf16_compute(runner.lib)}: bfloat16 dot peak {peak:.0f} GFLOP/s, "
@@ -85,8 +86,25 @@ def _rates(pair, timed: list[tuple[str, dict]]) -> None:
             continue
         rate = flops / ms / 1e6
         of_peak = f", {rate / peak:.0%} of the {'bfloat16 dot' if bf16 else 'FMA'} peak" if peak else ""
+        if peak and rate > peak:  # (a slope of two noisy medians)
+            of_peak += " -- above the peak: timing noise, try more --repeats"
         click.echo(f"{name}: {ms:.3f} ms per extra token at {lo}-{hi} tokens = {rate:.1f} GFLOP/s{of_peak} "
                    f"({flops / 1e6:.1f} MFLOP per token)")
+
+
+def _bf16_note(fma: float, dot: float, chosen: bool) -> None:
+    """Whether --kernel lean-bf16 pays on this CPU, from the two peaks measured: AVX512_BF16's dot
+    products ran at twice the float32 FMA's rate on AMD Zen 4 and 5, and at half of it on Intel
+    Emerald Rapids (2026-11-30), where bfloat16 compute is the slower kernel."""
+    ratio = dot / fma if fma else 0.0
+    if chosen and ratio < 1:
+        click.echo(f"note: this CPU's bfloat16 dot products measured {dot:.0f} GFLOP/s against the float32 FMA's "
+                   f"{fma:.0f} ({ratio:.2f}x): --kernel lean-bf16 is slower than --kernel lean here", err=True)
+    elif not chosen:
+        verdict = ("--kernel lean-bf16 computes in bfloat16 on it (its own numbers, exact against ar on it; README: "
+                   "bfloat16 compute)" if ratio > 1.2 else "--kernel lean-bf16 would not be faster here")
+        click.echo(f"note: this CPU's bfloat16 dot products measured {dot:.0f} GFLOP/s against the float32 FMA's "
+                   f"{fma:.0f} ({ratio:.2f}x): {verdict}")
 
 
 def fma_peak_line(threads: int) -> float:
@@ -195,7 +213,7 @@ def _mkl_rounds(native, name: str, sizes: list[int], prefill: int, prefix: int, 
         if prefill:
             pairs.setdefault(f"{prefill}-token prefill", []).append(
                 tuple(budget.time_prefill(m, prefill, repeats, kv_dtype) for m in (native, mkl)))
-    mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 (the median of an odd count; upper of an even one)
+    mid = statistics.median  # (of an even count, the mean of the middle two: the upper one read as a verdict)
     ratios = {k: sorted(x / y for x, y in v) for k, v in pairs.items()}
     click.echo(f"lean-mkl {name:<6}" + "".join(f"  {k.split()[0]:>3}: {mid([y for _, y in v]):6.2f}"
                                                  for k, v in pairs.items() if "prefill" not in k)

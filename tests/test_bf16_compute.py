@@ -227,3 +227,20 @@ def test_a_job_spec_says_what_lean_bf16_runs_on():
     with pytest.raises(SpecError, match="lean-bf16"):
         JobSpec(input="x.parquet", output="out", kernel="lean-bf16", dtype="bfloat16")
     JobSpec(input="x.parquet", output="out", kernel="lean-bf16")
+
+
+def test_profile_says_whether_bf16_compute_pays_from_the_peaks_it_measured(capsys):
+    """The note read "this CPU multiplies bfloat16 at twice the float32 FMA's rate" from the CPU's
+    flag alone: on Intel Emerald Rapids the dot products measured half the FMA's rate, and
+    lean-bf16 ran slower than float32 (the precision trial)."""
+    from dynatree.profiling import _bf16_note
+
+    said = []
+    for fma, dot, chosen in ((100.0, 200.0, False), (170.0, 85.0, False), (170.0, 85.0, True), (100.0, 200.0, True)):
+        _bf16_note(fma, dot, chosen)
+        out = capsys.readouterr()
+        said.append(out.out + out.err)
+    assert "(2.00x): --kernel lean-bf16 computes in bfloat16 on it" in said[0]
+    assert "85 GFLOP/s against the float32 FMA's 170 (0.50x): --kernel lean-bf16 would not be faster here" in said[1]
+    assert "(0.50x): --kernel lean-bf16 is slower than --kernel lean here" in said[2]
+    assert said[3] == ""  # (chosen where it pays: the peak line after it says enough)
