@@ -29,7 +29,7 @@ import torch
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
 from .config import METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label
 from .engine import decode
-from .machine import ensure_writable
+from .machine import ensure_writable, versions
 from .metrics import Metrics, defined_mean, release_freed_memory, rss_bytes
 from .models import ModelPair
 from .policies import make_policy
@@ -582,7 +582,7 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
             "max_prompt_tokens_kept": kept,
             "threads": torch.get_num_threads(), "wall_time_s": time.time() - t0,
             "prompts_used": {name: len(texts) for _, name, texts in loaded} if loaded else None,
-            "interrupted": interrupted, "machine": host}
+            "interrupted": interrupted, "machine": host, "versions": versions()}
     (out / "bench.json").write_text(json.dumps(meta, indent=2, default=str))
     return out
 

@@ -130,3 +130,26 @@ def replaced(path: Path, tmp: Path | None = None):
     finally:
         with contextlib.suppress(OSError):  # (renamed already: no such file)
             tmp.unlink()
+
+
+def versions() -> dict:
+    """The versions a result came from: Python's, the packages', and the checkout's commit where
+    dynatree runs from a git checkout (its version number alone names no change)."""
+    import subprocess
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("dynatree", "torch", "transformers", "ray", "pyarrow", "tokenizers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    root = Path(__file__).resolve().parent.parent
+    if (root / ".git").exists():
+        try:
+            git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,
+                                            timeout=10).stdout.strip()
+            out["commit"] = git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out

@@ -4,17 +4,15 @@ from __future__ import annotations
 import json
 import os
 import math
-import platform
 import re
 from collections import Counter
-from importlib import metadata
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dynatree.machine import replaced
+from dynatree.machine import replaced, versions
 
 
 def _config(spec) -> dict:
@@ -23,16 +21,6 @@ def _config(spec) -> dict:
     if d.get("output"):
         d["output"] = os.path.abspath(d["output"])
     return d
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for pkg in ("dynatree", "torch", "transformers", "ray", "pyarrow", "tokenizers"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 class _Moments:
@@ -250,7 +238,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
             "mismatched_rows": t["mismatched"],
         },
         "config": _config(spec),
-        "versions": _versions(),
+        "versions": versions(),
     }
 
 

@@ -49,6 +49,7 @@ def test_bench_and_report(pair_dirs, tmp_path):
     md = (out / "summary.md").read_text()
     assert "3 tiny prompts (1 warm-up)" in md  # the prompts it had: 3 of the 10 asked for
     host = json.loads((out / "bench.json").read_text())["machine"]  # what it ran on, and how fast then
+    assert json.loads((out / "bench.json").read_text())["versions"]["torch"]  # (and with what)
     assert host["cpu"]["cpus"] >= 1 and host["cpu"]["arch"] and host["cpu"]["model"]
     for when in ("start", "end"):
         assert host[f"fma_{when}"]["gflops"] > 0 and host[f"fma_{when}"]["one_thread_gflops"] > 0

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.feather as feather
@@ -63,6 +64,8 @@ def test_end_to_end_two_actors_verify_all(ray_cluster, pair_dirs, tmp_path):
     assert summary["rows"] == len(texts) and summary["errors"] == 3
     assert summary["equivalence"]["checked"] == len(PROMPTS) and summary["equivalence"]["mismatches"] == 0
     assert summary["versions"]["ray"] and summary["config"]["method"] == "dynatree"
+    if (Path(__file__).resolve().parent.parent / ".git").exists():  # (a checkout's commit: a number names no change)
+        assert len(summary["versions"]["commit"].removesuffix("+changes")) == 40
     assert sorted(os.listdir(tmp_path / "out" / "shards")) == [f"part-{i:06d}.parquet" for i in range(4)]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == len(texts)
     # each shard's footer holds its part of the summary (a summary reads footers, not columns): the
