@@ -245,9 +245,12 @@ def _faults() -> dict:
 
 
 def _fault_at_start(output: str) -> None:
-    """A replacement actor that never gets ready (its node lost, no room for it)."""
+    """A replacement actor that never gets ready (its node lost, no room for it), or that cannot
+    load (its model files damaged since the job began)."""
     if _faults().get("never_ready_after_death") and list(Path(output).glob(".fault-*")):
         time.sleep(3600)
+    if _faults().get("fail_load_after_death") and list(Path(output).glob(".fault-*")):
+        raise PairError("cannot load model 'target': incomplete metadata, file not fully covered (injected)")
 
 
 def _fault_on_shard(shard: str, output: str) -> None:

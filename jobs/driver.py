@@ -712,6 +712,7 @@ class _Dispatch:
                             self._check_cluster(ray, actor_died=True)
                         self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
+                            self._check_restarts(ray, inflight, pending)  # (a replacement that failed to load)
                             self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
                             self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
                         continue
@@ -776,10 +777,12 @@ class _Dispatch:
         """A replacement actor not ready in time (replace_timeout_s: its node lost, the cluster full) is
         given up: its shards go back to the queue for the others (a dead node's bundle can wait for
         room forever while the other actors sit idle).  One that started, or died (its shards'
-        failures restart it again, counted against them), is no longer watched."""
+        failures restart it again, counted against them), is no longer watched; one that failed to
+        load ends the job (_loaded)."""
         for slot, (ref, deadline) in list(self.restarts.items()):
             if ray.wait([ref], timeout=0)[0]:
                 del self.restarts[slot]
+                self._loaded(ray, slot, ref)
                 continue
             if time.time() <= deadline:
                 continue
@@ -795,6 +798,22 @@ class _Dispatch:
                 raise JobError(f"actor {slot}'s replacement {why}, and no other actor is left; finished shards are "
                                f"kept in {self.out}/shards — re-run to resume")
             self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
+
+    def _loaded(self, ray, slot: int, ready) -> None:
+        """A replacement actor that raised while loading (its models damaged or moved since the job
+        began, or the machine changed) would fail the same way for every shard: each was retried
+        through such an actor, ~100 start-ups in 11 min for 26 shards, and then called failed (the
+        faults trial).  One dead while loading (its node lost) is another death, as before."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            ray.get(ready)
+        except RayTaskError as e:
+            raise JobError(f"actor {slot}'s replacement failed to start: {placement.describe_error(e)} -- the same "
+                           "for every actor now (what it loads changed since the job began?); finished shards are "
+                           f"kept in {self.out}/shards, and once fixed the same command resumes") from None
+        except Exception:  # noqa: BLE001 - (RayActorError: died; its shards' failures restart it)
+            pass
 
     def _say_quiet(self, inflight: dict, quiet_s: float) -> None:
         """No shard finished for a while: say what is in flight where (a hung actor must not look

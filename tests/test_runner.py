@@ -208,6 +208,20 @@ def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair
     assert s["errors"] == 0
 
 
+def test_a_replacement_actor_that_cannot_load_ends_the_job_with_its_reason(ray_cluster, pair_dirs, tmp_path,
+                                                                          monkeypatch):
+    """The model files damaged mid-job: every replacement failed to load, and each shard was
+    retried through such actors (~100 start-ups in 11 min for 26 shards) and then called failed
+    (the faults trial).  The first replacement that cannot load ends the job, saying why."""
+    write_input(tmp_path, PROMPTS * 3)
+    faults(monkeypatch, die_once_on_shard="part-000001", fail_load_after_death=True)
+    t0 = time.time()
+    with pytest.raises(JobError, match=r"actor \d's replacement failed to start: PairError: cannot load model "
+                                       r"'target': incomplete metadata.*once fixed the same command resumes"):
+        run_job(spec(pair_dirs, tmp_path, num_actors=1, verify_fraction=0.0), progress=False, log=quiet)
+    assert time.time() - t0 < 120
+
+
 def test_a_stalled_actor_is_reported_not_waited_on_silently(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     from dynatree.jobs import driver
 
