@@ -356,6 +356,21 @@ def _same_identity(old: dict, new: dict) -> bool:
             or same(unkept(old["identity"]), unkept(new["identity"])) and old.get("columns") == new["columns"])
 
 
+def _model_change(old: dict, new: dict) -> str:
+    """The first model file whose size or time differs, said with the time the job began with."""
+    for role in ("target", "draft"):
+        was = {f[0]: f for f in (old["model_files"] or {}).get(role) or []}
+        now = {f[0]: f for f in (new["model_files"] or {}).get(role) or []}
+        for name in sorted(was.keys() | now.keys()):
+            a, b = was.get(name), now.get(name)
+            if a is None or b is None:
+                return f"{role} {name} {'added' if a is None else 'gone'}"
+            if list(a) != list(b):
+                size = "" if a[1] == b[1] else f"size {a[1]} -> {b[1]}, "
+                return f"{role} {name}: {size}time {a[2] / 1e9:.9f} -> {b[2] / 1e9:.9f}"
+    return "sizes or times differ"
+
+
 def _refuse_change(out: Path, old: dict, new: dict) -> None:
     old = _legacy(old)
     if not _same_identity(old, new):
@@ -377,9 +392,10 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it
-        raise JobError(f"the models' files changed since {out} was started (sizes or times differ: retrained or "
+        raise JobError(f"the models' files changed since {out} was started ({_model_change(old, new)}: retrained or "
                        "replaced in place?), so its finished shards may come from other weights; use --overwrite "
-                       "to start again or another --output")
+                       "to start again or another --output (a byte-identical copy restored from a backup: give it "
+                       "back its time, `touch -d @SECONDS FILE`, and the same command resumes)")
     if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True):
         raise JobError(f"the input {new['identity']['input']} changed since {out} was started (file sizes, times or "
                        "row counts differ -- or this dynatree version reads another set of its files: it skips "
