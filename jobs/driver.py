@@ -396,10 +396,8 @@ def _check_this_machine(spec: JobSpec) -> None:
             return os.cpu_count() or 1
     here = {"CPU": get_num_cpus(), "GPU": gpus}
     memory = spec.memory_per_actor * 1e9 if spec.memory_per_actor else None
-    if memory:  # the machine's whole memory: more than Ray will offer, so a request past it cannot fit
-        import psutil  # (Ray's copy: importing ray, above, puts it on the path)
-
-        here["memory"] = psutil.virtual_memory().total
+    if memory:
+        here["memory"] = placement.local_memory()
     n, cpus, gpus = _actor_shape(spec, here)
     try:
         placement.check_request([{"NodeManagerAddress": "this machine (no --address: the job runs here)",

@@ -255,6 +255,21 @@ def local_gpus(cuda: bool = False) -> int:
     return count
 
 
+def local_memory() -> float:
+    """The ``memory`` resource a local Ray cluster started now offers, as Ray computes it (the
+    available memory less its object store's share: 15.8 of 25.3 GB on a 24 GiB machine); the
+    machine's whole memory had passed a 20 GB request that Ray then could not place."""
+    try:
+        from ray._private import utils  # (private: may move)
+
+        available = utils.estimate_available_memory()
+        return float(available - utils.resolve_object_store_memory(available))
+    except (ImportError, AttributeError, TypeError):
+        import psutil  # (Ray's copy)
+
+        return float(psutil.virtual_memory().total)
+
+
 def no_gpu(device: str, resources: dict) -> str | None:
     """Why a ``cuda`` device cannot run on a cluster with these resources (None: it can)."""
     if device.startswith("cuda") and resources.get("GPU", 0) <= 0:

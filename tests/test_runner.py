@@ -943,6 +943,7 @@ def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
     assert no_gpu("cuda:1", {"CPU": 2.0, "GPU": 1.0}) is None and no_gpu("cpu", {"CPU": 2.0}) is None
     with pytest.raises(JobError, match=r"memory: 9000\.0 GB}.*lower --memory-per-actor"):  # more than any node has
         run_job(spec(pair_dirs, tmp_path, memory_per_actor=9000.0), progress=False, log=quiet)
+
     # no shard was written, so another config on the same output is not refused (memory that fits: placed)
     s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0, memory_per_actor=0.5),
                 progress=False, log=quiet)
@@ -1794,6 +1795,25 @@ def test_a_local_job_beside_another_ray_cluster_warns_that_they_share_the_cores(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_local_jobs_memory_is_checked_against_what_ray_offers(pair_dirs, tmp_path, monkeypatch):
+    """Ray offers a local cluster's memory less its object store (15.8 of 25.3 GB): a 20 GB
+    request passed the check against the whole memory and failed only once Ray had started (the
+    faults trial)."""
+    import psutil  # (Ray's copy)
+    import ray
+
+    from dynatree.jobs import driver
+    from dynatree.jobs.placement import local_memory
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # (as a job without a cluster of its caller)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    offered, total = local_memory(), psutil.virtual_memory().total
+    assert 0 < offered < total
+    with pytest.raises(JobError, match=r"lower --memory-per-actor"):
+        driver._check_this_machine(spec(pair_dirs, tmp_path, num_actors=1, memory_per_actor=(offered + total) / 2e9))
+    driver._check_this_machine(spec(pair_dirs, tmp_path, num_actors=1, memory_per_actor=offered / 2e9))  # fits
 
 
 def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
