@@ -453,8 +453,9 @@ def _remove_unused(out: Path) -> None:
     pins nothing, but it is clutter left by a typo.  Anything else in it is kept."""
     if not out.is_dir() or {p.name for p in out.iterdir()} - {"manifest.json", ".dynatree.lock", "shards"}:
         return
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # (a failure before shards/ was made: none to remove, go on)
         (out / "shards").rmdir()  # (only if empty)
+    with contextlib.suppress(OSError):
         for name in ("manifest.json", ".dynatree.lock"):
             (out / name).unlink(missing_ok=True)
         out.rmdir()

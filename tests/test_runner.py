@@ -502,6 +502,15 @@ def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_p
     with pytest.raises(JobError, match="nothing answers"):
         run_job(job, progress=False, log=quiet)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".dynatree.lock", "manifest.json", "shards"]
+    shutil.rmtree(tmp_path / "out")  # a failure before shards/ was made (a full disk): the lock went too
+
+    def full(spec, plan):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(driver, "prepare_output", full)
+    with pytest.raises(OSError, match="No space left"):
+        run_job(job, progress=False, log=quiet)
+    assert not (tmp_path / "out").exists()  # (it kept an empty .dynatree.lock: the faults trial)
 
 
 def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
