@@ -66,9 +66,10 @@ class PairActor:
         return self.worker.stats()
 
     def run_shard(self, shard: str, rows: list[dict], backlog: int = 0) -> list[dict]:
-        if self.failed is not None:  # a replacement that failed to start: a dead actor, as before
-            print(f"dynatree actor: failed to start ({self.failed!r}); exiting", file=sys.stderr, flush=True)
-            os._exit(1)
+        if self.failed is not None:  # a replacement that failed to start: said as such, not as a death
+            from dynatree.jobs.placement import StartFailed  # (whose race with ready()'s reply lost the cause)
+
+            raise StartFailed(f"{type(self.failed).__name__}: {self.failed}")
         try:
             return self.worker.run_shard(shard, rows, backlog)
         except BaseException:

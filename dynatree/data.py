@@ -301,30 +301,29 @@ def _hive_keys(path: str, root: str) -> dict[str, str | None]:
 
 
 def _partitioned(parts: list[Part], root: str | None, schema: pa.Schema) -> tuple[pa.Schema, list[str]]:
-    """``schema`` with the directories' partition keys as columns after the files' own (int32
-    where every value is one, else string: pyarrow's discovery), each part's values kept as
-    ``part.keys``; a file's own column of the same name wins."""
+    """``schema`` with the directories' partition keys as columns after the files' own, each part's
+    values kept as ``part.keys``, as pyarrow's hive partitioning reads them: int32 where every value
+    is one (files without rows not counted, as for the files' own columns), else string; for a key
+    the files also hold as a column, the directory's value in its files (cast to the files' type)."""
     for part in parts:
         part.keys = _hive_keys(part.info.path, root) if root else {}
     names = list(dict.fromkeys(k for p in parts for k in p.keys))
-    own = [n for n in names if n in schema.names]
-    for part in parts:
-        for name in own:
-            part.keys.pop(name, None)
+    counted = [p for p in parts if p.info.rows] or parts
     fields = []
-    for name in (n for n in names if n not in own):
-        values = [p.keys.get(name) for p in parts]
-        try:
-            typed = pa.array(values, pa.string()).cast(pa.int32())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            typed = pa.array(values, pa.string())
-        for part, value in zip(parts, typed.to_pylist()):
-            part.keys[name] = value
-        fields.append(pa.field(name, typed.type))
+    for name in (n for n in names if n not in schema.names):
+        values = [p.keys.get(name) for p in counted]
+        typed = pa.string()
+        if any(v is not None for v in values):
+            try:
+                pa.array(values, pa.string()).cast(pa.int32())
+                typed = pa.int32()
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+        fields.append(pa.field(name, typed))
     notes = [f"partition column(s) from the directories' key=value names: {', '.join(f'{f.name} ({f.type})' for f in fields)}"
              ] if fields else []
-    notes += [f"directories name a partition {n!r}, which the files hold as a column too: the files' values are read"
-              for n in own]
+    notes += [f"directories name a partition {n!r}, which the files hold as a column too: its files read the "
+              "directory's value (as pyarrow does)" for n in names if n in schema.names]
     return pa.schema(list(schema) + fields), notes
 
 
@@ -443,8 +442,11 @@ class InputSource:
         arrays = []
         for c in columns:
             field = self.schema.field(c)
-            if c not in table.column_names:  # (a partition key's value, or null: a column the file lacks)
-                arrays.append(pa.array([part.keys[c]] * n, field.type) if c in part.keys else pa.nulls(n, field.type))
+            if c in part.keys:  # (its directory's partition value: pyarrow's reading, over a column of the file's)
+                arrays.append(self._key_column(part, c, n, field.type))
+                continue
+            if c not in table.column_names:  # (a column the file lacks)
+                arrays.append(pa.nulls(n, field.type))
                 continue
             col = table.column(c)
             if pa.types.is_string(field.type) and _textual(col.type) and not _stringlike(col.type):
@@ -456,6 +458,15 @@ class InputSource:
                     raise InputError(f"{part.info.path}: column {c!r} cannot be read as {field.type}: {e}") from e
             arrays.append(col)
         return pa.Table.from_arrays(arrays, schema=pa.schema([self.schema.field(c) for c in columns]))
+
+    @staticmethod
+    def _key_column(part: Part, column: str, n: int, type_: pa.DataType) -> pa.Array:
+        value = part.keys[column]
+        try:
+            return pa.array([value] * n, pa.string()).cast(type_)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise InputError(f"{part.info.path}: its directory's {column}={value} cannot be read as the input's "
+                             f"{type_}: {e}") from e
 
     def _where(self, row: int) -> tuple[Part, str]:
         k = bisect.bisect_right(self._starts, row) - 1

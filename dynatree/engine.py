@@ -42,7 +42,7 @@ from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
-from .models import ModelPair, is_chat
+from .models import LEARNED_KEPT, ModelPair, is_chat
 from .names import rope_resets, rope_switch
 from .budget import Governor
 from .policies import make_policy
@@ -303,6 +303,8 @@ class BatchDecoder:
         key = ("governor", 1 << (size - 1).bit_length(), cfg)
         if key not in self.governors:
             self.governors[key] = self.pair.learned(key, lambda last: last.carry() if last is not None else Governor())
+            for old in list(self.governors)[:max(0, len(self.governors) - LEARNED_KEPT)]:  # (a long-lived
+                del self.governors[old]  # decoder of a service, a temperature per request: as the pair's)
         gov = self.governors[key]
         if self.last_governor is not None and self.last_governor is not gov:
             self.last_governor.pause()
@@ -347,6 +349,8 @@ class BatchDecoder:
         row = _Row(key, self.pair, prompt_ids, cfg, max_new_tokens, ignore_eos, stop, again)
         if row.budgeted:
             row.governed = self.governed.setdefault(unseeded := replace(cfg, seed=0), unseeded)
+            if len(self.governed) > LEARNED_KEPT:  # (the oldest config: rows of it still hold their own)
+                del self.governed[next(iter(self.governed))]
         self.joining.append(row)
 
     def _window_hint(self, cfg) -> str:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from .machine import replaced
@@ -182,11 +183,21 @@ def _umask() -> int:
         return umask
 
 
+def _clear_stale_builds(cache: Path) -> None:
+    """The objects' directories of builds killed outright (SIGKILL: no finally ran), once older
+    than any build may take; a live build's, of another object, is younger."""
+    for old in cache.glob("build-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > 2 * COMPILE_TIMEOUT_S:
+                shutil.rmtree(old)
+
+
 def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path | None, str]:
     lib_path = cache / f"libdtgemm-{key}.so"
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"libdtgemm-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this object: wait for its result
+        _clear_stale_builds(cache)
         if not (lib_path.exists() and _whole(lib_path)):  # (a damaged copy is built again)
             # build beside the target and rename: a reader never sees a half-written object
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)

@@ -127,9 +127,10 @@ def replaced(path: Path, tmp: Path | None = None):
     try:
         yield tmp
         os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):  # (renamed already: no such file)
+    except BaseException:
+        with contextlib.suppress(OSError):  # (none made: the write failed to open it)
             tmp.unlink()
+        raise
 
 
 def versions() -> dict:
@@ -147,9 +148,12 @@ def versions() -> dict:
     root = Path(__file__).resolve().parent.parent
     if (root / ".git").exists():
         try:
-            git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,
-                                            timeout=10).stdout.strip()
+            def git(*args) -> str:  # (no optional locks: a `git commit` beside it must not fail on index.lock)
+                done = subprocess.run(["git", "--no-optional-locks", "-C", str(root), *args], capture_output=True,
+                                      text=True, timeout=10, check=True)
+                return done.stdout.strip()
+
             out["commit"] = git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError):  # (no git, or it refuses the checkout: no commit said)
             pass
     return out

@@ -869,6 +869,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         if problem:
             raise PairError(f"{role} {name}: {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    slow = SLOW_ON_CPU.get(str(dt).removeprefix("torch.")) if dev.type == "cpu" else None
+    if slow:  # (before the load, at the caller's line; pair_from_models, below, would say it after)
+        warnings.warn(slow, stacklevel=2)
     tok = load_tokenizer(str(target))
     lean = kernel != "hf" and not transformers_models
     tmodel = load_model(str(target), dev, dt, attn_implementation, lean)
@@ -879,5 +882,8 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         except PairError:
             dtok = None  # one that fails to load: the target's too (the vocabularies are still compared)
         dmodel = load_model(str(draft), dev, dt, attn_implementation, lean)
-    return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok, kernel=kernel,
-                            names={"target": str(target), "draft": None if dmodel is None else str(draft)})
+    with warnings.catch_warnings():
+        if slow:
+            warnings.filterwarnings("ignore", message=re.escape(slow))
+        return pair_from_models(tmodel, dmodel, tok, draft_tokenizer=dtok, kernel=kernel,
+                                names={"target": str(target), "draft": None if dmodel is None else str(draft)})

@@ -70,10 +70,11 @@ def _rates(pair, timed: list[tuple[str, dict]]) -> None:
     runner = pair.runner("target")
     peak = fma_peak_line(torch.get_num_threads()) if getattr(runner, "native", False) else 0.0
     bf16 = getattr(runner, "weight_format", None) == native.BF16_COMPUTE  # (--kernel lean-bf16)
-    if peak and runner.lib.dt_bf16_dot():  # (measured: the flag alone promised Intel's CPUs a speed they lack)
-        _bf16_note(peak, native.dot_peak(torch.get_num_threads()), bf16)
+    dot = native.dot_peak(torch.get_num_threads()) if peak and (bf16 or runner.lib.dt_bf16_dot()) else 0.0
+    if dot and runner.lib.dt_bf16_dot():  # (measured: the flag alone promised Intel's CPUs a speed they lack)
+        _bf16_note(peak, dot, bf16)
     if bf16:
-        peak = native.dot_peak(torch.get_num_threads())
+        peak = dot
         click.echo(f"bfloat16 compute on {native.bf16_compute(runner.lib)}: bfloat16 dot peak {peak:.0f} GFLOP/s, "
                    "measured")
     for name, table in timed:

@@ -570,6 +570,7 @@ class _Dispatch:
         self.attempts: dict[int, int] = {}  # failures while running alone
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
+        self.start_failures = 0  # replacements in a row that failed to load
         self.head_down_since: float | None = None  # first failed check of the head in a row
         self.failed: list[str] = []
 
@@ -707,11 +708,14 @@ class _Dispatch:
                     try:
                         results = ray.get(ref)
                     except (RayActorError, RayTaskError) as err:
+                        if isinstance(placement.task_cause(err), placement.StartFailed):  # (not the shard's doing)
+                            pending.appendleft((k, (rows, kept)))
+                            self._start_failed(ray, slot, actor, err)
+                            continue
                         if isinstance(err, RayActorError):
                             self._check_cluster(ray, actor_died=True)
                         self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
-                            self._check_restarts(ray, inflight, pending)  # (a replacement that failed to load)
                             self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
                             self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
                         continue
@@ -799,20 +803,36 @@ class _Dispatch:
             self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
 
     def _loaded(self, ray, slot: int, ready) -> None:
-        """A replacement actor that raised while loading (its models damaged or moved since the job
-        began, or the machine changed) would fail the same way for every shard: each was retried
-        through such an actor, ~100 start-ups in 11 min for 26 shards, and then called failed (the
-        faults trial).  One dead while loading (its node lost) is another death, as before."""
+        """A replacement's ready(): loaded (the failures in a row end), failed to load (another is
+        started, up to --max-retries in a row: _start_failed), or dead (its shards' failures restart it)."""
         from ray.exceptions import RayTaskError
 
         try:
             ray.get(ready)
+            self.start_failures = 0
         except RayTaskError as e:
-            raise JobError(f"actor {slot}'s replacement failed to start: {placement.describe_error(e)} -- the same "
-                           "for every actor now (what it loads changed since the job began?); finished shards are "
-                           f"kept in {self.out}/shards, and once fixed the same command resumes") from None
-        except Exception:  # noqa: BLE001 - (RayActorError: died; its shards' failures restart it)
+            self._start_failed(ray, slot, self.actors[slot], e)
+        except Exception:  # noqa: BLE001 - (RayActorError: died)
             pass
+
+    def _start_failed(self, ray, slot: int, actor, err) -> None:
+        """Models damaged or moved since the job began fail every replacement's load: each shard was
+        retried through such start-ups (~100 in 11 min for 26 shards) and then called failed (the
+        faults trial).  Another is started for a failure that may pass (a GPU not yet freed, a node's
+        full disk), and after --max-retries in a row the job ends with the load's error."""
+        if self.actors[slot] is not actor:
+            return  # (said already, by its ready() or another of its shards)
+        self.start_failures += 1
+        why = placement.describe_error(err).removeprefix("StartFailed: ")
+        if self.start_failures > self.spec.max_retries:
+            raise JobError(f"actor {slot}'s replacement failed to start {self.start_failures} times in a row: {why} "
+                           f"(what it loads changed since the job began?); finished shards are kept in "
+                           f"{self.out}/shards, and once fixed the same command resumes")
+        self.log(f"actor {slot}'s replacement failed to start ({why}); starting another "
+                 f"({self.start_failures}/{self.spec.max_retries})")
+        ray.kill(actor)
+        self.actors[slot] = new = self.start_actor(slot)
+        self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
 
     def _say_quiet(self, inflight: dict, quiet_s: float) -> None:
         """No shard finished for a while: say what is in flight where (a hung actor must not look

@@ -19,6 +19,11 @@ class PlacementError(RuntimeError):
     """The requested actors cannot be placed or did not start."""
 
 
+class StartFailed(RuntimeError):
+    """A shard sent to an actor that failed to load (its message: the load's error): the driver
+    starts another in its place, and charges no attempt to the shard."""
+
+
 def _shape(cpus: float, gpus: float, memory: float | None = None) -> dict[str, float]:
     shape = {"CPU": float(cpus), "GPU": float(gpus)}
     if memory:
@@ -173,10 +178,20 @@ def _task_error(err: BaseException):
     return None
 
 
+def task_cause(err: BaseException) -> BaseException | None:
+    """The exception a remote call raised (through calls it made itself), or None for a death."""
+    from ray.exceptions import RayTaskError
+
+    cause = getattr(_task_error(err), "cause", None)
+    while isinstance(cause, RayTaskError):
+        cause = cause.cause
+    return cause
+
+
 def describe_error(err: BaseException) -> str:
     """The root cause of a remote failure in one or two lines, e.g. ``ValueError: no such file``,
     instead of Ray's message (which embeds the remote traceback)."""
-    from ray.exceptions import RayError, RayTaskError
+    from ray.exceptions import RayError
 
     task_err = _task_error(err)
     if task_err is None:
@@ -185,9 +200,7 @@ def describe_error(err: BaseException) -> str:
             return _clip(lines[-1])  # the traceback's last line is the exception itself
         # system deaths: first line says what, the next un-indented one says why
         return _clip("\n".join(ln for ln in lines if not ln.startswith("\t")))
-    cause = task_err.cause
-    while isinstance(cause, RayTaskError):  # a remote call made from inside the remote code
-        cause = cause.cause
+    cause = task_cause(err)  # (through remote calls made from inside the remote code)
     if cause is None or type(cause) is RayError:
         # the original exception could not be pickled; Ray's stand-in text ends with its
         # traceback, whose last line is the original "Type: message"

@@ -388,7 +388,7 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
         if "id_column" in changed:  # (without --id-column, an input whose ids gained duplicates: row indexes)
             ids = lambda c: "row indexes" if c is None else repr(c)
             changed[changed.index("id_column")] = (f"id_column: {ids(before.get('id_column'))} -> "
-                                                   f"{ids(new['identity'].get('id_column'))}, as the ids: line says")
+                                                   f"{ids(new['identity'].get('id_column'))}")
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it

@@ -143,10 +143,17 @@ def test_hive_partition_directories_are_read_as_columns_as_pyarrow_reads_them(tm
         assert any("lang (string), year (int32)" in n for n in src.notes)
     assert "lang" not in InputSource.open(str(next(h.glob("lang=en/*/*.parquet")))).column_names  # (one file)
     pq.write_table(pa.table({"id": ["z"], "text": ["f"], "year": ["old"]}), h / "lang=en" / "year=2020" / "x.parquet")
-    src = InputSource.open(str(h))  # a file's own column of a key's name: the files' values
+    src = InputSource.open(str(h))  # a file's own column of a key's name: its type, the directories' values
     assert src.schema.field("year").type == pa.string() and any("'year'" in n for n in src.notes)
     rows = src.read(0, src.num_rows, ["id", "lang", "year"])[0].to_pylist()
-    assert {"id": "z", "lang": "en", "year": "old"} in rows and {"id": "r0", "lang": "en", "year": None} in rows
+    assert {"id": "z", "lang": "en", "year": "2020"} in rows and {"id": "r0", "lang": "en", "year": "2020"} in rows
+    e = tmp_path / "e"  # a file without rows does not type a key (as for columns); a key only ever null: text
+    for where, rows in (("k=1/n=__HIVE_DEFAULT_PARTITION__", ["a"]), ("k=x/n=__HIVE_DEFAULT_PARTITION__", [])):
+        (e / where).mkdir(parents=True)
+        pq.write_table(pa.table({"text": pa.array(rows, pa.string())}), e / where / "p.parquet")
+    src = InputSource.open(str(e))
+    assert src.schema == pa.schema([("text", pa.string()), ("k", pa.int32()), ("n", pa.string())])
+    assert src.read(0, 1, ["k", "n"])[0].to_pylist() == [{"k": 1, "n": None}]
 
 
 def test_a_file_without_rows_does_not_shape_the_inputs_columns(tmp_path):
