@@ -455,6 +455,8 @@ def _remove_unused(out: Path) -> None:
         return
     with contextlib.suppress(OSError):  # (a failure before shards/ was made: none to remove, go on)
         (out / "shards").rmdir()  # (only if empty)
+    if (out / "shards").exists():
+        return  # a shard was written: the output and its manifest stay whole
     with contextlib.suppress(OSError):
         for name in ("manifest.json", ".dynatree.lock"):
             (out / name).unlink(missing_ok=True)

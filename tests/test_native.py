@@ -549,8 +549,8 @@ def test_profile_names_the_variant_peak_and_mkl_comparison(tmp_path, isa, monkey
     assert re.search(r"^target, 16 sequences of 1 token over 16 cached tokens each: \d+\.\d\d ms, against \d+\.\d\d "
                      r"ms for one sequence of 16 tokens: [+-]\d\.\d{3} ms per extra sequence, reading its 0\.0 MiB",
                      out, re.M), out
-    # a build that has VDPBF16PS points at bfloat16 compute (lean-bf16); others do not
-    assert ("--kernel lean-bf16 computes in bfloat16" in out) == bool(native.library().dt_bf16_dot())
+    # a build that has VDPBF16PS measures its dot peak against the FMA's and says whether lean-bf16 pays
+    assert ("this CPU's bfloat16 dot products measured" in out) == bool(native.library().dt_bf16_dot())
     # each model's per-extra-token rate against that peak -- or, when one --repeats on a busy host
     # timed the wider forward no slower, the line saying it was not measurable
     for name in ("target", "draft"):

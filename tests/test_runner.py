@@ -515,6 +515,13 @@ def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_p
     with pytest.raises(OSError, match="No space left"):
         run_job(job, progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # (it kept an empty .dynatree.lock: the faults trial)
+    out = tmp_path / "out"  # one that wrote a shard, ended by a signal: kept whole, its manifest too
+    (out / "shards").mkdir(parents=True)
+    for f in ("manifest.json", ".dynatree.lock", "shards/part-000000.parquet"):
+        (out / f).write_text("")
+    driver._remove_unused(out)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        ".dynatree.lock", "manifest.json", "shards", "shards/part-000000.parquet"]
 
 
 def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
