@@ -147,7 +147,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     from . import engine
     from .check import divergence
     from .config import ContextError, ar_reference, make_config, parse_options, reference_label
-    from .models import PairError, load_pair
+    from .models import PairError, conversation, load_pair
     from .parts import file_text
 
     _threads(threads, device)
@@ -159,7 +159,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     try:
         cfg = make_config(method, parse_options(options))
         pair = load_pair(target, draft, device=device, dtype=dtype, load_draft=method != "ar", kernel=kernel)
-        said = next((i for i, p in enumerate(prompts) if not chat_template and isinstance(_conversation(p), list)), None)
+        said = next((i for i, p in enumerate(prompts) if not chat_template and isinstance(conversation(p), list)), None)
         if said is not None:  # (the Python API applies the template to a message list itself)
             click.echo(f"note: {engine.prompt_name(said, len(prompts))} reads as a list of chat messages; without "
                        "--chat-template it is decoded as plain text (add --chat-template to apply the target's "
@@ -467,27 +467,10 @@ def _prompt_ids(pair, prompt: str, chat: bool, keep: int | None, name: str) -> l
     from .check import truncate_prompt
 
     try:
-        ids = pair.encode_chat(_conversation(prompt)) if chat else pair.encode(prompt, last=keep)
+        ids = pair.encode_chat(prompt) if chat else pair.encode(prompt, last=keep)
         return truncate_prompt(ids, keep, chat)
     except ValueError as e:
         raise type(e)(str(e) if name == "prompt" else f"{name}: {e}") from e
-
-
-def _conversation(text: str) -> str | list:
-    """A --chat-template prompt: JSON meant as messages -- a list that is empty or holds an object,
-    or one object with a "role" or "content" -- is that conversation (refused unless {role,
-    content} messages: '[]' and '{"role": ...}' went to the model as text, '[{"role": "user"}]'
-    was refused); any other text (a list of numbers, '[not json]') one user message."""
-    if text.lstrip()[:1] in ("[", "{"):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return text
-        if isinstance(value, dict) and ("role" in value or "content" in value):
-            return [value]
-        if isinstance(value, list) and (not value or any(isinstance(m, dict) for m in value)):
-            return value
-    return text
 
 
 def _number_list(s: str | None, flag: str = "", lo: int = 1, kind: type = int) -> tuple:

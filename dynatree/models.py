@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import json
 import re
 import threading
 import warnings
@@ -693,10 +694,31 @@ def is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict)
 
 
+def conversation(text: str) -> str | list:
+    """A chat prompt given as text: JSON meant as messages -- a list that is empty or holds an
+    object, or one object with a "role" or "content" -- is that conversation (refused unless {role,
+    content} messages: '[]' and '{"role": ...}' went to the model as text, '[{"role": "user"}]'
+    was refused); any other text (a list of numbers, '[not json]') one user message.  The same for
+    `generate --chat-template` and a job's string cells (which went to the model as a user message
+    holding the JSON: the chat trial)."""
+    if text.lstrip()[:1] in ("[", "{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(value, dict) and ("role" in value or "content" in value):
+            return [value]
+        if isinstance(value, list) and (not value or any(isinstance(m, dict) for m in value)):
+            return value
+    return text
+
+
 def chat_messages(value) -> list[dict]:
-    """A prompt as chat messages: a string is one user message, a mapping one message; otherwise
-    each a mapping with string ``role`` and ``content`` (other keys dropped, so a Parquet struct's
-    nulls do not reach the template); ValueError otherwise."""
+    """A prompt as chat messages: a string is its :func:`conversation` (JSON messages, else one user
+    message), a mapping one message; otherwise each a mapping with string ``role`` and ``content``
+    (other keys dropped, so a Parquet struct's nulls do not reach the template); ValueError otherwise."""
+    if isinstance(value, str):
+        value = conversation(value)
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, dict):  # one message (a JSONL object, a struct value): a conversation of one

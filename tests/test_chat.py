@@ -125,6 +125,18 @@ def test_refused_and_long_conversations_are_row_errors(chat_dirs, chat_pair, tmp
         generate_batch(chat_pair, [CHATS[2]], "ar", max_new_tokens=4)[0].token_ids
 
 
+def test_a_job_cell_of_json_messages_is_that_conversation(chat_pair):
+    """A string column holding message lists as JSON text went to the model as one user message
+    holding the JSON (37 prompt tokens instead of 16, no word; the chat trial), where `generate
+    --chat-template` read it as the conversation: both read it so now (models.conversation)."""
+    import json
+    assert prompt_ids(chat_pair, json.dumps(CHATS[0]), 8, None, chat=True) == rendered(chat_pair, CHATS[0])
+    assert prompt_ids(chat_pair, json.dumps(CHATS[0][1]), 8, None, chat=True) == \
+        rendered(chat_pair, [CHATS[0][1]])  # (one message object: a conversation of one)
+    for text in ('["hi", "there"]', "[not json", "The quick brown fox"):  # (not messages: one user message)
+        assert prompt_ids(chat_pair, text, 8, None, chat=True) == rendered(chat_pair, [{"role": "user", "content": text}])
+
+
 def test_chat_job_matches_ar(ray_cluster, chat_dirs, chat_pair, tmp_path):
     rows = [{"role": m["role"], "content": m["content"]} for m in CHATS[0]]
     table = pa.table({"key": ["a", "b", "c", "d"],
