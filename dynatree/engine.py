@@ -691,6 +691,17 @@ def prompt_name(i: int, n: int) -> str:
     return "prompt" if n <= 1 else f"prompt {i} (of 0..{n - 1})"
 
 
+def _named(read, i: int, n: int):
+    """``read()``, a ValueError it raises naming prompt i of n (a bad conversation among several
+    failed the call without saying which), its type kept (PairError, ContextError)."""
+    try:
+        return read()
+    except ValueError as e:
+        if n > 1 and e.args and isinstance(e.args[0], str):
+            e.args = (f"{prompt_name(i, n)}: {e.args[0]}", *e.args[1:])
+        raise
+
+
 def decode(pair: ModelPair, prompt_ids: list[int], cfg=None, *, max_new_tokens: int = 128,
            ignore_eos: bool = False, stop: Stop | None = None) -> tuple[list[int], str, Metrics]:
     """Decode one prompt with the method described by ``cfg`` (the B = 1 case of BatchDecoder).
@@ -775,7 +786,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if bad:
         raise ValueError(f"a prompt is a text, token ids or chat messages, got {bad[0]}")
     rule = Stop.of(stop, stop_token_ids)
-    ids = [prompt_token_ids(pair, p) for p in prompts]
+    ids = [_named(lambda: prompt_token_ids(pair, p), i, len(prompts)) for i, p in enumerate(prompts)]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")

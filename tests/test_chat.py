@@ -111,6 +111,8 @@ def test_refused_and_long_conversations_are_row_errors(chat_dirs, chat_pair, tmp
         prompt_ids(chat_pair, CHATS[0], 8, 5, chat=True)
     with pytest.raises(ValueError, match="list of {role, content} messages"):
         generate_batch(chat_pair, [[{"role": "user", "content": None}]], "ar", max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^prompt 1 \(of 0..1\): .*list of {role, content} messages"):  # (which one)
+        generate_batch(chat_pair, ["Hi", [{"role": "user", "content": None}]], "ar", max_new_tokens=2)
     one = {"role": "user", "content": "Call me"}  # one message: a conversation of one, as a job's cell reads
     assert generate(chat_pair, one, "ar", max_new_tokens=3).token_ids == \
         generate(chat_pair, [one], "ar", max_new_tokens=3).token_ids == \
