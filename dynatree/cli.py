@@ -331,6 +331,11 @@ def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[in
     if bad:
         click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty, only whitespace or not text "
                    f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
+    chat = sum(isinstance(values[i], (list, dict)) for i in bad)
+    if chat:  # (a chat column: skipped as "not text" without a word on what to run instead)
+        click.echo(f"  {path}: {chat} of them hold chat messages, which check does not render: check them with "
+                   "`dynatree run --chat-template --verify-fraction 1` or `dynatree generate --chat-template "
+                   "--check-ar`", err=True)
     if not at:
         _fail(f"{path}: no prompts to check")
     return at, [values[i] for i in at]

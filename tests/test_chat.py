@@ -162,3 +162,13 @@ def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
         run_job(spec(pair_dirs, tmp_path, chat_template=True), progress=False, log=quiet)
     with pytest.raises(JobError, match="demo pair.* has no chat template"):  # no --target: the bundled pair's
         run_job(spec(pair_dirs, tmp_path, chat_template=True, target=None, draft=None), progress=False, log=quiet)
+
+
+def test_check_says_what_to_run_for_a_chat_column(capsys):
+    """check skipped a messages column as "not text" and said no more (the chat trial)."""
+    from dynatree import cli
+
+    at, prompts = cli._usable_prompts("p.jsonl", ["Hi", [{"role": "user", "content": "x"}], {"role": "user"}, None], None)
+    assert (at, prompts) == ([0], ["Hi"])
+    err = capsys.readouterr().err
+    assert "skipping 3 prompt(s)" in err and "2 of them hold chat messages" in err and "--chat-template" in err
