@@ -300,15 +300,16 @@ def _hive_keys(path: str, root: str) -> dict[str, str | None]:
     return keys
 
 
-def _partitioned(parts: list[Part], root: str | None, schema: pa.Schema) -> tuple[pa.Schema, list[str]]:
+def _partitioned(parts: list[Part], counted: list[Part], root: str | None,
+                 schema: pa.Schema) -> tuple[pa.Schema, list[str]]:
     """``schema`` with the directories' partition keys as columns after the files' own, each part's
     values kept as ``part.keys``, as pyarrow's hive partitioning reads them: int32 where every value
-    is one (files without rows not counted, as for the files' own columns), else string; for a key
-    the files also hold as a column, the directory's value in its files (cast to the files' type)."""
+    of the ``counted`` parts (those with rows, as for the files' own columns) is one, else string;
+    for a key the files also hold as a column, the directory's value in its files (cast to the
+    files' type)."""
     for part in parts:
         part.keys = _hive_keys(part.info.path, root) if root else {}
     names = list(dict.fromkeys(k for p in parts for k in p.keys))
-    counted = [p for p in parts if p.info.rows] or parts
     fields = []
     for name in (n for n in names if n not in schema.names):
         values = [p.keys.get(name) for p in counted]
@@ -386,8 +387,9 @@ class InputSource:
                 dup = next(n for n in names if names.count(n) > 1)
                 raise InputError(f"{part.info.path}: two columns named {dup!r}; rename one")
         # (files without rows add no columns nor types: a stray empty file turned int ids into text)
-        schema, notes = _unify([p for p in parts if p.info.rows] or parts)
-        schema, keyed = _partitioned(parts, input_root(source), schema)
+        counted = [p for p in parts if p.info.rows] or parts
+        schema, notes = _unify(counted)
+        schema, keyed = _partitioned(parts, counted, input_root(source), schema)
         return cls(source, parts, schema, notes=[n for p in parts for n in p.notes] + notes + keyed)
 
     def files_without(self, column: str) -> list[str]:

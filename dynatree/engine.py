@@ -130,8 +130,7 @@ class _Row:
         self.kv_update = cfg.kv_update if isinstance(cfg, SpecConfig) else "gather"
         self.window = pair.window(cfg)  # StreamingLLM's cache policy, or None
         self.lookup = cfg.lookup_length
-        self.lookup_stats = (pair.learned(("lookup", *cfg.sampling_key), lambda last: last if last is not None else LookupStats())
-                             if self.lookup else None)
+        self.lookup_stats = pair.learned(("lookup", *cfg.sampling_key), LookupStats) if self.lookup else None
         self.capacity = cache_rows(cfg, len(prompt) + max_new_tokens, pair.max_context)
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
@@ -302,7 +301,7 @@ class BatchDecoder:
             cfg = None
         key = ("governor", 1 << (size - 1).bit_length(), cfg)
         if key not in self.governors:
-            self.governors[key] = self.pair.learned(key, lambda last: last.carry() if last is not None else Governor())
+            self.governors[key] = self.pair.learned(key, Governor, carry=Governor.carry)
             for old in list(self.governors)[:max(0, len(self.governors) - LEARNED_KEPT)]:  # (a long-lived
                 del self.governors[old]  # decoder of a service, a temperature per request: as the pair's)
         gov = self.governors[key]

@@ -414,13 +414,15 @@ class ModelPair:
         """The first of eos_token_ids (a padding id for transformers' peers), or None."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def learned(self, key: tuple, make):
-        """What decoding learned under ``key`` -- a governor, a calibration, lookup statistics --
-        as ``make(the previous value or None)`` returns it.  At most LEARNED_KEPT of a kind
-        (``key[0]``) are kept, the least recently used dropped first: keyed by sampling settings,
-        a service sending each request at its own temperature added one per temperature for the
-        process's life (a dropped one starts again from the prior: speed, never the output)."""
-        value = make(self.state.pop(key, None))  # (popped and put back last: the most recently used)
+    def learned(self, key: tuple, fresh, carry=None):
+        """What decoding learned under ``key`` -- a governor, a calibration, lookup statistics: the
+        one kept (or ``carry(it)``, what a new user takes from it), else ``fresh()``.  At most
+        LEARNED_KEPT of a kind (``key[0]``) are kept, the least recently used dropped first: keyed by
+        sampling settings, a service sending each request at its own temperature added one per
+        temperature for the process's life (a dropped one starts again from the prior: speed, never
+        the output)."""
+        last = self.state.pop(key, None)  # (popped and put back last: the most recently used)
+        value = fresh() if last is None else carry(last) if carry else last
         kind = [k for k in self.state if isinstance(k, tuple) and k[0] == key[0]]
         for old in kind[:max(0, len(kind) + 1 - LEARNED_KEPT)]:
             del self.state[old]
@@ -770,6 +772,11 @@ def cpu_layout(model) -> None:
             mod.weight.data = mod.weight.data.t().contiguous().t()
 
 
+def _slow_on_cpu(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a model of ``dtype`` on ``device`` runs slowly (config.SLOW_ON_CPU), or None."""
+    return SLOW_ON_CPU.get(str(dtype).removeprefix("torch.")) if device.type == "cpu" else None
+
+
 def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
                      eos_token_id: int | list[int] | None = None, names: dict | None = None,
                      kernel: str = "lean") -> ModelPair:
@@ -795,7 +802,7 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
             raise PairError(f"target and draft vocabularies do not match ({wt} vs {wd} logits)")
     eos_ids = _eos_ids(tokenizer, target, eos_token_id)
     p = next(target.parameters())
-    slow = SLOW_ON_CPU.get(str(p.dtype).removeprefix("torch.")) if p.device.type == "cpu" else None
+    slow = _slow_on_cpu(p.device, p.dtype)
     if slow:  # (said here, not only by load_pair: a model loaded with transformers' default dtype came in bfloat16)
         warnings.warn(slow, stacklevel=2)
     if p.device.type == "cpu":
@@ -891,7 +898,7 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         if problem:
             raise PairError(f"{role} {name}: {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    slow = SLOW_ON_CPU.get(str(dt).removeprefix("torch.")) if dev.type == "cpu" else None
+    slow = _slow_on_cpu(dev, dt)
     if slow:  # (before the load, at the caller's line; pair_from_models, below, would say it after)
         warnings.warn(slow, stacklevel=2)
     tok = load_tokenizer(str(target))

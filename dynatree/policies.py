@@ -207,8 +207,7 @@ class DynaTree(NoDraft):
         """Hardware budget: profile the device once per pair and share the calibration."""
         if self.cfg.budget_on:
             self.latency = budget.profile(pair, kv_dtype=self.cfg.kv_dtype)
-            self.calib = pair.learned(("calibration", *self.cfg.sampling_key),
-                                      lambda last: last if last is not None else budget.Calibration())
+            self.calib = pair.learned(("calibration", *self.cfg.sampling_key), budget.Calibration)
 
     def observe_verify(self, n_tokens: int, seconds: float, cached: int | None = None) -> None:
         if self.latency is not None:
