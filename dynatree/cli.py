@@ -268,11 +268,15 @@ def _compared_with(pair, ref) -> str:
               help="the most new tokens per prompt (fewer at EOS)")
 @click.option("--max-prompt-tokens", default=200, show_default=True, type=click.IntRange(min=1),
               help="prompts keep their last L_max tokens (fewer if the context needs room for the new ones)")
+@click.option("--chat-template", is_flag=True,
+              help="render each prompt with the target tokenizer's chat template, as run's and generate's: text as "
+                   "a user message (JSON messages as that conversation), a column of messages as conversations")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
-          max_new_tokens, max_prompt_tokens, threads):
+          max_new_tokens, max_prompt_tokens, chat_template, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     _threads(threads, device)
+    from .actors.worker import prompt_ids
     from .check import all_windowed, check_methods, prompt_budget
     from .data import InputError, read_texts
     from .config import ARConfig, make_config, reference_label
@@ -287,6 +291,8 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
+        if chat_template and not pair.has_chat_template:
+            raise PairError("--chat-template: the target's tokenizer has no chat template")
         cfgs = pair.decodable(cfgs, lambda msg: click.echo(msg, err=True)) if cfgs else cfgs
         pair.check_methods(cfgs)
         pair.need_draft([label for label, c in cfgs.items() if make_policy(c).needs_draft])  # (before ar's decoding)
@@ -301,10 +307,14 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     summary = []
     for path in prompt_files:
         try:
-            at, texts = _usable_prompts(path, read_texts(path, prompt_column), limit)
+            at, texts = _usable_prompts(path, read_texts(path, prompt_column), limit, chat_template)
         except InputError as e:
             _fail(str(e))
-        prompts = [pair.encode(t, last=keep) for t in texts]  # (its last `keep` tokens: the prompt policy)
+        if chat_template:  # (a job's prompt policy for chat rows: actors/worker.prompt_ids)
+            at, prompts = _rendered(path, at, texts, lambda v: prompt_ids(
+                pair, v, max_new_tokens, max_prompt_tokens, all_windowed(cfgs.values()), chat=True))
+        else:
+            prompts = [pair.encode(t, last=keep) for t in texts]  # (its last `keep` tokens: the prompt policy)
         try:
             rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
@@ -320,18 +330,21 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         sys.exit(1)
 
 
-def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[int], list[str]]:
+def _usable_prompts(path: str, values: list, limit: int | None, chat: bool = False) -> tuple[list[int], list]:
     """The first ``limit`` (all with None) values that are prompts, and their row numbers in the file;
-    rows that are null, empty, only whitespace or not text are skipped and named, not counted (as bench's --prompts)."""
+    rows that are null, empty, only whitespace or not text are skipped and named, not counted (as bench's
+    --prompts); with ``chat`` (--chat-template) chat messages (a list or a mapping) are prompts too."""
     at, bad = [], []
     for i, t in enumerate(values):
         if limit is not None and len(at) == limit:
             break
-        (at if isinstance(t, str) and t.strip() else bad).append(i)
+        usable = isinstance(t, str) and t.strip() or chat and isinstance(t, (list, tuple, dict)) and len(t) > 0
+        (at if usable else bad).append(i)
     if bad:
-        click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty, only whitespace or not text "
+        click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty, only whitespace or not "
+                   f"{'text or chat messages' if chat else 'text'} "
                    f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
-    chat = sum(isinstance(values[i], (list, dict)) for i in bad)
+    chat = 0 if chat else sum(isinstance(values[i], (list, dict)) for i in bad)
     if chat:  # (a chat column: skipped as "not text" without a word on what to run instead)
         click.echo(f"  {path}: {chat} of them hold chat messages, which check does not render: check them with "
                    "`dynatree run --chat-template --verify-fraction 1` or `dynatree generate --chat-template "
@@ -339,6 +352,26 @@ def _usable_prompts(path: str, values: list, limit: int | None) -> tuple[list[in
     if not at:
         _fail(f"{path}: no prompts to check")
     return at, [values[i] for i in at]
+
+
+def _rendered(path: str, at: list[int], values: list, encode) -> tuple[list[int], list[list[int]]]:
+    """check --chat-template's prompts: each value's ids by ``encode`` (a job's prompt policy for chat
+    rows); a conversation the template refuses, or one longer than the policy keeps (a rendered one is
+    never cut: its last tokens would lose the template's header), is skipped and named, as a job makes
+    it that row's error."""
+    kept, prompts, refused = [], [], []
+    for i, value in zip(at, values):
+        try:
+            prompts.append(encode(value))
+            kept.append(i)
+        except ValueError as e:
+            refused.append(f"row {i}: {e}")
+    if refused:
+        click.echo(f"  {path}: skipping {len(refused)} prompt(s) that cannot be rendered to fit: "
+                   + "; ".join(refused[:3]) + (" ..." if len(refused) > 3 else ""), err=True)
+    if not kept:
+        _fail(f"{path}: no prompts to check")
+    return kept, prompts
 
 
 def _check_summary(path: str, rows: list[dict], at: list[int]) -> list[tuple]:
@@ -466,7 +499,7 @@ def _print_summary(summary: dict, spec) -> None:
     click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
 
 
-def _prompt_ids(pair, prompt: str, chat: bool, keep: int | None, name: str) -> list[int]:
+def _prompt_ids(pair, prompt: str | list | dict, chat: bool, keep: int | None, name: str) -> list[int]:
     """A generate prompt's ids under --chat-template / --max-prompt-tokens; a ValueError names the
     prompt among several."""
     from .check import truncate_prompt

@@ -172,3 +172,30 @@ def test_check_says_what_to_run_for_a_chat_column(capsys):
     assert (at, prompts) == ([0], ["Hi"])
     err = capsys.readouterr().err
     assert "skipping 3 prompt(s)" in err and "2 of them hold chat messages" in err and "--chat-template" in err
+
+
+def test_check_renders_a_chat_column_with_the_template(chat_dirs, chat_pair, pair_dirs, tmp_path):
+    """check --chat-template checks conversations against ar as a job decodes them; a conversation
+    the template cannot fit in the prompt policy is skipped and named (check had no such flag)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dynatree import cli
+
+    kept, ids = cli._rendered("p", [0, 2], [CHATS[0], "hi"], lambda v: prompt_ids(chat_pair, v, 5, 60, chat=True))
+    assert kept == [0, 2] and ids == [chat_pair.encode_chat(CHATS[0]), chat_pair.encode_chat("hi")]
+    path = tmp_path / "chats.jsonl"
+    rows = [CHATS[0], "It was the best of times", json.dumps(CHATS[2]), None, "word " * 300]
+    path.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    args = ["check", "--target", str(chat_dirs / "target"), "--draft", str(chat_dirs / "draft"), "--device", "cpu",
+            "--dtype", "float64", "--methods", "dynatree", "--max-new-tokens", "5", "--max-prompt-tokens", "60",
+            "--prompts", str(path), "--chat-template"]
+    res = CliRunner().invoke(cli.main, args)
+    assert res.exit_code == 0, res.output
+    table = [ln.split() for ln in res.output.splitlines() if ln.startswith(str(path))]
+    assert [r[1:4] for r in table] == [["ar", "3", "ref"], ["dynatree", "3", "3"]], res.output
+    assert "skipping 1 prompt(s) that are null" in res.output and "row 4: chat prompt of" in res.output
+    plain = [a.replace(str(chat_dirs), str(pair_dirs)) for a in args]  # a tokenizer without a template
+    res = CliRunner().invoke(cli.main, plain)
+    assert res.exit_code == 1 and "has no chat template" in res.output, res.output
