@@ -346,9 +346,8 @@ def _usable_prompts(path: str, values: list, limit: int | None, chat: bool = Fal
                    f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
     chat = 0 if chat else sum(isinstance(values[i], (list, dict)) for i in bad)
     if chat:  # (a chat column: skipped as "not text" without a word on what to run instead)
-        click.echo(f"  {path}: {chat} of them hold chat messages, which check does not render: check them with "
-                   "`dynatree run --chat-template --verify-fraction 1` or `dynatree generate --chat-template "
-                   "--check-ar`", err=True)
+        click.echo(f"  {path}: {chat} of them hold chat messages: add --chat-template to render them with the "
+                   "target's chat template", err=True)
     if not at:
         _fail(f"{path}: no prompts to check")
     return at, [values[i] for i in at]
