@@ -155,7 +155,7 @@ class Generate:
 
         spec = placed(decoding_spec(**options))
         self.spec = spec
-        self.worker = ShardWorker(spec, _threads(threads) or assigned_cpus())
+        self.worker = ShardWorker(spec, _threads(threads) or assigned_cpus(), driver_warned=False)
         _warn_if_starving()  # (once the pair is loaded: by then Ray's view of free CPUs counts this actor)
         self.sampled = spec.method_config.temperature > 0
         self.schema = output_schema(spec.samples > 1)

@@ -98,9 +98,12 @@ def prompt_ids(pair, text, max_new_tokens: int, max_prompt_tokens: int | None, w
 
 
 class ShardWorker:
-    def __init__(self, spec, threads: int | None = None, share: float | None = None):
+    def __init__(self, spec, threads: int | None = None, share: float | None = None, driver_warned: bool = True):
         """``share``: bytes of its node's memory this worker may fill (the job driver's estimate,
-        jobs/footprint.py), to cap ``--batch-size auto`` once loaded; None: no cap."""
+        jobs/footprint.py), to cap ``--batch-size auto`` once loaded; None: no cap.  ``driver_warned``:
+        a job's driver said a slow dtype's warning (config.SLOW_ON_CPU) once for the job; False (a Ray
+        Data stage, which has no such driver): this worker says it."""
+        self.driver_warned = driver_warned
         _fault_at_start(spec.output)
         self.spec, self.cfg, self.share, self.batch_cap = spec, spec.method_config, share, None
         self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
@@ -116,7 +119,7 @@ class ShardWorker:
     def _load(self):
         spec, t0 = self.spec, time.perf_counter()
         with warnings.catch_warnings():  # the driver said it once for the job, not once per actor
-            for said in SLOW_ON_CPU.values():
+            for said in SLOW_ON_CPU.values() if self.driver_warned else ():
                 warnings.filterwarnings("ignore", message=re.escape(said))
             self.pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype,
                                   load_draft=spec.method != "ar", kernel=spec.kernel)

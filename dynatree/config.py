@@ -24,6 +24,13 @@ SLOW_ON_CPU = {  # a model's dtype -> why it is slow on a CPU (a warning where i
 
 
 KV_DTYPES = ("model", "bfloat16")  # MethodConfig.kv_dtype: the model's dtype, or a torch dtype's name
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")  # a model's dtypes, as jobs and summaries name them
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def dtype_name(name):
+    """A dtype's name as everything compares it (``fp16`` is ``float16``); anything else as given."""
+    return DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
 
 
 def opt(default, help: str):
@@ -98,6 +105,7 @@ class MethodConfig(SamplingConfig):
         super().__post_init__()
         if self.kv_window < 0:
             raise ValueError("kv_window must be >= 0 (0 = off)")
+        object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))  # (bf16: bfloat16, as --dtype takes it)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.kv_window and (self.kv_sinks < 0 or self.kv_evict < 1):

@@ -12,19 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import KERNELS, NATIVE_KERNELS, SLOW_ON_CPU
+from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, NATIVE_KERNELS, SLOW_ON_CPU, dtype_name
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
                     rope_switch)
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64,
-}
+DTYPES = {name: getattr(torch, dtype_name(name)) for name in (*DTYPE_NAMES, *DTYPE_ALIASES)}
 
 
 class PairError(ValueError):

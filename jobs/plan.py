@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dynatree.config import dtype_name
 from dynatree.data import InputError, InputSource
 from dynatree.machine import ensure_writable, replaced
 from dynatree.metrics import output_schema
@@ -337,6 +338,8 @@ def _legacy(old: dict) -> dict:
     """An older manifest's identity and input fingerprint with paths as this version keeps them:
     absolute (they were stored as typed, resolved here from the current directory)."""
     ident = {k: canonical_path(k, v) if k in PATH_FIELDS else v for k, v in old.get("identity", {}).items()}
+    if "dtype" in ident:  # (an alias, fp16, was kept as typed until 2026-11-30)
+        ident["dtype"] = dtype_name(ident["dtype"])
     if isinstance(ident.get("options"), dict) and isinstance(ident.get("method"), str):  # (kept as typed until 2026-11-28)
         ident["options"] = json.loads(json.dumps(canonical_options(ident["method"], ident["options"]), default=str))
     fp = json.loads(json.dumps(old.get("input_fingerprint")))

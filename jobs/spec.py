@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import (ANNOTATION_TYPES, KERNELS, METHODS, check_samples, did_you_mean, make_config,
-                             non_default_options, parse_options)
+from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNELS, METHODS, check_samples,
+                             did_you_mean, dtype_name, make_config, non_default_options, parse_options)
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -79,7 +79,8 @@ class JobSpec:
     stop_token_ids: tuple = _f((), "end a row when it generates this token id, kept like EOS (repeatable)",
                                repeat=True, flag="stop_token_id", item=int)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = _f("float32", "weights' dtype", choices=("float32", "bfloat16", "float16", "float64"))
+    dtype: str = _f("float32", "weights' dtype (fp32, bf16, fp16, fp64: their short names)",
+                    choices=(*DTYPE_NAMES, *DTYPE_ALIASES))
     batch_size: int | str = _f("auto", "rows each actor decodes together: a number, or auto (tuned "
                                        "from measured throughput)")
     max_batch_size: int = _f(64, "the largest batch auto may pick")
@@ -111,7 +112,11 @@ class JobSpec:
         wrong = _type_problems(self)
         if wrong:  # before any comparison: "16" < 1 would raise a TypeError, not say which field
             raise SpecError("invalid job spec: " + "; ".join(wrong))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # one name per dtype: in checks and the identity
         problems = []
+        if self.dtype not in DTYPE_NAMES:
+            problems.append(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or {', '.join(DTYPE_ALIASES)}), "
+                            f"got {self.dtype!r}")
         if not self.input:
             problems.append("input is required")
         if not self.output:

@@ -104,6 +104,13 @@ def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
         check(**options(pair_dirs, options=3))
 
 
+def test_a_slow_dtype_on_a_cpu_is_said_by_the_stage(pair_dirs):
+    """A job's driver says it once for the job and its actors stay quiet; a Ray Data stage has no
+    such driver, and said nothing (the precision trial)."""
+    with pytest.warns(UserWarning, match="float16 on a CPU runs torch's slow float16 kernels"):
+        Generate(**options(pair_dirs, dtype="fp16", verify_fraction=0.0))
+
+
 def test_bad_options_and_batches_fail_clearly(pair_dirs):
     with pytest.raises(SpecError, match=r"num_actors \(use ActorPoolStrategy\(size=...\)\)"):
         decoding_spec(num_actors=2)

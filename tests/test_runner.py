@@ -687,6 +687,21 @@ def test_spec_validation_messages(tmp_path):
             build_spec(str(job))
 
 
+def test_a_jobs_dtype_is_checked_and_named_one_way(tmp_path):
+    """A job file's dtype was not checked (half failed in the actors, 28 s in), and an alias (fp16)
+    ran without the slow-dtype warning, refused lean-bf16 with fp32 and did not resume as float16
+    (the precision trial)."""
+    from dynatree.jobs.plan import _legacy
+
+    with pytest.raises(SpecError, match="dtype must be one of float32, bfloat16, float16, float64 .* got 'half'"):
+        build_spec(None, input="x", output="y", dtype="half")
+    a = build_spec(None, input="x", output="y", dtype="fp16", options={"kv_dtype": "bf16"})
+    b = build_spec(None, input="x", output="y", dtype="float16", options={"kv_dtype": "bfloat16"})
+    assert a.dtype == "float16" and a.identity_hash() == b.identity_hash()
+    assert build_spec(None, input="x", output="y", dtype="fp32", kernel="lean-bf16").dtype == "float32"
+    assert _legacy({"identity": {"dtype": "fp16"}})["identity"]["dtype"] == "float16"  # (written as typed)
+
+
 def test_a_job_files_relative_path_found_elsewhere_says_where_to_run(tmp_path, monkeypatch):
     """Relative paths in a job file are read from where dynatree runs; one missing from there but
     found from the file's directory or above it is named with where to run (the error named only the
