@@ -27,14 +27,15 @@ class PairError(ValueError):
 
 
 def resolve_device(spec: str | torch.device = "auto") -> torch.device:
-    if isinstance(spec, torch.device):
-        return spec
+    """A device the engine runs on (and is tested on); PairError for any other, or one this process lacks."""
+    if isinstance(spec, torch.device):  # (checked as its name is: torch.device("mps") failed in torch, later)
+        spec = str(spec)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(spec, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
+        raise PairError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise PairError(f"device {spec!r} requested but CUDA is not available")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(spec)):  # what the engine runs on (and is tested on)
-        raise PairError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
     device = torch.device(spec)
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise PairError(f"device {spec!r} requested but this process sees {torch.cuda.device_count()} GPU(s), "
@@ -43,11 +44,12 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
-    if isinstance(spec, torch.dtype):
+    """A model dtype (DTYPE_NAMES, or a short name); PairError for any other (torch.int8 read as a broken checkpoint)."""
+    if isinstance(spec, torch.dtype) and spec in DTYPES.values():
         return spec
     try:
         return DTYPES[spec]
-    except KeyError:
+    except (KeyError, TypeError):
         raise PairError(f"unknown dtype {spec!r}; choose one of float32 (fp32), bfloat16 (bf16), float16 (fp16), "
                         "float64 (fp64)") from None
 
@@ -893,6 +895,12 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         if problem:
             raise PairError(f"{role} {name}: {problem}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if kernel not in KERNELS:  # (before the models load, as a job's spec refuses them)
+        raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "lean-bf16" and (dt != torch.float32 or dev.type != "cpu"):
+        raise PairError(f"kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models as "
+                        f"float32 on a CPU (dtype float32, device cpu or auto), not {str(dt).removeprefix('torch.')} "
+                        f"on {dev}")
     slow = _slow_on_cpu(dev, dt)
     if slow:  # (before the load, at the caller's line; pair_from_models, below, would say it after)
         warnings.warn(slow, stacklevel=2)

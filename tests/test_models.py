@@ -983,3 +983,27 @@ def test_a_gpu_index_past_the_visible_ones_is_refused_clearly(monkeypatch):
     assert resolve_device("cuda") == torch.device("cuda")
     with pytest.raises(PairError, match="'cuda:1' requested but this process sees 1 GPU"):
         resolve_device("cuda:1")
+
+
+def test_device_and_dtype_objects_are_checked_as_their_names_and_before_any_load(pair_dirs, monkeypatch):
+    """torch.device("mps") failed inside torch, "meta" after 10 s, torch.int8 as a broken checkpoint;
+    lean-bf16 with bfloat16 (and a kernel typo) only after both models loaded (the precision trial)."""
+    from dynatree import models
+    from dynatree.models import resolve_device, resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for dev in (torch.device("mps"), torch.device("meta"), "cudax", "cuda:abc"):
+        with pytest.raises(PairError, match="device must be auto, cpu, cuda or cuda:N"):
+            resolve_device(dev)
+    with pytest.raises(PairError, match="'cuda:1' requested but CUDA is not available"):
+        resolve_device(torch.device("cuda", 1))
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    assert resolve_dtype(torch.float64) is torch.float64 and resolve_dtype("bf16") is torch.bfloat16
+    for dt in (torch.int8, torch.complex64, None):
+        with pytest.raises(PairError, match="unknown dtype"):
+            resolve_dtype(dt)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    for kw, said in ((dict(kernel="lean-bf16", dtype="bfloat16"), "lean-bf16 .* not bfloat16 on cpu"),
+                     (dict(kernel="garbage"), "kernel must be one of")):
+        with pytest.raises(PairError, match=said):
+            load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", **kw)
