@@ -245,7 +245,7 @@ def _compared_with(pair, ref) -> str:
     from .config import reference_label
 
     label = reference_label(ref)
-    bf16 = pair.kernel == "lean-bf16" and pair.forward_in_use("target").startswith("native")
+    bf16 = _bf16_compute(pair)
     if label == "ar" and not bf16:
         return ""
     return f" (against {label}" + (" on this bfloat16-compute kernel, not float32's" if bf16 else "") + ")"
@@ -304,6 +304,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
     except ValueError as e:
         _fail(str(e))
+    _say_forwards(pair, drafted=any(make_policy(c).needs_draft for c in cfgs.values()))
     summary = []
     for path in prompt_files:
         try:
@@ -328,6 +329,22 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     _check_table(summary)
     if any(s[6] for s in summary):
         sys.exit(1)
+
+
+def _bf16_compute(pair) -> bool:
+    """Whether the target's forward computes in bfloat16 (lean-bf16 on the native kernel)."""
+    return pair.kernel == "lean-bf16" and pair.forward_in_use("target").startswith("native")
+
+
+def _say_forwards(pair, drafted: bool) -> None:
+    """check's line on what runs the forwards (the kernel asked for is not always the one that runs:
+    float64 runs torch's ops), and on what its ar references compute in under lean-bf16."""
+    said = f"target forward: {pair.forward_in_use('target')}"
+    if drafted:
+        said += f"\ndraft forward: {pair.forward_in_use('draft')}"
+    if _bf16_compute(pair):
+        said += "\nthe ar references run on this bfloat16-compute kernel, as every method does: not float32's"
+    click.echo(said, err=True)
 
 
 def _usable_prompts(path: str, values: list, limit: int | None, chat: bool = False) -> tuple[list[int], list]:

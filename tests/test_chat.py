@@ -196,6 +196,8 @@ def test_check_renders_a_chat_column_with_the_template(chat_dirs, chat_pair, pai
     table = [ln.split() for ln in res.output.splitlines() if ln.startswith(str(path))]
     assert [r[1:4] for r in table] == [["ar", "3", "ref"], ["dynatree", "3", "3"]], res.output
     assert "skipping 1 prompt(s) that are null" in res.output and "row 4: chat prompt of" in res.output
+    # what ran the forwards: a float64 check fell back to torch's ops without a word (the precision trial)
+    assert "target forward: torch ops (not the native kernel: a float64 model on cpu" in res.output
     plain = [a.replace(str(chat_dirs), str(pair_dirs)) for a in args]  # a tokenizer without a template
     res = CliRunner().invoke(cli.main, plain)
     assert res.exit_code == 1 and "has no chat template" in res.output, res.output
