@@ -97,18 +97,20 @@ def prompt_budget(context: int, windowed: bool, max_prompt_tokens: int | None, m
 
 
 def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, max_new_tokens: int,
-                  ignore_eos: bool = True, progress=None) -> list[dict]:
+                  ignore_eos: bool = True, progress=None, reference: ModelPair | None = None) -> list[dict]:
     """Decode every prompt with ``ar`` and each method; one row per (prompt, method).
 
     methods: {label: config}.  Rows carry tokens/s, tokens/iteration and the AR comparison.  An
     ``ar`` method is a reference: decoded once, under its reference label (``ar_t0.5``, ...).
     Plain greedy ``ar`` runs too on every prompt whose generation fits the context (methods with a
-    cache window decode past it; it cannot).
+    cache window decode past it; it cannot).  ``reference``: the same target in another precision
+    (float32 beside a bfloat16 run): every row, the references too, is also compared with that
+    pair's ``ar`` (:func:`against_reference`'s fields).
     """
     rows, pi = [], 0
     try:
         for pi, prompt in enumerate(prompts):
-            _check_prompt(pair, pi, prompt, methods, rows, max_new_tokens, ignore_eos)
+            _check_prompt(pair, pi, prompt, methods, rows, max_new_tokens, ignore_eos, reference)
             if progress:
                 progress(pi + 1, len(prompts))
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the prompts checked whole stay reportable
@@ -118,12 +120,15 @@ def check_methods(pair: ModelPair, prompts: list[list[int]], methods: dict, *, m
 
 
 def _check_prompt(pair: ModelPair, pi: int, prompt: list[int], methods: dict, rows: list[dict], max_new_tokens: int,
-                  ignore_eos: bool) -> None:
+                  ignore_eos: bool, reference: ModelPair | None = None) -> None:
     """check_methods' rows for prompt number ``pi``, appended to ``rows``."""
     from .config import ARConfig, ar_reference, reference_label
     from .engine import decode
 
     refs = {}  # ar per reference config (plain greedy ar first)
+    elsewhere = {}  # (the reference pair's ar per reference config)
+    against = (lambda cfg, toks: {}) if reference is None else (lambda cfg, toks: against_reference(
+        reference, prompt, cfg, toks, elsewhere, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
 
     def ar(cfg: ARConfig, label: str | None = None) -> list[int]:
         """The reference's tokens, its row decoded once (under the user's label when it is a
@@ -136,7 +141,7 @@ def _check_prompt(pair: ModelPair, pi: int, prompt: list[int], methods: dict, ro
             ref, _, mref = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
             rows.append({"prompt": pi, "method": label or reference_label(cfg),
                          "matches_ar": None, "first_divergence": None, "divergence_margin": None,  # (the reference)
-                         **mref.as_dict()})
+                         **mref.as_dict(), **against(cfg, ref)})
             refs[cfg] = (ref, rows[-1])
         elif label and label != refs[cfg][1]["method"]:
             rows.append({**refs[cfg][1], "method": label})
@@ -152,4 +157,24 @@ def _check_prompt(pair: ModelPair, pi: int, prompt: list[int], methods: dict, ro
         toks, _, m = decode(pair, prompt, cfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         idx, margin = divergence(pair, prompt, ref, toks, cfg)
         rows.append({"prompt": pi, "method": label, "matches_ar": idx is None,
-                     "first_divergence": idx, "divergence_margin": margin, **m.as_dict()})
+                     "first_divergence": idx, "divergence_margin": margin, **m.as_dict(), **against(cfg, toks)})
+
+
+def against_reference(reference: ModelPair, prompt: list[int], cfg, tokens: list[int], refs: dict, *,
+                      max_new_tokens: int, ignore_eos: bool) -> dict:
+    """How far ``tokens`` (decoded with ``cfg``) are from ``ar`` on ``reference`` -- the same target
+    in another precision: ``reference_matches`` (bool), ``reference_divergence`` (the first differing
+    index, or None) and ``reference_margin`` (the reference's top-2 logit gap there: how near a tie
+    the precision flipped).  The reference ``ar`` has the method's sampling and window, and the
+    reference pair's own cache dtype (kv_dtype model); it is decoded once per config into ``refs``."""
+    from dataclasses import replace
+
+    from .config import ar_reference
+    from .engine import decode
+
+    rcfg = replace(ar_reference(cfg), kv_dtype="model")
+    if rcfg not in refs:
+        reference.forget_prefixes()
+        refs[rcfg] = decode(reference, prompt, rcfg, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)[0]
+    idx, margin = divergence(reference, prompt, refs[rcfg], tokens, rcfg)
+    return {"reference_matches": idx is None, "reference_divergence": idx, "reference_margin": margin}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .config import KV_DTYPES, METHODS, options_help
+from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, KV_DTYPES, METHODS, options_help
 
 
 def _fail(msg: str) -> None:
@@ -271,9 +271,16 @@ def _compared_with(pair, ref) -> str:
 @click.option("--chat-template", is_flag=True,
               help="render each prompt with the target tokenizer's chat template, as run's and generate's: text as "
                    "a user message (JSON messages as that conversation), a column of messages as conversations")
+@click.option("--reference-dtype", type=click.Choice([*DTYPE_NAMES, *DTYPE_ALIASES]),
+              help="also compare every row, ar's too, with ar on the target loaded in this dtype (e.g. float32 "
+                   "beside a bfloat16 run: how far the precision moved the text, with the reference's top-2 "
+                   "margin where it parts); the target is loaded a second time")
+@click.option("--reference-kernel", type=click.Choice(KERNELS),
+              help="the kernel of --reference-dtype's target (default lean; given alone, the reference is "
+                   "--dtype's target on this kernel)")
 @click.option("--threads", type=click.IntRange(min=1), help=THREADS_HELP)
 def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, limit, methods, options,
-          max_new_tokens, max_prompt_tokens, chat_template, threads):
+          max_new_tokens, max_prompt_tokens, chat_template, reference_dtype, reference_kernel, threads):
     """Decode prompts with ar and each method; report token-for-token equality and speed."""
     _threads(threads, device)
     from .actors.worker import prompt_ids
@@ -296,6 +303,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         cfgs = pair.decodable(cfgs, lambda msg: click.echo(msg, err=True)) if cfgs else cfgs
         pair.check_methods(cfgs)
         pair.need_draft([label for label, c in cfgs.items() if make_policy(c).needs_draft])  # (before ar's decoding)
+        reference = _reference_pair(pair, target, device, reference_dtype, reference_kernel)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-decode)
         end_on_sigterm()  # (SIGTERM ends it as Ctrl-C does: with the table of what was checked)
     except (PairError, ValueError) as e:
@@ -317,18 +325,36 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         else:
             prompts = [pair.encode(t, last=keep) for t in texts]  # (its last `keep` tokens: the prompt policy)
         try:
-            rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens,
+            rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens, reference=reference,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the table of what was checked whole
             summary += _check_summary(path, getattr(e, "partial_rows", []), at)
             how, code = interrupted(e)
             click.echo(f"\n{how}: the prompts checked so far" + (":" if summary else ": none"), err=True)
-            _check_table(summary)
+            _check_table(summary, reference)
             sys.exit(code)
         summary += _check_summary(path, rows, at)
-    _check_table(summary)
+    _check_table(summary, reference)
     if any(s[6] for s in summary):
         sys.exit(1)
+
+
+def _reference_pair(pair, target, device, dtype, kernel):
+    """check --reference-dtype/--reference-kernel's target (None without them): loaded a second time,
+    without a draft; a reference in the run's own precision is refused (it would compare ar with itself)."""
+    from .config import dtype_name
+    from .models import PairError, load_pair
+
+    if dtype is None and kernel is None:
+        return None
+    ref = load_pair(target, None, device=device, dtype=dtype_name(dtype) or str(pair.dtype).removeprefix("torch."),
+                    kernel=kernel or "lean", load_draft=False)
+    if ref.dtype == pair.dtype and ref.forward_in_use("target") == pair.forward_in_use("target"):
+        raise PairError(f"--reference-dtype/--reference-kernel: the reference ({ref.forward_in_use('target')}, "
+                        f"{str(ref.dtype).removeprefix('torch.')}) computes as the run does; give another dtype or kernel")
+    click.echo(f"reference: ar on the target in {str(ref.dtype).removeprefix('torch.')}, {ref.forward_in_use('target')}",
+               err=True)
+    return ref
 
 
 def _bf16_compute(pair) -> bool:
@@ -391,7 +417,8 @@ def _rendered(path: str, at: list[int], values: list, encode) -> tuple[list[int]
 
 
 def _check_summary(path: str, rows: list[dict], at: list[int]) -> list[tuple]:
-    """check's table rows for one prompts file: (path, method, checked, matching or "ref", tok/s, tok/iter, mismatches);
+    """check's table rows for one prompts file: (path, method, checked, matching or "ref", tok/s, tok/iter, mismatches,
+    against the reference pair: None, or (identical, [(prompt, index, margin)]));
     ``at``: the file's row number of each prompt checked (what a mismatch is named by)."""
     from .metrics import defined_mean
 
@@ -403,19 +430,44 @@ def _check_summary(path: str, rows: list[dict], at: list[int]) -> list[tuple]:
         out.append((path, label, len(rs), ok, sum(r["tokens_per_s"] for r in rs) / len(rs),
                     defined_mean(r["tokens_per_iteration"] for r in rs),
                     [(at[r["prompt"]], r["first_divergence"], r["divergence_margin"] and round(r["divergence_margin"], 5))
-                     for r in bad]))
+                     for r in bad], _against_reference(rs, at)))
     return out
 
 
-def _check_table(summary: list[tuple]) -> None:
+def _against_reference(rows: list[dict], at: list[int]) -> tuple | None:
+    """One method's rows against the reference pair's ar: (identical, [(prompt, index, margin)]), or None."""
+    if not rows or "reference_matches" not in rows[0]:
+        return None
+    parted = [(at[r["prompt"]], r["reference_divergence"], r["reference_margin"] and round(r["reference_margin"], 5))
+              for r in rows if not r["reference_matches"]]
+    return len(rows) - len(parted), parted
+
+
+def _check_table(summary: list[tuple], reference=None) -> None:
     if not summary:
         return
     w = max(11, *(len(s[1]) for s in summary))
     pw = max(12, *(len(s[0]) for s in summary))  # whole paths: a cut one can name the wrong file
     click.echo(f"{'prompts file':<{pw}} {'method':<{w}} {'checked':>7} {'match':>6} {'tok/s':>7} {'tok/iter':>8}")
-    for path, label, n, ok, tps, tpi, bad in summary:
+    for path, label, n, ok, tps, tpi, bad, _ in summary:
         click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {'-' if tpi is None else f'{tpi:.2f}':>8}"
                    + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
+    if reference is not None:
+        _reference_table(summary, reference)
+
+
+def _reference_table(summary: list[tuple], reference) -> None:
+    """The rows against --reference-dtype's ar, after check's table (a difference here is the
+    precision's, not an error: it does not change check's exit status)."""
+    w = max(11, *(len(s[1]) for s in summary))
+    pw = max(12, *(len(s[0]) for s in summary))
+    click.echo(f"\nagainst ar on the target in {str(reference.dtype).removeprefix('torch.')} "
+               f"({reference.forward_in_use('target')}): where the text parts, the reference's top-2 logit margin there")
+    click.echo(f"{'prompts file':<{pw}} {'method':<{w}} {'checked':>7} {'same':>6}")
+    for path, label, n, *_, against in summary:
+        same, parted = against if against is not None else ("-", [])
+        click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {same:>6}" + (f"  parted (prompt, index, margin): {parted}"
+                                                                    if parted else ""))
 
 
 def _spec_options(f):

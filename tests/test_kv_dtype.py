@@ -189,3 +189,42 @@ def test_a_sampled_divergence_margin_is_the_perturbed_scores_gap():
     top = s.scores(logits[None], [0])[0].topk(2).values
     plain = logits.topk(2).values
     assert at == 2 and margin == float(top[0] - top[1]) != float(plain[0] - plain[1])
+
+
+def test_check_measures_a_low_precision_run_against_a_float32_reference(pair_dirs):
+    """check --reference-dtype: every row, the run's own ar too, is compared with ar on the target in
+    another precision, with that reference's top-2 margin where they part (no command said how far a
+    bfloat16 run's text is from float32's: the precision trial)."""
+    import warnings
+
+    from click.testing import CliRunner
+
+    from dynatree import cli, pair_from_models
+    from dynatree.check import check_methods, first_difference, reference_logits
+    from test_batched import EOS, tiny_neox
+
+    ref = f32_pair()  # (its models, rounded to bfloat16 below: the same weights in another precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (bfloat16 on a CPU: slow, and said so)
+        low = pair_from_models(tiny_neox(31, hidden=64, dtype=torch.float32).to(torch.bfloat16),
+                               tiny_neox(32, hidden=64, layers=1, dtype=torch.float32).to(torch.bfloat16), None,
+                               eos_token_id=EOS)
+    prompts = random_prompts(3, seed=63, lo=5, hi=40)  # (the first and third part within 20 tokens)
+    rows = check_methods(low, prompts, {"dynatree": make_config("dynatree")}, max_new_tokens=20, reference=ref)
+    parted = 0
+    for r in (r for r in rows if r["method"] == "ar"):
+        p = prompts[r["prompt"]]
+        mine = decode(low, p, make_config("ar"), max_new_tokens=20, ignore_eos=True)[0]
+        theirs = decode(ref, p, make_config("ar"), max_new_tokens=20, ignore_eos=True)[0]
+        i = first_difference(theirs, mine)
+        assert (r["reference_matches"], r["reference_divergence"]) == (i is None, i)
+        if i is not None:
+            parted += 1
+            top = reference_logits(ref, p, theirs[:i]).topk(2).values
+            assert r["reference_margin"] == float(top[0] - top[1])
+    assert parted >= 1  # bfloat16 moves some choice on these prompts, or this test shows nothing
+    assert all(isinstance(r["reference_matches"], bool) for r in rows if r["method"] == "dynatree")
+    args = ["check", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+            "--dtype", "float64", "--methods", "dynatree", "--max-new-tokens", "4", "--prompts", "x.jsonl"]
+    same = CliRunner().invoke(cli.main, args + ["--reference-dtype", "fp64"])
+    assert same.exit_code == 1 and "computes as the run does" in same.output, same.output
