@@ -48,10 +48,11 @@ __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
 
 QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
 RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
-HEALTH_S = 20.0  # while no shard finishes: how often the head is checked (Ray's client gives up on it after 60 s)
-HEAD_LOST_S = 40.0  # a head not answering this long (and no actor death to confirm it) is lost
+HEALTH_S = 10.0  # how often the head is checked, shards finishing or not (Ray's client gives up on it after 60 s)
+HEAD_LOST_S = 30.0  # a head not answering this long (and no actor death to confirm it) is lost: said before Ray's 60 s
 REPLACE_FACTOR = 5.0  # a replacement actor is given this many times the first actors' start-up,
 REPLACE_MIN_S = 120.0  # at least this, at most --ready-timeout-s
+NODE_LOSSES = 3  # a shard whose actors were lost with their nodes more often than this is retried as a suspect
 
 
 def _progress(total: int):
@@ -571,9 +572,11 @@ class _Dispatch:
         self.share: float | None = None  # bytes of a node per actor, for auto's cap (_fit_memory)
         self.attempts: dict[int, int] = {}  # failures while running alone
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
+        self.node_losses: dict[int, int] = {}  # shard -> actors it lost with their nodes
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
         self.start_failures = 0  # replacements in a row that failed to load
         self.head_down_since: float | None = None  # first failed check of the head in a row
+        self.head_checked = 0.0  # when the head was last checked (_wait)
         self.failed: list[str] = []
 
     def _start(self, ray, n: int) -> None:
@@ -637,6 +640,7 @@ class _Dispatch:
                 start_over(self.spec, self.plan)
             pin_prompt_start(self.out, self.leading_ids)
             self._loop(ray, deque((k, None) for k in todo), progress)
+            self._check_cluster(ray, actor_died=True, finished=True)  # (asking the actors needs the head)
             self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
                                             if a is not None and slot not in self.restarts], timeout=30)
         except placement.PlacementError as e:
@@ -670,7 +674,8 @@ class _Dispatch:
     def _feed(self, inflight: dict, pending: deque) -> None:
         """Top up the actors' queues one shard per actor per round, so a short job is spread
         over every actor.  A *suspect* shard (in flight on an actor that failed) runs alone on an
-        idle actor, so a failure is charged only to the shard that caused it."""
+        idle actor, so a failure is charged only to the shard that caused it.  A replacement actor
+        gets shards once it is ready (one waiting for a lost node's room held them for minutes)."""
         mine = {slot: [v for v in inflight.values() if v[0] == slot] for slot in range(len(self.actors))}
         progress = True
         while pending and progress:
@@ -678,7 +683,7 @@ class _Dispatch:
             for slot, actor in enumerate(self.actors):
                 queue = mine[slot]
                 full = len(queue) >= self.spec.inflight_shards
-                if actor is None or not pending or full or any(v[5] for v in queue):
+                if actor is None or slot in self.restarts or not pending or full or any(v[5] for v in queue):
                     continue
                 k, got = pending[0]
                 alone = k in self.suspects
@@ -716,7 +721,10 @@ class _Dispatch:
                             continue
                         if isinstance(err, RayActorError):
                             self._check_cluster(ray, actor_died=True)
-                        self._retry(k, rows, kept, err, pending, alone)
+                        if placement.node_died(err) and self.node_losses.get(k, 0) < NODE_LOSSES:
+                            self._requeue(k, rows, kept, pending)  # (its node's doing, not the shard's)
+                        else:
+                            self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
                             self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
                             self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
@@ -737,27 +745,35 @@ class _Dispatch:
                 bar.close()
 
     def _wait(self, ray, inflight: dict, pending: deque) -> list:
-        """Finished shards' refs (at most one); while none finishes, the replacement actors'
-        deadlines, the head's health and, every QUIET_S without a finished shard, what is in
-        flight are checked."""
+        """Finished shards' refs (at most one); the replacement actors' deadlines, every HEALTH_S
+        the head's health (shards go on finishing for a while after it is lost: Ray's client then
+        ends the process at 60 s with only its own message) and, every QUIET_S without a finished
+        shard, what is in flight are checked."""
         wait_s = RESTART_POLL_S if self.restarts else min(HEALTH_S, QUIET_S)
-        done, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+        if inflight:
+            done, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+        else:  # (every actor's replacement still loading: nothing to wait on but them)
+            done = []
+            time.sleep(wait_s)
         self._check_restarts(ray, inflight, pending)
         now = time.time()
+        if now - self.head_checked >= HEALTH_S:
+            self.head_checked = now
+            self._check_cluster(ray)
         if done:
             self.last_done = now
         else:
-            self._check_cluster(ray)
             if min(now - self.last_done, now - self.said_at) >= QUIET_S:
                 self.said_at = now
                 self._say_quiet(inflight, now - self.last_done)
         return done
 
-    def _check_cluster(self, ray, actor_died: bool = False) -> None:
-        """After an actor death or a quiet spell: if the cluster's head is gone, say that (every
-        actor "dies" with it, and Ray's client would end the process a minute later with only its
-        own message).  A head that does not answer during a quiet spell is lost only after
-        HEAD_LOST_S of it (a network blip, a busy head); with an actor dead too, at once."""
+    def _check_cluster(self, ray, actor_died: bool = False, finished: bool = False) -> None:
+        """Every HEALTH_S, after an actor death and once the last shard is written: if the cluster's
+        head is gone, say that (every actor "dies" with it, and Ray's client would end the process a
+        minute later with only its own message).  A head that does not answer is lost only after
+        HEAD_LOST_S of it (a network blip, a busy head); with an actor dead too, or every shard
+        ``finished``, at once."""
         try:
             host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
         except Exception:  # noqa: BLE001 - (a ray:// client has no GCS address of its own to check)
@@ -770,9 +786,10 @@ class _Dispatch:
             self.head_down_since = self.head_down_since or now
             if not actor_died and now - self.head_down_since < HEAD_LOST_S:
                 return
+            then = ("every shard is finished: the same command writes the summary (it needs no cluster)" if finished
+                    else "restart the head and re-run the same command to resume")
             raise ClusterLost(f"lost the Ray cluster: its head (GCS at {host}:{port}) does not answer "
-                              f"({e.strerror or e}); finished shards are kept in {self.out}/shards — restart the "
-                              "head and re-run the same command to resume") from None
+                              f"({e.strerror or e}); finished shards are kept in {self.out}/shards — {then}") from None
 
     @property
     def alive(self) -> int:
@@ -781,13 +798,13 @@ class _Dispatch:
     def _check_restarts(self, ray, inflight: dict, pending: deque) -> None:
         """A replacement actor not ready in time (replace_timeout_s: its node lost, the cluster full) is
         given up: its shards go back to the queue for the others (a dead node's bundle can wait for
-        room forever while the other actors sit idle).  One that started, or died (its shards'
-        failures restart it again, counted against them), is no longer watched; one that failed to
-        load ends the job (_loaded)."""
+        room forever while the other actors sit idle).  One that started is no longer watched; one
+        that died before it was ready (started in a lost node's bundle before Ray knew) is started
+        again until the deadline; one that failed to load may end the job (_loaded)."""
         for slot, (ref, deadline) in list(self.restarts.items()):
             if ray.wait([ref], timeout=0)[0]:
                 del self.restarts[slot]
-                self._loaded(ray, slot, ref)
+                self._loaded(ray, slot, ref, deadline)
                 continue
             if time.time() <= deadline:
                 continue
@@ -804,9 +821,9 @@ class _Dispatch:
                                f"kept in {self.out}/shards — re-run to resume")
             self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
 
-    def _loaded(self, ray, slot: int, ready) -> None:
+    def _loaded(self, ray, slot: int, ready, deadline: float) -> None:
         """A replacement's ready(): loaded (the failures in a row end), failed to load (another is
-        started, up to --max-retries in a row: _start_failed), or dead (its shards' failures restart it)."""
+        started, up to --max-retries in a row: _start_failed), or dead (another, by the same deadline)."""
         from ray.exceptions import RayTaskError
 
         try:
@@ -814,8 +831,9 @@ class _Dispatch:
             self.start_failures = 0
         except RayTaskError as e:
             self._start_failed(ray, slot, self.actors[slot], e)
-        except Exception:  # noqa: BLE001 - (RayActorError: died)
-            pass
+        except Exception:  # noqa: BLE001 - (RayActorError: died; it was given no shard to fail with)
+            self.actors[slot] = new = self.start_actor(slot)
+            self.restarts[slot] = (new.ready.remote(), deadline)
 
     def _start_failed(self, ray, slot: int, actor, err) -> None:
         """Models damaged or moved since the job began fail every replacement's load: each shard was
@@ -845,6 +863,15 @@ class _Dispatch:
                  f"(each row decodes up to --max-new-tokens {self.spec.max_new_tokens}; if this repeats with "
                  "no progress, the actors' logs say why)")
 
+    def _requeue(self, k: int, rows, kept, pending: deque) -> None:
+        """A shard whose actor was lost with its node goes back to the queue as any other (not
+        alone, no attempt charged): a lost machine says nothing about the shards it held (up to
+        NODE_LOSSES times a shard: one that keeps taking nodes down is retried as a suspect)."""
+        self.stats["retries"] += 1
+        self.node_losses[k] = self.node_losses.get(k, 0) + 1
+        self.log(f"shard {self.plan.shard(k)[0]}'s actor was lost with its node; requeued")
+        pending.appendleft((k, (rows, kept)))
+
     def _retry(self, k: int, rows, kept, err, pending: deque, alone: bool) -> None:
         """A failed shard goes back to the front of the queue; only a failure while it ran alone
         counts as an attempt (in a shared batch, any shard in flight may have caused it)."""
@@ -857,7 +884,8 @@ class _Dispatch:
         why = "actor died" if isinstance(err, RayActorError) else "task error"
         if self.attempts[k] > self.spec.max_retries:
             self.failed.append(name)
-            self.log(f"shard {name} failed {self.attempts[k]} times; giving up: {placement.describe_error(err)}")
+            times = "once" if self.attempts[k] == 1 else f"{self.attempts[k]} times"
+            self.log(f"shard {name} failed {times}; giving up: {placement.describe_error(err)}")
             return
         self.log(f"shard {name} failed ({why}); " + (f"retry {self.attempts[k]}/{self.spec.max_retries}" if alone
                                                      else "retrying it alone"))

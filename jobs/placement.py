@@ -188,6 +188,12 @@ def task_cause(err: BaseException) -> BaseException | None:
     return cause
 
 
+def node_died(err: BaseException) -> bool:
+    """Whether an actor died with its node (a lost machine, a preempted one), not by its own doing:
+    Ray's error says so in words (the GCS writes them) or marks a drain's preemption."""
+    return bool(getattr(err, "preempted", False)) or "its node has died" in str(err)
+
+
 def describe_error(err: BaseException) -> str:
     """The root cause of a remote failure in one or two lines, e.g. ``ValueError: no such file``,
     instead of Ray's message (which embeds the remote traceback)."""
@@ -230,8 +236,9 @@ def wait_ready(refs: list, *, timeout_s: float, what: str = "actor") -> list:
             try:
                 results[where[ref]] = ray.get(ref)
             except RayError as err:
+                again = " (a node lost while loading: the same command starts on the nodes left)" if node_died(err) else ""
                 raise PlacementError(f"{what} {where[ref] + 1} of {len(refs)} failed to start: "
-                                     f"{describe_error(err)}") from err
+                                     f"{describe_error(err)}{again}") from err
     if pending:
         raise PlacementError(
             f"{len(pending)} of {len(refs)} {what}(s) not ready after {timeout_s:g} s: they may "

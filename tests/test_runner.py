@@ -179,6 +179,28 @@ def test_actor_killed_mid_job_still_yields_exact_rows(ray_cluster, pair_dirs, tm
     assert (tmp_path / "out" / ".fault-part-000001").exists()
 
 
+def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+    """A node lost mid-job charged a retry to a shard that did nothing wrong (--max-retries 0 failed
+    the job), and re-ran every shard its actor held alone, one at a time (the two-node trial): such
+    shards go back to the queue as any other, uncharged."""
+    from ray.exceptions import RayActorError
+
+    from dynatree.jobs import placement
+
+    lost = RayActorError(None, "The actor died unexpectedly before finishing this task.\n"
+                               "The actor died because its node has died. Node Id: 65a3")
+    assert placement.node_died(lost) and not placement.node_died(RayActorError(None, "killed by OOM"))
+    write_input(tmp_path, PROMPTS * 2)
+    faults(monkeypatch, die_once_on_shard="part-000001")
+    monkeypatch.setattr(placement, "node_died", lambda err: True)  # (this death as a lost node's)
+    said = []
+    s = run_job(spec(pair_dirs, tmp_path, max_retries=0, verify_fraction=0.0), progress=False, log=said.append)
+    assert any("part-000001's actor was lost with its node; requeued" in m for m in said), said
+    assert not any("alone" in m or "retry" in m for m in said), said
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(2 * len(PROMPTS)))
+    assert s["this_run"]["retries"] >= 1
+
+
 def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
@@ -190,19 +212,20 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
 
 def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     """An actor dies and its replacement never becomes ready (its node was lost and no other has
-    room): after its deadline (at most --ready-timeout-s) its shards go to the actors left.  (The
-    first actors keep a generous --ready-timeout-s: on a loaded host they took over 8 s to load.)"""
+    room): the other actors decode every shard meanwhile (shards handed to it waited for its
+    deadline: the two-node trial), and after its deadline (at most --ready-timeout-s) it is given
+    up.  (The first actors keep a generous --ready-timeout-s: on a loaded host they took over 8 s to load.)"""
     from dynatree.jobs import driver
 
-    texts = PROMPTS * 3  # shards enough that the replacement is given some while it starts
+    texts = PROMPTS * 6  # shards enough that the job outlasts the replacement's deadline
     write_input(tmp_path, texts)
     faults(monkeypatch, die_once_on_shard="part-000001", never_ready_after_death=True)
-    monkeypatch.setattr(driver, "REPLACE_MIN_S", 8.0)
+    monkeypatch.setattr(driver, "REPLACE_MIN_S", 1.0)
     monkeypatch.setattr(driver, "REPLACE_FACTOR", 0.0)
     said = []
     s = run_job(spec(pair_dirs, tmp_path, ready_timeout_s=120, verify_fraction=0.0), progress=False,
                 log=said.append)
-    assert any("replacement was not ready after 8 s" in m and "going on with 1 actor" in m
+    assert any("replacement was not ready after 1 s" in m and "going on with 1 actor" in m
                for m in said), said
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(len(texts)))
     assert s["errors"] == 0
@@ -1070,12 +1093,48 @@ def test_a_lost_head_is_named_at_once(tmp_path):
     dispatch.head_down_since = None
     with pytest.raises(driver.ClusterLost):  # an actor death with the head not answering: at once
         dispatch._check_cluster(ray, actor_died=True)
+    with pytest.raises(driver.ClusterLost, match="every shard is finished: the same command writes the summary"):
+        dispatch._check_cluster(ray, actor_died=True, finished=True)
+    # shards went on finishing after the head was lost, and it was checked only in quiet spells:
+    # Ray's client ended the driver at 60 s with its own one line (the two-node trial)
+    checked = []
+    dispatch.restarts, dispatch.head_checked, dispatch.last_done = {}, 0.0, 0.0
+    dispatch._check_restarts = lambda *a: None
+    dispatch._check_cluster = lambda ray_: checked.append(1)
+    busy = types.SimpleNamespace(wait=lambda refs, num_returns, timeout: (refs[:1], refs[1:]))
+    assert dispatch._wait(busy, {"ref": None}, None) == ["ref"] and checked == [1]
+    assert dispatch._wait(busy, {"ref": None}, None) == ["ref"] and checked == [1]  # (not again within HEALTH_S)
+    assert driver.HEALTH_S + driver.HEAD_LOST_S < 60  # said before Ray's client gives up on the head
+
     code = ("import sys; from dynatree.jobs import driver\n"
             "def lost(*a, **k): raise driver.ClusterLost('lost the Ray cluster: ...')\n"
             "driver.run_job = lost\n"
             f"from dynatree.cli import main; main(['run', '--input', 'x.parquet', '--output', {str(tmp_path / 'o')!r}])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and res.stderr.strip().endswith("Error: lost the Ray cluster: ..."), res.stderr[-2000:]
+
+
+def test_a_replacement_gets_shards_only_once_ready():
+    """Shards handed to a replacement still waiting for a lost node's room sat there for its whole
+    deadline (2 min) while the other actors idled (the two-node trial)."""
+    from collections import deque
+
+    from dynatree.jobs import driver
+
+    class Actor:
+        def __init__(self, name):
+            self.run_shard = types.SimpleNamespace(remote=lambda *a: (name, a[0]))
+
+    d = driver._Dispatch.__new__(driver._Dispatch)
+    d.actors, d.restarts, d.suspects = [Actor("ready"), Actor("replacement")], {1: ("ref", 0.0)}, set()
+    d.spec = types.SimpleNamespace(inflight_shards=3)
+    d.plan = types.SimpleNamespace(shard=lambda k: (f"part-{k}", 0, 4), shard_size=4)
+    inflight, pending = {}, deque((k, ([], None)) for k in range(4))
+    d._feed(inflight, pending)
+    assert sorted(inflight) == [("ready", "part-0"), ("ready", "part-1"), ("ready", "part-2")] and len(pending) == 1
+    del d.restarts[1]  # (ready now)
+    d._feed(inflight, pending)
+    assert ("replacement", "part-3") in inflight and not pending
 
 
 def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
