@@ -231,12 +231,15 @@ def _warn_if_starving() -> None:
     mine = ctx.get_assigned_resources().get("CPU", 0)
     node = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
     total = node.get("Resources", {}).get("CPU", 0)
-    if mine and mine >= total:
-        why = f"this actor reserved all {total:g} CPUs of its node"
-    elif ray.available_resources().get("CPU", 0) < 1:  # (the actors placed so far hold the rest)
-        why = "the cluster has less than one CPU left now that this actor is placed"
+    # (the definite case first: on a cluster of small nodes an actor also fills its own, and the
+    # same "may" was said for a pipeline that ran and one that hung: the two-node trial)
+    if ray.available_resources().get("CPU", 0) < 1:  # (the actors placed so far hold the rest)
+        why = ("the cluster has less than one CPU left now that this actor is placed, so Ray Data's read and write "
+               "tasks cannot run beside the actors: the pipeline waits for ever unless other CPUs free up")
+    elif mine and mine >= total:
+        why = (f"this actor reserved all {total:g} CPUs of its node, so Ray Data's read and write tasks may not run "
+               "beside the actors (the pipeline then waits for ever)")
     else:
         return
-    print(f"dynatree Generate: WARNING {why}, so Ray Data's read and write tasks may not run beside the actors "
-          "(the pipeline then waits for ever): reserve fewer CPUs (map_batches num_cpus, ActorPoolStrategy size) "
+    print(f"dynatree Generate: WARNING {why}: reserve fewer CPUs (map_batches num_cpus, ActorPoolStrategy size) "
           "and keep the threads (Generate's threads option)", file=sys.stderr, flush=True)

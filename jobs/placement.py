@@ -76,8 +76,10 @@ def _fmt_nodes(nodes: list[dict], limit: int = 4) -> str:
     alive = _alive(nodes)
     if not alive:
         return "no alive nodes"
-    parts = [f"node {n.get('NodeManagerAddress', '?')}: {_fmt_resources(n.get('Resources', {}))}"
-             for n in alive[:limit]]
+    addresses = [n.get("NodeManagerAddress", "?") for n in alive]
+    # (nodes that share an address -- several on one machine -- told apart by their ids' first digits)
+    named = [a if addresses.count(a) == 1 else f"{a} ({str(n.get('NodeID', '?'))[:8]})" for a, n in zip(addresses, alive)]
+    parts = [f"node {a}: {_fmt_resources(n.get('Resources', {}))}" for a, n in zip(named[:limit], alive[:limit])]
     if len(alive) > limit:
         parts.append(f"and {len(alive) - limit} more")
     return "; ".join(parts)
@@ -142,7 +144,8 @@ def reserve(n: int, cpus: float, gpus: float, *, memory: float | None = None,
     raise PlacementError(
         f"could not reserve {n} actor(s) × {_fmt_shape(shape)} within {timeout_s:g} s: {why} "
         f"(available: {_fmt_resources(avail)}; total: {_fmt_resources(total)}); "
-        f"free them or lower --num-actors / --cpus-per-actor")
+        f"free them, wait longer (--placement-timeout-s) or lower "
+        f"{'--num-actors / ' if n > 1 else ''}--cpus-per-actor")
 
 
 def actor_options(pg, index: int, cpus: float, gpus: float, memory: float | None = None) -> dict:

@@ -66,6 +66,14 @@ def test_check_request_too_many_names_request_cluster_and_flag():
     assert "--num-actors to at most 2" in msg and "--cpus-per-actor" in msg
 
 
+def test_nodes_on_one_machine_are_told_apart():
+    """Two nodes on one machine were both "node 192.0.2.2" in a refusal (the two-node trial)."""
+    a, b = node("192.0.2.2", cpu=1), node("192.0.2.2", cpu=1)
+    a["NodeID"], b["NodeID"] = "65a3da68" + "0" * 48, "a0132f06" + "0" * 48
+    with pytest.raises(PlacementError, match=r"node 192.0.2.2 \(65a3da68\): 1 CPU.*node 192.0.2.2 \(a0132f06\): 1 CPU"):
+        check_request([a, b], 1, 2, 0)
+
+
 def test_check_request_shape_too_big_for_any_node_names_that_resource():
     with pytest.raises(PlacementError, match=r"nodes hold at most 0.*lower --gpus-per-actor$"):
         check_request([node("a", cpu=8)], None, 1, 1)  # GPUs on a CPU-only cluster
@@ -152,7 +160,8 @@ def test_reserve_of_unavailable_resources_times_out_with_message(cluster):
     assert "1 actor(s) × {CPU: 1, GPU: 0} within 3 s" in msg
     assert "other jobs or actors may hold" in msg
     assert "available: 0 CPU" in msg and "total: 2 CPU" in msg
-    assert logged and "waiting up to 3 s" in logged[0]
+    assert msg.endswith("free them, wait longer (--placement-timeout-s) or lower --cpus-per-actor")  # (1 actor:
+    assert logged and "waiting up to 3 s" in logged[0]  # "lower --num-actors" said nothing to do: the two-node trial)
     # the timed-out group was removed and the released one freed: everything is back
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
