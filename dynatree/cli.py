@@ -547,6 +547,9 @@ def run(config_file, quiet, dry_run, **fields):
     except KeyboardInterrupt as e:
         how, code = interrupted(e)
         click.echo(f"\n{how}: {_how_to_go_on(spec, fields)}", err=True)
+        if getattr(e, "cluster_gone", False):  # (the local cluster died too: Ray's shutdown would wait for it)
+            sys.stderr.flush()
+            os._exit(code)
         sys.exit(code)
     if dry_run:
         click.echo("\n".join(f"{k:<22} {v}" for k, v in summary.items() if k != "options"))

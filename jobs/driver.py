@@ -165,6 +165,25 @@ def start_local_ray(**kw):
     return ray
 
 
+def _own_cluster_died(settle_s: float = 0.5) -> bool:
+    """Whether the local Ray cluster this driver started died with it: its processes are the
+    driver's children, in its process group, so a SIGTERM sent to the group (`timeout`, systemd's
+    control group, Slurm's scancel) ends them too -- and then releasing the actors waits a minute
+    for the lost head before Ray's client aborts the process (the corpus trial).  A child that
+    exited within ``settle_s`` of the signal (a zombie: Ray reaps its processes only at shutdown)
+    says so; read from /proc (Linux; elsewhere False, and the command waits as before)."""
+    time.sleep(settle_s)  # (they got the signal when the driver did; a graceful exit takes a moment)
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]  # (after the name, which may hold spaces)
+        except (OSError, IndexError, ValueError):
+            continue  # (gone meanwhile)
+        if parent == me and state == "Z":
+            return True
+    return False
+
+
 def _connect_hint(e: ConnectionError) -> str:
     if "client server failed" in str(e):  # Ray's proxier could not start this client's server
         return ("(the head reached, but its Ray client server could not start a session for this driver -- "
@@ -616,6 +635,9 @@ class _Dispatch:
 
     def run(self, todo: list[int], progress: bool) -> None:
         t0 = time.time()
+        import ray
+
+        own = not ray.is_initialized() and not (self.spec.address or os.environ.get("RAY_ADDRESS"))
         ray = _init_ray(self.spec, self.log)
         resources = ray.cluster_resources()
         if (no_gpu := placement.no_gpu(self.spec.device, resources)):
@@ -647,6 +669,11 @@ class _Dispatch:
             raise JobError(str(e)) from e
         except ClusterLost:
             self.actors, self.pg = [], None  # nothing left to release, and asking would wait for the head
+            raise
+        except KeyboardInterrupt as e:  # (Ctrl-C, SIGTERM)
+            if own and _own_cluster_died():  # a SIGTERM to the process group: `timeout`, systemd, Slurm
+                self.actors, self.pg = [], None
+                e.cluster_gone = True  # (the command exits without Ray's shutdown: it would wait a minute)
             raise
         finally:
             for a in self.actors:

@@ -1940,3 +1940,36 @@ def test_a_local_jobs_gpus_are_counted_as_ray_counts_them(monkeypatch):
     assert local_gpus(cuda=True) == 0  # (Ray's GPUs here are another kind: Apple's, Intel's)
     monkeypatch.setattr(accelerators, "NvidiaGPUAcceleratorManager", m)
     assert local_gpus(cuda=True) == 2
+
+
+def test_sigterm_to_the_process_group_ends_a_job_at_once(pair_dirs, tmp_path):
+    """`timeout`, systemd and Slurm send SIGTERM to the driver's whole process group, where the
+    local Ray cluster it started lives: releasing the actors then waited a minute for the dead head
+    and Ray's client ended the process with status 1 and its own line (the corpus trial)."""
+    import signal
+    import subprocess
+    import sys
+
+    from dynatree.jobs.driver import _own_cluster_died
+
+    child = subprocess.Popen(["true"])  # (a zombie until reaped: as a Ray process the signal ended)
+    time.sleep(0.5)
+    assert _own_cluster_died(settle_s=0.0)
+    child.wait()
+    write_input(tmp_path, PROMPTS * 8)
+    cmd = [sys.executable, "-m", "dynatree", "run", "--input", str(tmp_path / "in.parquet"), "--output",
+           str(tmp_path / "out"), "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+           "--dtype", "float64", "--num-actors", "1", "--cpus-per-actor", "1", "--max-new-tokens", "12",
+           "--shard-size", "4", "--batch-size", "1", "--quiet"]
+    job = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    said = []
+    for line in job.stderr:  # (until its actor is ready: Ray and the cluster are up)
+        said.append(line)
+        if "actor(s) ready" in line:
+            break
+    t0 = time.time()
+    os.killpg(job.pid, signal.SIGTERM)
+    rest = job.stderr.read()
+    job.wait(timeout=120)
+    assert job.returncode == 143 and "terminated (SIGTERM):" in rest, "".join(said) + rest
+    assert time.time() - t0 < 20 and "Failed to connect to GCS" not in rest
