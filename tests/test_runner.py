@@ -894,6 +894,35 @@ def test_changed_input_resume_is_refused(ray_cluster, pair_dirs, tmp_path):
     assert s["rows"] == len(PROMPTS) and sorted(ids) == sorted(set(ids)) and ids[0] == f"k{len(PROMPTS) - 1}"
 
 
+def test_a_changed_input_is_refused_before_its_scan_naming_the_file(tmp_path, monkeypatch):
+    """A 1 GB JSONL input with a line appended was refused only after a silent 166 s re-scan, and
+    the refusal named no file of the five (the corpus trial): the manifest's sizes and times are
+    compared first, and the message says which file changed and how."""
+    from dynatree.data import InputSource
+    from dynatree.jobs import plan
+
+    (tmp_path / "in").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "in" / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {i}"}) + "\n" for i in range(3)))
+    job = build_spec(None, input=str(tmp_path / "in"), output=str(tmp_path / "out"), method="ar", target="t")
+    (tmp_path / "out" / "shards").mkdir(parents=True)
+    (tmp_path / "out" / "shards" / "part-000000.parquet").write_bytes(b"")
+    fp = InputSource.open(job.input).fingerprint()
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"identity": job.identity(), "input_fingerprint": fp}))
+    plan.refuse_changed_input_early(job)  # unchanged: nothing said
+    monkeypatch.setattr(InputSource, "open", lambda *a: pytest.fail("scanned before refusing"))
+    b = tmp_path / "in" / "b.jsonl"
+    with b.open("a") as f:
+        f.write(json.dumps({"text": "appended"}) + "\n")
+    with pytest.raises(JobError, match=rf"changed since .*\({re.escape(str(b))}: size \d+ -> \d+\)"):
+        plan.refuse_changed_input_early(job)
+    b.unlink()
+    with pytest.raises(JobError, match=rf"\({re.escape(str(b))} gone\)"):
+        plan.refuse_changed_input_early(job)
+    added = {**fp, "files": fp["files"] + [{**fp["files"][0], "path": "/c.jsonl"}]}
+    assert plan.input_change(fp, added) == "/c.jsonl added"
+
+
 def test_input_columns_pass_through(ray_cluster, pair_dirs, tmp_path):
     keys = [f"k{i}" for i in range(5)]
     pq.write_table(pa.table({"key": keys, "text": PROMPTS[:5], "topic": [f"t{i}" for i in range(5)],
