@@ -611,5 +611,8 @@ def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -
                        "tally": shard_tally(table, plan.samples > 1)}).encode()  # (summaries read the footer)
     table = table.replace_schema_metadata({META_KEY: meta})
     final = out / "shards" / f"{name}.parquet"
-    with replaced(final, final.with_name(f".{name}.parquet.tmp")) as tmp:  # a shard file is absent or complete
-        pq.write_table(table, tmp)
+    try:
+        with replaced(final, final.with_name(f".{name}.parquet.tmp")) as tmp:  # a shard file is absent or complete
+            pq.write_table(table, tmp)
+    except OSError as e:  # (pyarrow's "[Errno 28] Error writing bytes to file" names no file nor disk)
+        raise OSError(e.errno, f"cannot write {final}: {e.strerror or e}") from e
