@@ -496,6 +496,10 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     done, todo = _progress_of(out, spec, plan)
     if done:
         log(f"resuming: {len(done)} of {plan.num_shards} shards already done")
+    redone = [] if spec.overwrite else _unfinished_files(out, plan, done)
+    if redone:  # (a truncated or empty shard was redone without a word: the corpus trial)
+        log(f"redoing {len(redone)} shard file(s) that are not whole or not this job's: {', '.join(redone[:5])}"
+            + (" ..." if len(redone) > 5 else ""))
     if plan.num_shards == 0:
         log(f"the input {spec.input} has no rows; writing an empty dataset")
         if spec.overwrite:
@@ -513,6 +517,18 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
         raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
                             f"(--fail-on-mismatch); see summary.json", summary)
     return summary
+
+
+def _unfinished_files(out: Path, plan: Plan, done: set[int]) -> list[str]:
+    """Shard files in ``out`` that finished_shards did not count (cut short, emptied, another
+    job's range): their shards are decoded again and the files replaced."""
+    def number(name: str) -> int | None:
+        digits = name[len("part-"):]
+        return int(digits) if digits.isdigit() else None
+
+    shards = out / "shards"
+    files = shards.glob("part-*.parquet") if shards.is_dir() else []
+    return sorted(p.stem for p in files if (k := number(p.stem)) is not None and k < plan.num_shards and k not in done)
 
 
 def _progress_of(out: Path, spec: JobSpec, plan: Plan) -> tuple[set[int], list[int]]:

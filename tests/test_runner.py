@@ -1798,6 +1798,11 @@ def test_a_shard_file_for_another_range_is_not_taken_as_finished(pair_dirs, tmp_
     shutil.copy(out / "shards" / "part-000000.parquet", out / "shards" / "part-000001.parquet")
     got = run_job(job, progress=False, log=quiet, dry_run=True)
     assert (got["shards_done"], got["rows_to_decode"]) == (plan.num_shards - 1, 4)
+    from dynatree.jobs.driver import _unfinished_files
+    from dynatree.jobs.plan import finished_shards
+
+    (out / "shards" / "part-000000.parquet").write_bytes(b"PAR1")  # (cut short: redone without a word, once)
+    assert _unfinished_files(out, plan, finished_shards(out, job, plan)) == ["part-000000", "part-000001"]
 
 
 def test_verify_fraction_picks_the_same_rows_in_every_process():
