@@ -533,9 +533,14 @@ def run(config_file, quiet, dry_run, **fields):
         spec = build_spec(config_file, **fields)
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True), dry_run=dry_run)
     except ClusterLost as e:  # Ray's shutdown would wait a minute for the lost head, then abort
-        click.echo(f"Error: {e}", err=True)
+        if e.summary is not None:  # (the job finished: its table, and a note)
+            _print_summary(e.summary, spec)
+            click.echo(f"note: {e}", err=True)
+        else:
+            click.echo(f"Error: {e}", err=True)
+        sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(0 if e.summary is not None else 1)
     except MismatchError as e:  # the job finished: its table first, as for any finished job
         quiet_exit()
         _print_summary(e.summary, spec)

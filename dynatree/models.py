@@ -894,13 +894,14 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
         problem = model_problem(str(name)) if name is not None else None
         if problem:
             raise PairError(f"{role} {name}: {problem}")
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    # (lean-bf16 is a CPU kernel: device auto is the CPU for it, on a machine with CUDA too)
+    dev, dt = resolve_device("cpu" if kernel == "lean-bf16" and device == "auto" else device), resolve_dtype(dtype)
     if kernel not in KERNELS:  # (before the models load, as a job's spec refuses them)
         raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if kernel == "lean-bf16" and (dt != torch.float32 or dev.type != "cpu"):
         raise PairError(f"kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models as "
                         f"float32 on a CPU (dtype float32, device cpu or auto), not {str(dt).removeprefix('torch.')} "
-                        f"on {dev}")
+                        f"on {device}")
     slow = _slow_on_cpu(dev, dt)
     if slow:  # (before the load, at the caller's line; pair_from_models, below, would say it after)
         warnings.warn(slow, stacklevel=2)

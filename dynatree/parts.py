@@ -115,12 +115,7 @@ class Part:
         cols = [c for c in need if c in self.schema.names]
         if not cols or lo >= hi:
             return pa.table({}), {}
-        if self._changed():  # (rewritten in place, a Parquet file's rows at the planned offsets read as the new
-            # file's, without an error: the corpus trial's worry, seen here; one stat per read)
-            self.close()
-            raise InputError(f"{self.info.path}: changed since the job was planned (its size or time differ), so "
-                             "its rows are not the planned ones and the job cannot resume on it: finished shards "
-                             "are kept; --overwrite starts again on the file as it is now")
+        self.refuse_if_changed()
         try:
             return self.convert(self._take(lo, hi, cols), cols, raw)
         except InputError:
@@ -128,19 +123,30 @@ class Part:
         except (OSError, pa.ArrowException) as e:  # (pyarrow's own words name no file: "Couldn't deserialize thrift")
             self.close()
             raise InputError(f"{self.info.path}: cannot read rows {lo}-{hi - 1}: {e}"
-                             + ("; the file changed since the job was planned (its size or time differ), so the job "
-                                "cannot resume on it" if self._changed() else "")) from e
+                             + (f"; {self._change()}" if self._change() else "")) from e
 
-    def _changed(self) -> bool:
-        """Whether the file's size or time differ from the planned ones (or it is gone); a
-        `datasets` dataset (no file of its own: size and time 0) never."""
+    def refuse_if_changed(self) -> None:
+        """InputError if the file is not the one planned: rewritten in place, a Parquet file's rows
+        at the planned offsets read as the new file's without an error (the corpus trial's worry,
+        seen here); one stat per read."""
+        change = self._change()
+        if change:
+            self.close()
+            raise InputError(f"{self.info.path}: {change}, so its rows are not the planned ones and the job cannot "
+                             "resume on it: finished shards are kept; --overwrite starts again on the input as it is now")
+
+    def _change(self) -> str | None:
+        """How the file differs from the planned one (gone, or its size or time), or None; a
+        `datasets` dataset (no file of its own: size and time 0) never does."""
         if not self.info.size and not self.info.mtime_ns:
-            return False
+            return None
         try:
             st = os.stat(self.info.path)
         except OSError:
-            return True
-        return (st.st_size, st.st_mtime_ns) != (self.info.size, self.info.mtime_ns)
+            return "gone since the job was planned"
+        if (st.st_size, st.st_mtime_ns) != (self.info.size, self.info.mtime_ns):
+            return "changed since the job was planned (its size or time differ)"
+        return None
 
     def _take(self, start: int, end: int, columns: list[str]) -> list:
         anchor = self.anchor(start)
@@ -261,6 +267,7 @@ class TextPart(Part):
         if not cols or lo >= hi:
             return pa.table({}), {}
         values, raws = {"file": [self.info.path]}, {"file": [self.info.path]}
+        self.refuse_if_changed()  # (the text a job planned: Part.read's check, which this read replaces)
         if "text" in cols:
             try:
                 data = Path(self.info.path).read_bytes()

@@ -50,7 +50,8 @@ __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
 QUIET_S = 600.0  # no shard finished for this long: the driver says what is in flight (_say_quiet)
 RESTART_POLL_S = 2.0  # while a replacement actor starts: how often its deadline is checked
 HEALTH_S = 10.0  # how often the head is checked, shards finishing or not (Ray's client gives up on it after 60 s)
-HEAD_LOST_S = 30.0  # a head not answering this long (and no actor death to confirm it) is lost: said before Ray's 60 s
+HEAD_LOST_S = 20.0  # a head not answering this long (and no actor death to confirm it) is lost: said before Ray's 60 s
+CONNECT_S = 5.0  # how long a check waits for the head's port (a lost machine answers nothing)
 REPLACE_FACTOR = 5.0  # a replacement actor is given this many times the first actors' start-up,
 REPLACE_MIN_S = 120.0  # at least this, at most --ready-timeout-s
 LONG_SCAN_BYTES = 200e6  # JSONL/text input that takes planning long enough to say so first
@@ -87,7 +88,7 @@ class _LogProgress:
 def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, float]:
     gpus = spec.gpus_per_actor
     if gpus is None:
-        gpus = 1.0 if resources.get("GPU", 0) >= 1 and spec.device != "cpu" else 0.0
+        gpus = 1.0 if resources.get("GPU", 0) >= 1 and not spec.cpu_only else 0.0
     return spec.num_actors, spec.cpus_per_actor, gpus  # num_actors None: as many as fit
 
 
@@ -131,7 +132,10 @@ class MismatchError(JobError):
 
 class ClusterLost(JobError):
     """The Ray cluster's head went away mid-job: the process ends at once after saying so (Ray's
-    client would otherwise wait for it, then exit with its own fatal error)."""
+    client would otherwise wait for it, then exit with its own fatal error).  ``summary``: the
+    job's, where it went away as the last shard was written (every shard finished, summarized)."""
+
+    summary: dict | None = None
 
 
 def _warn_if_shared(log) -> None:
@@ -167,23 +171,29 @@ def start_local_ray(**kw):
     return ray
 
 
-def _own_cluster_died(settle_s: float = 0.5) -> bool:
-    """Whether the local Ray cluster this driver started died with it: its processes are the
-    driver's children, in its process group, so a SIGTERM sent to the group (`timeout`, systemd's
-    control group, Slurm's scancel) ends them too -- and then releasing the actors waits a minute
-    for the lost head before Ray's client aborts the process (the corpus trial).  A child that
-    exited within ``settle_s`` of the signal (a zombie: Ray reaps its processes only at shutdown)
-    says so; read from /proc (Linux; elsewhere False, and the command waits as before)."""
-    time.sleep(settle_s)  # (they got the signal when the driver did; a graceful exit takes a moment)
-    me = str(os.getpid())
+def zombie_children() -> set[int]:
+    """This process's children that exited and are not yet reaped (Ray reaps the processes of a
+    local cluster only at its shutdown); from /proc (Linux; elsewhere none)."""
+    me, out = str(os.getpid()), set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]  # (after the name, which may hold spaces)
         except (OSError, IndexError, ValueError):
             continue  # (gone meanwhile)
         if parent == me and state == "Z":
-            return True
-    return False
+            out.add(int(stat.parent.name))
+    return out
+
+
+def own_cluster_died(before: set[int], settle_s: float = 0.5) -> bool:
+    """Whether the local Ray cluster this driver started was hit by the signal that interrupted it:
+    its processes are the driver's children, in its process group, so a SIGTERM sent to the group
+    (`timeout`, systemd's control group, Slurm's scancel) reaches them too -- and releasing the
+    actors then waited a minute for the lost head before Ray's client aborted the process (the
+    corpus trial).  Ray's Python helpers exit at once on it (its GCS and raylet take seconds, or
+    stay): a child that exited since ``before`` (zombie_children once the cluster was up) says so."""
+    time.sleep(settle_s)  # (they got the signal when the driver did; exiting takes a moment)
+    return bool(zombie_children() - before)
 
 
 def _connect_hint(e: ConnectionError) -> str:
@@ -511,8 +521,14 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     run_stats["wall_time_s"] = time.time() - t_start
     if plan.num_shards >= 2000:  # (~0.25 ms a shard's footer: not a silent wait at a corpus's end)
         log(f"summarizing {plan.num_shards} shards")
+    gone = run_stats.pop("cluster_gone", False)
     summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out))
     write_summary(out, summary)
+    if gone:  # (the command exits without Ray's shutdown, which would wait a minute for the lost head)
+        lost = ClusterLost("the Ray cluster's head stopped answering as the last shard was written: every shard is "
+                           "finished and summarized, without its actors' statistics")
+        lost.summary = summary
+        raise lost
     if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:
         raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
                             f"(--fail-on-mismatch); see summary.json", summary)
@@ -571,7 +587,7 @@ def _actors_said(spec: JobSpec) -> str:
     address = None if joined else spec.address or os.environ.get("RAY_ADDRESS")
     local = not address and not joined
     n, cpus, gpus = _actor_shape(spec, {"GPU": placement.local_gpus()} if local else {})
-    auto_gpu = spec.gpus_per_actor is None and not local and spec.device != "cpu"  # (counted at the job's start)
+    auto_gpu = spec.gpus_per_actor is None and not local and not spec.cpu_only  # (counted at the job's start)
     gpus = "1 if the cluster has one" if auto_gpu else f"{gpus:g}"
     shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}}}"
     if local:
@@ -661,6 +677,7 @@ class _Dispatch:
 
         own = not ray.is_initialized() and not (self.spec.address or os.environ.get("RAY_ADDRESS"))
         ray = _init_ray(self.spec, self.log)
+        exited = zombie_children() if own else set()  # (Ray's own that exited before any signal)
         resources = ray.cluster_resources()
         if (no_gpu := placement.no_gpu(self.spec.device, resources)):
             raise JobError(no_gpu)
@@ -684,16 +701,14 @@ class _Dispatch:
                 start_over(self.spec, self.plan)
             pin_prompt_start(self.out, self.leading_ids)
             self._loop(ray, deque((k, None) for k in todo), progress)
-            self._check_cluster(ray, actor_died=True, finished=True)  # (asking the actors needs the head)
-            self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
-                                            if a is not None and slot not in self.restarts], timeout=30)
+            self._actor_stats(ray)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
         except ClusterLost:
             self.actors, self.pg = [], None  # nothing left to release, and asking would wait for the head
             raise
         except KeyboardInterrupt as e:  # (Ctrl-C, SIGTERM)
-            if own and _own_cluster_died():  # a SIGTERM to the process group: `timeout`, systemd, Slurm
+            if own and own_cluster_died(exited):  # a SIGTERM to the process group: `timeout`, systemd, Slurm
                 self.actors, self.pg = [], None
                 e.cluster_gone = True  # (the command exits without Ray's shutdown: it would wait a minute)
             raise
@@ -706,6 +721,18 @@ class _Dispatch:
         if self.failed:
             raise JobError(f"shard(s) failed after {self.spec.max_retries} retries: {', '.join(sorted(self.failed))}; "
                            f"finished shards are kept in {self.out}/shards — re-run to retry the rest")
+
+    def _actor_stats(self, ray) -> None:
+        """The actors' statistics for the summary -- which asking them needs the head: where it
+        stopped answering as the last shard was written, the job is done and summarized without
+        them (``cluster_gone``: the command then exits without Ray's shutdown, which would wait a
+        minute for it); with shards failed, the head's loss is the error (_check_cluster)."""
+        if not self.failed and not self._head_answers(ray):
+            self.actors, self.pg, self.stats["cluster_gone"] = [], None, True  # (nothing to release through it)
+            return
+        self._check_cluster(ray, actor_died=True)
+        self.stats["actors"] = ray.get([a.stats.remote() for slot, a in enumerate(self.actors)
+                                        if a is not None and slot not in self.restarts], timeout=30)
 
     def _fit_memory(self, ray, n: int) -> int:
         """CPU actors with no --memory-per-actor: as many as the nodes' memory holds (reserving Ray's
@@ -764,7 +791,8 @@ class _Dispatch:
                     try:
                         results = ray.get(ref)
                     except (RayActorError, RayTaskError) as err:
-                        if isinstance(placement.task_cause(err), placement.StartFailed):  # (not the shard's doing)
+                        # (not the shard's doing; replacements get shards once ready now, so this is a defence)
+                        if isinstance(placement.task_cause(err), placement.StartFailed):
                             pending.appendleft((k, (rows, kept)))
                             self._start_failed(ray, slot, actor, err)
                             continue
@@ -817,28 +845,40 @@ class _Dispatch:
                 self._say_quiet(inflight, now - self.last_done)
         return done
 
-    def _check_cluster(self, ray, actor_died: bool = False, finished: bool = False) -> None:
-        """Every HEALTH_S, after an actor death and once the last shard is written: if the cluster's
-        head is gone, say that (every actor "dies" with it, and Ray's client would end the process a
-        minute later with only its own message).  A head that does not answer is lost only after
-        HEAD_LOST_S of it (a network blip, a busy head); with an actor dead too, or every shard
-        ``finished``, at once."""
+    def _head_answers(self, ray) -> bool:
+        """Whether the cluster's head (its GCS port) accepts a connection now (a ray:// client has
+        no GCS address of its own to check: True)."""
+        return self._unanswered(ray) is None
+
+    def _unanswered(self, ray) -> tuple[str, OSError] | None:
+        """(the head's GCS address, why it did not answer), or None where it answers."""
         try:
             host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
         except Exception:  # noqa: BLE001 - (a ray:// client has no GCS address of its own to check)
-            return
+            return None
         try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-            self.head_down_since = None
+            socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+            return None
         except OSError as e:
-            now = time.time()
-            self.head_down_since = self.head_down_since or now
-            if not actor_died and now - self.head_down_since < HEAD_LOST_S:
-                return
-            then = ("every shard is finished: the same command writes the summary (it needs no cluster)" if finished
-                    else "restart the head and re-run the same command to resume")
-            raise ClusterLost(f"lost the Ray cluster: its head (GCS at {host}:{port}) does not answer "
-                              f"({e.strerror or e}); finished shards are kept in {self.out}/shards — {then}") from None
+            return f"{host}:{port}", e
+
+    def _check_cluster(self, ray, actor_died: bool = False) -> None:
+        """Every HEALTH_S and after an actor death: if the cluster's head is gone, say that (every
+        actor "dies" with it, and Ray's client would end the process a minute later with only its
+        own message).  A head that does not answer is lost only after HEAD_LOST_S of it (a network
+        blip, a busy head); with an actor dead too, at once."""
+        lost = self._unanswered(ray)
+        if lost is None:
+            self.head_down_since = None
+            return
+        now = time.time()
+        self.head_down_since = self.head_down_since or now
+        if not actor_died and now - self.head_down_since < HEAD_LOST_S:
+            return
+        (where, e) = lost
+        raise ClusterLost(f"lost the Ray cluster: its head (GCS at {where}) does not answer ({e.strerror or e}); "
+                          f"finished shards are kept in {self.out}/shards — restart the head and re-run the same "
+                          "command to resume")
 
     @property
     def alive(self) -> int:
@@ -871,18 +911,24 @@ class _Dispatch:
             self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
 
     def _loaded(self, ray, slot: int, ready, deadline: float) -> None:
-        """A replacement's ready(): loaded (the failures in a row end), failed to load (another is
-        started, up to --max-retries in a row: _start_failed), or dead (another, by the same deadline)."""
-        from ray.exceptions import RayTaskError
+        """A replacement's ready(): loaded (the failures in a row end); lost with its node before it
+        was ready (started in a lost node's bundle before Ray knew: another, by the same deadline);
+        else failed to load or died loading (an OOM kill: another, up to --max-retries in a row,
+        _start_failed)."""
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             ray.get(ready)
             self.start_failures = 0
-        except RayTaskError as e:
-            self._start_failed(ray, slot, self.actors[slot], e)
-        except Exception:  # noqa: BLE001 - (RayActorError: died; it was given no shard to fail with)
-            self.actors[slot] = new = self.start_actor(slot)
-            self.restarts[slot] = (new.ready.remote(), deadline)
+        except (RayActorError, RayTaskError) as e:
+            if isinstance(e, RayActorError):
+                self._check_cluster(ray, actor_died=True)  # (with the head gone, every actor "dies")
+            if isinstance(e, RayActorError) and placement.node_died(e):
+                self.log(f"actor {slot}'s replacement was lost with its node before it was ready; starting another")
+                self.actors[slot] = new = self.start_actor(slot)
+                self.restarts[slot] = (new.ready.remote(), deadline)
+            else:
+                self._start_failed(ray, slot, self.actors[slot], e)
 
     def _start_failed(self, ray, slot: int, actor, err) -> None:
         """Models damaged or moved since the job began fail every replacement's load: each shard was

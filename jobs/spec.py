@@ -165,7 +165,7 @@ class JobSpec:
             problems.append(f"kernel must be one of {', '.join(KERNELS)}")
         elif self.kernel == "lean-bf16" and (self.dtype != "float32" or self.device.startswith("cuda")):
             problems.append("kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models "
-                            "as float32 on a CPU (dtype float32, device cpu or auto)")
+                            "as float32 on a CPU (dtype float32, device cpu; auto is the CPU for it)")
         if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None):
             problems.append("give both target and draft, or neither (the bundled demo pair); ar needs only a target"
                             if self.target is None else
@@ -180,6 +180,12 @@ class JobSpec:
             problems.append(str(e))
         if problems:
             raise SpecError("invalid job spec: " + "; ".join(problems))
+
+    @property
+    def cpu_only(self) -> bool:
+        """Actors that run on CPUs whatever the cluster has: device cpu, or the CPU-only kernel
+        lean-bf16 (device auto there is the CPU: given a GPU, every actor refused to load)."""
+        return self.device == "cpu" or self.kernel == "lean-bf16"
 
     @property
     def batch_rows(self) -> int:

@@ -612,3 +612,15 @@ def test_a_file_rewritten_in_place_while_read_is_refused_not_read_as_planned(tmp
         f.truncate()
     with pytest.raises(InputError, match=f"{re.escape(str(a))}: changed since the job was planned"):
         src.read(2000, 2010, ["text"])
+    (tmp_path / "t").mkdir()  # a .txt input's own read, a time-only change, a file gone
+    for name in ("x", "y"):
+        (tmp_path / "t" / f"{name}.txt").write_text(f"hello {name}")
+    src = InputSource.open(str(tmp_path / "t"))
+    assert src.read(0, 2, ["text"])[0].column("text").to_pylist() == ["hello x", "hello y"]
+    st = os.stat(tmp_path / "t" / "x.txt")
+    os.utime(tmp_path / "t" / "x.txt", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(InputError, match="x.txt: changed since the job was planned"):
+        src.read(0, 1, ["text"])
+    (tmp_path / "t" / "y.txt").unlink()
+    with pytest.raises(InputError, match="y.txt: gone since the job was planned"):
+        src.read(1, 2, ["text"])

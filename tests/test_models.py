@@ -1002,6 +1002,18 @@ def test_device_and_dtype_objects_are_checked_as_their_names_and_before_any_load
     for dt in (torch.int8, torch.complex64, None):
         with pytest.raises(PairError, match="unknown dtype"):
             resolve_dtype(dt)
+    def loading(name, dev, *a):  # lean-bf16 is a CPU kernel: auto is the CPU on a CUDA machine too (it refused
+        raise RuntimeError(f"loading on {dev}")  # "device cpu or auto" to a user who gave auto: the review)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(models, "load_model", loading)
+    with pytest.raises(RuntimeError, match="loading on cpu"):
+        load_pair(pair_dirs / "target", pair_dirs / "draft", device="auto", kernel="lean-bf16")
+    from dynatree.jobs.driver import _actor_shape
+    from dynatree.jobs.spec import build_spec
+
+    job = build_spec(None, input="x", output="y", kernel="lean-bf16")  # (and its actors ask for no GPU)
+    assert job.cpu_only and _actor_shape(job, {"GPU": 2.0})[2] == 0.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))
     for kw, said in ((dict(kernel="lean-bf16", dtype="bfloat16"), "lean-bf16 .* not bfloat16 on cpu"),
                      (dict(kernel="garbage"), "kernel must be one of")):
