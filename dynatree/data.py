@@ -181,15 +181,15 @@ class DatasetPart(Part):
 _PARTS = {"parquet": ParquetPart, "arrow": ArrowPart, "jsonl": JsonlPart, "txt": TextPart}
 
 
-def text_bytes(source: str) -> int:
-    """Bytes of the JSONL and text files a file/directory/glob source reads (planning reads them
-    whole, to count rows and type columns: a Parquet or Arrow input plans from its metadata);
-    0 where it names nothing readable (opening it says why)."""
+def jsonl_bytes(source: str) -> int:
+    """Bytes of the JSONL files a file/directory/glob source reads (planning reads them whole, to
+    count rows and type columns: Parquet and Arrow inputs plan from their metadata, a .txt file is
+    one row); 0 where it names nothing readable (opening it says why)."""
     try:
         files = _plan_files(source) if _datasets_target(source) is None else []
     except (InputError, OSError):
         return 0
-    return sum(os.path.getsize(f) for f in files if _FORMATS[Path(f).suffix] in ("jsonl", "txt"))
+    return sum(os.path.getsize(f) for f in files if _FORMATS[Path(f).suffix] == "jsonl")
 
 
 def _plan_files(source: str) -> list[str]:

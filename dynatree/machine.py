@@ -122,14 +122,18 @@ def ensure_writable(directory: Path, room: int = 0) -> None:
 def replaced(path: Path, tmp: Path | None = None):
     """A temporary path (``tmp``, default ``path`` with suffix .tmp) to write ``path``'s new
     contents into: renamed over ``path`` once written, so a reader never sees half a file, and
-    removed if writing fails (a full disk had left an empty one beside the output)."""
+    removed if writing fails (a full disk had left an empty one beside the output).  An OSError
+    names ``path`` (pyarrow's "[Errno 28] Error writing bytes to file" named no file)."""
     tmp = tmp or path.with_suffix(".tmp")
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):  # (none made: the write failed to open it)
             tmp.unlink()
+        if isinstance(e, OSError) and str(path) not in str(e):  # (OSError(errno, ...) is errno's subclass again)
+            said = f"cannot write {path}: {e.strerror or e}"
+            raise (OSError(e.errno, said) if e.errno is not None else OSError(said)) from e
         raise
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.data import id_strings, text_bytes, would_read
+from dynatree.data import id_strings, jsonl_bytes, would_read
 from dynatree.parts import each_repeated
 from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
@@ -54,7 +54,7 @@ HEAD_LOST_S = 20.0  # a head not answering this long (and no actor death to conf
 CONNECT_S = 5.0  # how long a check waits for the head's port (a lost machine answers nothing)
 REPLACE_FACTOR = 5.0  # a replacement actor is given this many times the first actors' start-up,
 REPLACE_MIN_S = 120.0  # at least this, at most --ready-timeout-s
-LONG_SCAN_BYTES = 200e6  # JSONL/text input that takes planning long enough to say so first
+LONG_SCAN_BYTES = 200e6  # JSONL input that takes planning long enough to say so first
 NODE_LOSSES = 3  # a shard whose actors were lost with their nodes more often than this is retried as a suspect
 
 
@@ -465,8 +465,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = 
     _warn_if_submitted_relative(spec, log)
     _check_output_outside_input(spec)
     refuse_changed_input_early(spec)  # (before a scan that would only find it again)
-    if (n := text_bytes(spec.input)) >= LONG_SCAN_BYTES:  # (minutes of silence read as a hang: the corpus trial)
-        log(f"planning: reading {n / 1e9:.1f} GB of JSONL/text input to count and type its rows "
+    if (n := jsonl_bytes(spec.input)) >= LONG_SCAN_BYTES:  # (minutes of silence read as a hang: the corpus trial)
+        log(f"planning: reading {n / 1e9:.1f} GB of JSONL input to count and type its rows "
             "(every line is read: minutes per GB on a small machine; Parquet plans from its metadata)")
     spec, source = default_ids(spec, log)
     plan = make_plan(spec, log, source)

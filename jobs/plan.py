@@ -409,6 +409,8 @@ def input_change(was: dict | None, now: dict | None) -> str:
     touched or of other row counts (or the rows in all)."""
     if not isinstance(was, dict) or not isinstance(now, dict):
         return "its fingerprint differs"
+    if was.get("dataset") != now.get("dataset"):  # (a `datasets` dataset: its files are its revision's)
+        return "the datasets dataset's fingerprint (its revision) differs"
     files = lambda fp: {f.get("path"): f for f in fp.get("files", []) if isinstance(f, dict)}
     a, b = files(was), files(now)
     for path in sorted(a.keys() | b.keys(), key=str):
@@ -417,7 +419,7 @@ def input_change(was: dict | None, now: dict | None) -> str:
             return f"{path} {'added' if x is None else 'gone'}"
         for key, what in (("size", "size"), ("rows", "rows"), ("mtime_ns", "time")):
             if x.get(key) != y.get(key):
-                show = (lambda v: f"{v / 1e9:.9f}") if key == "mtime_ns" else str
+                show = (lambda v: f"{v / 1e9:.9f}" if isinstance(v, int) else str(v)) if key == "mtime_ns" else str
                 return f"{path}: {what} {show(x.get(key))} -> {show(y.get(key))}"
     if was.get("num_rows") != now.get("num_rows"):
         return f"rows {was.get('num_rows')} -> {now.get('num_rows')}"
@@ -425,9 +427,10 @@ def input_change(was: dict | None, now: dict | None) -> str:
 
 
 def _refuse_changed_input(out: Path, source: str, change: str) -> None:
+    restored = (" (a byte-identical copy restored from a backup: give it back its time, `touch -d @SECONDS FILE`)"
+                if ": time " in change else "")
     raise JobError(f"the input {source} changed since {out} was started ({change}), so its finished shards may not "
-                   "match the rows they were planned for; use --overwrite to start again or another --output (a "
-                   "byte-identical copy restored from a backup: give it back its time, `touch -d @SECONDS FILE`)")
+                   f"match the rows they were planned for; use --overwrite to start again or another --output{restored}")
 
 
 def refuse_changed_input_early(spec: JobSpec) -> None:
@@ -437,10 +440,11 @@ def refuse_changed_input_early(spec: JobSpec) -> None:
     out = Path(spec.output)
     if spec.overwrite or not (out / "shards").is_dir() or not _has_shards(out):
         return
-    old = _legacy(read_manifest(out) or {})
+    old = _own_manifest(out)  # (refuses a manifest.json that is no job's)
+    old = _legacy(old) if isinstance(old.get("identity") if old else None, dict) else {}
     fp = old.get("input_fingerprint")
-    if not isinstance(fp, dict) or old.get("identity", {}).get("input") != canonical_path("input", spec.input):
-        return  # (another job: check_output says so)
+    if not isinstance(fp, dict) or old["identity"].get("input") != canonical_path("input", spec.input):
+        return  # (another job, or none: check_output says so)
     now = json.loads(json.dumps(fp))
     for f in now.get("files", []):
         if not isinstance(f, dict) or f.get("format") == "datasets" or not isinstance(f.get("path"), str):
@@ -592,7 +596,13 @@ def _write_manifest(out: Path, manifest: dict) -> None:
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
     """Shard numbers whose file this job wrote for exactly its planned range (footers only);
     JobError for a shard-named file someone else put there (_footers)."""
-    idents = {spec.identity_hash(), *(read_manifest(out) or {}).get("aliases", [])}
+    manifest = read_manifest(out) or {}
+    idents = {spec.identity_hash(), *manifest.get("aliases", [])}
+    if isinstance(manifest.get("identity"), dict) and json.dumps(_legacy(manifest)["identity"], sort_keys=True,
+                                                                 default=str) == json.dumps(spec.identity(),
+                                                                                            sort_keys=True, default=str):
+        idents.add(manifest.get("identity_hash"))  # (an older spelling of this job -- fp16 for float16, a relative
+        # path -- that a dry run, which rewrites no manifest, did not yet know as an alias)
     done = set()
     for name, meta in _footers(out).items():
         try:
@@ -611,8 +621,5 @@ def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -
                        "tally": shard_tally(table, plan.samples > 1)}).encode()  # (summaries read the footer)
     table = table.replace_schema_metadata({META_KEY: meta})
     final = out / "shards" / f"{name}.parquet"
-    try:
-        with replaced(final, final.with_name(f".{name}.parquet.tmp")) as tmp:  # a shard file is absent or complete
-            pq.write_table(table, tmp)
-    except OSError as e:  # (pyarrow's "[Errno 28] Error writing bytes to file" names no file nor disk)
-        raise OSError(e.errno, f"cannot write {final}: {e.strerror or e}") from e
+    with replaced(final, final.with_name(f".{name}.parquet.tmp")) as tmp:  # a shard file is absent or complete
+        pq.write_table(table, tmp)

@@ -456,8 +456,8 @@ def test_a_summary_that_cannot_be_written_leaves_no_temporary_file(tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Path, "write_text", full)
-    with pytest.raises(OSError, match="No space left"):
-        write_summary(tmp_path, {"rows": 2})
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'summary.json'}: No space left"):  # (named: the
+        write_summary(tmp_path, {"rows": 2})  # corpus trial's ENOSPC said only pyarrow's words, no file)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
     assert json.loads((tmp_path / "summary.json").read_text()) == {"rows": 1}
@@ -497,6 +497,16 @@ def test_a_job_from_before_absolute_paths_resumes(pair_dirs, tmp_path, monkeypat
     with pytest.raises(JobError, match="changed: max_new_tokens"):  # a real change is still one
         other = spec(pair_dirs, tmp_path, input="in.parquet", max_new_tokens=5)
         prepare_output(other, make_plan(other, quiet))
+    # a dtype spelled fp16 (kept as typed until 2026-11-30): its shards count in a dry run too, which
+    # writes no manifest naming the old hash an alias (it said none was finished: the review)
+    job = spec(pair_dirs, tmp_path, output=str(tmp_path / "out16"), dtype="float16")
+    legacy = dataclasses.replace(job)
+    object.__setattr__(legacy, "dtype", "fp16")  # (as the older version stored it)
+    assert legacy.identity_hash() != job.identity_hash()
+    old_plan = make_plan(legacy, quiet)
+    prepare_output(legacy, old_plan)
+    write_shard(tmp_path / "out16", legacy, old_plan, 0, old_plan.schema.empty_table())
+    assert finished_shards(tmp_path / "out16", job, make_plan(job, quiet)) == {0}
 
 
 def test_an_address_beside_an_initialized_ray_is_said_not_silently_ignored(ray_cluster, pair_dirs, tmp_path):
@@ -908,7 +918,8 @@ def test_a_changed_input_is_refused_before_its_scan_naming_the_file(tmp_path, mo
     (tmp_path / "out" / "shards").mkdir(parents=True)
     (tmp_path / "out" / "shards" / "part-000000.parquet").write_bytes(b"")
     fp = InputSource.open(job.input).fingerprint()
-    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"identity": job.identity(), "input_fingerprint": fp}))
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"identity": job.identity(), "input_fingerprint": fp,
+                                                                "identity_hash": job.identity_hash()}))
     plan.refuse_changed_input_early(job)  # unchanged: nothing said
     monkeypatch.setattr(InputSource, "open", lambda *a: pytest.fail("scanned before refusing"))
     b = tmp_path / "in" / "b.jsonl"
@@ -921,6 +932,11 @@ def test_a_changed_input_is_refused_before_its_scan_naming_the_file(tmp_path, mo
         plan.refuse_changed_input_early(job)
     added = {**fp, "files": fp["files"] + [{**fp["files"][0], "path": "/c.jsonl"}]}
     assert plan.input_change(fp, added) == "/c.jsonl added"
+    assert plan.input_change({**fp, "dataset": {"fingerprint": "a"}}, {**fp, "dataset": {"fingerprint": "b"}}) == \
+        "the datasets dataset's fingerprint (its revision) differs"
+    (tmp_path / "out" / "manifest.json").write_text("[]")  # (no job's: refused as such, not a traceback)
+    with pytest.raises(JobError, match="is not a dynatree job's manifest"):
+        plan.refuse_changed_input_early(job)
 
 
 def test_input_columns_pass_through(ray_cluster, pair_dirs, tmp_path):
