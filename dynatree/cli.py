@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, KV_DTYPES, METHODS, options_help
+from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, KV_DTYPES, METHODS, dtype_name, options_help
 
 
 def _fail(msg: str) -> None:
@@ -316,12 +316,14 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     summary = []
     for path in prompt_files:
         try:
-            at, texts = _usable_prompts(path, read_texts(path, prompt_column), limit, chat_template)
+            # (with a template, --limit counts the conversations that render to fit: _rendered)
+            at, texts = _usable_prompts(path, read_texts(path, prompt_column), None if chat_template else limit,
+                                        chat_template)
         except InputError as e:
             _fail(str(e))
         if chat_template:  # (a job's prompt policy for chat rows: actors/worker.prompt_ids)
             at, prompts = _rendered(path, at, texts, lambda v: prompt_ids(
-                pair, v, max_new_tokens, max_prompt_tokens, all_windowed(cfgs.values()), chat=True))
+                pair, v, max_new_tokens, max_prompt_tokens, all_windowed(cfgs.values()), chat=True), limit)
         else:
             prompts = [pair.encode(t, last=keep) for t in texts]  # (its last `keep` tokens: the prompt policy)
         try:
@@ -387,22 +389,24 @@ def _usable_prompts(path: str, values: list, limit: int | None, chat: bool = Fal
         click.echo(f"  {path}: skipping {len(bad)} prompt(s) that are null, empty, only whitespace or not "
                    f"{'text or chat messages' if chat else 'text'} "
                    f"(rows {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''})", err=True)
-    chat = 0 if chat else sum(isinstance(values[i], (list, dict)) for i in bad)
-    if chat:  # (a chat column: skipped as "not text" without a word on what to run instead)
-        click.echo(f"  {path}: {chat} of them hold chat messages: add --chat-template to render them with the "
+    chats = 0 if chat else sum(isinstance(values[i], (list, dict)) for i in bad)
+    if chats:  # (a chat column: skipped as "not text" without a word on what to run instead)
+        click.echo(f"  {path}: {chats} of them hold chat messages: add --chat-template to render them with the "
                    "target's chat template", err=True)
     if not at:
         _fail(f"{path}: no prompts to check")
     return at, [values[i] for i in at]
 
 
-def _rendered(path: str, at: list[int], values: list, encode) -> tuple[list[int], list[list[int]]]:
-    """check --chat-template's prompts: each value's ids by ``encode`` (a job's prompt policy for chat
-    rows); a conversation the template refuses, or one longer than the policy keeps (a rendered one is
-    never cut: its last tokens would lose the template's header), is skipped and named, as a job makes
-    it that row's error."""
+def _rendered(path: str, at: list[int], values: list, encode, limit: int | None = None) -> tuple[list[int], list]:
+    """check --chat-template's first ``limit`` prompts (all with None): each value's ids by ``encode``
+    (a job's prompt policy for chat rows); a conversation the template refuses, or one longer than the
+    policy keeps (a rendered one is never cut: its last tokens would lose the template's header), is
+    skipped and named, as a job makes it that row's error, and not counted."""
     kept, prompts, refused = [], [], []
     for i, value in zip(at, values):
+        if limit is not None and len(kept) == limit:
+            break
         try:
             prompts.append(encode(value))
             kept.append(i)
@@ -452,22 +456,17 @@ def _check_table(summary: list[tuple], reference=None) -> None:
     for path, label, n, ok, tps, tpi, bad, _ in summary:
         click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {ok:>6} {tps:>7.1f} {'-' if tpi is None else f'{tpi:.2f}':>8}"
                    + (f"  mismatches (prompt, index, margin): {bad}" if bad else ""))
-    if reference is not None:
-        _reference_table(summary, reference)
-
-
-def _reference_table(summary: list[tuple], reference) -> None:
-    """The rows against --reference-dtype's ar, after check's table (a difference here is the
-    precision's, not an error: it does not change check's exit status)."""
-    w = max(11, *(len(s[1]) for s in summary))
-    pw = max(12, *(len(s[0]) for s in summary))
-    click.echo(f"\nagainst ar on the target in {str(reference.dtype).removeprefix('torch.')} "
-               f"({reference.forward_in_use('target')}): where the text parts, the reference's top-2 logit margin there")
+    if reference is None:
+        return
+    # (the rows against --reference-dtype's ar: a difference there is the precision's, not an error,
+    # and does not change check's exit status)
+    click.echo(f"\nagainst ar on the target in {str(reference.dtype).removeprefix('torch.')} -- where the text "
+               f"parts, the reference's top-2 logit margin there; its forward: {reference.forward_in_use('target')}")
     click.echo(f"{'prompts file':<{pw}} {'method':<{w}} {'checked':>7} {'same':>6}")
     for path, label, n, *_, against in summary:
         same, parted = against if against is not None else ("-", [])
-        click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {same:>6}" + (f"  parted (prompt, index, margin): {parted}"
-                                                                    if parted else ""))
+        click.echo(f"{path:<{pw}} {label:<{w}} {n:>7} {same:>6}"
+                   + (f"  parted (prompt, index, margin): {parted}" if parted else ""))
 
 
 def _spec_options(f):
@@ -693,7 +692,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                    "are the rounds' medians; --kernel lean on the native kernel only)")
 @click.option("--cache-lengths", help="comma-separated cached-token counts: target forwards of 1 and 16 tokens "
                                       "at each, to show where attention over a long cache takes over")
-@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
+@click.option("--kv-dtype", type=click.Choice([*KV_DTYPES, "bf16"]), default="model", show_default=True,
               help="the caches' key/value storage (as the method option kv_dtype)")
 @click.option("--sequences", default=16, show_default=True, type=click.IntRange(min=0),
               help="also time a decode step of this many sequences, each over its own cache, against one "
@@ -715,7 +714,7 @@ def profile(target, draft, device, dtype, kernel, prefix, prefill, repeats, roun
     except (PairError, ValueError) as e:
         _fail(str(e))
     freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-timing)
-    report(pair, prefix, prefill, repeats, rounds, lengths, kv_dtype, sequences)
+    report(pair, prefix, prefill, repeats, rounds, lengths, dtype_name(kv_dtype), sequences)
 
 
 @main.command()

@@ -29,7 +29,7 @@ class PairError(ValueError):
 def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     """A device the engine runs on (and is tested on); PairError for any other, or one this process lacks."""
     if isinstance(spec, torch.device):  # (checked as its name is: torch.device("mps") failed in torch, later)
-        spec = str(spec)
+        spec = "cpu" if spec.type == "cpu" else str(spec)  # (torch.device("cpu", 0) is the CPU)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(spec, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", spec):

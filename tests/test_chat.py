@@ -185,6 +185,9 @@ def test_check_renders_a_chat_column_with_the_template(chat_dirs, chat_pair, pai
 
     kept, ids = cli._rendered("p", [0, 2], [CHATS[0], "hi"], lambda v: prompt_ids(chat_pair, v, 5, 60, chat=True))
     assert kept == [0, 2] and ids == [chat_pair.encode_chat(CHATS[0]), chat_pair.encode_chat("hi")]
+    kept, _ = cli._rendered("p", [0, 1, 2], ["word " * 300, "a", "b"], lambda v: prompt_ids(chat_pair, v, 5, 60, chat=True),
+                            limit=2)  # (--limit counts what renders to fit: a refused one took a place)
+    assert kept == [1, 2]
     path = tmp_path / "chats.jsonl"
     rows = [CHATS[0], "It was the best of times", json.dumps(CHATS[2]), None, "word " * 300]
     path.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))

@@ -1,6 +1,7 @@
 """kv_dtype=bfloat16: keys and values stored rounded to bfloat16 (half the bytes a forward streams
 from the caches), read back widened.  Rounding happens once, as a token is cached, the same for
 every method, so every greedy method equals `ar` with the same kv_dtype."""
+import json
 import shutil
 
 import pytest
@@ -191,7 +192,7 @@ def test_a_sampled_divergence_margin_is_the_perturbed_scores_gap():
     assert at == 2 and margin == float(top[0] - top[1]) != float(plain[0] - plain[1])
 
 
-def test_check_measures_a_low_precision_run_against_a_float32_reference(pair_dirs):
+def test_check_measures_a_low_precision_run_against_a_float32_reference(pair_dirs, tmp_path):
     """check --reference-dtype: every row, the run's own ar too, is compared with ar on the target in
     another precision, with that reference's top-2 margin where they part (no command said how far a
     bfloat16 run's text is from float32's: the precision trial)."""
@@ -212,9 +213,9 @@ def test_check_measures_a_low_precision_run_against_a_float32_reference(pair_dir
     prompts = random_prompts(3, seed=63, lo=5, hi=40)  # (the first and third part within 20 tokens)
     rows = check_methods(low, prompts, {"dynatree": make_config("dynatree")}, max_new_tokens=20, reference=ref)
     parted = 0
-    for r in (r for r in rows if r["method"] == "ar"):
+    for r in rows:  # (each row's tokens decoded again: a row's decoding is deterministic)
         p = prompts[r["prompt"]]
-        mine = decode(low, p, make_config("ar"), max_new_tokens=20, ignore_eos=True)[0]
+        mine = decode(low, p, make_config(r["method"]), max_new_tokens=20, ignore_eos=True)[0]
         theirs = decode(ref, p, make_config("ar"), max_new_tokens=20, ignore_eos=True)[0]
         i = first_difference(theirs, mine)
         assert (r["reference_matches"], r["reference_divergence"]) == (i is None, i)
@@ -223,8 +224,14 @@ def test_check_measures_a_low_precision_run_against_a_float32_reference(pair_dir
             top = reference_logits(ref, p, theirs[:i]).topk(2).values
             assert r["reference_margin"] == float(top[0] - top[1])
     assert parted >= 1  # bfloat16 moves some choice on these prompts, or this test shows nothing
-    assert all(isinstance(r["reference_matches"], bool) for r in rows if r["method"] == "dynatree")
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("The quick brown fox", "Call me Ishmael")))
     args = ["check", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
-            "--dtype", "float64", "--methods", "dynatree", "--max-new-tokens", "4", "--prompts", "x.jsonl"]
+            "--dtype", "float64", "--methods", "dynatree", "--max-new-tokens", "4", "--prompts", str(prompts_file)]
     same = CliRunner().invoke(cli.main, args + ["--reference-dtype", "fp64"])
     assert same.exit_code == 1 and "computes as the run does" in same.output, same.output
+    res = CliRunner().invoke(cli.main, args + ["--reference-dtype", "float32"])  # the second table
+    assert res.exit_code == 0, res.output
+    table = res.output[res.output.index("against ar on the target in float32"):].splitlines()
+    assert "native kernel" in table[0] and [ln.split()[1:4] for ln in table[2:]] == [["ar", "2", "2"],
+                                                                                   ["dynatree", "2", "2"]], res.output

@@ -997,7 +997,7 @@ def test_device_and_dtype_objects_are_checked_as_their_names_and_before_any_load
             resolve_device(dev)
     with pytest.raises(PairError, match="'cuda:1' requested but CUDA is not available"):
         resolve_device(torch.device("cuda", 1))
-    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu") == resolve_device(torch.device("cpu", 0))
     assert resolve_dtype(torch.float64) is torch.float64 and resolve_dtype("bf16") is torch.bfloat16
     for dt in (torch.int8, torch.complex64, None):
         with pytest.raises(PairError, match="unknown dtype"):
