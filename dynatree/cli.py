@@ -216,7 +216,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         _say_if_idle(method, cfg, gens)
     window = not as_json and any(g.finish_reason == "context" for g in gens) and engine.window_options(pair, cfg)
     if window:  # (where these models take a window)
-        click.echo(f"note: finish=context: the target's {pair.max_context}-token context is full; a cache window "
+        click.echo(f"note: finish=context: {pair.context_said} is full; a cache window "
                    "generates past it (StreamingLLM: the first tokens and the most recent are kept), e.g. "
                    + " ".join(f"--option {o}" for o in window.split()), err=True)
 

@@ -364,8 +364,8 @@ class BatchDecoder:
         try:
             prompt_ids = _token_ids(prompt_ids, self.pair.id_limit)
             if not getattr(cfg, "kv_window", 0) and len(prompt_ids) >= self.pair.max_context:
-                raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                                   f"{self.pair.max_context}-token context ({self._window_hint(cfg)})")
+                raise ContextError(f"prompt of {len(prompt_ids)} tokens leaves no room in "
+                                   f"{self.pair.context_said} ({self._window_hint(cfg)})")
         except ValueError as e:
             e.prompt_problem = True
             raise

@@ -400,6 +400,16 @@ class ModelPair:
     # logit columns the target scores (0: vocab): its argmax may pick an id the draft cannot read,
     # which a prompt may then hold; a drafter meeting one retires (drafting.DraftVocabError)
     target_vocab: int = 0
+    target_context: int = 0  # the target's own context (0: max_context), where a shorter draft's caps the pair
+
+    @property
+    def context_said(self) -> str:
+        """The context a sequence is held to, said with whose it is: a draft with fewer positions
+        than the target caps the pair (the messages blamed the target's: the own-models trial)."""
+        if self.target_context > self.max_context:
+            return (f"the {self.max_context}-token context (the draft's: the target's is {self.target_context}, "
+                    "and ar without the draft is not held to it)")
+        return f"the {self.max_context}-token context"
 
     @property
     def id_limit(self) -> int:
@@ -807,8 +817,12 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
             if m is not None:
                 cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
+    if ctx < _context_len(target):  # (said once, here: every method of this pair, ar too, is held to it)
+        warnings.warn(f"the draft's context ({ctx} tokens) is shorter than the target's ({_context_len(target)}): "
+                      f"this pair holds every sequence to {ctx} tokens; a draft with as many positions as the target "
+                      "lifts it, or a cache window (option kv_window) generates past it", stacklevel=2)
     return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, names or {}, kernel=kernel,
-                     eos_token_ids=eos_ids, target_vocab=wt)
+                     eos_token_ids=eos_ids, target_vocab=wt, target_context=_context_len(target))
 
 
 def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:

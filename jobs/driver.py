@@ -380,8 +380,10 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     ctx = _context(dirs)
     if ctx is None:
         return
+    target = _context(dirs[:1])
+    whose = f"the draft's (the target's is {target})" if target and target > ctx else "the models'"
     if not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
-        raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in the models' "
+        raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in {whose} "
                        f"{ctx}-token context (or generate past it with a cache window: --option kv_window=...)")
     try:
         check_window(cfg, ctx)

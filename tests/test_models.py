@@ -1019,3 +1019,17 @@ def test_device_and_dtype_objects_are_checked_as_their_names_and_before_any_load
                      (dict(kernel="garbage"), "kernel must be one of")):
         with pytest.raises(PairError, match=said):
             load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", **kw)
+
+
+def test_a_draft_with_a_shorter_context_is_named_as_the_limit():
+    """A draft of 64 positions beside a target of 1024 held the pair to 64 tokens, and the messages
+    blamed the target's context (the own-models trial): loading says so, and so do the refusals."""
+    from conftest import tiny_neox
+    from dynatree import generate
+
+    with pytest.warns(UserWarning, match=r"the draft's context \(16 tokens\) is shorter than the target's \(128\)"):
+        pair = pair_from_models(tiny_neox(1), tiny_neox(2, max_pos=16), None, eos_token_id=95)
+    assert pair.max_context == 16 and "the draft's: the target's is 128" in pair.context_said
+    with pytest.raises(ValueError, match=r"prompt of 20 tokens leaves no room in the 16-token context \(the draft's"):
+        generate(pair, list(range(1, 21)), "dynatree", max_new_tokens=2)
+    assert pair_from_models(tiny_neox(1), None, None).context_said == "the 128-token context"

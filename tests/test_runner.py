@@ -2059,3 +2059,19 @@ def test_sigterm_to_the_process_group_ends_a_job_at_once(pair_dirs, tmp_path):
     job.wait(timeout=120)
     assert job.returncode == 143 and "terminated (SIGTERM):" in rest, "".join(said) + rest
     assert time.time() - t0 < 20 and "Failed to connect to GCS" not in rest
+
+
+def test_a_jobs_context_refusal_names_a_shorter_drafts(pair_dirs, tmp_path):
+    """--max-new-tokens past a draft's shorter context was refused "in the models' context" (the
+    own-models trial): the refusal says it is the draft's."""
+    from dynatree.jobs.driver import check_models
+
+    short = tmp_path / "short-draft"
+    shutil.copytree(pair_dirs / "draft", short)
+    config = json.loads((short / "config.json").read_text())
+    target_ctx = json.loads((pair_dirs / "target" / "config.json").read_text())["max_position_embeddings"]
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    job = build_spec(None, input="x", output=str(tmp_path / "o"), target=str(pair_dirs / "target"), draft=str(short),
+                     max_new_tokens=20)
+    with pytest.raises(JobError, match=rf"in the draft's \(the target's is {target_ctx}\) 16-token context"):
+        check_models(job)
