@@ -169,6 +169,7 @@ class ShardWorker:
         p = self.pair
         return {"pid": os.getpid(), "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
                 "context": p.max_context, "vocab": p.vocab, "threads": self.threads, "forward": p.forward_in_use(),
+                "draft_forward": p.forward_in_use("draft") if p.draft is not None else None,
                 "startup": self.startup, "batch_cap": self.batch_cap,
                 # (what a text prompt starts with: the driver pins it in the output's manifest)
                 "leading_ids": [] if self.spec.chat_template or p.tokenizer is None else p.leading_ids}

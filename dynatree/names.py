@@ -193,11 +193,20 @@ def model_config(name: str | Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def model_problem(name: str) -> str | None:
-    """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, or
-    a hub id that is neither cached nor reachable (:func:`hub_problem`)."""
-    if looks_local(name) and not Path(name).expanduser().exists():
+    """Why ``name`` cannot be loaded here, or None: a local-looking path that does not exist, a
+    directory without a config.json or weights (refused in a job's driver, not ~20 s later in its
+    actors: the own-models trial), or a hub id that is neither cached nor reachable (:func:`hub_problem`)."""
+    path = Path(name).expanduser()
+    if looks_local(name) and not path.exists():
         return "no such file or directory"
+    if path.is_dir() and not (path / "config.json").is_file():
+        return "no config.json in this directory (not a saved model: save_pretrained writes one)"
+    if path.is_dir() and not any((path / f).is_file() for f in WEIGHT_FILES):
+        return f"no weights in this directory (none of {', '.join(WEIGHT_FILES)})"
     problem = hub_problem(name)
     return f"no such file or directory, and as a hub id {problem}" if problem else None
 

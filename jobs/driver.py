@@ -664,6 +664,8 @@ class _Dispatch:
                                      max(REPLACE_MIN_S, REPLACE_FACTOR * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
+        if infos[0].get("draft_forward"):  # (a draft on transformers' forward made a job slow without a word)
+            self.stats["draft_forward"] = infos[0]["draft_forward"]
         self.leading_ids = infos[0].get("leading_ids", [])
         caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
         if caps:
@@ -671,7 +673,8 @@ class _Dispatch:
             self.log(f"memory: --batch-size auto capped at {span} row(s) per actor, measured once loaded")
         self.log(f"{n} actor(s) ready: {infos[0]['device']}, {infos[0]['dtype']}, {cpus:g} CPU / {gpus:g} GPU "
                  f"each, context {infos[0]['context']}, batch size {spec.batch_size}; target forward: "
-                 f"{infos[0]['forward']}")
+                 f"{infos[0]['forward']}" + (f"; draft forward: {infos[0]['draft_forward']}"
+                                             if infos[0].get("draft_forward") else ""))
 
     def run(self, todo: list[int], progress: bool) -> None:
         t0 = time.time()

@@ -998,6 +998,10 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
     shutil.copytree(pair_dirs / "draft", tmp_path / "untokenized", ignore=shutil.ignore_patterns("*token*"))
     with pytest.raises(JobError, match="has no tokenizer .*and a job's prompts are text"):
         run_job(spec(pair_dirs, tmp_path, target=str(tmp_path / "untokenized")), progress=False, log=quiet)
+    for dropped, said in (("*.safetensors", "no weights in this directory"), ("config.json", "no config.json")):
+        shutil.copytree(pair_dirs / "draft", tmp_path / dropped[-6:], ignore=shutil.ignore_patterns(dropped))
+        with pytest.raises(JobError, match=f"--draft .*: {said}"):  # (in the actors ~20 s later: the own-models trial)
+            run_job(spec(pair_dirs, tmp_path, draft=str(tmp_path / dropped[-6:])), progress=False, log=quiet)
     # a draft without tokenizer files: the target's is trusted (models.load_pair does the same)
     run_job(spec(pair_dirs, tmp_path, draft=str(tmp_path / "untokenized"), output=str(tmp_path / "trusted")),
             progress=False, log=quiet)
@@ -1053,6 +1057,7 @@ def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
     assert s["rows"] == len(PROMPTS) and s["startup"]["actors_ready_s"] > 0
     # what ran the forward, and why not the native kernel (a float64 model)
     assert s["this_run"]["forward"].startswith("torch ops (not the native kernel: a float64 model on cpu")
+    assert s["this_run"]["draft_forward"].startswith("torch ops (")  # (the draft's: a job never said it)
 
 
 def test_the_driver_imports_neither_torch_nor_transformers(pair_dirs, tmp_path):
