@@ -123,9 +123,13 @@ def _check_dirs(src: str, out: str) -> None:
     """Refuse an OUT that would overwrite SRC or anything already there (before any loading)."""
     from pathlib import Path
 
+    from .names import model_problem
+
     s, o = Path(src).resolve(), Path(out).resolve()
-    if not (s / "config.json").is_file():  # (transformers' own words there: "Unrecognized model ... model_type")
-        raise ValueError(f"SRC {src} is not a saved model: {'it has no config.json' if s.is_dir() else 'not a directory'}")
+    if not s.is_dir():  # (transformers' own words otherwise: "Unrecognized model ... model_type", "Error no file named")
+        raise ValueError(f"SRC {src} is not a saved model: not a directory")
+    if model_problem(str(s)):
+        raise ValueError(f"SRC {src} is not a saved model: {model_problem(str(s))}")
     if o == s or s in o.parents:
         raise ValueError(f"OUT {out} is SRC or inside it: widen writes a new model beside SRC")
     if o.exists() and (not o.is_dir() or any(o.iterdir())):

@@ -108,8 +108,11 @@ def test_the_cli_never_writes_over_the_source_or_an_existing_directory(tmp_path)
                             (tmp_path / "new", ["--layers", "0"], "must be positive")):
         res = runner.invoke(main, ["widen", str(src), str(out), "--factor", "2", *extra])
         assert res.exit_code != 0 and why in res.output, res.output
-    for bad, why in ((tmp_path / "full", "is not a saved model: it has no config.json"),
-                     (tmp_path / "none", "does not exist")):
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_bytes((src / "config.json").read_bytes())
+    for bad, why in ((tmp_path / "full", "is not a saved model: no config.json in this directory"),
+                     (tmp_path / "none", "does not exist"),  # (it said "Error: Error no file named ...": the trial)
+                     (tmp_path / "noweights", "is not a saved model: no weights in this directory")):
         res = runner.invoke(main, ["widen", str(bad), str(tmp_path / "new"), "--factor", "2"])
         assert res.exit_code != 0 and why in res.output, res.output
     assert {f.name: f.read_bytes() for f in src.iterdir()} == before
