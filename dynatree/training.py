@@ -228,8 +228,9 @@ def train_pair(source: str, column: str, out_dir: str | Path, cfg: TrainConfig =
         kept.append(t[:cfg.max_chars - total])  # the last document cut to the cap
         total += len(kept[-1])
     held, train = split_heldout(kept, cfg.heldout_fraction)
-    log(f"corpus: {len(train)} training document{'s' * (len(train) != 1)} ({total / 1e6:.1f}M chars), {len(held)} held out "
-        f"({sum(map(len, held)) / max(total, 1):.1%} of the characters)")
+    # (one document is split, not two: "1 training document, 1 held out" read as two: the own-models trial)
+    log(f"corpus: {len(kept)} document{'s' * (len(kept) != 1)} ({total / 1e6:.1f}M chars); "
+        f"{sum(map(len, held)) / max(total, 1):.1%} of the characters held out to measure loss and agreement")
 
     t0 = time.perf_counter()
     tokenizer = train_bpe_tokenizer(train, cfg.vocab_size)
