@@ -790,8 +790,8 @@ def test_check_summary_counts_matches_and_averages_tokens_per_second():
                 "first_divergence": None if match is not False else 3, "divergence_margin": None}
     rows = [row("ar", 0, 10.0, None), row("ar", 1, 20.0, None), row("dyn", 0, 30.0, True, 2.0),
             row("dyn", 1, 60.0, False, 3.0)]
-    assert _check_summary("p", rows, [4, 7]) == [("p", "ar", 2, "ref", 15.0, None, []),
-                                                 ("p", "dyn", 2, 1, 45.0, 2.5, [(7, 3, None)])]
+    assert _check_summary("p", rows, [4, 7]) == [("p", "ar", 2, "ref", 15.0, None, [], None),
+                                                 ("p", "dyn", 2, 1, 45.0, 2.5, [(7, 3, None)], None)]
 
 
 def test_check_keeps_an_ar_under_a_label_of_its_own(pair_dirs, tmp_path):

@@ -217,9 +217,10 @@ def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair
     up.  (The first actors keep a generous --ready-timeout-s: on a loaded host they took over 8 s to load.)"""
     from dynatree.jobs import driver
 
-    texts = PROMPTS * 6  # shards enough that the job outlasts the replacement's deadline
-    write_input(tmp_path, texts)
-    faults(monkeypatch, die_once_on_shard="part-000001", never_ready_after_death=True)
+    texts = PROMPTS * 6
+    write_input(tmp_path, texts)  # (a late shard stalls: the job outlasts the replacement's deadline, loaded or not)
+    faults(monkeypatch, die_once_on_shard="part-000001", never_ready_after_death=True, stall_on_shard="part-000010",
+           stall_s=4.0)
     monkeypatch.setattr(driver, "REPLACE_MIN_S", 1.0)
     monkeypatch.setattr(driver, "REPLACE_FACTOR", 0.0)
     said = []
