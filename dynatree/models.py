@@ -633,7 +633,8 @@ class ModelPair:
         text's last tokens -- a long text's tokenized from its end (_encode_tail)."""
         if self.tokenizer is None:
             raise PairError(f"this pair has no tokenizer (none was given, or the target's directory has none of "
-                            f"{', '.join(TOKENIZER_FILES)}); pass token ids")
+                            f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer files into the target's directory "
+                            "(the draft's, where it has them: the two share one), or, in Python, pass token ids")
         if not isinstance(text, str):
             raise PairError(f"a prompt must be text (str), not {type(text).__name__}")
         try:
