@@ -167,7 +167,7 @@ def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(PairError, match=f"target {tmp_path / 'nope'}: no such file or directory"):
         load_pair(tmp_path / "nope", tmp_path / "nope2", device="cpu")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PairError, match="cannot load"):
+    with pytest.raises(PairError, match="empty: no config.json in this directory"):
         load_pair(tmp_path / "empty", tmp_path / "empty", device="cpu")
 
 
@@ -594,9 +594,10 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert len(notes) == 2 and "skipping dynatree" in notes[0] and "skipping the --grid" in notes[1]
     peers = bench.BenchSpec(("x",), tuple(bench.parse_methods("hf_assisted,dynatree")))  # a peer decodes on its own
     assert [m.label for m in bench._decodable(bloom, peers, notes.append).methods] == ["ar", "hf_assisted"]
-    bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
-    with pytest.raises(ContextError, match=r"context \(shorten it\)$"):  # no cache window to suggest: none runs
-        decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)
+    with pytest.warns(UserWarning, match=r"the draft's context \(128 tokens\) is shorter than the target's \(unbounded\)"):
+        bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
+    with pytest.raises(ContextError, match=r"128-token context \(the draft's: the target's is unbounded.*\) \(shorten it\)$"):
+        decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)  # (no cache window to suggest: none runs)
     ref = decode(bloom_gpt2, prompts[0], make_config("ar"), max_new_tokens=12, ignore_eos=True)[0]
     # dynatree's defaults: the budget's profile times chains on such a target, never a tree's mask
     assert decode(bloom_gpt2, prompts[0], make_config("dynatree"), max_new_tokens=12, ignore_eos=True)[0] == ref
