@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 # (here, not in models.py, so that the job driver, which imports no torch, says the same)
 SLOW_ON_CPU = {  # a model's dtype -> why it is slow on a CPU (a warning where it is asked for or found)
-    "float16": "dtype float16 on a CPU runs torch's slow float16 kernels (~18x slower than float32, measured "
-               "on a 2-core EPYC, and never the native kernel): use float32 on CPUs",
-    "bfloat16": "dtype bfloat16 on a CPU runs torch's bfloat16 ops, never the native kernel (5.4x slower than "
-                "float32 on the demo pair, Intel Emerald Rapids; transformers loads a checkpoint in the dtype it "
+    "float16": "dtype float16 on a CPU runs torch's slow float16 kernels, never the native kernel (6-11x slower "
+               "than float32 on this project's 2-core Intel host, ~18x on its AMD EPYC): use float32 on CPUs",
+    "bfloat16": "dtype bfloat16 on a CPU runs torch's bfloat16 ops, never the native kernel (6-9x slower than "
+                "float32 on this project's 2-core Intel host; transformers loads a checkpoint in the dtype it "
                 "was saved in unless given dtype=torch.float32): use float32 on CPUs, or the kernel lean-bf16 for "
                 "bfloat16 products on float32 weights",
 }
