@@ -407,8 +407,7 @@ class ModelPair:
         """The context a sequence is held to, said with whose it is: a draft with fewer positions
         than the target caps the pair (the messages blamed the target's: the own-models trial)."""
         if self.target_context > self.max_context:
-            theirs = "unbounded" if self.target_context >= 1 << 30 else str(self.target_context)  # (names.context_len)
-            return (f"the {self.max_context}-token context (the draft's: the target's is {theirs}, "
+            return (f"the {self.max_context}-token context (the draft's: the target's is {_positions(self.target_context)}, "
                     "and ar without the draft is not held to it)")
         return f"the {self.max_context}-token context"
 
@@ -752,6 +751,11 @@ def _context_len(model) -> int:
     return context_len(model.config)
 
 
+def _positions(n: int) -> str:
+    """A context said for a message: names.context_len's stand-in for none named is "unbounded"."""
+    return "unbounded" if n >= 1 << 30 else f"{n} tokens"
+
+
 def tokenizer_difference(a, b) -> str | None:
     """None when equal, else a one-line reason."""
     va, vb = a.get_vocab(), b.get_vocab()
@@ -820,8 +824,8 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
                 cpu_layout(m)
     ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
     if ctx < _context_len(target):  # (said once, here: every method of this pair, ar too, is held to it)
-        theirs = "unbounded" if _context_len(target) >= 1 << 30 else f"{_context_len(target)} tokens"
-        warnings.warn(f"the draft's context ({ctx} tokens) is shorter than the target's ({theirs}): "
+        warnings.warn(f"the draft's context ({ctx} tokens) is shorter than the target's "
+                      f"({_positions(_context_len(target))}): "
                       f"this pair holds every sequence to {ctx} tokens; a draft with as many positions as the target "
                       "lifts it, or a cache window (option kv_window) generates past it", stacklevel=2)
     return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, names or {}, kernel=kernel,
