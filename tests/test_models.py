@@ -1028,7 +1028,7 @@ def test_a_draft_with_a_shorter_context_is_named_as_the_limit():
     from conftest import tiny_neox
     from dynatree import generate
 
-    with pytest.warns(UserWarning, match=r"the draft's context \(16 tokens\) is shorter than the target's \(128\)"):
+    with pytest.warns(UserWarning, match=r"the draft's context \(16 tokens\) is shorter than the target's \(128 tokens\)"):
         pair = pair_from_models(tiny_neox(1), tiny_neox(2, max_pos=16), None, eos_token_id=95)
     assert pair.max_context == 16 and "the draft's: the target's is 128 tokens" in pair.context_said
     with pytest.raises(ValueError, match=r"prompt of 20 tokens leaves no room in the 16-token context \(the draft's"):
