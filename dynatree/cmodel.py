@@ -82,7 +82,8 @@ def refusal(model, shape: Shape, gemm: bool, isa: str | None = None, compute: st
     if not gemm:
         return "--kernel lean-mkl asks for torch's kernels"
     if model.device.type != "cpu" or model.dtype != torch.float32:
-        hint = "; --dtype float32 --kernel lean-bf16 computes in bfloat16 on it" if model.device.type == "cpu" else ""
+        half = model.dtype in (torch.bfloat16, torch.float16)  # (a float64 model is asked for its precision)
+        hint = "; --dtype float32 --kernel lean-bf16 computes in bfloat16 on it" if model.device.type == "cpu" and half else ""
         return f"a {str(model.dtype).replace('torch.', '')} model on {model.device} (the kernel runs float32 on a CPU{hint})"
     lib = native.library(isa)
     if lib is None:

@@ -1034,3 +1034,17 @@ def test_a_draft_with_a_shorter_context_is_named_as_the_limit():
     with pytest.raises(ValueError, match=r"prompt of 20 tokens leaves no room in the 16-token context \(the draft's"):
         generate(pair, list(range(1, 21)), "dynatree", max_new_tokens=2)
     assert pair_from_models(tiny_neox(1), None, None).context_said == "the 128-token context"
+
+
+def test_a_float64_model_is_not_pointed_at_bfloat16_compute():
+    """The forward line of a float64 model suggested --kernel lean-bf16 (bfloat16 products) to a user
+    who asked for float64's precision; a 16-bit model is pointed at it."""
+    import warnings
+
+    from conftest import tiny_neox
+
+    for dtype, hinted in ((torch.float64, False), (torch.bfloat16, True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (bfloat16 on a CPU: slow, and said so)
+            said = pair_from_models(tiny_neox(1, dtype=dtype), None).forward_in_use()
+        assert said.startswith("torch ops") and ("lean-bf16" in said) == hinted, said
