@@ -64,9 +64,9 @@ class SamplingConfig:
         if 0 < self.temperature < MIN_TEMPERATURE:  # logits / temperature would overflow float32
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.seed < 1 << 64:  # the noise keys are 64-bit (sampling._mix): larger ones would wrap
             raise ValueError(f"seed must be a whole number in [0, 2**64), got {self.seed}")
 

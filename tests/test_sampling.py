@@ -236,8 +236,8 @@ def test_seed_reproduces_and_temperature_zero_is_greedy(close_pair, method):
 
 def test_bad_sampling_options():
     for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}):
-        with pytest.raises(ValueError):
-            make_config("dynatree", bad)
+        with pytest.raises(ValueError, match=f"got {list(bad.values())[0]}"):  # (the value given, as temperature's
+            make_config("dynatree", bad)  # and seed's errors say: top_p's and top_k's did not, the sampling trial)
 
 
 @pytest.mark.parametrize("method,opts", [("linear", {"k": 3}), ("dynatree", {"hw_budget": "auto"})])
