@@ -40,8 +40,8 @@ from dynatree.config import SLOW_ON_CPU, grows_trees
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
-                   output_lock, pin_prompt_start, prepare_output, refuse_changed_input_early, start_over,
-                   write_shard)
+                   output_lock, pin_prompt_start, prepare_output, refuse_changed_input_early, shard_number,
+                   start_over, write_shard)
 from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
@@ -540,13 +540,10 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
 def _unfinished_files(out: Path, plan: Plan, done: set[int]) -> list[str]:
     """Shard files in ``out`` that finished_shards did not count (cut short, emptied, another
     job's range): their shards are decoded again and the files replaced."""
-    def number(name: str) -> int | None:
-        digits = name[len("part-"):]
-        return int(digits) if digits.isdigit() else None
-
     shards = out / "shards"
     files = shards.glob("part-*.parquet") if shards.is_dir() else []
-    return sorted(p.stem for p in files if (k := number(p.stem)) is not None and k < plan.num_shards and k not in done)
+    return sorted(p.stem for p in files if (k := shard_number(p.name)) is not None and k < plan.num_shards
+                  and k not in done)
 
 
 def _progress_of(out: Path, spec: JobSpec, plan: Plan) -> tuple[set[int], list[int]]:

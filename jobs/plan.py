@@ -593,6 +593,12 @@ def _write_manifest(out: Path, manifest: dict) -> None:
         tmp.write_text(json.dumps(manifest, indent=2, default=str))
 
 
+def shard_number(name: str) -> int | None:
+    """The shard number of a file name in shards/ (``part-000012.parquet`` or its stem), or None."""
+    digits = name.removesuffix(".parquet")[len("part-"):]
+    return int(digits) if name.startswith("part-") and digits.isdigit() else None
+
+
 def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
     """Shard numbers whose file this job wrote for exactly its planned range (footers only);
     JobError for a shard-named file someone else put there (_footers)."""
@@ -605,11 +611,8 @@ def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
         # path -- that a dry run, which rewrites no manifest, did not yet know as an alias)
     done = set()
     for name, meta in _footers(out).items():
-        try:
-            k = int(name[len("part-"):-len(".parquet")])
-        except ValueError:
-            continue
-        if meta is not None and k < plan.num_shards and meta.get("identity") in idents and \
+        k = shard_number(name)
+        if k is not None and meta is not None and k < plan.num_shards and meta.get("identity") in idents and \
                 meta.get("range") == list(plan.shard(k)[1:]):
             done.add(k)  # (anything else is redone, its file overwritten)
     return done
