@@ -34,11 +34,12 @@ import operator
 import os
 import re
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
-from dynatree.config import METHODS, close_names
+from dynatree.config import METHODS, close_names, unused_sampling
 from dynatree.data import id_strings
 from dynatree.jobs.spec import JobSpec, SpecError, build_spec
 from dynatree.metrics import output_schema
@@ -98,6 +99,8 @@ def check(**options) -> JobSpec:
         _check_device(spec)
     except JobError as e:
         raise JobError(stage_names(str(e))) from e
+    if note := unused_sampling(spec.method_config):  # (here once, not in every actor)
+        warnings.warn(stage_names(note), stacklevel=2)
     return spec
 
 

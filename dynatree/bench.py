@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
-from .config import METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label
+from .config import (METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label,
+                     unused_sampling_notes)
 from .engine import decode
 from .machine import ensure_writable, versions
 from .metrics import Metrics, defined_mean, release_freed_memory, rss_bytes
@@ -548,6 +549,8 @@ def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
     cfgs = {m.label: ARConfig() if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     pair.need_draft([m.label for m in spec.methods if m.method in HF_DRAFTED or make_policy(cfgs[m.label]).needs_draft])
     ok = pair.decodable(cfgs, log)
+    for note in unused_sampling_notes({m.label: cfgs[m.label] for m in spec.methods if m.method not in HF_METHODS}):
+        log(f"note: {note}")
     grid, problem = spec.grid, spec.grid and pair.method_problem(make_config("fixed_tree"))
     if problem:
         log(f"note: skipping the --grid (fixed trees): {problem}")

@@ -286,7 +286,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .actors.worker import prompt_ids
     from .check import all_windowed, check_methods, prompt_budget
     from .data import InputError, read_texts
-    from .config import ARConfig, make_config, reference_label
+    from .config import ARConfig, make_config, reference_label, unused_sampling_notes
     from .metrics import freeze_heap
     from .models import PairError, load_pair
     from .policies import make_policy
@@ -295,6 +295,8 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     try:
         from .bench import parse_methods
         cfgs = {m.label: make_config(m.method, m.options) for m in parse_methods(methods, options)}
+        for note in unused_sampling_notes(cfgs):
+            click.echo(f"note: {note}", err=True)
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)

@@ -490,6 +490,29 @@ def draws_differ(cfg) -> bool:
     return cfg.temperature > 0 and cfg.top_k != 1
 
 
+def unused_sampling(cfg, label: str = "") -> str | None:
+    """What to tell a user who set top_k, top_p or seed on a greedy config (temperature 0), where
+    they change nothing (a user's run with ``top_p=0.9`` alone read as nucleus sampling); else None.
+    ``label``: the method's name in a bench or check of several."""
+    if getattr(cfg, "temperature", 0) != 0:
+        return None
+    set_ = [f"{k}={getattr(cfg, k)}" for k in SAMPLING_FIELDS[1:] if getattr(cfg, k) != _DEFAULTS[k]]
+    if not set_:
+        return None
+    return (f"{label + ': ' if label else ''}{', '.join(set_)} change{'s' if len(set_) == 1 else ''} nothing at "
+            "temperature 0 (greedy decoding); sampling needs a temperature above 0 (e.g. temperature=0.8)")
+
+
+def unused_sampling_notes(cfgs: dict) -> list[str]:
+    """unused_sampling for the labelled configs of a bench or check, one note per distinct setting
+    naming its methods (an --option given to all of them is said once)."""
+    said: dict[str, list[str]] = {}
+    for label, cfg in cfgs.items():
+        if cfg is not None and (note := unused_sampling(cfg)):
+            said.setdefault(note, []).append(label)
+    return [f"{', '.join(labels)}: {note}" for note, labels in said.items()]
+
+
 def check_samples(cfg, samples) -> int:
     """``samples`` draws per prompt under ``cfg`` (a job's --samples, generate_batch's samples): a
     whole number >= 1, and above 1 only when sampling draws differ (ValueError otherwise)."""

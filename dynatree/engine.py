@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import numbers
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window,
-                     check_windows, draws_differ, make_config)
+                     check_windows, draws_differ, make_config, unused_sampling)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -789,6 +790,8 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
+    if note := unused_sampling(cfg):
+        warnings.warn(note, stacklevel=2)
     cfgs = _draws_of(cfg, len(ids), samples)
     ids = [p for p in ids for _ in range(int(samples))]
     return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(c))

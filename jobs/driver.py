@@ -36,7 +36,7 @@ from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
                             model_problem, no_tree_mask)
 from dynatree.metrics import output_schema
-from dynatree.config import SLOW_ON_CPU, grows_trees
+from dynatree.config import SLOW_ON_CPU, grows_trees, unused_sampling
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
@@ -465,6 +465,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = 
     ``dry_run``: every check a run makes before it starts Ray, nothing written; returns the plan."""
     t_start = time.time()
     _warn_if_submitted_relative(spec, log)
+    if note := unused_sampling(spec.method_config):
+        log(f"note: {note}")
     _check_output_outside_input(spec)
     refuse_changed_input_early(spec)  # (before a scan that would only find it again)
     if (n := jsonl_bytes(spec.input)) >= LONG_SCAN_BYTES:  # (minutes of silence read as a hang: the corpus trial)

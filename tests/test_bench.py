@@ -821,3 +821,30 @@ def test_profile_times_a_prefill_the_context_holds(pair_dirs):
     assert res.exit_code == 0, res.output
     assert "--prefill 128: the models' context is 128 tokens; timing a prefill of 127" in res.output
     assert "target prefill of 127 tokens" in res.output
+
+
+def test_commands_say_sampling_options_change_nothing_at_temperature_zero(pair_dirs, tmp_path):
+    """generate, check, bench and a job's driver each say it once (not per method or actor)."""
+    from dynatree.jobs.driver import run_job
+    from dynatree.jobs.spec import build_spec
+
+    pair = ["--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu",
+            "--dtype", "float64"]
+    said = "top_p=0.9 changes nothing at temperature 0 (greedy decoding)"
+    with pytest.warns(UserWarning, match=re.escape(said)) as warned:  # (printed as "warning: ..." by the command: cli.main)
+        res = CliRunner().invoke(main, ["generate", *pair, "--prompt", "hi", "--max-new-tokens", "2", "--option",
+                                        "top_p=0.9"])
+    assert res.exit_code == 0 and len(warned) == 1, res.output
+    args = bench_args(pair_dirs, tmp_path, 2, 2)
+    res = CliRunner().invoke(main, args + ["--methods", "ar,linear", "--option", "top_p=0.9", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0 and res.output.count(f"note: ar, linear: {said}") == 1, res.output
+    res = CliRunner().invoke(main, ["check", *pair, "--prompts", str(tmp_path / "prompts.parquet"), "--limit", "1",
+                                    "--methods", "linear", "--option", "top_p=0.9", "--max-new-tokens", "2"])
+    assert res.exit_code == 0 and res.output.count(f"note: ar, linear: {said}") == 1, res.output
+    pq.write_table(pa.table({"text": TEXTS[:2]}), tmp_path / "in.parquet")
+    logged = []
+    run_job(build_spec(None, input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"), method="linear",
+                       target=str(pair_dirs / "target"), draft=str(pair_dirs / "draft"), device="cpu",
+                       dtype="float64", max_new_tokens=4, options={"top_p": "0.9"}), progress=False, log=logged.append,
+            dry_run=True)
+    assert f"note: {said}; sampling needs a temperature above 0 (e.g. temperature=0.8)" in logged, logged

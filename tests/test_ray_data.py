@@ -98,6 +98,8 @@ def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
     # options as a job file takes them: KEY=VALUE strings (one, or a list)
     assert check(**options(pair_dirs, options=["tau=0.05", "d_max=6"])).options == {"tau": 0.05, "d_max": 6}
     assert check(**options(pair_dirs, options="tau=0.05")).options == {"tau": 0.05}
+    with pytest.warns(UserWarning, match=r"^top_k=4 changes nothing at temperature 0 \(greedy"):  # (said once, here)
+        check(**options(pair_dirs, options={"top_k": 4}))
     with pytest.raises(SpecError, match="one KEY=VALUE per string; several as a list"):
         check(**options(pair_dirs, options="tau=0.05,d_max=6"))
     with pytest.raises(SpecError, match="options must be a mapping KEY: VALUE .* or a list of KEY=VALUE strings"):

@@ -240,6 +240,29 @@ def test_bad_sampling_options():
             make_config("dynatree", bad)  # and seed's errors say: top_p's and top_k's did not, the sampling trial)
 
 
+def test_sampling_options_at_temperature_zero_are_said_to_change_nothing(close_pair):
+    """top_p=0.9 alone read as nucleus sampling to a user, and greedy decoding ran without a word."""
+    from dynatree.config import unused_sampling, unused_sampling_notes
+    from dynatree.engine import generate_batch
+
+    cfg = make_config("dynatree", {"top_p": 0.9, "seed": 3})
+    assert unused_sampling(cfg) == ("top_p=0.9, seed=3 change nothing at temperature 0 (greedy decoding); "
+                                    "sampling needs a temperature above 0 (e.g. temperature=0.8)")
+    assert unused_sampling(make_config("ar", {"top_k": 5})).startswith("top_k=5 changes nothing")
+    assert unused_sampling(make_config("dynatree", {"top_p": 0.9, "temperature": 0.5})) is None
+    assert unused_sampling(make_config("dynatree")) is None
+    notes = unused_sampling_notes({"ar": make_config("ar", {"top_p": 0.9}), "dynatree": cfg,
+                                   "linear": make_config("linear", {"top_p": 0.9}), "d2": make_config("dynatree")})
+    assert notes == ["ar, linear: top_p=0.9 changes nothing at temperature 0 (greedy decoding); sampling needs a "
+                     "temperature above 0 (e.g. temperature=0.8)", "dynatree: " + unused_sampling(cfg)]
+    with pytest.warns(UserWarning, match="top_p=0.9, seed=3 change nothing at temperature 0"):
+        generate_batch(close_pair, [[5, 6, 7]], "dynatree", {"top_p": 0.9, "seed": 3}, max_new_tokens=2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sampling as asked: nothing said
+        generate_batch(close_pair, [[5, 6, 7]], "dynatree", {"top_p": 0.9, "temperature": 0.7}, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("method,opts", [("linear", {"k": 3}), ("dynatree", {"hw_budget": "auto"})])
 def test_matches_target_distribution_on_the_native_kernel(method, opts):
     """The same test on a float32 pair that runs the C kernels (head width 16), budget included."""
