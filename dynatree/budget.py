@@ -494,8 +494,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
         return pair.state[key]
     # a context too short for the largest forwards: the sizes that fit (the model extrapolates)
     sizes = tuple(n for n in sizes if n + 1 < pair.max_context) or (1, 2)  # (two points: a slope)
-    widths = tuple(n for n in widths if n + 1 < pair.max_context) or (1, 2)
-    prefix_len = max(0, min(prefix_len, pair.max_context - max(sizes) - 1))
+    widths = tuple(n for n in widths if n + 1 < pair.context_of("draft")) or (1, 2)
+    prefix_len = _within(pair, "target", prefix_len, sizes)
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
     # (kv_dtype joins the key only when set, so profiles saved before it existed stay valid)
@@ -509,7 +509,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if tables is None:
         target = pair.runner("target")
         tables = {"verify_ms": _profile_model(target, prefix_len, sizes, repeats, kv_dtype),
-                  "draft_ms": (_profile_model(pair.runner("draft"), prefix_len, widths, repeats, kv_dtype)
+                  "draft_ms": (_profile_model(pair.runner("draft"), _within(pair, "draft", prefix_len, widths),
+                                              widths, repeats, kv_dtype)
                                if pair.draft is not None else {w: 0.0 for w in widths}),  # (ar alone: free)
                   "long_ms": _profile_model(target, long_at, sizes, repeats, kv_dtype) if long_at else None}
         if path:
@@ -519,6 +520,12 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     lm.overhead_ms = 0.1 * lm.verify(1)  # a start; observe_overhead learns it within ~20 iterations
     pair.state[key] = lm
     return lm
+
+
+def _within(pair, which: str, prefix_len: int, sizes) -> int:
+    """``prefix_len`` lowered so that its largest forward stays inside the model's positions (a draft
+    shorter than its target: ModelPair.draft_positions)."""
+    return max(0, min(prefix_len, pair.context_of(which) - max(sizes) - 1))
 
 
 def _disk_path(pair, params) -> Path | None:

@@ -65,11 +65,17 @@ class Drafter:
     packed draft forward (:func:`drive`); :func:`run` drives one sequence alone."""
 
     def __init__(self, model, vocab: int, capacity: int, sampler=None, window=None, kv_dtype: str = "model",
-                 context: int = 0):
+                 context: int = 0, positions: int = 0):
         self.model, self.device = model, model.device
         self.sampler = sampler
         self.window = window  # kvcache.Window (StreamingLLM) or None
         self.context = context  # config.SpecConfig.draft_context: 0, or the most tokens a (re)start feeds
+        # the draft's own positions where the text may outgrow them (a draft with a shorter context than
+        # its target: ModelPair.draft_positions), else 0.  The draft then restarts on the text's latest
+        # tokens before a root would leave a tree less than a quarter of them: its positions count from
+        # the restart, so they stay inside its table while the target reads the whole text.
+        self.positions = positions
+        self.text: list[int] = []  # with positions: the committed tokens in the cache, in order (the latest)
         self.restarts = 0
         self.vocab = vocab
         self.cache = new_cache(model, capacity, kv_dtype)
@@ -103,7 +109,43 @@ class Drafter:
         out = yield DraftCall(Seq(long_tensor(tokens, self.device), self.cache, keep=1, perturb=perturb), k)
         self.forwards += 1
         self.fed_tokens += len(tokens)
+        self._cached(tokens)
         return out
+
+    def _cached(self, tokens: list[int]) -> None:
+        """Committed ``tokens`` now in the cache: the text a restart within the positions reads."""
+        if self.positions:
+            self.text += tokens
+            if len(self.text) > 2 * self.positions:  # (a restart reads at most half of them)
+                del self.text[:-self.positions]
+
+    def skip(self, n: int) -> None:
+        """The first ``n`` pending tokens are in the cache already (prefix caching copied them)."""
+        self._cached(self.pending[:n])
+        self.pending = self.pending[n:]
+
+    def _restart_keep(self) -> int:
+        """The committed tokens a restart feeds before its root: the draft_context, and within its
+        positions at most half of them (the other half is the trees' room)."""
+        return min(self.context or self.positions, self.positions // 2) if self.positions else self.context
+
+    def holds(self, n: int) -> bool:
+        """Whether ``n`` tokens (the root last) leave the trees after them a quarter of the draft's
+        positions (always, where the draft has as many as the text may need)."""
+        return not self.positions or n + self.positions // 4 <= self.positions
+
+    def outgrows(self, n: int) -> bool:
+        """Whether feeding ``n`` more tokens would pass :meth:`holds` (a restart is due first)."""
+        return not self.holds(self.cache.length + n)
+
+    def depth_room(self, max_depth: int) -> int:
+        """``max_depth`` capped so that no tree node after the next root passes the draft's
+        positions (the root where root() puts it: after a restart, if it must make one)."""
+        if not self.positions:
+            return max_depth
+        root_pos = self._restart_keep() if self.outgrows(len(self.pending)) else \
+            self.cache.length + len(self.pending) - 1
+        return min(max_depth, self.positions - 1 - root_pos)
 
     def prefill(self):
         """Feed the queued tokens before the root the way the target cached them, leaving the root
@@ -113,12 +155,15 @@ class Drafter:
         tokens go in the pieces the target's prefill uses, evicting between them, so the draft
         keeps the same sinks and recent tokens as the target.  A generator (see the class)."""
         todo, self.pending = self.pending[:-1], self.pending[-1:]
-        if self.context and len(todo) > self.context:
+        if (self.context and len(todo) > self.context) or self.outgrows(len(todo) + 1):
             # catching up would feed len(todo) tokens; a restart on the latest `context` costs fewer,
-            # and a draft reads little context (the README's *Draft context*)
+            # and a draft reads little context (the README's *Draft context*); or the text outgrew
+            # the draft's positions
+            text = self.text + todo  # (with positions: the cached text, then what is queued)
             self.cache.shared = None  # (dropped, not copied in: nothing of it is kept)
             self.cache.truncate(0)
-            todo = todo[-self.context:]
+            self.text = []
+            todo = (text if self.positions else todo)[-self._restart_keep():]
             self.restarts += 1
         while todo:
             if self.window is not None and self.cache.length >= self.window.size:
@@ -150,6 +195,8 @@ class Drafter:
                 # would disagree with its target.  So cache them first (once per evicted chunk).
                 yield from self.prefill()
             self._make_room()
+        elif self.outgrows(len(self.pending)):
+            yield from self.prefill()  # (a restart: the text outgrew the draft's positions)
         out = yield from self._feed(self.pending, min(k, self.vocab), head(self.sampler, [0]))
         vals, idx = self._proposals(out, min(k, self.vocab))
         self.pending = []
@@ -215,6 +262,7 @@ class Drafter:
                 break
             fed.append(self.slot[u])
         self.cache.keep(self.base, fed)
+        self._cached(committed[:len(fed)])
         self.pending = list(committed[len(fed):])
         self._reset_tree()
         self.seconds += time.perf_counter() - t0

@@ -230,10 +230,10 @@ def window_options(pair, cfg) -> str | None:
     the context, its eviction at most a quarter of that ("kv_window=512", "kv_window=32
     kv_evict=8") -- where that passes the checks a windowed run makes (config.check_windows with
     ModelPair.windows: it fits the context, and the models the method runs take one); else None."""
-    size = pair.max_context // 2
+    size = pair.window_context // 2
     evict = min(ARConfig.kv_evict, size // 4)
     try:
-        check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, pair.max_context, pair.windows)
+        check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, pair.window_context, pair.windows)
     except ValueError:
         return None
     return f"kv_window={size}" + (f" kv_evict={evict}" if evict != ARConfig.kv_evict else "")
@@ -334,7 +334,7 @@ class BatchDecoder:
         problem = self.pair.method_problem(cfg)
         if problem:
             raise ValueError(problem)
-        check_window(cfg, self.pair.max_context)
+        check_window(cfg, self.pair.window_context)
         prompt_ids = self._prompt(prompt_ids, cfg)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if not isinstance(ignore_eos, bool):  # ("no" is truthy: it would ignore EOS)
@@ -448,8 +448,10 @@ class BatchDecoder:
             self.tokens += 1
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft and r.reason is None:
-                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler,
-                                    self.pair.window(r.cfg, "draft"), r.cfg.kv_dtype, r.cfg.draft_context)
+                window = self.pair.window(r.cfg, "draft")
+                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler, window,
+                                    r.cfg.kv_dtype, r.cfg.draft_context,
+                                    0 if window is not None else self.pair.draft_positions)
                 try:
                     r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
                 except DraftVocabError:
@@ -477,7 +479,7 @@ class BatchDecoder:
         if not fresh:
             return
         for r, held in zip(fresh, self._prefixes(fresh, "draft")[0]):
-            r.drafter.pending = r.drafter.pending[held:]  # what prefix caching gave needs no feeding
+            r.drafter.skip(held)  # what prefix caching gave needs no feeding
         drive([(r.drafter, r.drafter.prefill()) for r in fresh])
         self._prefixes(fresh, "draft", after=True)
         for r, tokens in zip(fresh, later):
@@ -572,7 +574,8 @@ class BatchDecoder:
                 s.chain, s.match = r.index.propose(min(r.lookup, max_depth))
                 hint = r.lookup_stats.values(s.match, len(s.chain))
             if r.drafter is not None and not skip:
-                jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], max_depth, hint, batch)))
+                jobs.append((r.drafter, r.policy.grow(r.drafter, r.out[-1], r.drafter.depth_room(max_depth), hint,
+                                                      batch)))
             steps.append(s)
         t_drive = time.perf_counter()
         trees = iter(drive(jobs))
@@ -627,8 +630,9 @@ class BatchDecoder:
 
 
 def _bounded(r: _Row) -> bool:
-    """Whether the row's draft reads less than its whole prompt (SpecConfig.draft_context)."""
-    return 0 < r.drafter.context < len(r.prompt)
+    """Whether the row's draft reads less than its whole prompt (SpecConfig.draft_context, or a
+    prompt its positions cannot hold with room for trees: Drafter.positions)."""
+    return 0 < r.drafter.context < len(r.prompt) or not r.drafter.holds(len(r.prompt) + 1)
 
 
 def _catch_up(rows: list[_Row]) -> None:

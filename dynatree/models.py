@@ -400,16 +400,23 @@ class ModelPair:
     # logit columns the target scores (0: vocab): its argmax may pick an id the draft cannot read,
     # which a prompt may then hold; a drafter meeting one retires (drafting.DraftVocabError)
     target_vocab: int = 0
-    target_context: int = 0  # the target's own context (0: max_context), where a shorter draft's caps the pair
+    # the draft's context where it is shorter than the target's (else 0): the draft restarts on the
+    # text's latest tokens within it (drafting.Drafter.positions) while the target reads the whole text
+    draft_positions: int = 0
 
     @property
     def context_said(self) -> str:
-        """The context a sequence is held to, said with whose it is: a draft with fewer positions
-        than the target caps the pair (the messages blamed the target's: the own-models trial)."""
-        if self.target_context > self.max_context:
-            return (f"the {self.max_context}-token context (the draft's: the target's is {_positions(self.target_context)}, "
-                    "and ar without the draft is not held to it)")
+        """The context a sequence is held to (the target's)."""
         return f"the {self.max_context}-token context"
+
+    def context_of(self, which: str) -> int:
+        """The positions of the ``"target"`` (the pair's context) or the ``"draft"``."""
+        return self.draft_positions or self.max_context if which == "draft" else self.max_context
+
+    @property
+    def window_context(self) -> int:
+        """The context a cache window must fit: both models keep one (a draft's window does not restart)."""
+        return self.context_of("draft")
 
     @property
     def id_limit(self) -> int:
@@ -599,7 +606,7 @@ class ModelPair:
         (method_problem); a ValueError naming the label otherwise."""
         from .config import check_windows
 
-        check_windows(cfgs, self.max_context, self.windows)
+        check_windows(cfgs, self.window_context, self.windows)
         for label, cfg in cfgs.items():
             problem = self.method_problem(cfg)
             if problem:
@@ -751,11 +758,6 @@ def _context_len(model) -> int:
     return context_len(model.config)
 
 
-def _positions(n: int) -> str:
-    """A context said for a message: names.context_len's stand-in for none named is "unbounded"."""
-    return "unbounded" if n >= 1 << 30 else f"{n} tokens"
-
-
 def tokenizer_difference(a, b) -> str | None:
     """None when equal, else a one-line reason."""
     va, vb = a.get_vocab(), b.get_vocab()
@@ -822,14 +824,10 @@ def pair_from_models(target, draft, tokenizer=None, *, draft_tokenizer=None,
         for m in (target, draft):
             if m is not None:
                 cpu_layout(m)
-    ctx = _context_len(target) if draft is None else min(_context_len(target), _context_len(draft))
-    if ctx < _context_len(target):  # (said once, here: every method of this pair, ar too, is held to it)
-        warnings.warn(f"the draft's context ({ctx} tokens) is shorter than the target's "
-                      f"({_positions(_context_len(target))}): "
-                      f"this pair holds every sequence to {ctx} tokens; a draft with as many positions as the target "
-                      "lifts it, or a cache window (option kv_window) generates past it", stacklevel=2)
+    ctx = _context_len(target)
+    shorter = _context_len(draft) if draft is not None and _context_len(draft) < ctx else 0
     return ModelPair(target, draft, tokenizer, p.device, p.dtype, vocab, ctx, names or {}, kernel=kernel,
-                     eos_token_ids=eos_ids, target_vocab=wt, target_context=_context_len(target))
+                     eos_token_ids=eos_ids, target_vocab=wt, draft_positions=shorter)
 
 
 def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:

@@ -184,9 +184,10 @@ def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, r
     from . import kbuild
     models = [("target", [n for n in (1, 4, 16, 64) if n + 1 < pair.max_context], prefill)]
     if pair.draft is not None and getattr(pair.runner("draft"), "native", False):
-        models.append(("draft", [n for n in (1, 4, 16) if n + 1 < pair.max_context], 0))
+        models.append(("draft", [n for n in (1, 4, 16) if n + 1 < pair.context_of("draft")], 0))
     for name, sizes, pre in models:
-        _mkl_rounds(pair.runner(name), name, sizes, pre, prefix, repeats, kv_dtype, rounds)
+        _mkl_rounds(pair.runner(name), name, sizes, pre, budget._within(pair, name, prefix, sizes), repeats,
+                    kv_dtype, rounds)
     if pair.kernel == "lean-bf16":
         click.echo("note: the native times above compute in bfloat16 (--kernel lean-bf16), lean-mkl's in float32")
     held = _mkl_held_to(kbuild.variant())

@@ -337,16 +337,16 @@ def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:
     return Path(spec.target).expanduser(), Path(draft).expanduser() if draft else None
 
 
-def _context(dirs: list[Path]) -> int | None:
-    """The smallest context of the models' config.json files (names.model_config; None: none to read)."""
-    configs = [c for c in map(model_config, dirs) if c is not None]
-    return min((context_len(c) for c in configs), default=None)
+def _context(model_dir: Path) -> int | None:
+    """A model's context from its config.json (names.model_config; None: none to read)."""
+    config = model_config(model_dir)
+    return context_len(config) if config is not None else None
 
 
 def _footprint(spec: JobSpec) -> footprint.Footprint | None:
     """A CPU actor's memory for this job, where every model it loads is a local checkpoint."""
     dirs = [p for p in _model_dirs(spec) if p is not None]
-    return footprint.estimate(spec, dirs, _context(dirs)) if all(p.is_dir() for p in dirs) else None
+    return footprint.estimate(spec, dirs, _context(dirs[0])) if all(p.is_dir() for p in dirs) else None
 
 
 def _has_chat_template(model_dir: Path) -> bool:
@@ -377,16 +377,14 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     from dynatree.config import ContextError, check_window
 
     cfg = spec.method_config
-    ctx = _context(dirs)
+    ctx = _context(dirs[0])  # (the target's: a draft with fewer positions restarts within them, Drafter.positions)
     if ctx is None:
         return
-    target = _context(dirs[:1])
-    whose = f"the draft's (the target's is {target})" if target and target > ctx else "the models'"
     if not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
-        raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in {whose} "
+        raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in the target's "
                        f"{ctx}-token context (or generate past it with a cache window: --option kv_window=...)")
-    try:
-        check_window(cfg, ctx)
+    try:  # (a window both models keep: the shorter context must hold it)
+        check_window(cfg, min(filter(None, map(_context, dirs))))
     except ContextError as e:
         raise JobError(str(e)) from None
     if getattr(cfg, "kv_window", 0):

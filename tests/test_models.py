@@ -594,13 +594,15 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     assert len(notes) == 2 and "skipping dynatree" in notes[0] and "skipping the --grid" in notes[1]
     peers = bench.BenchSpec(("x",), tuple(bench.parse_methods("hf_assisted,dynatree")))  # a peer decodes on its own
     assert [m.label for m in bench._decodable(bloom, peers, notes.append).methods] == ["ar", "hf_assisted"]
-    with pytest.warns(UserWarning, match=r"the draft's context \(128 tokens\) is shorter than the target's \(unbounded\)"):
-        bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
-    with pytest.raises(ContextError, match=r"128-token context \(the draft's: the target's is unbounded.*\) \(shorten it\)$"):
-        decode(bloom_gpt2, [5] * 128, make_config("ar"), max_new_tokens=4)  # (no cache window to suggest: none runs)
-    ref = decode(bloom_gpt2, prompts[0], make_config("ar"), max_new_tokens=12, ignore_eos=True)[0]
-    # dynatree's defaults: the budget's profile times chains on such a target, never a tree's mask
-    assert decode(bloom_gpt2, prompts[0], make_config("dynatree"), max_new_tokens=12, ignore_eos=True)[0] == ref
+    # a GPT-2 draft (128 learned positions: one past them is an IndexError) beside an unbounded target
+    # (ALiBi): the pair is not held to 128 tokens, the draft restarts within its positions
+    bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
+    assert bloom_gpt2.max_context > 1 << 20 and bloom_gpt2.draft_positions == 128
+    long = (prompts[0] * 40)[:150]
+    for p in (prompts[0], long):  # (dynatree's defaults: the budget's profile times chains on such a target)
+        ref = decode(bloom_gpt2, p, make_config("ar"), max_new_tokens=60, ignore_eos=True)[0]
+        for cfg in (make_config("dynatree", {"hw_budget": "off"}), make_config("linear", {"draft_context": 0})):
+            assert decode(bloom_gpt2, p, cfg, max_new_tokens=60, ignore_eos=True)[0] == ref
     with pytest.raises(ValueError, match="the draft model cannot expand token trees.*use method linear"):
         decode(bloom, prompts[0], make_config("dynatree"), max_new_tokens=4)
     assert "cannot expand token trees" in bloom.method_problem(make_config("fixed_tree"))  # (check, bench, jobs)
@@ -1022,17 +1024,39 @@ def test_device_and_dtype_objects_are_checked_as_their_names_and_before_any_load
             load_pair(pair_dirs / "target", pair_dirs / "draft", device="cpu", **kw)
 
 
-def test_a_draft_with_a_shorter_context_is_named_as_the_limit():
-    """A draft of 64 positions beside a target of 1024 held the pair to 64 tokens, and the messages
-    blamed the target's context (the own-models trial): loading says so, and so do the refusals."""
-    from conftest import tiny_neox
-    from dynatree import generate
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # (float32: the native kernel's rotary table)
+def test_a_draft_with_a_shorter_context_restarts_within_it(dtype):
+    """A draft of 16 positions beside a target of 128 held the pair to 16 tokens (every method, ar too):
+    now the target reads the whole text and the draft restarts on its latest tokens, its positions
+    (a table of 16 rows on the native kernel) never passed; outputs stay ar's at every batch size."""
+    from conftest import noisy_copy, tiny_neox
+    from dynatree import generate_batch
+    from dynatree.drafting import Drafter
 
-    with pytest.warns(UserWarning, match=r"the draft's context \(16 tokens\) is shorter than the target's \(128 tokens\)"):
-        pair = pair_from_models(tiny_neox(1), tiny_neox(2, max_pos=16), None, eos_token_id=95)
-    assert pair.max_context == 16 and "the draft's: the target's is 128 tokens" in pair.context_said
-    with pytest.raises(ValueError, match=r"prompt of 20 tokens leaves no room in the 16-token context \(the draft's"):
-        generate(pair, list(range(1, 21)), "dynatree", max_new_tokens=2)
+    target = tiny_neox(1, dtype=dtype)
+    draft = noisy_copy(target, 3, 0.1)  # (proposals the target often takes)
+    draft.config.max_position_embeddings = 16
+    pair = pair_from_models(target, draft, None, eos_token_id=None)
+    assert (pair.max_context, pair.draft_positions, pair.window_context) == (128, 16, 16)
+    seen = []
+    real = Drafter.expand
+
+    def expand(self, tree, nodes, k):  # every node's position inside the draft's 16
+        seen.extend(self.root_pos + tree.depths[u] for u in nodes)
+        return (yield from real(self, tree, nodes, k))
+
+    prompts = [list(range(1, 21)), [7, 8, 9], list(range(30, 41))]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Drafter, "expand", expand)
+        ref = [g.token_ids for g in generate_batch(pair, prompts, "ar", max_new_tokens=60, ignore_eos=True)]
+        for method, opts in (("dynatree", {"hw_budget": "off", "draft_context": 0}), ("linear", {"k": 4}),
+                             ("fixed_tree", {}), ("dyspec", {})):
+            got = generate_batch(pair, prompts, method, opts, max_new_tokens=60, ignore_eos=True)
+            assert [g.token_ids for g in got] == ref, method
+            assert sum(g.metrics.draft_forwards for g in got) > 0 and sum(g.metrics.mean_tree_size for g in got) > 0
+            assert [g.token_ids for g in generate_batch(pair, prompts[:1], method, opts, max_new_tokens=60,
+                                                        ignore_eos=True)] == ref[:1]
+    assert seen and max(seen) <= 15
     assert pair_from_models(tiny_neox(1), None, None).context_said == "the 128-token context"
 
 

@@ -2067,9 +2067,10 @@ def test_sigterm_to_the_process_group_ends_a_job_at_once(pair_dirs, tmp_path):
     assert time.time() - t0 < 20 and "Failed to connect to GCS" not in rest
 
 
-def test_a_jobs_context_refusal_names_a_shorter_drafts(pair_dirs, tmp_path):
-    """--max-new-tokens past a draft's shorter context was refused "in the models' context" (the
-    own-models trial): the refusal says it is the draft's."""
+def test_a_jobs_context_is_the_targets_beside_a_shorter_draft(pair_dirs, tmp_path):
+    """A draft's shorter context held a job to it (refused "in the draft's context"): the draft now
+    restarts within its positions, so the job is held to the target's; a cache window, which both
+    models keep, still to the shorter."""
     from dynatree.jobs.driver import check_models
 
     short = tmp_path / "short-draft"
@@ -2079,5 +2080,9 @@ def test_a_jobs_context_refusal_names_a_shorter_drafts(pair_dirs, tmp_path):
     (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
     job = build_spec(None, input="x", output=str(tmp_path / "o"), target=str(pair_dirs / "target"), draft=str(short),
                      max_new_tokens=20)
-    with pytest.raises(JobError, match=rf"in the draft's \(the target's is {target_ctx}\) 16-token context"):
-        check_models(job)
+    check_models(job)
+    with pytest.raises(JobError, match=rf"--max-new-tokens {target_ctx} leaves no room for a prompt in the target's "
+                                       rf"{target_ctx}-token context"):
+        check_models(dataclasses.replace(job, max_new_tokens=target_ctx))
+    with pytest.raises(JobError, match="kv_window 32 \\+ kv_evict 8 exceed the models' 16-token context"):
+        check_models(dataclasses.replace(job, options={"kv_window": 32, "kv_evict": 8}))
