@@ -395,6 +395,27 @@ def test_dropping_a_template_frees_the_extension_stored_after_it():
     assert prefill_shared(store, None, [(BufferCache(2, 128), b)])[0] == [0]
 
 
+def test_evicted_and_forgotten_blocks_free_their_memory_without_a_garbage_collection():
+    """A dropped subtree was a reference cycle (parent <-> children) holding its segments' tensors
+    until a cyclic collection: a service's RSS grew by every eviction past the cap (the service trial)."""
+    import gc
+    import weakref
+
+    store = PrefixStore(2 * block_bytes())
+    a, c = list(range(70)), [50] * 70
+    gc.disable()
+    try:
+        remember(store, [(filled(a), a), (filled(a), a)])
+        held = [weakref.ref(t) for n in store.lru for t in n.segment.keys + n.segment.values]
+        remember(store, [(filled(c), c), (filled(c), c)])  # a's chain evicted
+        assert held and all(r() is None for r in held)
+        held = [weakref.ref(t) for n in store.lru for t in n.segment.keys]
+        store.clear()
+        assert store.bytes == 0 and not store.lru and all(r() is None for r in held)
+    finally:
+        gc.enable()
+
+
 def test_the_counting_table_forgets_the_chain_least_recently_begun(monkeypatch):
     """The table of chains seen once is bounded (SEEN): a full table drops the chain begun longest
     ago -- a chain begun again counts as recent, and the newest chain is always counted."""
