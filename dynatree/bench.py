@@ -498,17 +498,57 @@ def grid_methods(grid: dict, shared: dict | None = None) -> list[MethodSpec]:
     return out
 
 
-def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) -> Path:
+def prepare(spec: BenchSpec, out_dir: str | Path, log=print) -> list[tuple[str, str, list[str]]]:
+    """What a bench checks before any model loads (cli.bench calls it first: a typo in a dataset's
+    path, --out or --sweep-methods had waited for the models, minutes with large ones): every
+    dataset's prompts (returned, for run_bench), their names, the sweep labels, and that --out
+    takes the results (a directory this made is removed again)."""
+    loaded = [(ds, *load_bench_prompts(ds, spec.prompt_column, spec.prompts)) for ds in spec.datasets]
+    names = [name for _, name, _ in loaded]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two datasets named {next(n for n in names if names.count(n) > 1)!r}: their rows "
+                         "would merge; label them NAME=PATH")
+    if (spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods not in (("all",), SWEEP_DEFAULT):
+        unknown = [m for m in spec.sweep_methods if m not in {m.label for m in spec.methods}]
+        if unknown:
+            raise ValueError(f"--sweep-methods {','.join(unknown)}: not among the methods "
+                             f"({', '.join(m.label for m in spec.methods)}; or 'all')")
+    for ds, name, texts in loaded:
+        if len(texts) <= spec.warmup:
+            had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
+                   f"{_n(len(texts), 'usable prompt')} (texts of at least 200 characters) leave")
+            raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
+    out = Path(out_dir)
+    missing = [p for p in (out, *out.parents) if not p.exists()]  # (the leaf first)
+    _writable(out)
+    for p in missing:
+        p.rmdir()
+    return loaded
+
+
+def _writable(out: Path) -> None:
+    try:  # an unwritable or full --out fails before hours of measuring; results and plots take < 1 MB
+        ensure_writable(out, room=1 << 20)
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot take the results: {e.strerror or e}") from None
+
+
+def _n(count: int, noun: str) -> str:
+    """"1 prompt", "2 prompts"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print, loaded: list | None = None) -> Path:
+    """Measure ``spec`` on ``pair`` and write the results to ``out_dir``; ``loaded``: prepare()'s
+    prompts where the caller checked the inputs before loading the pair."""
     if spec.hf_peers and not hasattr(pair.target, "generate"):
         raise ValueError("transformers' peers (hf_*) call transformers' generate: load the pair with "
                          "load_pair(..., transformers_models=True) or kernel='hf'")
     spec = _decodable(pair, spec, log)
+    loaded = prepare(spec, out_dir, log) if loaded is None else loaded
     out = Path(out_dir)
     made = not out.exists()
-    try:  # (now: an unwritable or full --out fails before hours of measuring; results and plots take < 1 MB)
-        ensure_writable(out, room=1 << 20)
-    except OSError as e:
-        raise ValueError(f"--out {out} cannot take the results: {e.strerror or e}") from None
+    _writable(out)
     if (out / "results.parquet").exists():
         log(f"note: {out} holds an earlier bench's results.parquet: this bench's replace it once it ends (another "
             "--out keeps them)")
@@ -516,7 +556,7 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print) 
     t0 = time.time()
     host = _machine(pair)  # the CPU, and its FMA rate before the first prompt
     try:
-        loaded, kept = _measure(pair, spec, rows, log)
+        kept = _measure(pair, spec, rows, log, loaded)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C, SIGTERM: keep what was measured (a bench can take hours)
             rows += getattr(e, "partial_rows", [])
@@ -568,10 +608,9 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
 
     if (out / "results.parquet").exists():
         log(f"replacing the earlier bench results in {out}")
-    from .report import PLOTS
+    from .report import old_plots
 
-    plots = [p for pat in PLOTS for p in out.glob(pat)]
-    for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *plots]:  # (report's names only)
+    for old in [out / "results.parquet", out / "bench.json", out / "summary.md", *old_plots(out)]:
         old.unlink(missing_ok=True)
     if host and "fma_start" in host:  # (the probe again: what the host ran at when the bench ended)
         from .machine import fma_rates
@@ -590,19 +629,9 @@ def _write(out: Path, pair: ModelPair, spec: BenchSpec, rows: list[dict], t0: fl
     return out
 
 
-def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[list, int]:
-    """Every measurement of the bench, appended to ``rows`` as it is made; returns the prompts and
-    the prompt tokens the main setting kept."""
-    loaded = [(ds, *load_bench_prompts(ds, spec.prompt_column, spec.prompts)) for ds in spec.datasets]  # all first:
-    names = [name for _, name, _ in loaded]  # a bad one fails before any measurement
-    if len(set(names)) < len(names):
-        raise ValueError(f"two datasets named {next(n for n in names if names.count(n) > 1)!r}: their rows "
-                         "would merge; label them NAME=PATH")
-    if (spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods not in (("all",), SWEEP_DEFAULT):
-        unknown = [m for m in spec.sweep_methods if m not in {m.label for m in spec.methods}]
-        if unknown:
-            raise ValueError(f"--sweep-methods {','.join(unknown)}: not among the methods "
-                             f"({', '.join(m.label for m in spec.methods)}; or 'all')")
+def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded: list) -> int:
+    """Every measurement of the bench on ``loaded`` (prepare()'s prompts), appended to ``rows`` as it
+    is made; returns the prompt tokens the main setting kept."""
     if not (spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods != SWEEP_DEFAULT:
         log("note: --sweep-methods chooses the methods of --sweep-tokens / --sweep-prompt-len, and neither is given")
     if ((spec.sweep_tokens or spec.sweep_prompt_len) and spec.sweep_methods == SWEEP_DEFAULT
@@ -610,12 +639,8 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
         log("note: the sweeps run ar and dynatree by default, and --methods has no dynatree: they run ar "
             "alone (choose others with --sweep-methods)")
     for ds, name, texts in loaded:
-        if len(texts) <= spec.warmup:
-            had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
-                   f"{len(texts)} usable prompts (texts of at least 200 characters) leave")
-            raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
         if len(texts) < spec.prompts:  # (said, not measured quietly on fewer)
-            log(f"note: dataset {ds} has {len(texts)} usable prompts (texts of at least 200 characters), "
+            log(f"note: dataset {ds} has {_n(len(texts), 'usable prompt')} (texts of at least 200 characters), "
                 f"fewer than --prompts {spec.prompts}: measuring {len(texts) - spec.warmup}")
     cfgs = {m.label: None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     # a window the context cannot hold fails here, not after the methods before it ran
@@ -627,7 +652,7 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log) -> tuple[l
     except KeyboardInterrupt as e:
         e.kept = lmax  # (an interrupted bench's summary names the prompt length it measured)
         raise
-    return loaded, lmax
+    return lmax
 
 
 def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded, keep: dict, lmax: int) -> None:

@@ -299,6 +299,10 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             click.echo(f"note: {note}", err=True)
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
+        # every file read before the models load: a typo in the second path lost the first's results
+        # (the measurement trial); with a template, --limit counts the conversations that render (_rendered)
+        sources = [(path, *_usable_prompts(path, read_texts(path, prompt_column), None if chat_template else limit,
+                                           chat_template)) for path in prompt_files]
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel)
         if chat_template and not pair.has_chat_template:
             raise PairError("--chat-template: the target's tokenizer has no chat template")
@@ -308,7 +312,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         reference = _reference_pair(pair, target, device, reference_dtype, reference_kernel)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-decode)
         end_on_sigterm()  # (SIGTERM ends it as Ctrl-C does: with the table of what was checked)
-    except (PairError, ValueError) as e:
+    except (PairError, ValueError, InputError) as e:
         _fail(str(e))
     try:
         keep = prompt_budget(pair.max_context, all_windowed(cfgs.values()), max_prompt_tokens, max_new_tokens)
@@ -316,18 +320,13 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
         _fail(str(e))
     _say_forwards(pair, drafted=any(make_policy(c).needs_draft for c in cfgs.values()))
     summary = []
-    for path in prompt_files:
-        try:
-            # (with a template, --limit counts the conversations that render to fit: _rendered)
-            at, texts = _usable_prompts(path, read_texts(path, prompt_column), None if chat_template else limit,
-                                        chat_template)
-        except InputError as e:
-            _fail(str(e))
-        if chat_template:  # (a job's prompt policy for chat rows: actors/worker.prompt_ids)
-            at, prompts = _rendered(path, at, texts, lambda v: prompt_ids(
-                pair, v, max_new_tokens, max_prompt_tokens, all_windowed(cfgs.values()), chat=True), limit)
-        else:
-            prompts = [pair.encode(t, last=keep) for t in texts]  # (its last `keep` tokens: the prompt policy)
+    if chat_template:  # (a job's prompt policy for chat rows: actors/worker.prompt_ids), every file before any decoding
+        sources = [(path, *_rendered(path, at, texts, lambda v: prompt_ids(
+            pair, v, max_new_tokens, max_prompt_tokens, all_windowed(cfgs.values()), chat=True), limit))
+            for path, at, texts in sources]
+    else:  # (each prompt's last `keep` tokens: the prompt policy)
+        sources = [(path, at, [pair.encode(t, last=keep) for t in texts]) for path, at, texts in sources]
+    for path, at, prompts in sources:
         try:
             rows = check_methods(pair, prompts, cfgs, max_new_tokens=max_new_tokens, reference=reference,
                                  progress=lambda i, n: click.echo(f"  {path}: {i}/{n} prompts", err=True))
@@ -632,7 +631,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
           max_new_tokens, methods, options, sweep_tokens, sweep_prompt_len, sweep_methods, batch_sizes, grid_depth,
           grid_branch, grid_tau, threads, out_dir):
     """Benchmark methods and transformers' peers with the paper's protocol; write Parquet, Markdown, PNG."""
-    from .bench import BenchSpec, parse_methods, run_bench
+    from .bench import BenchSpec, parse_methods, prepare, run_bench
     from .data import InputError
     from .signals import end_on_sigterm, interrupted
     from .metrics import freeze_heap
@@ -653,10 +652,12 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
                          sweep_prompt_len=_number_list(sweep_prompt_len, "--sweep-prompt-len"),
                          grid=grid, sweep_methods=tuple(m for m in sweep_methods.split(",") if m),
                          batch_sizes=_number_list(batch_sizes, "--batch-sizes"))
+        log = lambda m: click.echo(m, err=True)  # noqa: E731
+        loaded = prepare(spec, out_dir, log)  # (datasets, --out, --sweep-methods: before the models load)
         pair = load_pair(target, draft, device=device, dtype=dtype, kernel=kernel, transformers_models=spec.hf_peers)
         freeze_heap()  # (metrics.py: a full collection walked the loaded pair mid-measurement)
         end_on_sigterm()
-        out = run_bench(pair, spec, out_dir, log=lambda m: click.echo(m, err=True))
+        out = run_bench(pair, spec, out_dir, log=log, loaded=loaded)
     except (PairError, InputError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # (a disk that filled up while measuring: the checks at the start passed)

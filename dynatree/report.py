@@ -292,7 +292,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 
 def _save_fig(fig, path: Path, plt, **kw) -> Path:
-    fig.savefig(path, dpi=110, **kw)
+    fig.savefig(path, dpi=110, metadata={"Software": _MARK}, **kw)  # (the mark old_plots looks for)
     plt.close(fig)
     return path
 
@@ -324,19 +324,19 @@ def _throughput_plot(rows: list[dict], out: Path, plt) -> Path | None:
 
 
 def _batch_plot(rows: list[dict], out: Path, plt) -> Path | None:
-    """tokens/s per actor against B: one colour per method, one line style per dataset."""
+    """tokens/s per actor against B: one colour per method, one line style and marker per dataset."""
     brows = [r for r in rows if json.loads(r["setting"]).get("sweep") == "batch"]
     if not brows:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     methods = list(dict.fromkeys(r["method"] for r in brows))
-    styles = ["-", "--", ":", "-."]
+    styles, markers = ["-", "--", ":", "-."], "os^D"  # (a marker too: a single B draws points, no line)
     for i, d in enumerate(dict.fromkeys(r["dataset"] for r in brows)):
         for j, m in enumerate(methods):
             pts = sorted((json.loads(r["setting"])["B"], r["tokens_per_s"]) for r in brows
                          if r["dataset"] == d and r["method"] == m)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j % 10}",
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], color=f"C{j % 10}",
                         linestyle=styles[i % len(styles)], label=f"{d} {m}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B (sequences per forward)")
@@ -399,14 +399,39 @@ def _sweep_plots(rows: list[dict], out: Path, plt) -> list[Path]:
         axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
         axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
         fig.tight_layout()
-        path = out / f"sweep_{sweep}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save_fig(fig, out / f"sweep_{sweep}.png", plt))
     return made
 
 
 PLOTS = ("throughput.png", "batch.png", "grid_*.png", "sweep_*.png")  # the file names plots() writes
+_MARK = "dynatree bench"  # each plot's PNG "Software" text
+
+
+def old_plots(out: Path) -> list[Path]:
+    """The plots an earlier bench or report drew in ``out`` (a plot this run does not redraw would be
+    stale): files named as plots() names them *and* marked as its own, so a user's grid_mine.png in
+    --out is never removed (the measurement trial lost two)."""
+    return [p for pat in PLOTS for p in out.glob(pat) if _png_text(p, "Software") == _MARK]
+
+
+def _png_text(path: Path, key: str) -> str | None:
+    """A PNG's tEXt value for ``key`` (read up to its image data), or None."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return None
+            while head := f.read(8):
+                size, kind = struct.unpack(">I4s", head)
+                if kind == b"IDAT" or size > 1 << 20:
+                    return None
+                data = f.read(size + 4)[:size]  # (and the CRC)
+                if kind == b"tEXt" and data.split(b"\0", 1)[0] == key.encode():
+                    return data.split(b"\0", 1)[1].decode("latin-1")
+    except (OSError, struct.error):
+        return None
+    return None
 
 
 class NothingMeasured(ValueError):
@@ -469,6 +494,6 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
               + _machine_line(m.get("machine"))) + md
     path = out / "summary.md"
     path.write_text(md)
-    for old in [p for pat in PLOTS for p in out.glob(pat)]:  # a plot this run does not redraw would be stale
+    for old in old_plots(out):  # (a plot this run does not redraw would be stale)
         old.unlink()
     return path, plots(rows, out)

@@ -67,9 +67,16 @@ def test_bench_and_report(pair_dirs, tmp_path):
         p.unlink()
     (out / "summary.md").unlink()
     (out / "bench.json").unlink()
+    mine = [out / "grid_mine.png", out / "sweep_holiday.png"]  # a user's files named like plots: kept
+    for p in mine:
+        p.write_bytes(b"\x89PNG\r\n\x1a\n")
     res = CliRunner().invoke(main, ["report", str(out)])
     assert res.exit_code == 0, res.output
-    assert "Main results" in (out / "summary.md").read_text() and len(list(out.glob("*.png"))) == 4
+    assert "Main results" in (out / "summary.md").read_text() and len(list(out.glob("*.png"))) == 6
+    res = CliRunner().invoke(main, ["report", str(out)])  # its own plots redrawn, the user's left alone
+    assert res.exit_code == 0 and all(p.exists() for p in mine) and len(list(out.glob("*.png"))) == 6
+    from dynatree.report import old_plots  # (what a bench or report removes before drawing: its own marked ones)
+    assert sorted(p.name for p in old_plots(out)) == pngs
 
 
 def test_bench_sampled_with_shared_option(pair_dirs, tmp_path):
@@ -304,6 +311,14 @@ def test_the_main_table_divides_by_each_methods_own_ar_reference():
     assert "| dts | 75.0 (n = 1) | 1.50× | yes (1) |" in _results_table({"d": gd}, ["d"], list(gd))  # (no spread of one)
 
 
+def earlier_plot(path):
+    """A PNG marked as a bench's plot (report.old_plots), as an earlier bench would have left it."""
+    import struct
+
+    text = b"Software\0dynatree bench"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + struct.pack(">I4s", len(text), b"tEXt") + text + b"\0" * 4)
+
+
 def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM mid-bench: results.parquet holds every whole prompt measured (and what an
     earlier bench left in the directory is gone), bench.json says it was interrupted; exit 130."""
@@ -311,7 +326,7 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path,
 
     out = tmp_path / "b"
     out.mkdir()
-    (out / "sweep_tokens.png").write_text("an earlier bench's plot")
+    earlier_plot(out / "sweep_tokens.png")
     real, calls = dynatree.bench.decode, []
 
     def decode(*a, **k):  # the 7th decode: prompt 2's first (prompt-major, 3 methods), after two whole prompts
@@ -334,7 +349,7 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path,
     warm = out / "warm"
     warm.mkdir()
     pq.write_table(pa.Table.from_pylist([r for r in rows if r["warmup"]]), warm / "results.parquet")
-    (warm / "throughput.png").write_text("an earlier report's plot")
+    earlier_plot(warm / "throughput.png")
     rep = CliRunner().invoke(main, ["report", str(warm)])
     assert rep.exit_code != 0 and "no measured prompts in its results, only warm-up ones" in rep.output
 
@@ -362,7 +377,7 @@ def test_report_redraws_only_what_the_results_hold(pair_dirs, tmp_path):
     table = pq.read_table(out / "results.parquet").to_pylist()
     table[-1]["tokens_per_s"] = None
     pq.write_table(pa.Table.from_pylist(table), out / "results.parquet")
-    (out / "sweep_tokens.png").write_text("stale")
+    earlier_plot(out / "sweep_tokens.png")
     rep = CliRunner().invoke(main, ["report", str(out)])
     assert rep.exit_code == 0, rep.output
     assert not (out / "sweep_tokens.png").exists() and (out / "throughput.png").exists()
@@ -848,3 +863,25 @@ def test_commands_say_sampling_options_change_nothing_at_temperature_zero(pair_d
                        dtype="float64", max_new_tokens=4, options={"top_p": "0.9"}), progress=False, log=logged.append,
             dry_run=True)
     assert f"note: {said}; sampling needs a temperature above 0 (e.g. temperature=0.8)" in logged, logged
+
+
+def test_input_problems_are_found_before_the_models_load(pair_dirs, tmp_path, monkeypatch):
+    """check read each --prompts file after decoding the ones before it (a typo in the second path
+    lost the first's results), and check's and bench's input errors waited for the models to load
+    (the measurement trial): both now fail first, nothing decoded."""
+    import dynatree.models
+
+    monkeypatch.setattr(dynatree.models, "load_pair", lambda *a, **k: pytest.fail("the models loaded first"))
+    pair = ["--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--device", "cpu"]
+    args = bench_args(pair_dirs, tmp_path, 2, 2)  # (writes prompts.parquet)
+    good = str(tmp_path / "prompts.parquet")
+    for extra, said in (([good, "--prompts", str(tmp_path / "nope.parquet")], "no input files found"),
+                        ([good, "--prompt-column", "txt"], "no column 'txt'")):
+        res = CliRunner().invoke(main, ["check", *pair, "--prompts", *extra, "--max-new-tokens", "2"])
+        assert res.exit_code == 1 and said in res.output, res.output
+    for extra, said in ((["--dataset", f"bad={tmp_path / 'nope.parquet'}"], "no input files found"),
+                        (["--out", f"{good}/sub"], "cannot take the results"),
+                        (["--sweep-tokens", "2", "--sweep-methods", "dynatre"], "--sweep-methods dynatre: not among")):
+        res = CliRunner().invoke(main, args + extra + ([] if "--out" in extra else ["--out", str(tmp_path / "b")]))
+        assert res.exit_code == 1 and said in res.output, res.output
+        assert not (tmp_path / "b").exists()
