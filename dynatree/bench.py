@@ -401,13 +401,14 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
             "batch sweep")
     one_at_a_time = [ms.label for ms in methods if ms.method in HF_METHODS and ms.method != "hf_ar"]
     if one_at_a_time:  # (transformers' assisted generation and prompt lookup decode one sequence at a time)
-        log(f"  {', '.join(one_at_a_time)}: transformers runs it one sequence at a time (batch size 1 only); left "
-            "out of the batch sweep")
+        log(f"  {', '.join(one_at_a_time)}: transformers runs it one sequence at a time, outside dynatree's batched "
+            "engine, so it gives no numbers in a batch sweep (B = 1 included); measure it in a bench without "
+            "--batch-sizes (the one-at-a-time table)")
     methods = [ms for ms in methods if ms.label not in one_at_a_time and ms.label not in greedy_only]
     over = [b for b in batch_sizes if b > len(prompts)]
     if over:  # (a batch of the prompts there are, not B of them: labelled as what ran)
-        log(f"  B = {', '.join(map(str, over))}: only {len(prompts)} prompts are measured, so the largest batch is "
-            f"{len(prompts)} (give --prompts of at least B plus the warm-up)")
+        log(f"  B = {', '.join(map(str, over))}: only {_n(len(prompts), 'prompt')} {'is' if len(prompts) == 1 else 'are'} "
+            f"measured, so the largest batch is {len(prompts)} (give --prompts of at least B plus the warm-up)")
     for b in dict.fromkeys(min(b, len(prompts)) for b in batch_sizes):
         def run(ms, chunk, n):
             pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares
@@ -662,7 +663,7 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
         lead = len(pair.leading_ids)  # (a BOS the tokenizer adds stays first when a prompt is cut)
         full = [truncate_prompt(e, lmax, lead=lead) for e in enc]
         cut = f" (cut from {spec.max_prompt_tokens}: the {pair.max_context}-token context holds the new tokens too)"
-        log(f"{name}: {len(full)} prompts ({spec.warmup} warm-up), L_max={lmax}"
+        log(f"{name}: {_n(len(full), 'prompt')} ({spec.warmup} warm-up), L_max={lmax}"
             f"{cut if lmax < spec.max_prompt_tokens else ''}, T={spec.max_new_tokens}")
         if not spec.batch_sizes:  # with batch sizes, B = 1 is the one-at-a-time measurement
             rows += bench_rows(pair, name, full, list(spec.methods), warmup=spec.warmup,

@@ -767,6 +767,9 @@ def report_cmd(out_dir):
             try:
                 summary = json.loads(job.read_text())
                 _print_summary(summary, types.SimpleNamespace(output=out_dir))
+                if summary.get("rows") and not any(Path(out_dir, "shards").glob("part-*.parquet")):
+                    click.echo(f"warning: {out_dir}/shards holds no shard now: the rows this summary counts were "
+                               "moved or deleted", err=True)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 _fail(f"cannot read {job} ({type(e).__name__}: {e}); re-running the job's `dynatree run` command "
                       "rewrites it without decoding what is done")

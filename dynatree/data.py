@@ -148,8 +148,7 @@ def read_texts(source: str, column: str = "text") -> list:
     """A column's values as the file holds them (a JSONL number stays a number, not its text, so
     the caller can skip what is not a prompt, as `dynatree run` gives it an error)."""
     src = InputSource.open(source)
-    if column not in src.column_names:
-        raise InputError(f"{source}: no column {column!r} (columns: {', '.join(src.column_names)})")
+    src.require([column])
     return src.read(0, src.num_rows, [column], raw=[column])[1][column]
 
 
@@ -416,16 +415,19 @@ class InputSource:
             fp["dataset"] = dict(self._dataset)
         return fp
 
-    def _require(self, columns) -> None:
+    def require(self, columns) -> None:
+        """InputError naming the first of ``columns`` the input lacks (or saying it holds none: empty)."""
         for c in columns:
             if c not in self.column_names:
-                raise InputError(f"{self.source}: no column {c!r} (columns: {', '.join(self.column_names)})")
+                raise InputError(f"{self.source}: no column {c!r} " + (
+                    f"(columns: {', '.join(self.column_names)})" if self.column_names else
+                    "(it has no columns: an empty file?)"))
 
     def read(self, start: int, end: int, columns: list[str], raw: Sequence[str] = ()) -> tuple[pa.Table, dict[str, list]]:
         """Rows [start, end) with only `columns`, typed with `self.schema`; plus, per name in
         `raw`, that column's values as Python objects exactly as the file holds them."""
         columns, raw = list(columns), list(dict.fromkeys(raw))  # one column can be both id and prompt
-        self._require(columns + raw)
+        self.require(columns + raw)
         need = list(dict.fromkeys(columns + raw))
         start, end = max(start, 0), min(end, self.num_rows)
         tables, raws = [], {c: [] for c in raw}
@@ -506,7 +508,7 @@ class InputSource:
         the whole column, ~6.5 s per million JSONL rows each time."""
         if column in self._ids_ok:
             return
-        self._require([column])
+        self.require([column])
         marker = self._ids_marker(column)
         if marker is None or not marker.exists():
             self._check_ids(column, chunk)
@@ -536,7 +538,7 @@ class InputSource:
     def _check_ids(self, column: str, chunk: int) -> None:
         """Memory is 8 bytes per row (a hash), not a set of id strings: repeated hashes are found by
         sorting, and a second pass confirms only the ids behind them."""
-        self._require([column])
+        self.require([column])
         hashes = [h for _, _, h in self._id_hashes(column, chunk)]
         if not hashes:
             return

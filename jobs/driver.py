@@ -35,6 +35,7 @@ from dynatree.parts import each_repeated
 from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
                             model_problem, no_tree_mask)
+from dynatree.machine import ensure_writable
 from dynatree.metrics import output_schema
 from dynatree.config import SLOW_ON_CPU, grows_trees, unused_sampling
 
@@ -557,12 +558,15 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
     check_unlocked(spec.output)
     check_output(spec, plan)
     out = Path(spec.output)
-    # what prepare_output's probe finds, asked without writing: the run writes its lock and manifest
-    # in out (or creates it in its nearest existing parent) and shards in out/shards
+    # what prepare_output's probe finds, creating nothing: the run writes its lock and manifest in out
+    # (or creates it in its nearest existing parent) and shards in out/shards; a probe file there, removed
+    # (os.access said yes to root for /proc, where the run then failed)
     dirs = [next(p for p in (out, *out.parents) if p.exists()), *[out / "shards"] * (out / "shards").exists()]
     for d in dirs:
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise JobError(f"output directory {out} is not writable: {d} does not allow writing")
+        try:
+            ensure_writable(d)
+        except OSError as e:
+            raise JobError(f"output directory {out} is not writable: {d}: {e.strerror or e}") from None
     done, todo = _progress_of(out, spec, plan)
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
     shown = {"id_column": spec.id_column or "(row index)", "keep_columns": plan.kept_names,

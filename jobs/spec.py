@@ -78,7 +78,7 @@ class JobSpec:
                          "it (repeatable; a newline in a shell: $'\\n')", repeat=True)
     stop_token_ids: tuple = _f((), "end a row when it generates this token id, kept like EOS (repeatable)",
                                repeat=True, flag="stop_token_id", item=int)
-    device: str = _f("auto", "auto, cpu, cuda or cuda:N")
+    device: str = _f("auto", "auto, cpu or cuda (each actor is given its own GPU, which it sees as cuda:0)")
     dtype: str = _f("float32", "weights' dtype (fp32, bf16, fp16, fp64: their short names)",
                     choices=(*DTYPE_NAMES, *DTYPE_ALIASES))
     batch_size: int | str = _f("auto", "rows each actor decodes together: a number, or auto (tuned "
@@ -368,7 +368,7 @@ def _coerce(data: dict) -> dict:
         try:
             data["batch_size"] = int(b)
         except ValueError:
-            raise SpecError(f"batch_size must be a number or auto, got {b!r}") from None
+            raise SpecError(f"invalid job spec: batch_size must be a number or auto, got {b!r}") from None
     keep = data.get("keep_columns")
     if isinstance(keep, str):
         data["keep_columns"] = () if keep.strip().lower() == "none" else \

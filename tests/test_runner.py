@@ -1434,7 +1434,12 @@ def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
                                     "--max-new-tokens", "8", "--shard-size", "4", "--dry-run"])
     assert res.exit_code == 0, res.output
     assert "rows_to_decode         12" in res.output and "shards                 3" in res.output
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["in.parquet"]  # (no probe left)
+    # an output the run could not make: refused by the dry run too (os.access let root through)
+    res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", "/proc/dynatree-out",
+                                    "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--max-new-tokens", "8", "--dry-run"])
+    assert res.exit_code == 1 and "output directory /proc/dynatree-out is not writable: /proc:" in res.output, res.output
 
 
 def test_an_output_prompted_without_the_bos_is_not_resumed_with_it(tmp_path):
