@@ -286,6 +286,7 @@ class BatchDecoder:
         self.last_governor: Governor | None = None
         self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
         self.broken: str | None = None  # why no step can follow (a step that raised part-way)
+        self.partial: dict = {}  # once broken: key -> the tokens that row had committed
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
@@ -387,10 +388,14 @@ class BatchDecoder:
                 return self._step()
             except BaseException as e:
                 keys = [r.key for r in self.joining + self.active]
+                # the tokens each row committed (each one ar's: a greedy row re-added as its prompt plus
+                # these decodes on as it would have; the service trial found them unreachable)
+                self.partial = {r.key: list(r.out) for r in self.joining + self.active}
                 self.broken = (f"this BatchDecoder's step raised {type(e).__name__}{': ' + str(e) if str(e) else ''}, "
                                f"part-way through an iteration of its rows, so it cannot go on: add the {len(keys)} "
                                f"row(s) in flight (keys {keys[:8]}{' ...' if len(keys) > 8 else ''}) to a new "
-                               "BatchDecoder (the pair is unharmed)")
+                               "BatchDecoder, where they start from their prompts (the tokens each had committed "
+                               "are in this one's .partial, by key); the pair is unharmed")
                 raise
 
     def _check_whole(self) -> None:
@@ -792,6 +797,9 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     rule = Stop.of(stop, stop_token_ids)
     ids = [_named(lambda: prompt_token_ids(pair, p), i, len(prompts)) for i, p in enumerate(prompts)]
     cfg = options if not isinstance(options, (dict, type(None))) else make_config(method, options)
+    if type(cfg) not in METHODS.values():
+        raise ValueError(f"options must be a dict of the method's options (e.g. {{'temperature': 0.7}}) or a config "
+                         f"from make_config(method, ...), got {type(cfg).__name__}")
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
     if note := unused_sampling(cfg):

@@ -263,11 +263,22 @@ def test_a_step_that_raised_part_way_refuses_to_go_on_and_names_its_rows(close_p
     monkeypatch.undo()
     for again in (dec.step, lambda: dec.add([3], key="x")):
         with pytest.raises(RuntimeError, match=r"step raised RuntimeError: out of memory \(injected\).*3 row\(s\) in "
-                                               r"flight \(keys \[0, 1, 2\]\) to a new BatchDecoder"):
+                                               r"flight \(keys \[0, 1, 2\]\) to a new BatchDecoder, where they start from their prompts \(the "
+                                               r"tokens each had committed are in this one's .partial"):
             again()
     got = decode_batch(close_pair, prompts, [make_config(m) for m in ("linear", "dynatree", "ar")], max_new_tokens=12,
                        ignore_eos=True)
     assert [g[0] for g in got] == ref
+    # what each row had committed is kept (the service trial: lost), and a greedy row continued from it is ar's
+    assert sorted(dec.partial) == [0, 1, 2] and all(0 < len(dec.partial[i]) < 12 for i in range(3))
+    fresh = BatchDecoder(close_pair)
+    for i, p in enumerate(prompts):
+        fresh.add(list(p) + dec.partial[i], make_config("dynatree"), max_new_tokens=12 - len(dec.partial[i]),
+                  ignore_eos=True, key=i)
+    done = {}
+    while fresh:
+        done.update((k, toks) for k, toks, _, _ in fresh.step())
+    assert [dec.partial[i] + done[i] for i in range(3)] == ref
 
 
 def test_generate_batch_takes_a_list_of_prompts(close_pair):
@@ -301,6 +312,8 @@ def test_generate_rejects_a_whitespace_prompt_like_run(close_pair):
         generate(close_pair, [3, 4], "ar", max_new_tokens=3.5)
     with pytest.raises(ValueError, match="options is a LinearConfig, not the config of method 'ar'"):
         generate(close_pair, [3, 4], "ar", make_config("linear"))
+    with pytest.raises(ValueError, match=r"options must be a dict of the method's options .* got list"):
+        generate(close_pair, [3, 4], "ar", [("k", 1)])  # (it read "options is a list, not the config of method 'ar'")
     with pytest.raises(ValueError, match="1 configs for 2 prompts"):
         decode_batch(close_pair, [[3], [4]], [make_config("ar")])
 
