@@ -52,6 +52,7 @@ _JOB_ONLY = {"input": "the dataset", "output": "write_parquet or any Ray Data si
              "limit": "ds.limit(n)", "keep_columns": "ds.select_columns / drop_columns (all input columns are kept)",
              "num_actors": "ActorPoolStrategy(size=...)", "cpus_per_actor": "map_batches(num_cpus=...)",
              "gpus_per_actor": "map_batches(num_gpus=...)", "memory_per_actor": "map_batches(memory=...)",
+             "resources_per_actor": "map_batches(resources=...)",
              "shard_size": "map_batches(batch_size=...)",
              "max_inflight_per_actor": "ActorPoolStrategy(max_concurrent_calls_per_actor=...)",
              "max_retries": "Ray Data's own retries (DataContext)", "fail_on_mismatch": "the matches_ar column",

@@ -484,8 +484,9 @@ def _spec_options(f):
         help_ = fld.metadata["help"] + (f" [default: {shown}]" if shown not in (None, "", dataclasses.MISSING) else "")
         if kind == "bool":
             f = click.option(f"--{name}/--no-{name}", fld.name, default=None, help=help_)(f)
-        elif kind == "dict":
-            f = click.option(f"--{name}", fld.name, multiple=True, metavar="KEY=VALUE", help=help_)(f)
+        elif kind == "dict":  # (none given leaves the job file's)
+            f = click.option(f"--{name}", fld.name, multiple=True, metavar="KEY=VALUE", help=fld.metadata["help"],
+                             callback=lambda _ctx, _param, v: v or None)(f)
         elif fld.metadata.get("repeat"):  # given once per value; none given leaves the job file's
             f = click.option(f"--{name}", fld.name, multiple=True, type=fld.metadata.get("item", str),
                              callback=lambda _ctx, _param, v: v or None, help=fld.metadata["help"])(f)
@@ -529,8 +530,7 @@ def run(config_file, quiet, dry_run, **fields):
         _fail("dynatree run needs Ray: pip install 'dynatree[ray]' (or '.[ray]' in a checkout)")
     spec = None
     try:
-        fields["options"] = parse_options(fields["options"])
-        spec = build_spec(config_file, **fields)
+        spec = build_spec(config_file, **fields)  # (--option and --resource KEY=VALUE strings: parsed there)
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True), dry_run=dry_run)
     except ClusterLost as e:  # Ray's shutdown would wait a minute for the lost head, then abort
         if e.summary is not None:  # (the job finished: its table, and a note)

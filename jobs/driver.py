@@ -434,7 +434,7 @@ def _check_this_machine(spec: JobSpec) -> None:
     n, cpus, gpus = _actor_shape(spec, here)
     try:
         placement.check_request([{"NodeManagerAddress": "this machine (no --address: the job runs here)",
-                                  "Resources": here}], n, cpus, gpus, memory)
+                                  "Resources": here}], n, cpus, gpus, memory, spec.resources_per_actor)
     except placement.PlacementError as e:
         raise JobError(str(e)) from e
 
@@ -644,13 +644,15 @@ class _Dispatch:
 
         spec, cpus, gpus = self.spec, self.cpus, self.gpus
         t0 = time.time()
-        self.pg = placement.reserve(n, cpus, gpus, memory=self.memory, timeout_s=spec.placement_timeout_s, log=self.log)
+        self.pg = placement.reserve(n, cpus, gpus, memory=self.memory, custom=spec.resources_per_actor,
+                                    timeout_s=spec.placement_timeout_s, log=self.log)
         self.startup["placement_s"] = round(time.time() - t0, 3)
         env = {FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else {}
         threads = max(1, int(cpus))
 
         def start(i: int):
-            return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus, self.memory), max_restarts=0,
+            return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus, self.memory,
+                                                               spec.resources_per_actor), max_restarts=0,
                                      max_concurrency=spec.inflight_shards + 2,
                                      runtime_env={"env_vars": env} if env else None).remote(spec, threads, self.share)
 
@@ -692,7 +694,7 @@ class _Dispatch:
             self.log(f"warning: CPU actors: {SLOW_ON_CPU[self.spec.dtype]}")
         self.memory = self.spec.memory_per_actor * 1e9 if self.spec.memory_per_actor else None  # bytes
         try:
-            n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory)
+            n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory, self.spec.resources_per_actor)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
         if len(todo) < n:

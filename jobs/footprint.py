@@ -207,7 +207,8 @@ def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> Fit:
     need = fp.total(fixed or 1)
     alive = placement._alive(nodes)
     notes, reserve = [], None
-    cpu_fit = [placement._node_fits(x.get("Resources", {}), {"CPU": cpus}) for x in alive]
+    custom = spec.resources_per_actor  # (only nodes that offer them hold actors)
+    cpu_fit = [placement._node_fits(x.get("Resources", {}), {"CPU": cpus, **custom}) for x in alive]
     mem_fit = [min(c, int(_free(x) // need)) for c, x in zip(cpu_fit, alive)]
     binding = any(m < min(c, n) for c, m in zip(cpu_fit, mem_fit))  # a node Ray may fill by CPU cannot hold it
     if spec.num_actors is not None or not binding:
@@ -217,7 +218,7 @@ def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> Fit:
         per_node = [min(c, n) for c in cpu_fit]
     elif any(x.get("Resources", {}).get("memory", 0) >= need for x in alive):
         reserve = float(need)
-        room = placement.feasible_actors(nodes, cpus, 0, reserve)
+        room = placement.feasible_actors(nodes, cpus, 0, reserve, custom)
         if room < n:
             notes.append(f"starting {room} actor(s), not the {n} the CPUs hold (--num-actors or --memory-per-actor "
                          "overrides)")

@@ -24,11 +24,16 @@ class StartFailed(RuntimeError):
     starts another in its place, and charges no attempt to the shard."""
 
 
-def _shape(cpus: float, gpus: float, memory: float | None = None) -> dict[str, float]:
+def _shape(cpus: float, gpus: float, memory: float | None = None, custom: dict | None = None) -> dict[str, float]:
     shape = {"CPU": float(cpus), "GPU": float(gpus)}
     if memory:
         shape["memory"] = float(memory)
+    shape.update({k: float(v) for k, v in (custom or {}).items()})  # (--resource: `ray start --resources`)
     return shape
+
+
+def _flag(resource: str) -> str:
+    return _FLAGS.get(resource, f"--resource {resource}=...")
 
 
 def _wanted(shape: dict[str, float]) -> dict[str, float]:
@@ -47,10 +52,11 @@ def _node_fits(resources: dict, wanted: dict[str, float]) -> int:
     return min(round(resources.get(k, 0) * _UNIT) // round(v * _UNIT) for k, v in wanted.items())
 
 
-def feasible_actors(nodes: list[dict], cpus: float, gpus: float, memory: float | None = None) -> int:
+def feasible_actors(nodes: list[dict], cpus: float, gpus: float, memory: float | None = None,
+                    custom: dict | None = None) -> int:
     """How many actors of this shape fit in the alive nodes' total resources (an actor cannot
     span nodes, so each node contributes its own whole number)."""
-    wanted = _wanted(_shape(cpus, gpus, memory))
+    wanted = _wanted(_shape(cpus, gpus, memory, custom))
     return sum(_node_fits(n.get("Resources", {}), wanted) for n in _alive(nodes))
 
 
@@ -67,19 +73,20 @@ def _fmt_mem(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
-def _fmt_resources(res: dict) -> str:
+def _fmt_resources(res: dict, custom=()) -> str:
     memory = f", {_fmt_mem(res['memory'])} memory" if "memory" in res else ""  # (this machine before Ray starts)
-    return f"{_fmt_num(res.get('CPU', 0))} CPU, {_fmt_num(res.get('GPU', 0))} GPU{memory}"
+    asked = "".join(f", {_fmt_num(res.get(k, 0))} {k}" for k in custom)  # (the custom ones asked for)
+    return f"{_fmt_num(res.get('CPU', 0))} CPU, {_fmt_num(res.get('GPU', 0))} GPU{memory}{asked}"
 
 
-def _fmt_nodes(nodes: list[dict], limit: int = 4) -> str:
+def _fmt_nodes(nodes: list[dict], limit: int = 4, custom=()) -> str:
     alive = _alive(nodes)
     if not alive:
         return "no alive nodes"
     addresses = [n.get("NodeManagerAddress", "?") for n in alive]
     # (nodes that share an address -- several on one machine -- told apart by their ids' first digits)
     named = [a if addresses.count(a) == 1 else f"{a} ({str(n.get('NodeID', '?'))[:8]})" for a, n in zip(addresses, alive)]
-    parts = [f"node {a}: {_fmt_resources(n.get('Resources', {}))}" for a, n in zip(named[:limit], alive[:limit])]
+    parts = [f"node {a}: {_fmt_resources(n.get('Resources', {}), custom)}" for a, n in zip(named[:limit], alive[:limit])]
     if len(alive) > limit:
         parts.append(f"and {len(alive) - limit} more")
     return "; ".join(parts)
@@ -88,36 +95,40 @@ def _fmt_nodes(nodes: list[dict], limit: int = 4) -> str:
 def _hint(nodes: list[dict], wanted: dict[str, float], fits: int) -> str:
     if fits > 0:
         return (f"lower --num-actors to at most {fits} or lower "
-                + " / ".join(_FLAGS[k] for k in wanted))
+                + " / ".join(_flag(k) for k in wanted))
     # name the resources no single node has enough of; if each exists somewhere but never
     # together, all requested resources are candidates
     short = [k for k, v in wanted.items()
              if not any(n.get("Resources", {}).get(k, 0) >= v for n in _alive(nodes))]
-    return "lower " + " / ".join(_FLAGS[k] for k in (short or wanted))
+    absent = [k for k in short if k not in _FLAGS and not any(k in n.get("Resources", {}) for n in _alive(nodes))]
+    if absent:  # (a custom resource no node was started with: a typo, or nodes started without it)
+        return (f"no node offers {', '.join(absent)}: a node does when started with `ray start --resources "
+                f"'{{\"{absent[0]}\": N}}'` (a local cluster, without --address, offers none)")
+    return "lower " + " / ".join(_flag(k) for k in (short or wanted))
 
 
 def check_request(nodes: list[dict], n: int | None, cpus: float, gpus: float,
-                  memory: float | None = None) -> int:
+                  memory: float | None = None, custom: dict | None = None) -> int:
     """The number of actors to start: ``n`` if it fits, else as many as fit when ``n`` is None.
     Raises PlacementError naming the request, the cluster and the flag to change."""
-    shape = _shape(cpus, gpus, memory)
-    fits = feasible_actors(nodes, cpus, gpus, memory)
+    shape = _shape(cpus, gpus, memory, custom)
+    fits = feasible_actors(nodes, cpus, gpus, memory, custom)
     want = 1 if n is None else n
     if want <= fits:
         return fits if n is None else n
     asked = "even 1 actor" if n is None else f"{n} actor(s)"
     raise PlacementError(
         f"cannot place {asked} × {_fmt_shape(shape)}: the cluster's nodes hold at most {fits} "
-        f"({_fmt_nodes(nodes)}); {_hint(nodes, _wanted(shape), fits)}")
+        f"({_fmt_nodes(nodes, custom=list(custom or ()))}); {_hint(nodes, _wanted(shape), fits)}")
 
 
-def _core(res: dict) -> dict:
+def _core(res: dict, custom=()) -> dict:
     # placement groups add per-group resources (CPU_group_<id>, bundle_group_...) that mean
     # nothing to the user
-    return {k: res.get(k, 0) for k in ("CPU", "GPU", "memory")}
+    return {k: res.get(k, 0) for k in ("CPU", "GPU", "memory", *custom)}
 
 
-def reserve(n: int, cpus: float, gpus: float, *, memory: float | None = None,
+def reserve(n: int, cpus: float, gpus: float, *, memory: float | None = None, custom: dict | None = None,
             timeout_s: float = 60.0, log=print):
     """Reserve ``n`` bundles of the actor shape as a PACK placement group; returns the group.
 
@@ -125,30 +136,32 @@ def reserve(n: int, cpus: float, gpus: float, *, memory: float | None = None,
     import ray
     from ray.util.placement_group import placement_group
 
-    shape = _shape(cpus, gpus, memory)
+    shape = _shape(cpus, gpus, memory, custom)
+    extra = list(custom or ())
     pg = placement_group([_wanted(shape)] * n, strategy="PACK")
     ready = pg.ready()
     t0 = time.monotonic()
     done, _ = ray.wait([ready], timeout=min(5.0, timeout_s))
     if not done:  # say why we are waiting rather than sit silent
         log(f"waiting up to {timeout_s:g} s for {n} × {_fmt_shape(shape)} "
-            f"(available now: {_fmt_resources(_core(ray.available_resources()))})")
+            f"(available now: {_fmt_resources(_core(ray.available_resources(), extra), extra)})")
         done, _ = ray.wait([ready], timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
     if done:
         return pg
     release(pg)
-    total, avail = _core(ray.cluster_resources()), _core(ray.available_resources())
-    fits = feasible_actors(ray.nodes(), cpus, gpus, memory)
+    total, avail = _core(ray.cluster_resources(), extra), _core(ray.available_resources(), extra)
+    fits = feasible_actors(ray.nodes(), cpus, gpus, memory, custom)
     why = ("the cluster could hold them, so other jobs or actors may hold the resources now"
            if fits >= n else f"the cluster's nodes hold at most {fits}")
     raise PlacementError(
         f"could not reserve {n} actor(s) × {_fmt_shape(shape)} within {timeout_s:g} s: {why} "
-        f"(available: {_fmt_resources(avail)}; total: {_fmt_resources(total)}); "
+        f"(available: {_fmt_resources(avail, extra)}; total: {_fmt_resources(total, extra)}); "
         f"free them, wait longer (--placement-timeout-s) or lower "
         f"{'--num-actors / ' if n > 1 else ''}--cpus-per-actor")
 
 
-def actor_options(pg, index: int, cpus: float, gpus: float, memory: float | None = None) -> dict:
+def actor_options(pg, index: int, cpus: float, gpus: float, memory: float | None = None,
+                  custom: dict | None = None) -> dict:
     """``.options(...)`` kwargs that start an actor inside bundle ``index`` of ``pg``; a
     replacement for a dead actor given the same index takes the resources it freed."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -158,6 +171,8 @@ def actor_options(pg, index: int, cpus: float, gpus: float, memory: float | None
                 pg, placement_group_bundle_index=index)}
     if memory:
         opts["memory"] = memory
+    if custom:
+        opts["resources"] = dict(custom)
     return opts
 
 

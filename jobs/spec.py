@@ -89,6 +89,9 @@ class JobSpec:
     gpus_per_actor: float | None = _f(None, "GPUs per actor (default: 1 when the cluster has GPUs)")
     memory_per_actor: float | None = _f(None, "GB of memory each actor reserves (Ray's memory resource: "
                                               "actors go only where it is free; default: none reserved)")
+    resources_per_actor: dict = _f({}, "a custom Ray resource each actor asks for, KEY=VALUE (repeatable): actors go "
+                                       "only to nodes that offer it (`ray start --resources '{\"KEY\": N}'`)",
+                                   flag="resource")
     prefix_cache_gb: float = _f(1.0, "GB per model (target and draft: up to twice this per actor) for the "
                                      "keys/values of prompt beginnings that several prompts share (a template, "
                                      "few-shot examples): computed once, copied after; 0 turns it off")
@@ -155,6 +158,7 @@ class JobSpec:
             problems.append("prefix_cache_gb must be >= 0 (0 turns prefix caching off)")
         if self.memory_per_actor is not None and self.memory_per_actor <= 0:
             problems.append("memory_per_actor must be > 0 (GB)")
+        problems += _resource_problems(self.resources_per_actor)
         if self.gpus_per_actor is not None and not 0 <= self.gpus_per_actor <= 1:
             problems.append("gpus_per_actor must be within [0, 1]: an actor runs its pair on one GPU "
                             "(start more actors to use more GPUs)")
@@ -222,6 +226,23 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_BUILT_IN = {"CPU": "cpus_per_actor", "GPU": "gpus_per_actor", "memory": "memory_per_actor"}
+
+
+def _resource_problems(resources: dict) -> list[str]:
+    """resources_per_actor's problems: a name Ray's own resources have (their fields say it), or an
+    amount that is not a positive number."""
+    out = []
+    for k, v in resources.items():
+        if k in _BUILT_IN:
+            out.append(f"resources_per_actor {k}: give it as {_BUILT_IN[k]}")
+        elif not isinstance(k, str) or not k:
+            out.append(f"resources_per_actor: a resource's name is a non-empty string, got {k!r}")
+        elif not _is(v, float) or not math.isfinite(v) or v <= 0:
+            out.append(f"resources_per_actor {k}: the amount must be a number > 0, got {v!r}")
+    return out
 
 
 def canonical_options(method: str, options: dict | None) -> dict:
@@ -369,6 +390,14 @@ def _coerce(data: dict) -> dict:
             data["batch_size"] = int(b)
         except ValueError:
             raise SpecError(f"invalid job spec: batch_size must be a number or auto, got {b!r}") from None
+    res = data.get("resources_per_actor")
+    if isinstance(res, (str, list, tuple)):  # --resource KEY=VALUE flags, or a job file's list of them
+        try:
+            res = parse_options([res] if isinstance(res, str) else list(res))
+        except (ValueError, TypeError) as e:
+            raise SpecError(f"invalid job spec: resources_per_actor: {e}") from None
+    if isinstance(res, dict):
+        data["resources_per_actor"] = {k: _number(v) for k, v in res.items()}
     keep = data.get("keep_columns")
     if isinstance(keep, str):
         data["keep_columns"] = () if keep.strip().lower() == "none" else \
@@ -390,6 +419,16 @@ def _coerce(data: dict) -> dict:
     if isinstance(data.get("output"), str):  # (~ as the shell would, a job file's too; kept relative when
         data["output"] = os.path.expanduser(data["output"])  # given so: `ray job submit` warns of it)
     return data
+
+
+def _number(v):
+    """A flag's "1" or "0.5" as a number (anything else as given: the spec's check names it)."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
 
 
 PATH_FIELDS = ("input", "target", "draft")

@@ -99,7 +99,7 @@ def cluster():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("a Ray session is already open in this process")
-    start_local_ray(num_cpus=2, log_to_driver=False)
+    start_local_ray(num_cpus=2, resources={"fast": 1}, log_to_driver=False)  # (a custom resource: --resource)
 
     # defined here so cloudpickle ships them by value (workers cannot import this test module)
     class Unpicklable(Exception):
@@ -167,6 +167,35 @@ def test_reserve_of_unavailable_resources_times_out_with_message(cluster):
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+def test_a_custom_resource_places_actors_only_where_a_node_offers_it(cluster):
+    """dynatree run --resource KEY=N (Ray's custom resources, `ray start --resources`): counted per
+    node, reserved with the bundle, asked by the actor; one no node offers is named as such."""
+    ray, Probe = cluster.ray, cluster.Probe
+    nodes = ray.nodes()
+    assert check_request(nodes, None, 1, 0, custom={"fast": 1}) == 1  # (the CPUs hold 2; the resource 1)
+    with pytest.raises(PlacementError, match=r"2 actor\(s\) × \{CPU: 1, GPU: 0, fast: 1\}: the cluster's nodes hold "
+                                             r"at most 1 \(node .*: 2 CPU, 0 GPU, .*1 fast\); lower --num-actors to at "
+                                             r"most 1 or lower --cpus-per-actor / --resource fast=\.\.\."):
+        check_request(nodes, 2, 1, 0, custom={"fast": 1})
+    with pytest.raises(PlacementError, match=r"no node offers fsat: a node does when started with `ray start "
+                                             r"--resources '\{\"fsat\": N\}'`"):
+        check_request(nodes, 1, 1, 0, custom={"fsat": 1})
+    pg = reserve(1, 1, 0, custom={"fast": 1}, timeout_s=20)
+    actor = None
+    try:
+        actor = Probe.options(**actor_options(pg, 0, 1, 0, custom={"fast": 1}), max_restarts=0).remote()
+        assert wait_ready([actor.ready.remote()], timeout_s=30) == [{"ok": True}]
+        assert ray.available_resources().get("fast", 0) == 0  # (held by the group)
+        with pytest.raises(PlacementError, match=r"could not reserve 1 actor\(s\) × \{CPU: 1, GPU: 0, fast: 1\} "
+                                                 r"within 2 s: .*\(available: 1 CPU, 0 GPU, .*0 fast; total: 2 CPU, 0 "
+                                                 r"GPU, .*1 fast\)"):
+            reserve(1, 1, 0, custom={"fast": 1}, timeout_s=2, log=lambda m: None)
+    finally:
+        if actor is not None:
+            ray.kill(actor)
+        release(pg)
 
 
 def test_actor_in_bundle_starts_and_replacement_reuses_bundle(cluster):

@@ -777,6 +777,37 @@ def test_windowed_job_generates_past_the_context(ray_cluster, pair_dirs, tmp_pat
     assert rows[0]["prompt_tokens"] > 128
 
 
+def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_path):
+    """--resource KEY=N (repeatable), a job file's mapping or list, a caller's dict: one typed mapping,
+    not part of the job's identity; Ray's own resources and bad amounts refused; a local job (no
+    --address: a cluster without custom resources) says no node offers it, before Ray starts."""
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+
+    base = dict(input="x", output="y")
+    assert build_spec(None, **base, resources_per_actor=("fast=1", "disk=0.5")).resources_per_actor == \
+        {"fast": 1.0, "disk": 0.5}
+    job = tmp_path / "job.yaml"
+    job.write_text("input: x\noutput: y\nresources_per_actor: {fast: 2}\n")
+    assert build_spec(str(job)).resources_per_actor == {"fast": 2}
+    assert build_spec(str(job), resources_per_actor=None).resources_per_actor == {"fast": 2}  # (no flag given)
+    assert build_spec(None, **base, resources_per_actor={"fast": 1}).identity_hash() == \
+        build_spec(None, **base).identity_hash()  # (where actors run changes no output)
+    for bad, said in ((("CPU=2",), "resources_per_actor CPU: give it as cpus_per_actor"),
+                      (("fast=-1",), "resources_per_actor fast: the amount must be a number > 0, got -1.0"),
+                      (("fast=lots",), "the amount must be a number > 0, got 'lots'"),
+                      (("fast",), "option 'fast' is not of the form key=value")):
+        with pytest.raises(SpecError, match=re.escape(said)):
+            build_spec(None, **base, resources_per_actor=bad)
+    write_input(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"),
+                                    "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--max-new-tokens", "4", "--cpus-per-actor", "1", "--resource", "fast=1", "--dry-run"])
+    assert res.exit_code == 1 and "no node offers fast" in res.output and "(a local cluster, without --address, " \
+        "offers none)" in res.output, res.output
+
+
 def test_example_job_files_are_valid_specs():
     from pathlib import Path
     for f in sorted((Path(__file__).resolve().parents[1] / "jobs" / "examples").glob("*.yaml")):
