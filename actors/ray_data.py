@@ -186,10 +186,15 @@ class Generate:
             ids = ["#" + hashlib.blake2b(repr(t).encode(), digest_size=8).hexdigest() for t in texts]
         else:
             ids = id_strings(table.column(id_col))
-            if None in ids or len(set(ids)) < len(ids):
-                raise ValueError(f"dynatree: id column {id_col!r} holds a null or a duplicate id in one batch (ids key "
-                                 "each row's seed and check; keep them unique)")
-        return [{"id": i, "text": t} for i, t in zip(ids, texts)], id_col
+        rows = [{"id": i, "text": t} for i, t in zip(ids, texts)]
+        seen = set()
+        for r in rows if id_col is not None else ():  # (that row's error: a whole dataset failed for one null id)
+            if r["id"] is None or r["id"] in seen:
+                r["error"] = (f"id column {id_col!r}: " + ("the id is null" if r["id"] is None else
+                              f"id {r['id']} repeats an earlier row's in this batch") +
+                              " (ids key each row's seed and check: keep them unique)")
+            seen.add(r["id"])
+        return rows, id_col
 
     def _table(self, batch: pa.Table, results: list[dict], id_col: str | None) -> pa.Table:
         for r in results:  # (a row's error as the stage's options name things, not a job's flags)

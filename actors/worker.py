@@ -184,12 +184,16 @@ class ShardWorker:
     def _requests(self, rows: list[dict], results: list[dict]) -> tuple[list[Request], list[tuple[str, int]]]:
         spec, reqs, slots, n = self.spec, [], [], self.spec.samples
         for i, r in enumerate(rows):
-            try:
-                ids = prompt_ids(self.pair, r["text"], spec.max_new_tokens, spec.max_prompt_tokens,
-                                 bool(self.cfg.kv_window), spec.chat_template)
-            except ValueError as e:
+            problem = r.get("error")  # (a row its caller refused: the Ray Data stage's null or repeated id)
+            if problem is None:
+                try:
+                    ids = prompt_ids(self.pair, r["text"], spec.max_new_tokens, spec.max_prompt_tokens,
+                                     bool(self.cfg.kv_window), spec.chat_template)
+                except ValueError as e:
+                    problem = str(e)
+            if problem is not None:
                 for out in results[i * n:(i + 1) * n]:
-                    out.update(error=str(e), finish_reason="error")
+                    out.update(error=problem, finish_reason="error")
                 continue
             # a prompt's samples queue together: they join one prefill, which computes the prompt once
             for k in range(n):

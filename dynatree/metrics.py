@@ -119,8 +119,8 @@ def result_row(row_id, method: str, error: str | None = None, sample: int | None
     """A row with every output column: metrics unset until :func:`fill_row`.  ``sample``: its
     number among the prompt's samples (output_schema(sampled=True)), or None."""
     row = dict.fromkeys(output_schema(sample is not None).names)
-    row.update(id=str(row_id), method=method, error=error, finish_reason="error" if error else None,
-               num_generated_tokens=0)
+    row.update(id=None if row_id is None else str(row_id), method=method, error=error,
+               finish_reason="error" if error else None, num_generated_tokens=0)
     if sample is not None:
         row["sample"] = sample
     return row
