@@ -28,6 +28,10 @@ def test_cluster_yaml_is_a_valid_ray_up_config():
     assert cfg["provider"]["type"] == "local"
     assert any("RAY_AUTH_MODE=token" in c for c in cfg["head_start_ray_commands"])
     assert any("--dashboard-host=127.0.0.1" in c for c in cfg["head_start_ray_commands"])
+    # the README's `ray job submit -- dynatree run` runs with the PATH Ray was started with: the venv on it
+    # (the Ray Data trial: "dynatree: not found", exit 127, with the venv's ray called by its path alone)
+    starts = [c for k in ("head_start_ray_commands", "worker_start_ray_commands") for c in cfg[k] if "ray start" in c]
+    assert len(starts) == 2 and all(c.startswith("export PATH=~/dynatree-venv/bin:$PATH && ") for c in starts)
     prepared = prepare_config(cfg)  # the checkout is mounted without what git ignores (.venv: GBs)
     assert ".gitignore" in prepared["rsync_filter"] and ".venv" in prepared["rsync_exclude"]
 
