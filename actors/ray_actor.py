@@ -63,7 +63,10 @@ class PairActor:
     def stats(self) -> dict:
         if self.failed is not None:
             raise self.failed
-        return self.worker.stats()
+        import ray  # (the Ray node it ran on: summary.json's this_run.actors, how a job spread over a cluster)
+
+        return {**self.worker.stats(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address()}
 
     def run_shard(self, shard: str, rows: list[dict], backlog: int = 0) -> list[dict]:
         if self.failed is not None:  # a replacement that failed to start: said as such, not as a death

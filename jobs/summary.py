@@ -304,8 +304,9 @@ def _machines(actors: list[dict]) -> str:
     """'2 actors on Intel(R) Xeon(R) ... with 2 CPUs': the machines (CPUs, GPUs) this run's actors
     ran on, counted -- the CPUs the machine's, not each actor's ("2 x ..., 2 CPUs" read as 4)."""
     counts = Counter(a["machine"] for a in actors if a.get("machine"))
+    nodes = len({a["node_id"] for a in actors if a.get("node_id")})  # (older summaries: none recorded)
     return "; ".join(f"{n} actor{'s' * (n > 1)} on " + re.sub(r", (\d+) CPUs", r" with \1 CPUs", m)
-                     for m, n in counts.most_common())
+                     for m, n in counts.most_common()) + (f" ({_count(nodes, 'Ray node')})" if nodes else "")
 
 
 def _run_line(run: dict) -> str:

@@ -276,7 +276,9 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     assert s["speedup_vs_ar"]["n"] == 0 and "shared forwards at batch size > 1" in format_table(s)
     # the CPU its rates came from (the actor is on this machine)
     machine = re.sub(r", (\d+) CPUs", r" with \1 CPUs", describe(cpu()))  # (the machine's CPUs, not the actor's)
-    assert f"actors ran on            1 actor on {machine}" in format_table(s), format_table(s)
+    assert f"actors ran on            1 actor on {machine} (1 Ray node)" in format_table(s), format_table(s)
+    import ray  # (and which node each actor ran on: a multi-node user checks the spread)
+    assert s["this_run"]["actors"][0]["node_id"] == ray.get_runtime_context().get_node_id()
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])  # a run's output: its table again
