@@ -354,6 +354,19 @@ class BatchDecoder:
                 del self.governed[next(iter(self.governed))]
         self.joining.append(row)
 
+    def cancel(self, key) -> list[int] | None:
+        """Stop decoding the row named ``key`` (a service's client went away) and return the tokens it
+        had committed -- each ar's, as its result's would have begun -- or None when no row in flight
+        has that key (it finished, or never was).  Between steps every row is whole, and rows keep
+        their own caches, so the others decode on unchanged.  Holds the pair's lock, as step does."""
+        with self.pair.lock:
+            for rows in (self.joining, self.active):
+                for i, r in enumerate(rows):
+                    if r.key == key:
+                        del rows[i]
+                        return list(r.out)
+        return None
+
     def _window_hint(self, cfg) -> str:
         """What to do about a prompt that fills the context: shorten it, or decode with a cache window."""
         options = window_options(self.pair, cfg)

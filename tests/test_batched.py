@@ -281,6 +281,25 @@ def test_a_step_that_raised_part_way_refuses_to_go_on_and_names_its_rows(close_p
     assert [dec.partial[i] + done[i] for i in range(3)] == ref
 
 
+def test_a_cancelled_row_leaves_and_the_others_decode_on_unchanged(close_pair):
+    """BatchDecoder.cancel(key): a service whose client went away stops that row (the service trial
+    found no way but an exception); the row's committed tokens are ar's, the rest finish as ar's."""
+    prompts = random_prompts(3, seed=5)
+    ref = [decode(close_pair, p, make_config("ar"), max_new_tokens=16, ignore_eos=True)[0] for p in prompts]
+    dec = BatchDecoder(close_pair)
+    for i, p in enumerate(prompts):
+        dec.add(p, make_config("dynatree"), max_new_tokens=16, ignore_eos=True, key=i)
+    assert dec.cancel("nope") is None
+    dec.step()
+    dec.step()
+    part = dec.cancel(1)
+    assert 0 < len(part) < 16 and part == ref[1][:len(part)] and len(dec) == 2 and dec.cancel(1) is None
+    got = {}
+    while dec:
+        got.update((k, toks) for k, toks, _, _ in dec.step())
+    assert got == {0: ref[0], 2: ref[2]}
+
+
 def test_generate_batch_takes_a_list_of_prompts(close_pair):
     from dynatree import generate_batch
 
