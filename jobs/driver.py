@@ -984,7 +984,9 @@ class _Dispatch:
         self.stats["retries"] += 1
         self.suspects.add(k)
         self.attempts[k] = self.attempts.get(k, 0) + alone
-        why = "actor died" if isinstance(err, RayActorError) else "task error"
+        # (a node lost moments ago reads as this too: Ray says "its node has died" only once its head
+        # has declared the node dead, ~15 s on, and such a shard is then requeued: _requeue)
+        why = "its actor died: a crash, or its node lost" if isinstance(err, RayActorError) else "task error"
         if self.attempts[k] > self.spec.max_retries:
             self.failed.append(name)
             times = "once" if self.attempts[k] == 1 else f"{self.attempts[k]} times"
