@@ -493,8 +493,7 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if key in pair.state and not fresh:
         return pair.state[key]
     # a context too short for the largest forwards: the sizes that fit (the model extrapolates)
-    sizes = tuple(n for n in sizes if n + 1 < pair.max_context) or (1, 2)  # (two points: a slope)
-    widths = tuple(n for n in widths if n + 1 < pair.context_of("draft")) or (1, 2)
+    sizes, widths = _fitting(sizes, pair.max_context), _fitting(widths, pair.context_of("draft"))
     prefix_len = _within(pair, "target", prefix_len, sizes)
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
@@ -520,6 +519,13 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     lm.overhead_ms = 0.1 * lm.verify(1)  # a start; observe_overhead learns it within ~20 iterations
     pair.state[key] = lm
     return lm
+
+
+def _fitting(sizes, context: int) -> tuple:
+    """The forward sizes a context holds, at least two (a slope: one point left a draft of 4
+    positions with a table nothing extrapolates from, an IndexError)."""
+    fit = tuple(n for n in sizes if n + 1 < context)
+    return fit if len(fit) >= 2 else (1, 2)
 
 
 def _within(pair, which: str, prefix_len: int, sizes) -> int:

@@ -452,24 +452,26 @@ class ContextError(ValueError):
     """The prompt leaves no room in the models' context window."""
 
 
-def check_window(cfg, context: int) -> None:
-    """A cache window must fit the models' context with room for a tree (ContextError)."""
+def check_window(cfg, context: int, whose: str = "the models'", aside: str = "") -> None:
+    """A cache window must fit the context with room for a tree (ContextError); ``whose`` and
+    ``aside``: the context's, said in the error (a shorter draft's: ModelPair.window_limit)."""
     window = getattr(cfg, "kv_window", 0)
     if window and window + cfg.kv_evict > context:
         most = context - cfg.kv_evict
         fix = (f"give kv_window at most {most}" if most > cfg.kv_sinks + cfg.kv_evict else
                "lower kv_evict and kv_window together (the window must exceed kv_sinks + kv_evict)")
-        raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed the models' "
-                           f"{context}-token context (a draft's tree positions can reach their sum): {fix}")
+        raise ContextError(f"kv_window {window} + kv_evict {cfg.kv_evict} exceed {whose} "
+                           f"{context}-token context (a draft's tree positions can reach their sum{aside}): {fix}")
 
 
-def check_windows(cfgs: dict, context: int, build=None) -> None:
+def check_windows(cfgs: dict, context, build=None) -> None:
     """check_window for each labelled method config of a check or bench, the error naming the
     option to set: ``LABEL.kv_window``, or the bare option for ``ar`` (which a label cannot configure);
-    and ``build(cfg)`` (ModelPair.windows), whose ValueError says why the models take no window."""
+    and ``build(cfg)`` (ModelPair.windows), whose ValueError says why the models take no window.
+    ``context``: a number, or ``cfg -> (context, whose, aside)`` (ModelPair.window_limit)."""
     for label, cfg in cfgs.items():
         try:
-            check_window(cfg, context)
+            check_window(cfg, *(context(cfg) if callable(context) else (context,)))
         except ContextError as e:
             raise ContextError(f"{label}: {e} (--option {'' if label == 'ar' else label + '.'}kv_window=N)") from None
         if build is not None and getattr(cfg, "kv_window", 0):

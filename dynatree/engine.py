@@ -230,10 +230,10 @@ def window_options(pair, cfg) -> str | None:
     the context, its eviction at most a quarter of that ("kv_window=512", "kv_window=32
     kv_evict=8") -- where that passes the checks a windowed run makes (config.check_windows with
     ModelPair.windows: it fits the context, and the models the method runs take one); else None."""
-    size = pair.window_context // 2
+    size = pair.window_limit(cfg)[0] // 2
     evict = min(ARConfig.kv_evict, size // 4)
     try:
-        check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, pair.window_context, pair.windows)
+        check_windows({"hint": replace(cfg, kv_window=size, kv_evict=evict)}, pair.window_limit, pair.windows)
     except ValueError:
         return None
     return f"kv_window={size}" + (f" kv_evict={evict}" if evict != ARConfig.kv_evict else "")
@@ -335,7 +335,7 @@ class BatchDecoder:
         problem = self.pair.method_problem(cfg)
         if problem:
             raise ValueError(problem)
-        check_window(cfg, self.pair.window_context)
+        check_window(cfg, *self.pair.window_limit(cfg))
         prompt_ids = self._prompt(prompt_ids, cfg)  # checked here: a bad row must not break the batch
         _check_max_new_tokens(max_new_tokens)
         if not isinstance(ignore_eos, bool):  # ("no" is truthy: it would ignore EOS)
@@ -489,7 +489,7 @@ class BatchDecoder:
             d = r.drafter
             r.draft_has_prompt = True
             tokens = d.pending[len(r.prompt) + 1:]
-            if d.context and len(tokens) > d.context:
+            if d.context and len(tokens) > d.context or not d.holds(len(tokens) + 1):
                 continue  # (the catch-up restarts on the latest tokens: the prompt's keys would go unread)
             fresh.append(r)
             later.append(tokens)

@@ -413,10 +413,17 @@ class ModelPair:
         """The positions of the ``"target"`` (the pair's context) or the ``"draft"``."""
         return self.draft_positions or self.max_context if which == "draft" else self.max_context
 
-    @property
-    def window_context(self) -> int:
-        """The context a cache window must fit: both models keep one (a draft's window does not restart)."""
-        return self.context_of("draft")
+    def window_limit(self, cfg) -> tuple[int, str, str]:
+        """The context a cache window of ``cfg`` must fit, whose it is and an aside, as check_window
+        says them: a drafting method's window is kept in both models (a windowed draft does not
+        restart), so a shorter draft's holds it; ``ar`` runs the target alone."""
+        from .config import ARConfig
+
+        if self.draft_positions and not isinstance(cfg, ARConfig):
+            return (self.draft_positions, "the draft's",
+                    f"; a drafting method keeps the window in the draft too, while ar's may fill the target's "
+                    f"{self.max_context}")
+        return self.max_context, "the models'", ""
 
     @property
     def id_limit(self) -> int:
@@ -606,7 +613,7 @@ class ModelPair:
         (method_problem); a ValueError naming the label otherwise."""
         from .config import check_windows
 
-        check_windows(cfgs, self.window_context, self.windows)
+        check_windows(cfgs, self.window_limit, self.windows)
         for label, cfg in cfgs.items():
             problem = self.method_problem(cfg)
             if problem:

@@ -61,7 +61,9 @@ def _forwards(pair, lat) -> list[tuple[str, dict]]:
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = "" if fmt is None else "  (bfloat16 compute)" if fmt == native.BF16_COMPUTE else \
             f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})"
-        click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store)
+        at = budget._within(pair, name, lat.short_at, table)  # (a draft with fewer positions: over fewer tokens)
+        over = f"  (over {at} cached tokens: its {pair.context_of(name)}-token context)" if at < lat.short_at else ""
+        click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store + over)
     return timed
 
 

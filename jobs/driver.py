@@ -384,8 +384,10 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     if not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
         raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in the target's "
                        f"{ctx}-token context (or generate past it with a cache window: --option kv_window=...)")
-    try:  # (a window both models keep: the shorter context must hold it)
-        check_window(cfg, min(filter(None, map(_context, dirs))))
+    draft = _context(dirs[1]) if len(dirs) > 1 else None  # (a drafting method keeps a window in both models)
+    try:
+        check_window(cfg, *((draft, "the draft's", f"; the target's context is {ctx}") if draft and draft < ctx
+                            else (ctx,)))
     except ContextError as e:
         raise JobError(str(e)) from None
     if getattr(cfg, "kv_window", 0):

@@ -1037,7 +1037,19 @@ def test_a_draft_with_a_shorter_context_restarts_within_it(dtype):
     draft = noisy_copy(target, 3, 0.1)  # (proposals the target often takes)
     draft.config.max_position_embeddings = 16
     pair = pair_from_models(target, draft, None, eos_token_id=None)
-    assert (pair.max_context, pair.draft_positions, pair.window_context) == (128, 16, 16)
+    assert (pair.max_context, pair.draft_positions) == (128, 16)
+    assert pair.window_limit(make_config("dynatree"))[0] == 16 and pair.window_limit(make_config("ar"))[0] == 128
+    with pytest.raises(ValueError, match=r"kv_window 32 \+ kv_evict 8 exceed the draft's 16-token context \(a draft's "
+                                         r"tree positions can reach their sum; a drafting method keeps the window in "
+                                         r"the draft too, while ar's may fill the target's 128\)"):
+        generate_batch(pair, [[5, 6, 7]], "dynatree", {"kv_window": 32, "kv_evict": 8}, max_new_tokens=2)
+    windowed = {"kv_window": 64, "kv_evict": 8}  # (ar runs no draft: the target's context holds its window)
+    assert len(generate_batch(pair, [[5, 6, 7]], "ar", windowed, max_new_tokens=2)[0].token_ids) == 2
+    four = noisy_copy(target, 3, 0.1)
+    four.config.max_position_embeddings = 4  # (the budget's profile kept one draft width: an IndexError)
+    tiny = pair_from_models(target, four, None, eos_token_id=None)
+    assert generate_batch(tiny, [[5, 6, 7]], "dynatree", max_new_tokens=10)[0].token_ids == \
+        generate_batch(tiny, [[5, 6, 7]], "ar", max_new_tokens=10)[0].token_ids
     seen = []
     real = Drafter.expand
 

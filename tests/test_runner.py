@@ -2122,5 +2122,7 @@ def test_a_jobs_context_is_the_targets_beside_a_shorter_draft(pair_dirs, tmp_pat
     with pytest.raises(JobError, match=rf"--max-new-tokens {target_ctx} leaves no room for a prompt in the target's "
                                        rf"{target_ctx}-token context"):
         check_models(dataclasses.replace(job, max_new_tokens=target_ctx))
-    with pytest.raises(JobError, match="kv_window 32 \\+ kv_evict 8 exceed the models' 16-token context"):
+    with pytest.raises(JobError, match="kv_window 32 \\+ kv_evict 8 exceed the draft's 16-token context \\(a draft's "
+                                       f"tree positions can reach their sum; the target's context is {target_ctx}\\)"):
         check_models(dataclasses.replace(job, options={"kv_window": 32, "kv_evict": 8}))
+    check_models(dataclasses.replace(job, method="ar", options={"kv_window": 32, "kv_evict": 8}))  # (no draft runs)
