@@ -109,10 +109,14 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     assert (plan["shards_done"], plan["rows_to_decode"]) == (2, 4)
     os.remove(foreign)
-    real_access = os.access  # a read-only output (a read-only mount: root passes permission bits)
+    def read_only(directory, room=0):  # a read-only mount (root passes permission bits: the dry run probes)
+        raise OSError(30, "Read-only file system", str(directory / ".write-probe"))
+
+    from dynatree.jobs import driver as job_driver
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(os, "access", lambda p, mode: not mode & os.W_OK and real_access(p, mode))
-        with pytest.raises(JobError, match="is not writable"):
+        mp.setattr(job_driver, "ensure_writable", read_only)
+        with pytest.raises(JobError, match="is not writable: .*Read-only file system"):
             run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     summary = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
     assert summary["this_run"]["shards_this_run"] == 1 and summary["rows"] == len(PROMPTS)
@@ -1041,7 +1045,7 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
             progress=False, log=quiet)
     with pytest.raises(JobError, match="kv_window 120 \\+ kv_evict 16 exceed the models' 128-token context"):
         run_job(spec(pair_dirs, tmp_path, options={"kv_window": 120, "kv_evict": 16}), progress=False, log=quiet)
-    with pytest.raises(JobError, match="--max-new-tokens 128 leaves no room for a prompt in the models' 128-token"):
+    with pytest.raises(JobError, match="--max-new-tokens 128 leaves no room for a prompt in the target's 128-token"):
         run_job(spec(pair_dirs, tmp_path, max_new_tokens=128), progress=False, log=quiet)
     shutil.copytree(pair_dirs / "target", tmp_path / "yarn")  # a rotary scaling no cache window takes
     config = json.loads((tmp_path / "yarn" / "config.json").read_text())
