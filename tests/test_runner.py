@@ -783,7 +783,7 @@ def test_windowed_job_generates_past_the_context(ray_cluster, pair_dirs, tmp_pat
     assert rows[0]["prompt_tokens"] > 128
 
 
-def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_path):
+def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_path, monkeypatch):
     """--resource KEY=N (repeatable), a job file's mapping or list, a caller's dict: one typed mapping,
     not part of the job's identity; Ray's own resources and bad amounts refused; a local job (no
     --address: a cluster without custom resources) says no node offers it, before Ray starts."""
@@ -807,6 +807,8 @@ def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_
         with pytest.raises(SpecError, match=re.escape(said)):
             build_spec(None, **base, resources_per_actor=bad)
     write_input(tmp_path)
+    import ray  # (as a fresh `dynatree run` process: no cluster of this test session's to defer to)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"),
                                     "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
                                     "--max-new-tokens", "4", "--cpus-per-actor", "1", "--resource", "fast=1", "--dry-run"])
