@@ -187,13 +187,14 @@ class Generate:
         else:
             ids = id_strings(table.column(id_col))
         rows = [{"id": i, "text": t} for i, t in zip(ids, texts)]
-        seen = set()
-        for r in rows if id_col is not None else ():  # (that row's error: a whole dataset failed for one null id)
-            if r["id"] is None or r["id"] in seen:
-                r["error"] = (f"id column {id_col!r}: " + ("the id is null" if r["id"] is None else
-                              f"id {r['id']} repeats an earlier row's in this batch") +
-                              " (ids key each row's seed and check: keep them unique)")
-            seen.add(r["id"])
+        if id_col is not None:  # a null or repeated id: that row's error (one null id failed a whole dataset)
+            seen = set()
+            for r in rows:
+                if r["id"] is None or r["id"] in seen:
+                    r["error"] = (f"id column {id_col!r}: " + ("the id is null" if r["id"] is None else
+                                  f"id {r['id']} repeats an earlier row's in this batch") +
+                                  " (ids key each row's seed and check: keep them unique)")
+                seen.add(r["id"])
         return rows, id_col
 
     def _table(self, batch: pa.Table, results: list[dict], id_col: str | None) -> pa.Table:

@@ -16,6 +16,7 @@ tables and plots from those rows alone.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +32,7 @@ from .config import (METHODS, ARConfig, ar_reference, make_config, non_default_o
                      unused_sampling_notes)
 from .engine import decode
 from .machine import ensure_writable, versions
-from .metrics import Metrics, defined_mean, release_freed_memory, rss_bytes
+from .metrics import Metrics, counted, defined_mean, release_freed_memory, rss_bytes
 from .models import ModelPair
 from .policies import make_policy
 
@@ -407,8 +408,9 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     methods = [ms for ms in methods if ms.label not in one_at_a_time and ms.label not in greedy_only]
     over = [b for b in batch_sizes if b > len(prompts)]
     if over:  # (a batch of the prompts there are, not B of them: labelled as what ran)
-        log(f"  B = {', '.join(map(str, over))}: only {_n(len(prompts), 'prompt')} {'is' if len(prompts) == 1 else 'are'} "
-            f"measured, so the largest batch is {len(prompts)} (give --prompts of at least B plus the warm-up)")
+        log(f"  B = {', '.join(map(str, over))}: only {counted(len(prompts), 'prompt')} "
+            f"{'is' if len(prompts) == 1 else 'are'} measured, so the largest batch is {len(prompts)} (give --prompts "
+            "of at least B plus the warm-up)")
     for b in dict.fromkeys(min(b, len(prompts)) for b in batch_sizes):
         def run(ms, chunk, n):
             pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares
@@ -517,13 +519,16 @@ def prepare(spec: BenchSpec, out_dir: str | Path, log=print) -> list[tuple[str, 
     for ds, name, texts in loaded:
         if len(texts) <= spec.warmup:
             had = (f"--prompts {spec.prompts} leaves" if len(texts) == spec.prompts else
-                   f"{_n(len(texts), 'usable prompt')} (texts of at least 200 characters) leave")
+                   f"{counted(len(texts), 'usable prompt')} (texts of at least 200 characters) leave")
             raise ValueError(f"dataset {ds}: {had} none to measure after --warmup {spec.warmup}")
     out = Path(out_dir)
     missing = [p for p in (out, *out.parents) if not p.exists()]  # (the leaf first)
-    _writable(out)
-    for p in missing:
-        p.rmdir()
+    try:
+        _writable(out)
+    finally:  # (made or not, probed or not: nothing left behind)
+        for p in missing:
+            with contextlib.suppress(OSError):
+                p.rmdir()
     return loaded
 
 
@@ -532,11 +537,6 @@ def _writable(out: Path) -> None:
         ensure_writable(out, room=1 << 20)
     except OSError as e:
         raise ValueError(f"--out {out} cannot take the results: {e.strerror or e}") from None
-
-
-def _n(count: int, noun: str) -> str:
-    """"1 prompt", "2 prompts"."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print, loaded: list | None = None) -> Path:
@@ -590,6 +590,12 @@ def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
     cfgs = {m.label: ARConfig() if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     pair.need_draft([m.label for m in spec.methods if m.method in HF_DRAFTED or make_policy(cfgs[m.label]).needs_draft])
     ok = pair.decodable(cfgs, log)
+    short = [m.label for m in spec.methods if m.method in HF_DRAFTED and pair.draft_positions]
+    if short:  # (transformers feeds its assistant the whole text: past a learned table, an IndexError)
+        log(f"note: skipping {', '.join(short)}: transformers' assisted generation runs the draft over the whole "
+            f"text, and the draft's {pair.draft_positions} positions are fewer than the target's {pair.max_context} "
+            "(dynatree's methods restart it within them)")
+        ok = {label: cfg for label, cfg in ok.items() if label not in short}
     for note in unused_sampling_notes({m.label: cfgs[m.label] for m in spec.methods if m.method not in HF_METHODS}):
         log(f"note: {note}")
     grid, problem = spec.grid, spec.grid and pair.method_problem(make_config("fixed_tree"))
@@ -641,7 +647,7 @@ def _measure(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded: li
             "alone (choose others with --sweep-methods)")
     for ds, name, texts in loaded:
         if len(texts) < spec.prompts:  # (said, not measured quietly on fewer)
-            log(f"note: dataset {ds} has {_n(len(texts), 'usable prompt')} (texts of at least 200 characters), "
+            log(f"note: dataset {ds} has {counted(len(texts), 'usable prompt')} (texts of at least 200 characters), "
                 f"fewer than --prompts {spec.prompts}: measuring {len(texts) - spec.warmup}")
     cfgs = {m.label: None if m.method in HF_METHODS else make_config(m.method, m.options) for m in spec.methods}
     # a window the context cannot hold fails here, not after the methods before it ran
@@ -663,7 +669,7 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
         lead = len(pair.leading_ids)  # (a BOS the tokenizer adds stays first when a prompt is cut)
         full = [truncate_prompt(e, lmax, lead=lead) for e in enc]
         cut = f" (cut from {spec.max_prompt_tokens}: the {pair.max_context}-token context holds the new tokens too)"
-        log(f"{name}: {_n(len(full), 'prompt')} ({spec.warmup} warm-up), L_max={lmax}"
+        log(f"{name}: {counted(len(full), 'prompt')} ({spec.warmup} warm-up), L_max={lmax}"
             f"{cut if lmax < spec.max_prompt_tokens else ''}, T={spec.max_new_tokens}")
         if not spec.batch_sizes:  # with batch sizes, B = 1 is the one-at-a-time measurement
             rows += bench_rows(pair, name, full, list(spec.methods), warmup=spec.warmup,

@@ -493,8 +493,8 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if key in pair.state and not fresh:
         return pair.state[key]
     # a context too short for the largest forwards: the sizes that fit (the model extrapolates)
-    sizes, widths = _fitting(sizes, pair.max_context), _fitting(widths, pair.context_of("draft"))
-    prefix_len = _within(pair, "target", prefix_len, sizes)
+    sizes, widths = fitting(sizes, pair.max_context), fitting(widths, pair.context_of("draft"))
+    prefix_len = within(pair, "target", prefix_len, sizes)
     long_at = min(4 * prefix_len, pair.max_context - max(sizes) - 1)
     long_at = long_at if long_at >= 2 * prefix_len else 0  # too short a context to tell the slope
     # (kv_dtype joins the key only when set, so profiles saved before it existed stay valid)
@@ -508,7 +508,7 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     if tables is None:
         target = pair.runner("target")
         tables = {"verify_ms": _profile_model(target, prefix_len, sizes, repeats, kv_dtype),
-                  "draft_ms": (_profile_model(pair.runner("draft"), _within(pair, "draft", prefix_len, widths),
+                  "draft_ms": (_profile_model(pair.runner("draft"), within(pair, "draft", prefix_len, widths),
                                               widths, repeats, kv_dtype)
                                if pair.draft is not None else {w: 0.0 for w in widths}),  # (ar alone: free)
                   "long_ms": _profile_model(target, long_at, sizes, repeats, kv_dtype) if long_at else None}
@@ -521,14 +521,14 @@ def profile(pair, prefix_len: int = 256, sizes=(1, 2, 4, 8, 12, 16, 32, 64), wid
     return lm
 
 
-def _fitting(sizes, context: int) -> tuple:
+def fitting(sizes, context: int) -> tuple:
     """The forward sizes a context holds, at least two (a slope: one point left a draft of 4
     positions with a table nothing extrapolates from, an IndexError)."""
     fit = tuple(n for n in sizes if n + 1 < context)
     return fit if len(fit) >= 2 else (1, 2)
 
 
-def _within(pair, which: str, prefix_len: int, sizes) -> int:
+def within(pair, which: str, prefix_len: int, sizes) -> int:
     """``prefix_len`` lowered so that its largest forward stays inside the model's positions (a draft
     shorter than its target: ModelPair.draft_positions)."""
     return max(0, min(prefix_len, pair.context_of(which) - max(sizes) - 1))

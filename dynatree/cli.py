@@ -38,10 +38,9 @@ def _threads(n: int | None, device: str = "cpu") -> None:
 
 
 def _note_shared_cores(threads: int) -> None:
-    from .machine import busy_cpus
+    from .machine import busy_cpus, usable_cpus
 
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (taskset)
-    note = cores_note(busy_cpus(), threads, usable)
+    note = cores_note(busy_cpus(), threads, usable_cpus())  # (taskset: the CPUs this process may use)
     if note:
         click.echo(note, err=True)
 
@@ -767,9 +766,11 @@ def report_cmd(out_dir):
             try:
                 summary = json.loads(job.read_text())
                 _print_summary(summary, types.SimpleNamespace(output=out_dir))
-                if summary.get("rows") and not any(Path(out_dir, "shards").glob("part-*.parquet")):
-                    click.echo(f"warning: {out_dir}/shards holds no shard now: the rows this summary counts were "
-                               "moved or deleted", err=True)
+                planned = json.loads((Path(out_dir) / "manifest.json").read_text()).get("shards")
+                held = len(list(Path(out_dir, "shards").glob("part-*.parquet")))
+                if planned and held < planned:
+                    click.echo(f"warning: {out_dir}/shards holds {held} of the job's {planned} shards now: rows this "
+                               "summary counts were moved or deleted (re-running the job redoes them)", err=True)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 _fail(f"cannot read {job} ({type(e).__name__}: {e}); re-running the job's `dynatree run` command "
                       "rewrites it without decoding what is done")

@@ -464,6 +464,16 @@ def check_window(cfg, context: int, whose: str = "the models'", aside: str = "")
                            f"{context}-token context (a draft's tree positions can reach their sum{aside}): {fix}")
 
 
+def window_limit(cfg, context: int, draft_context: int | None = None) -> tuple[int, str, str]:
+    """The context a cache window of ``cfg`` must fit, whose it is and an aside, as check_window says
+    them: a drafting method's window is kept in both models (a windowed draft does not restart), so
+    a shorter draft's holds it; ``ar`` runs the target alone.  (ModelPair.window_limit, the driver.)"""
+    if draft_context and draft_context < context and not isinstance(cfg, ARConfig):
+        return (draft_context, "the draft's", "; a drafting method keeps the window in the draft too, while ar's "
+                f"may fill the target's {context}")
+    return context, "the models'", ""
+
+
 def check_windows(cfgs: dict, context, build=None) -> None:
     """check_window for each labelled method config of a check or bench, the error naming the
     option to set: ``LABEL.kv_window``, or the bare option for ``ar`` (which a label cannot configure);

@@ -138,6 +138,12 @@ class Drafter:
         """Whether feeding ``n`` more tokens would pass :meth:`holds` (a restart is due first)."""
         return not self.holds(self.cache.length + n)
 
+    def would_restart(self, cached: int, queued: int) -> bool:
+        """Whether :meth:`prefill` restarts with ``cached`` tokens in the cache and ``queued`` queued
+        (the root last): more than draft_context of them to catch up on, or more than the positions
+        hold.  The one rule: the prefill, the engine's prompt prefill and prefix caching ask it."""
+        return bool(self.context) and queued - 1 > self.context or not self.holds(cached + queued)
+
     def depth_room(self, max_depth: int) -> int:
         """``max_depth`` capped so that no tree node after the next root passes the draft's
         positions (the root where root() puts it: after a restart, if it must make one)."""
@@ -154,8 +160,9 @@ class Drafter:
         later one does (the batched budget compares iterations' costs).  With a window, the
         tokens go in the pieces the target's prefill uses, evicting between them, so the draft
         keeps the same sinks and recent tokens as the target.  A generator (see the class)."""
+        restart = self.would_restart(self.cache.length, len(self.pending))
         todo, self.pending = self.pending[:-1], self.pending[-1:]
-        if (self.context and len(todo) > self.context) or self.outgrows(len(todo) + 1):
+        if restart:
             # catching up would feed len(todo) tokens; a restart on the latest `context` costs fewer,
             # and a draft reads little context (the README's *Draft context*); or the text outgrew
             # the draft's positions

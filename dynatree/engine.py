@@ -286,7 +286,7 @@ class BatchDecoder:
         self.last_governor: Governor | None = None
         self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
         self.broken: str | None = None  # why no step can follow (a step that raised part-way)
-        self.partial: dict = {}  # once broken: key -> the tokens that row had committed
+        self.partial: list = []  # once broken: (key, prompt ids, committed tokens) per row in flight
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.active)
@@ -359,6 +359,8 @@ class BatchDecoder:
         had committed -- each ar's, as its result's would have begun -- or None when no row in flight
         has that key (it finished, or never was).  Between steps every row is whole, and rows keep
         their own caches, so the others decode on unchanged.  Holds the pair's lock, as step does."""
+        if key is None:  # (several rows may have none: which one is meant?)
+            raise ValueError("cancel takes the key a row was added with; a row added without one cannot be named")
         with self.pair.lock:
             for rows in (self.joining, self.active):
                 for i, r in enumerate(rows):
@@ -403,12 +405,12 @@ class BatchDecoder:
                 keys = [r.key for r in self.joining + self.active]
                 # the tokens each row committed (each one ar's: a greedy row re-added as its prompt plus
                 # these decodes on as it would have; the service trial found them unreachable)
-                self.partial = {r.key: list(r.out) for r in self.joining + self.active}
+                self.partial = [(r.key, list(r.prompt), list(r.out)) for r in self.joining + self.active]
                 self.broken = (f"this BatchDecoder's step raised {type(e).__name__}{': ' + str(e) if str(e) else ''}, "
                                f"part-way through an iteration of its rows, so it cannot go on: add the {len(keys)} "
                                f"row(s) in flight (keys {keys[:8]}{' ...' if len(keys) > 8 else ''}) to a new "
-                               "BatchDecoder, where they start from their prompts (the tokens each had committed "
-                               "are in this one's .partial, by key); the pair is unharmed")
+                               "BatchDecoder, where they start from their prompts (each row's key, prompt and "
+                               "committed tokens are in this one's .partial); the pair is unharmed")
                 raise
 
     def _check_whole(self) -> None:
@@ -467,9 +469,11 @@ class BatchDecoder:
             r.ttft = time.perf_counter() - r.t_start
             if r.policy.needs_draft and r.reason is None:
                 window = self.pair.window(r.cfg, "draft")
-                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, r.capacity, r.sampler, window,
-                                    r.cfg.kv_dtype, r.cfg.draft_context,
-                                    0 if window is not None else self.pair.draft_positions)
+                positions = 0 if window is not None else self.pair.draft_positions
+                # (a draft that restarts within its positions never holds more than they and a tree)
+                slots = cache_rows(r.cfg, len(r.prompt) + r.max_new_tokens, positions) if positions else r.capacity
+                r.drafter = Drafter(self.pair.runner("draft"), self.pair.vocab, slots, r.sampler, window,
+                                    r.cfg.kv_dtype, r.cfg.draft_context, positions)
                 try:
                     r.drafter.extend(r.prompt + r.out)  # pending ends with the first tree's root
                 except DraftVocabError:
@@ -489,7 +493,7 @@ class BatchDecoder:
             d = r.drafter
             r.draft_has_prompt = True
             tokens = d.pending[len(r.prompt) + 1:]
-            if d.context and len(tokens) > d.context or not d.holds(len(tokens) + 1):
+            if d.would_restart(len(r.prompt), len(tokens) + 1):  # (the catch-up's, once the prompt is in)
                 continue  # (the catch-up restarts on the latest tokens: the prompt's keys would go unread)
             fresh.append(r)
             later.append(tokens)
@@ -650,7 +654,7 @@ class BatchDecoder:
 def _bounded(r: _Row) -> bool:
     """Whether the row's draft reads less than its whole prompt (SpecConfig.draft_context, or a
     prompt its positions cannot hold with room for trees: Drafter.positions)."""
-    return 0 < r.drafter.context < len(r.prompt) or not r.drafter.holds(len(r.prompt) + 1)
+    return r.drafter.would_restart(0, len(r.prompt) + 1)
 
 
 def _catch_up(rows: list[_Row]) -> None:

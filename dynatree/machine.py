@@ -16,13 +16,17 @@ from pathlib import Path
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # what the kernels use
 
 
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on (taskset, cgroup cpusets), or the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu() -> dict:
     """The CPU's identity: model name, vendor, family/model (x86), the SIMD flags the kernels care
     about, logical CPUs this process may use.  Fields unknown on this OS are left out."""
     from .kbuild import cpuinfo_lines
 
-    info = {"arch": platform.machine(), "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count()}
+    info = {"arch": platform.machine(), "cpus": usable_cpus()}
     first = {k: line.partition(":")[2].strip() for k, line in cpuinfo_lines().items()}
     if not first:
         return {**info, "model": platform.processor() or "unknown"}
@@ -41,8 +45,7 @@ def fma_rates(threads: int) -> dict | None:
     means the CPUs share cores (SMT siblings, or another tenant's load on them): shares_cores."""
     from . import native
 
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
-    n = min(threads, usable)  # (64 threads on 2 CPUs read 3.71x one thread's rate: no machine's peak)
+    n = min(threads, usable_cpus())  # (64 threads on 2 CPUs read 3.71x one thread's rate: no machine's peak)
     many = native.fma_peak(n)
     if not many:
         return None

@@ -115,6 +115,11 @@ def output_schema(sampled: bool = False) -> pa.Schema:
     return pa.schema(head + [(f.name, _arrow_type(f.type)) for cls in (Metrics, Check) for f in fields(cls)])
 
 
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """"1 shard", "2 shards", "3 retries" (``many``): a count said as a reader says it."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def result_row(row_id, method: str, error: str | None = None, sample: int | None = None) -> dict:
     """A row with every output column: metrics unset until :func:`fill_row`.  ``sample``: its
     number among the prompt's samples (output_schema(sampled=True)), or None."""

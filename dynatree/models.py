@@ -414,16 +414,10 @@ class ModelPair:
         return self.draft_positions or self.max_context if which == "draft" else self.max_context
 
     def window_limit(self, cfg) -> tuple[int, str, str]:
-        """The context a cache window of ``cfg`` must fit, whose it is and an aside, as check_window
-        says them: a drafting method's window is kept in both models (a windowed draft does not
-        restart), so a shorter draft's holds it; ``ar`` runs the target alone."""
-        from .config import ARConfig
+        """config.window_limit for this pair: the context a cache window of ``cfg`` must fit."""
+        from .config import window_limit
 
-        if self.draft_positions and not isinstance(cfg, ARConfig):
-            return (self.draft_positions, "the draft's",
-                    f"; a drafting method keeps the window in the draft too, while ar's may fill the target's "
-                    f"{self.max_context}")
-        return self.max_context, "the models'", ""
+        return window_limit(cfg, self.max_context, self.draft_positions)
 
     @property
     def id_limit(self) -> int:

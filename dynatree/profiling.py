@@ -61,7 +61,7 @@ def _forwards(pair, lat) -> list[tuple[str, dict]]:
         fmt = getattr(pair.runner(name), "weight_format", None)
         store = "" if fmt is None else "  (bfloat16 compute)" if fmt == native.BF16_COMPUTE else \
             f"  (weights stored as {str(native.FORMATS[fmt]).replace('torch.', '')})"
-        at = budget._within(pair, name, lat.short_at, table)  # (a draft with fewer positions: over fewer tokens)
+        at = budget.within(pair, name, lat.short_at, table)  # (a draft with fewer positions: over fewer tokens)
         over = f"  (over {at} cached tokens: its {pair.context_of(name)}-token context)" if at < lat.short_at else ""
         click.echo(f"{name:<7}" + "".join(f"  {n:>3}: {ms:6.2f}" for n, ms in sorted(table.items())) + store + over)
     return timed
@@ -184,11 +184,11 @@ def _against_mkl(pair, prefill: int, prefix: int, repeats: int, kv_dtype: str, r
     MKL/oneDNN GEMMs (--kernel lean-mkl), with the shapes where native is slower named (the
     portable-kernel bounds hold for both models)."""
     from . import kbuild
-    models = [("target", [n for n in (1, 4, 16, 64) if n + 1 < pair.max_context], prefill)]
+    models = [("target", budget.fitting((1, 4, 16, 64), pair.max_context), prefill)]
     if pair.draft is not None and getattr(pair.runner("draft"), "native", False):
-        models.append(("draft", [n for n in (1, 4, 16) if n + 1 < pair.context_of("draft")], 0))
+        models.append(("draft", budget.fitting((1, 4, 16), pair.context_of("draft")), 0))
     for name, sizes, pre in models:
-        _mkl_rounds(pair.runner(name), name, sizes, pre, budget._within(pair, name, prefix, sizes), repeats,
+        _mkl_rounds(pair.runner(name), name, sizes, pre, budget.within(pair, name, prefix, sizes), repeats,
                     kv_dtype, rounds)
     if pair.kernel == "lean-bf16":
         click.echo("note: the native times above compute in bfloat16 (--kernel lean-bf16), lean-mkl's in float32")

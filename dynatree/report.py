@@ -257,7 +257,7 @@ def tables(rows: list[dict]) -> str:
     grid = _groups(rows, "grid")
     if grid:
         lines = ["## Fixed-tree grid (speedup vs ar; best first)", "",
-                 "| dataset | setting | tokens/s | speedup | L̄ | exact |", "|---|---|---|---|---|---|"]
+                 "| dataset | setting | tokens/s | speedup | L̄ | identical to `ar` |", "|---|---|---|---|---|---|"]
         for d, by in grid.items():
             res = [(m, _speedup(rs, by.get("ar", [])), rs) for m, rs in by.items() if m != "ar"]
             for m, sp, rs in sorted(res, key=lambda x: -(x[1] or 0)):

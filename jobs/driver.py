@@ -375,7 +375,7 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     """A cache window the models' context cannot hold, or a generation that leaves no room for a
     prompt, fails every row; say so before any work (from the models' config.json: local, or a
     cached hub copy's; the engine checks others, row by row)."""
-    from dynatree.config import ContextError, check_window
+    from dynatree.config import ContextError, check_window, window_limit
 
     cfg = spec.method_config
     ctx = _context(dirs[0])  # (the target's: a draft with fewer positions restarts within them, Drafter.positions)
@@ -384,10 +384,8 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
     if not getattr(cfg, "kv_window", 0) and spec.max_new_tokens >= ctx:
         raise JobError(f"--max-new-tokens {spec.max_new_tokens} leaves no room for a prompt in the target's "
                        f"{ctx}-token context (or generate past it with a cache window: --option kv_window=...)")
-    draft = _context(dirs[1]) if len(dirs) > 1 else None  # (a drafting method keeps a window in both models)
     try:
-        check_window(cfg, *((draft, "the draft's", f"; the target's context is {ctx}") if draft and draft < ctx
-                            else (ctx,)))
+        check_window(cfg, *window_limit(cfg, ctx, _context(dirs[1]) if len(dirs) > 1 else None))
     except ContextError as e:
         raise JobError(str(e)) from None
     if getattr(cfg, "kv_window", 0):

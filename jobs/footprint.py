@@ -208,7 +208,8 @@ def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> Fit:
     alive = placement._alive(nodes)
     notes, reserve = [], None
     custom = spec.resources_per_actor  # (only nodes that offer them hold actors)
-    cpu_fit = [placement._node_fits(x.get("Resources", {}), {"CPU": cpus, **custom}) for x in alive]
+    shape = placement._wanted(placement._shape(cpus, 0, None, custom))
+    cpu_fit = [placement._node_fits(x.get("Resources", {}), shape) for x in alive]
     mem_fit = [min(c, int(_free(x) // need)) for c, x in zip(cpu_fit, alive)]
     binding = any(m < min(c, n) for c, m in zip(cpu_fit, mem_fit))  # a node Ray may fill by CPU cannot hold it
     if spec.num_actors is not None or not binding:

@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynatree.machine import replaced, versions
+from dynatree.metrics import counted
 
 
 def _config(spec) -> dict:
@@ -306,18 +307,14 @@ def _machines(actors: list[dict]) -> str:
     counts = Counter(a["machine"] for a in actors if a.get("machine"))
     nodes = len({a["node_id"] for a in actors if a.get("node_id")})  # (older summaries: none recorded)
     return "; ".join(f"{n} actor{'s' * (n > 1)} on " + re.sub(r", (\d+) CPUs", r" with \1 CPUs", m)
-                     for m, n in counts.most_common()) + (f" ({_count(nodes, 'Ray node')})" if nodes else "")
+                     for m, n in counts.most_common()) + (f" ({counted(nodes, 'Ray node')})" if nodes else "")
 
 
 def _run_line(run: dict) -> str:
     return ((f"{run['job_tokens_per_s']:.1f}" if run.get("job_tokens_per_s") else "-")
             + f"  ({run.get('tokens_this_run', 0)} tokens in {run.get('wall_time_s', 0):.1f}s, "
-              f"{_count(run.get('shards_this_run', 0), 'shard')}, {_count(run.get('retries', 0), 'retry', 'retries')}; "
+              f"{counted(run.get('shards_this_run', 0), 'shard')}, {counted(run.get('retries', 0), 'retry', 'retries')}; "
               "start-up included)")
-
-
-def _count(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _last_run_note(last: dict | None) -> str:

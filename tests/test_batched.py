@@ -263,22 +263,23 @@ def test_a_step_that_raised_part_way_refuses_to_go_on_and_names_its_rows(close_p
     monkeypatch.undo()
     for again in (dec.step, lambda: dec.add([3], key="x")):
         with pytest.raises(RuntimeError, match=r"step raised RuntimeError: out of memory \(injected\).*3 row\(s\) in "
-                                               r"flight \(keys \[0, 1, 2\]\) to a new BatchDecoder, where they start from their prompts \(the "
-                                               r"tokens each had committed are in this one's .partial"):
+                                               r"flight \(keys \[0, 1, 2\]\) to a new BatchDecoder, where they start from their prompts \(each "
+                                               r"row's key, prompt and committed tokens are in this one's .partial"):
             again()
     got = decode_batch(close_pair, prompts, [make_config(m) for m in ("linear", "dynatree", "ar")], max_new_tokens=12,
                        ignore_eos=True)
     assert [g[0] for g in got] == ref
     # what each row had committed is kept (the service trial: lost), and a greedy row continued from it is ar's
-    assert sorted(dec.partial) == [0, 1, 2] and all(0 < len(dec.partial[i]) < 12 for i in range(3))
+    assert [(k, p) for k, p, _ in dec.partial] == list(enumerate(prompts))
+    had = {k: toks for k, _, toks in dec.partial}
+    assert all(0 < len(had[i]) < 12 for i in range(3))
     fresh = BatchDecoder(close_pair)
-    for i, p in enumerate(prompts):
-        fresh.add(list(p) + dec.partial[i], make_config("dynatree"), max_new_tokens=12 - len(dec.partial[i]),
-                  ignore_eos=True, key=i)
+    for k, p, toks in dec.partial:
+        fresh.add(p + toks, make_config("dynatree"), max_new_tokens=12 - len(toks), ignore_eos=True, key=k)
     done = {}
     while fresh:
         done.update((k, toks) for k, toks, _, _ in fresh.step())
-    assert [dec.partial[i] + done[i] for i in range(3)] == ref
+    assert [had[i] + done[i] for i in range(3)] == ref
 
 
 def test_a_cancelled_row_leaves_and_the_others_decode_on_unchanged(close_pair):
@@ -294,6 +295,8 @@ def test_a_cancelled_row_leaves_and_the_others_decode_on_unchanged(close_pair):
     dec.step()
     part = dec.cancel(1)
     assert 0 < len(part) < 16 and part == ref[1][:len(part)] and len(dec) == 2 and dec.cancel(1) is None
+    with pytest.raises(ValueError, match="cancel takes the key a row was added with"):
+        dec.cancel(None)
     got = {}
     while dec:
         got.update((k, toks) for k, toks, _, _ in dec.step())

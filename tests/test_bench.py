@@ -886,3 +886,19 @@ def test_input_problems_are_found_before_the_models_load(pair_dirs, tmp_path, mo
         res = CliRunner().invoke(main, args + extra + ([] if "--out" in extra else ["--out", str(tmp_path / "b")]))
         assert res.exit_code == 1 and said in res.output, res.output
         assert not (tmp_path / "b").exists()
+
+
+def test_the_fma_probe_runs_no_more_threads_than_cpus(monkeypatch):
+    """--threads 64 on 2 CPUs recorded "656 GFLOP/s on 64 threads (3.71x one thread's)": no machine's
+    peak. The probe runs on the CPUs there are and says the run asked for more."""
+    from dynatree import machine, native
+
+    calls = []
+    monkeypatch.setattr(native, "fma_peak", lambda n: calls.append(n) or 100.0 * n)
+    monkeypatch.setattr(native, "variant", lambda: "avx2")
+    monkeypatch.setattr(machine, "usable_cpus", lambda: 2)
+    rates = machine.fma_rates(64)
+    assert calls == [2, 1] and (rates["threads"], rates["run_threads"], rates["gflops"]) == (2, 64, 200.0)
+    assert machine.describe_rates(rates).endswith("on 2 threads (2.00x one thread's 100.0) (the run's 64 threads "
+                                                  "exceed the CPUs)")
+    assert "run_threads" not in machine.fma_rates(2)

@@ -598,6 +598,11 @@ def test_a_target_that_cannot_verify_trees_verifies_chains(monkeypatch):
     # (ALiBi): the pair is not held to 128 tokens, the draft restarts within its positions
     bloom_gpt2 = pair_from_models(bloom.target, _auto("gpt2", 1, **GPT2), None, eos_token_id=None)
     assert bloom_gpt2.max_context > 1 << 20 and bloom_gpt2.draft_positions == 128
+    notes.clear()  # transformers' assisted generation feeds its assistant the whole text: left out of a bench
+    peers = bench.BenchSpec(("x",), tuple(bench.parse_methods("hf_assisted,linear")))
+    assert [m.label for m in bench._decodable(bloom_gpt2, peers, notes.append).methods] == ["ar", "linear"]
+    assert notes and notes[-1].startswith("note: skipping hf_assisted: transformers' assisted generation runs the "
+                                          "draft over the whole text, and the draft's 128 positions are fewer")
     long = (prompts[0] * 40)[:150]
     for p in (prompts[0], long):  # (dynatree's defaults: the budget's profile times chains on such a target)
         ref = decode(bloom_gpt2, p, make_config("ar"), max_new_tokens=60, ignore_eos=True)[0]
@@ -1051,15 +1056,20 @@ def test_a_draft_with_a_shorter_context_restarts_within_it(dtype):
     assert generate_batch(tiny, [[5, 6, 7]], "dynatree", max_new_tokens=10)[0].token_ids == \
         generate_batch(tiny, [[5, 6, 7]], "ar", max_new_tokens=10)[0].token_ids
     seen = []
-    real = Drafter.expand
+    real, real_feed = Drafter.expand, Drafter._feed
 
     def expand(self, tree, nodes, k):  # every node's position inside the draft's 16
         seen.extend(self.root_pos + tree.depths[u] for u in nodes)
         return (yield from real(self, tree, nodes, k))
 
+    def feed(self, tokens, k=0, perturb=None):  # and every committed token's (prefills, catch-ups, roots)
+        seen.append(self.cache.length + len(tokens) - 1)
+        return (yield from real_feed(self, tokens, k, perturb))
+
     prompts = [list(range(1, 21)), [7, 8, 9], list(range(30, 41))]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Drafter, "expand", expand)
+        mp.setattr(Drafter, "_feed", feed)
         ref = [g.token_ids for g in generate_batch(pair, prompts, "ar", max_new_tokens=60, ignore_eos=True)]
         for method, opts in (("dynatree", {"hw_budget": "off", "draft_context": 0}), ("linear", {"k": 4}),
                              ("fixed_tree", {}), ("dyspec", {})):
@@ -1069,6 +1079,18 @@ def test_a_draft_with_a_shorter_context_restarts_within_it(dtype):
             assert [g.token_ids for g in generate_batch(pair, prompts[:1], method, opts, max_new_tokens=60,
                                                         ignore_eos=True)] == ref[:1]
     assert seen and max(seen) <= 15
+    # a row whose tokens since it joined would make the catch-up restart is not first fed its prompt (the
+    # review: the prompt's length was left out of the rule, and 10 prompt tokens went through the draft for nothing)
+    from dynatree.engine import BatchDecoder
+    for extra, fed in ((1, 10), (4, 0)):  # 10 + 1 + extra tokens against the 12 that leave a tree room
+        dec = BatchDecoder(pair)
+        dec.add(list(range(1, 11)), make_config("dynatree", {"hw_budget": "off", "draft_context": 0}),
+                max_new_tokens=8, ignore_eos=True)
+        dec._prefill(dec.joining)
+        row = dec.joining[0]
+        row.drafter.pending += [5] * extra  # (as if plain iterations had committed them)
+        dec._draft_prefill([row])
+        assert row.drafter.fed_tokens == fed, extra
     assert pair_from_models(tiny_neox(1), None, None).context_said == "the 128-token context"
 
 

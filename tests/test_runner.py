@@ -287,6 +287,10 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])  # a run's output: its table again
     assert res.exit_code == 0 and format_table(json.loads((tmp_path / "out" / "summary.json").read_text())) in res.output
+    assert "warning" not in res.output
+    os.remove(tmp_path / "out" / "shards" / "part-000001.parquet")  # (the table would count rows no longer there)
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert "shards holds 2 of the job's 3 shards now" in res.output, res.output
     res = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert res.exit_code == 1 and "nor a finished `dynatree run` output" in res.output
     assert all(r["ar_tokens_per_s"] is None for r in read_rows(tmp_path / "out"))
@@ -2129,6 +2133,7 @@ def test_a_jobs_context_is_the_targets_beside_a_shorter_draft(pair_dirs, tmp_pat
                                        rf"{target_ctx}-token context"):
         check_models(dataclasses.replace(job, max_new_tokens=target_ctx))
     with pytest.raises(JobError, match="kv_window 32 \\+ kv_evict 8 exceed the draft's 16-token context \\(a draft's "
-                                       f"tree positions can reach their sum; the target's context is {target_ctx}\\)"):
+                                       f"tree positions can reach their sum; a drafting method keeps the window in the draft too, "
+                                       f"while ar's may fill the target's {target_ctx}\\)"):
         check_models(dataclasses.replace(job, options={"kv_window": 32, "kv_evict": 8}))
     check_models(dataclasses.replace(job, method="ar", options={"kv_window": 32, "kv_evict": 8}))  # (no draft runs)
