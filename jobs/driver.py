@@ -592,7 +592,8 @@ def _actors_said(spec: JobSpec) -> str:
     n, cpus, gpus = _actor_shape(spec, {"GPU": placement.local_gpus()} if local else {})
     auto_gpu = spec.gpus_per_actor is None and not local and not spec.cpu_only  # (counted at the job's start)
     gpus = "1 if the cluster has one" if auto_gpu else f"{gpus:g}"
-    shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}}}"
+    custom = "".join(f", {k}: {v:g}" for k, v in spec.resources_per_actor.items())  # (--resource)
+    shape = f"{n or 'as many as fit'} x {{CPU: {cpus:g}, GPU: {gpus}{custom}}}"
     if local:
         return shape + " on this machine (they fit)"
     where = ("this process's Ray cluster" if joined else "the cluster `auto` finds" if address == "auto"

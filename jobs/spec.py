@@ -228,20 +228,25 @@ class JobSpec:
         return dataclasses.asdict(self)
 
 
-_BUILT_IN = {"CPU": "cpus_per_actor", "GPU": "gpus_per_actor", "memory": "memory_per_actor"}
+_BUILT_IN = {"CPU": "give it as cpus_per_actor", "GPU": "give it as gpus_per_actor",
+             "memory": "give it as memory_per_actor",
+             # (Ray refused such an actor and every node holding a share of its group crashed: the resource trial)
+             "object_store_memory": "Ray's object store is no resource an actor can reserve"}
+RESOURCE_UNIT = 1e-4  # Ray's resolution for resource amounts (a smaller one reads as 0: placement divided by it)
 
 
 def _resource_problems(resources: dict) -> list[str]:
     """resources_per_actor's problems: a name Ray's own resources have (their fields say it), or an
-    amount that is not a positive number."""
+    amount that is not a positive number Ray can hold."""
     out = []
     for k, v in resources.items():
         if k in _BUILT_IN:
-            out.append(f"resources_per_actor {k}: give it as {_BUILT_IN[k]}")
+            out.append(f"resources_per_actor {k}: {_BUILT_IN[k]}")
         elif not isinstance(k, str) or not k:
             out.append(f"resources_per_actor: a resource's name is a non-empty string, got {k!r}")
-        elif not _is(v, float) or not math.isfinite(v) or v <= 0:
-            out.append(f"resources_per_actor {k}: the amount must be a number > 0, got {v!r}")
+        elif not _is(v, float) or not math.isfinite(v) or v < RESOURCE_UNIT:
+            out.append(f"resources_per_actor {k}: the amount must be a number of at least {RESOURCE_UNIT:g} (Ray's "
+                       f"resolution), got {v!r}")
     return out
 
 

@@ -805,8 +805,11 @@ def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_
     assert build_spec(None, **base, resources_per_actor={"fast": 1}).identity_hash() == \
         build_spec(None, **base).identity_hash()  # (where actors run changes no output)
     for bad, said in ((("CPU=2",), "resources_per_actor CPU: give it as cpus_per_actor"),
-                      (("fast=-1",), "resources_per_actor fast: the amount must be a number > 0, got -1.0"),
-                      (("fast=lots",), "the amount must be a number > 0, got 'lots'"),
+                      (("fast=-1",), "resources_per_actor fast: the amount must be a number of at least 0.0001 "
+                                     "(Ray's resolution), got -1.0"),
+                      (("fast=0.00001",), "got 1e-05"),  # (it divided by zero in placement)
+                      (("object_store_memory=1",), "Ray's object store is no resource an actor can reserve"),
+                      (("fast=lots",), "the amount must be a number of at least 0.0001 (Ray's resolution), got 'lots'"),
                       (("fast",), "option 'fast' is not of the form key=value")):
         with pytest.raises(SpecError, match=re.escape(said)):
             build_spec(None, **base, resources_per_actor=bad)
