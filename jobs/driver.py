@@ -41,7 +41,7 @@ from dynatree.config import SLOW_ON_CPU, grows_trees, unused_sampling
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
-                   output_lock, pin_prompt_start, prepare_output, refuse_changed_input_early, shard_number,
+                   output_lock, pin_context, pin_prompt_start, prepare_output, refuse_changed_input_early, shard_number,
                    start_over, write_shard)
 from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
@@ -671,6 +671,7 @@ class _Dispatch:
         if infos[0].get("draft_forward"):  # (a draft on transformers' forward made a job slow without a word)
             self.stats["draft_forward"] = infos[0]["draft_forward"]
         self.leading_ids = infos[0].get("leading_ids", [])
+        self.context = infos[0]["context"], infos[0].get("draft_positions", 0)  # (pinned with the output: pin_context)
         caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
         if caps:
             span = str(caps[0]) if len(caps) == 1 else f"{caps[0]}-{caps[-1]}"
@@ -709,6 +710,7 @@ class _Dispatch:
             if self.spec.overwrite:  # (only now: a job that cannot start leaves the old output whole)
                 start_over(self.spec, self.plan)
             pin_prompt_start(self.out, self.leading_ids)
+            pin_context(self.out, self.spec, *self.context)
             self._loop(ray, deque((k, None) for k in todo), progress)
             self._actor_stats(ray)
         except placement.PlacementError as e:

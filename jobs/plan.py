@@ -588,6 +588,27 @@ def pin_prompt_start(out: Path, leading: list[int]) -> None:
         _write_manifest(out, {**manifest, "leading_ids": leading})
 
 
+def pin_context(out: Path, spec: JobSpec, context: int, draft_positions: int = 0) -> None:
+    """Keep in the manifest the context the actors hold rows to (ModelPair.max_context: their prompts
+    keep at most it less --max-new-tokens); refuse an output whose shards were held to another where
+    that cuts prompts differently -- dynatree before 2026-12-01 held a pair whose draft has fewer
+    positions than its target to the draft's (the upgrade trial: shards of 64- and 200-token prompts
+    mixed in one job)."""
+    manifest, begun = read_manifest(out) or {}, _has_shards(out)
+    legacy = min(context, draft_positions or context)  # (an older version's shards: the smaller one)
+    had = manifest.get("context", legacy if begun else context)
+    windowed = bool(getattr(spec.method_config, "kv_window", 0))  # (its prompts are not cut by the context)
+    cuts = not windowed and (spec.max_prompt_tokens is None or
+                             spec.max_prompt_tokens + spec.max_new_tokens > min(had, context))
+    if begun and had != context and cuts:
+        raise JobError(f"{out}'s finished shards were decoded with rows held to a {had}-token context (dynatree "
+                       "before 2026-12-01 held a pair to a shorter draft's); this run holds them to the target's "
+                       f"{context}, which keeps more of each prompt beside --max-new-tokens {spec.max_new_tokens} -- "
+                       "mixing the two: --overwrite to redo the job, or another --output")
+    if manifest and manifest.get("context") != context:
+        _write_manifest(out, {**manifest, "context": context})
+
+
 def _write_manifest(out: Path, manifest: dict) -> None:
     with replaced(out / "manifest.json") as tmp:
         tmp.write_text(json.dumps(manifest, indent=2, default=str))

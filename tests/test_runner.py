@@ -1488,6 +1488,31 @@ def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
     assert res.exit_code == 1 and "output directory /proc/dynatree-out is not writable: /proc:" in res.output, res.output
 
 
+def test_an_output_held_to_a_shorter_drafts_context_is_not_resumed_past_it(tmp_path):
+    """Before 2026-12-01 a pair whose draft has fewer positions than its target held rows to the draft's
+    context (prompts cut to it less T); now to the target's: a resume across the upgrade mixed 64- and
+    200-token prompts silently (the upgrade trial).  Pinned per output; refused only where it cuts."""
+    from dynatree.jobs.plan import pin_context, read_manifest
+
+    out = tmp_path / "o"
+    (out / "shards").mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps({"identity_hash": "h"}))  # an older version's
+    job = build_spec(None, input="x", output=str(out), max_prompt_tokens=200, max_new_tokens=32)
+    pin_context(out, job, 1024, 96)  # no shard yet: this run's pinned
+    assert read_manifest(out)["context"] == 1024
+    (out / "manifest.json").write_text(json.dumps({"identity_hash": "h"}))
+    (out / "shards" / "part-000000.parquet").write_bytes(b"")  # shards of the older version (held to 96)
+    with pytest.raises(JobError, match=r"rows held to a 96-token context .* the target's 1024, which keeps more of "
+                                       r"each prompt beside --max-new-tokens 32"):
+        pin_context(out, job, 1024, 96)
+    pin_context(out, build_spec(None, input="x", output=str(out), max_prompt_tokens=48, max_new_tokens=32), 1024, 96)
+    assert read_manifest(out)["context"] == 1024  # (48 + 32 fit in 96: the prompts were cut alike)
+    pin_context(out, job, 1024, 96)  # (pinned now: the same context)
+    with pytest.raises(JobError, match="rows held to a 1024-token context"):  # and a later run held to another
+        pin_context(out, job, 128)
+    pin_context(out, job, 1024, 0)  # a pair with a draft as long: nothing changed for it
+
+
 def test_an_output_prompted_without_the_bos_is_not_resumed_with_it(tmp_path):
     """Shards an older version wrote prompted a Llama-style tokenizer's texts without its BOS; this
     version starts them with it: resuming would mix the two, so it is refused (pinned per output)."""
