@@ -679,6 +679,7 @@ def bench(target, draft, device, dtype, kernel, datasets, prompt_column, n_promp
               f"{out}/results.parquet: `dynatree report {out}` writes summary.md and the plots once there is room")
     click.echo(md.read_text())
     click.echo(f"wrote {out}/results.parquet, {md}, " + ", ".join(str(p) for p in pngs))
+    _say_unmarked(out)
 
 
 @main.command()
@@ -785,6 +786,17 @@ def report_cmd(out_dir):
         _fail(f"{out_dir}: cannot read its bench results ({type(e).__name__}: {e})")
     click.echo(md.read_text())
     click.echo(f"wrote {', '.join(map(str, [md, *pngs]))}")
+    _say_unmarked(Path(out_dir))
+
+
+def _say_unmarked(out: Path) -> None:
+    """Plot-named files this bench or report did not draw and left alone (report.unmarked_plots)."""
+    from .report import unmarked_plots
+
+    left = unmarked_plots(out)
+    if left:
+        click.echo(f"note: {', '.join(p.name for p in left)} in {out}: named like plots, but not drawn by this "
+                   "bench or report (an older dynatree's, or yours): left as they are", err=True)
 
 
 @main.command("train-pair")

@@ -415,6 +415,12 @@ def old_plots(out: Path) -> list[Path]:
     return [p for pat in PLOTS for p in out.glob(pat) if _png_text(p, "Software") == _MARK]
 
 
+def unmarked_plots(out: Path) -> list[Path]:
+    """Files named as plots() names them but not marked as its own: an older dynatree's plots (drawn
+    before the mark) or the user's, which a bench leaves alone -- and says so (the upgrade trial)."""
+    return [p for pat in PLOTS for p in sorted(out.glob(pat)) if _png_text(p, "Software") != _MARK]
+
+
 def _png_text(path: Path, key: str) -> str | None:
     """A PNG's tEXt value for ``key`` (read up to its image data), or None."""
     import struct

@@ -73,8 +73,9 @@ def test_bench_and_report(pair_dirs, tmp_path):
     res = CliRunner().invoke(main, ["report", str(out)])
     assert res.exit_code == 0, res.output
     assert "Main results" in (out / "summary.md").read_text() and len(list(out.glob("*.png"))) == 6
-    res = CliRunner().invoke(main, ["report", str(out)])  # its own plots redrawn, the user's left alone
+    res = CliRunner().invoke(main, ["report", str(out)])  # its own plots redrawn, the user's left alone, and said
     assert res.exit_code == 0 and all(p.exists() for p in mine) and len(list(out.glob("*.png"))) == 6
+    assert "note: grid_mine.png, sweep_holiday.png in" in res.output and "left as they are" in res.output
     from dynatree.report import old_plots  # (what a bench or report removes before drawing: its own marked ones)
     assert sorted(p.name for p in old_plots(out)) == pngs
 
