@@ -635,6 +635,8 @@ class _Dispatch:
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
         self.node_losses: dict[int, int] = {}  # shard -> actors it lost with their nodes
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
+        self.said_unplaceable: set[int] = set()  # slots whose waiting replacement no alive node could hold (said)
+        self.next_node_check = 0.0  # (when _say_unplaceable may ask the head for its nodes again)
         self.start_failures = 0  # replacements in a row that failed to load
         self.head_down_since: float | None = None  # first failed check of the head in a row
         self.head_checked = 0.0  # when the head was last checked (_wait)
@@ -904,11 +906,14 @@ class _Dispatch:
         for slot, (ref, deadline) in list(self.restarts.items()):
             if ray.wait([ref], timeout=0)[0]:
                 del self.restarts[slot]
+                self.said_unplaceable.discard(slot)
                 self._loaded(ray, slot, ref, deadline)
                 continue
             if time.time() <= deadline:
+                self._say_unplaceable(ray, slot, deadline)
                 continue
             del self.restarts[slot]
+            self.said_unplaceable.discard(slot)
             why = (f"was not ready after {self.replace_timeout_s:.0f} s ({REPLACE_FACTOR:g}x the first actors' "
                    f"start-up, at least {REPLACE_MIN_S:g} s, at most --ready-timeout-s: its node lost, or no room)")
             actor, self.actors[slot] = self.actors[slot], None
@@ -920,6 +925,20 @@ class _Dispatch:
                 raise JobError(f"actor {slot}'s replacement {why}, and no other actor is left; finished shards are "
                                f"kept in {self.out}/shards — re-run to resume")
             self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
+
+    def _say_unplaceable(self, ray, slot: int, deadline: float) -> None:
+        """Once per waiting replacement: no alive node can hold one now (the only node offering a
+        --resource was lost), which a node joining in time would change -- said, where the wait had
+        been two minutes of silence and then "its node lost, or no room" (the resource trial)."""
+        if slot in self.said_unplaceable or time.time() < self.next_node_check:
+            return
+        self.next_node_check = time.time() + 5.0  # (asking the head for its nodes: not every round)
+        try:
+            placement.check_request(ray.nodes(), 1, self.cpus, self.gpus, self.memory, self.spec.resources_per_actor)
+        except placement.PlacementError as e:
+            self.said_unplaceable.add(slot)
+            self.log(f"actor {slot}'s replacement waits: {e} -- until a node that can hold it joins, or "
+                     f"{max(0, deadline - time.time()):.0f} s more")
 
     def _loaded(self, ray, slot: int, ready, deadline: float) -> None:
         """A replacement's ready(): loaded (the failures in a row end); lost with its node before it

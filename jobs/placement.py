@@ -92,19 +92,29 @@ def _fmt_nodes(nodes: list[dict], limit: int = 4, custom=()) -> str:
     return "; ".join(parts)
 
 
+def _binding(nodes: list[dict], wanted: dict[str, float], fits: int) -> list[str]:
+    """The wanted resources that hold the count down: without one of them, more actors would fit."""
+    def count(shape):
+        return sum(_node_fits(n.get("Resources", {}), shape) for n in _alive(nodes)) if shape else 1 << 30
+
+    return [k for k in wanted if count({j: v for j, v in wanted.items() if j != k}) > fits]
+
+
 def _hint(nodes: list[dict], wanted: dict[str, float], fits: int) -> str:
+    """What to change: the flags of the resources that bind (lowering --cpus-per-actor could not help
+    an actor short of a custom resource: the resource trial)."""
+    binding = _binding(nodes, wanted, fits) or list(wanted)
     if fits > 0:
-        return (f"lower --num-actors to at most {fits} or lower "
-                + " / ".join(_flag(k) for k in wanted))
-    # name the resources no single node has enough of; if each exists somewhere but never
-    # together, all requested resources are candidates
+        return f"lower --num-actors to at most {fits} or lower " + " / ".join(_flag(k) for k in binding)
     short = [k for k, v in wanted.items()
              if not any(n.get("Resources", {}).get(k, 0) >= v for n in _alive(nodes))]
     absent = [k for k in short if k not in _FLAGS and not any(k in n.get("Resources", {}) for n in _alive(nodes))]
     if absent:  # (a custom resource no node was started with: a typo, or nodes started without it)
         return (f"no node offers {', '.join(absent)}: a node does when started with `ray start --resources "
-                f"'{{\"{absent[0]}\": N}}'` (a local cluster, without --address, offers none)")
-    return "lower " + " / ".join(_flag(k) for k in (short or wanted))
+                f"'{{\"{absent[0]}\": N}}'`")
+    if not short and len(binding) > 1:  # each is somewhere, never together
+        return f"no single node offers {' and '.join(binding)} together: lower " + " / ".join(map(_flag, binding))
+    return "lower " + " / ".join(_flag(k) for k in (short or binding))
 
 
 def check_request(nodes: list[dict], n: int | None, cpus: float, gpus: float,
@@ -156,8 +166,9 @@ def reserve(n: int, cpus: float, gpus: float, *, memory: float | None = None, cu
     raise PlacementError(
         f"could not reserve {n} actor(s) × {_fmt_shape(shape)} within {timeout_s:g} s: {why} "
         f"(available: {_fmt_resources(avail, extra)}; total: {_fmt_resources(total, extra)}); "
-        f"free them, wait longer (--placement-timeout-s) or lower "
-        f"{'--num-actors / ' if n > 1 else ''}--cpus-per-actor")
+        f"free them, wait longer (--placement-timeout-s) or lower {'--num-actors / ' if n > 1 else ''}"
+        + " / ".join(_flag(k) for k in ([k for k, v in _wanted(shape).items() if avail.get(k, 0) < n * v]
+                                         or ["CPU"])))
 
 
 def actor_options(pg, index: int, cpus: float, gpus: float, memory: float | None = None,

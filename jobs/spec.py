@@ -228,8 +228,9 @@ class JobSpec:
         return dataclasses.asdict(self)
 
 
-_BUILT_IN = {"CPU": "give it as cpus_per_actor", "GPU": "give it as gpus_per_actor",
-             "memory": "give it as memory_per_actor",
+_BUILT_IN = {"CPU": "give it as --cpus-per-actor (cpus_per_actor in a job file)",
+             "GPU": "give it as --gpus-per-actor (gpus_per_actor)", "memory": "give it as --memory-per-actor "
+             "(memory_per_actor)",
              # (Ray refused such an actor and every node holding a share of its group crashed: the resource trial)
              "object_store_memory": "Ray's object store is no resource an actor can reserve"}
 RESOURCE_UNIT = 1e-4  # Ray's resolution for resource amounts (a smaller one reads as 0: placement divided by it)
@@ -396,6 +397,8 @@ def _coerce(data: dict) -> dict:
         except ValueError:
             raise SpecError(f"invalid job spec: batch_size must be a number or auto, got {b!r}") from None
     res = data.get("resources_per_actor")
+    if "resources_per_actor" in data and res is None:  # (`resources_per_actor:` left empty in a job file)
+        res = data["resources_per_actor"] = {}
     if isinstance(res, (str, list, tuple)):  # --resource KEY=VALUE flags, or a job file's list of them
         try:
             res = parse_options([res] if isinstance(res, str) else list(res))

@@ -177,7 +177,7 @@ def test_a_custom_resource_places_actors_only_where_a_node_offers_it(cluster):
     assert check_request(nodes, None, 1, 0, custom={"fast": 1}) == 1  # (the CPUs hold 2; the resource 1)
     with pytest.raises(PlacementError, match=r"2 actor\(s\) × \{CPU: 1, GPU: 0, fast: 1\}: the cluster's nodes hold "
                                              r"at most 1 \(node .*: 2 CPU, 0 GPU, .*1 fast\); lower --num-actors to at "
-                                             r"most 1 or lower --cpus-per-actor / --resource fast=\.\.\."):
+                                             r"most 1 or lower --resource fast=\.\.\.$"):
         check_request(nodes, 2, 1, 0, custom={"fast": 1})
     with pytest.raises(PlacementError, match=r"no node offers fsat: a node does when started with `ray start "
                                              r"--resources '\{\"fsat\": N\}'`"):

@@ -804,7 +804,10 @@ def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_
     assert build_spec(str(job), resources_per_actor=None).resources_per_actor == {"fast": 2}  # (no flag given)
     assert build_spec(None, **base, resources_per_actor={"fast": 1}).identity_hash() == \
         build_spec(None, **base).identity_hash()  # (where actors run changes no output)
-    for bad, said in ((("CPU=2",), "resources_per_actor CPU: give it as cpus_per_actor"),
+    job.write_text("input: x\noutput: y\nresources_per_actor:\n")  # (left empty: none)
+    assert build_spec(str(job)).resources_per_actor == {}
+    for bad, said in ((("CPU=2",), "resources_per_actor CPU: give it as --cpus-per-actor (cpus_per_actor in a job "
+                                   "file)"),
                       (("fast=-1",), "resources_per_actor fast: the amount must be a number of at least 0.0001 "
                                      "(Ray's resolution), got -1.0"),
                       (("fast=0.00001",), "got 1e-05"),  # (it divided by zero in placement)
@@ -819,8 +822,36 @@ def test_custom_resources_per_actor_from_flags_files_and_callers(pair_dirs, tmp_
     res = CliRunner().invoke(main, ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"),
                                     "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
                                     "--max-new-tokens", "4", "--cpus-per-actor", "1", "--resource", "fast=1", "--dry-run"])
-    assert res.exit_code == 1 and "no node offers fast" in res.output and "(a local cluster, without --address, " \
-        "offers none)" in res.output, res.output
+    assert res.exit_code == 1 and "no node offers fast" in res.output and "node this machine (no --address: the job " \
+        "runs here)" in res.output, res.output
+
+
+def test_a_replacement_no_node_can_hold_is_said_while_it_waits(tmp_path):
+    """The only node offering a --resource lost: its actor's replacement waited two minutes in silence
+    and then failed "its node lost, or no room" (the resource trial).  It is said once, at once, with
+    the placement check's words, while the wait goes on (a node joining in time still takes it)."""
+    import time
+    from types import SimpleNamespace
+
+    from dynatree.jobs import driver as job_driver
+
+    d = job_driver._Dispatch.__new__(job_driver._Dispatch)
+    said = []
+    d.spec = build_spec(None, input="x", output="y", resources_per_actor={"fast": 1})
+    d.cpus, d.gpus, d.memory, d.log = 1.0, 0.0, None, said.append
+    d.said_unplaceable, d.next_node_check = set(), 0.0
+    left = [{"NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 2}, "Alive": True},
+            {"NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 1, "fast": 1}, "Alive": False}]
+    fake = SimpleNamespace(nodes=lambda: left)
+    d._say_unplaceable(fake, 0, time.time() + 100)
+    d._say_unplaceable(fake, 0, time.time() + 100)
+    assert len(said) == 1 and said[0].startswith("actor 0's replacement waits: cannot place 1 actor(s) × {CPU: 1, "
+                                                 "GPU: 0, fast: 1}") and "no node offers fast" in said[0]
+    assert "until a node that can hold it joins, or 100 s more" in said[0] or "or 99 s more" in said[0]
+    left[1]["Alive"] = True  # (a node that holds it: nothing said)
+    d.said_unplaceable, d.next_node_check = set(), 0.0
+    d._say_unplaceable(fake, 1, time.time() + 100)
+    assert len(said) == 1
 
 
 def test_example_job_files_are_valid_specs():
