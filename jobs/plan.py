@@ -625,11 +625,9 @@ def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
     JobError for a shard-named file someone else put there (_footers)."""
     manifest = read_manifest(out) or {}
     idents = {spec.identity_hash(), *manifest.get("aliases", [])}
-    if isinstance(manifest.get("identity"), dict) and json.dumps(_legacy(manifest)["identity"], sort_keys=True,
-                                                                 default=str) == json.dumps(spec.identity(),
-                                                                                            sort_keys=True, default=str):
-        idents.add(manifest.get("identity_hash"))  # (an older spelling of this job -- fp16 for float16, a relative
-        # path -- that a dry run, which rewrites no manifest, did not yet know as an alias)
+    if isinstance(manifest.get("identity"), dict) and _same_identity(_legacy(manifest), _manifest(spec, plan)):
+        idents.add(manifest.get("identity_hash"))  # (another spelling of this job -- fp16 for float16, a relative
+        # path, its kept columns named -- that a dry run, which rewrites no manifest, did not yet know as an alias)
     done = set()
     for name, meta in _footers(out).items():
         k = shard_number(name)

@@ -1025,8 +1025,11 @@ def test_input_columns_pass_through(ray_cluster, pair_dirs, tmp_path):
     t = pq.read_table(tmp_path / "out" / "shards")
     assert t.column("topic").to_pylist() == [f"t{i}" for i in range(5)] and t.schema.field("score").type == pa.float64()
     assert t.column("text").to_pylist() == PROMPTS[:5] and t.column("error").to_pylist() == [None] * 5
-    # every column named, in the input's order: the same output, so the same job (it resumes);
-    # in another order the output's columns differ
+    # every column named, in the input's order: the same output, so the same job (it resumes, and a dry run
+    # says so: it said 0 shards done, the upgrade trial); in another order the output's columns differ
+    named = spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0, keep_columns="key,text,topic,score")
+    plan = run_job(named, progress=False, log=quiet, dry_run=True)
+    assert plan["shards_done"] == plan["shards"] and plan["rows_to_decode"] == 0
     s = run_job(spec(pair_dirs, tmp_path, max_new_tokens=3, verify_fraction=0.0, resume=True,
                      keep_columns="key,text,topic,score"), progress=False, log=quiet)  # (its error is the result's)
     assert s["rows"] == 5 and s["this_run"]["rows_this_run"] == 0
