@@ -28,7 +28,7 @@ from dynatree.machine import ensure_writable, replaced
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
-from .spec import PATH_FIELDS, JobSpec, canonical_options, canonical_path
+from .spec import _LATER_FIELDS, PATH_FIELDS, JobSpec, canonical_options, canonical_path
 from .summary import shard_tally
 
 META_KEY = b"dynatree"
@@ -385,13 +385,9 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
             keys = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
             changed[changed.index("options")] = "options " + ", ".join(
                 f"{k}: {was.get(k, 'default')} -> {now.get(k, 'default')}" for k in keys)
-        for k in PATH_FIELDS:  # (where a path moved: a job submitted from a changed working directory)
-            if k in changed:
-                changed[changed.index(k)] = f"{k}: {before.get(k)} -> {new['identity'].get(k)}"
-        if "id_column" in changed:  # (without --id-column, an input whose ids gained duplicates: row indexes)
-            ids = lambda c: "row indexes" if c is None else repr(c)
-            changed[changed.index("id_column")] = (f"id_column: {ids(before.get('id_column'))} -> "
-                                                   f"{ids(new['identity'].get('id_column'))}")
+        # each field with its values ("changed: samples" said too little: the upgrade trial)
+        changed = [k if k.startswith("options") else f"{k}: {_said(k, before)} -> {_said(k, new['identity'])}"
+                   for k in changed]
         raise JobError(f"{out} holds a job with a different config (changed: {', '.join(changed)}); "
                        "use --overwrite to replace it or another --output")
     if "model_files" in old and json.dumps(old["model_files"]) != json.dumps(new["model_files"]):  # older manifests lack it
@@ -402,6 +398,15 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
     if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True):
         _refuse_changed_input(out, new["identity"]["input"],
                               input_change(old.get("input_fingerprint"), new["input_fingerprint"]))
+
+
+def _said(field: str, identity: dict) -> str:
+    """A job identity's field as a refusal says it: an absent one at its default (_LATER_FIELDS), no id
+    column as row indexes (an input whose ids gained duplicates falls back to them)."""
+    v = identity[field] if field in identity else _LATER_FIELDS.get(field)
+    if field == "id_column":
+        return "row indexes" if v is None else repr(v)
+    return json.dumps(v, default=str) if isinstance(v, (list, tuple, dict)) else str(v)
 
 
 def input_change(was: dict | None, now: dict | None) -> str:

@@ -158,7 +158,7 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert all(r["num_generated_tokens"] <= 5 for r in read_rows(tmp_path / "out"))
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     # a field a job without it leaves out of its identity is still named when it changes
-    with pytest.raises(JobError, match=r"different config \(changed: stop\)"):
+    with pytest.raises(JobError, match=r"different config \(changed: stop: \[\"zq\"\] -> \[\]\)"):  # (its values)
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet)
     # options given at their defaults, or as strings, are the same job; a changed one is named with its values
     again = dict(verify_fraction=0.0, max_new_tokens=5, stop=("zq",))
