@@ -39,6 +39,11 @@ def exit_if_broken(worker, replacer: str) -> None:
         os._exit(1)
 
 
+def _node() -> dict:
+    """The Ray node this actor runs on (summary.json: how a job spread over a cluster)."""
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+
 @ray.remote
 class PairActor:
     """One per GPU on a GPU box; a CPU share (``cpus_per_actor`` threads) on CPU machines."""
@@ -58,15 +63,12 @@ class PairActor:
     def ready(self) -> dict:
         if self.failed is not None:
             raise self.failed
-        return self.worker.ready()
+        return {**self.worker.ready(), **_node()}
 
     def stats(self) -> dict:
         if self.failed is not None:
             raise self.failed
-        import ray  # (the Ray node it ran on: summary.json's this_run.actors, how a job spread over a cluster)
-
-        return {**self.worker.stats(), "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address()}
+        return {**self.worker.stats(), **_node()}
 
     def run_shard(self, shard: str, rows: list[dict], backlog: int = 0) -> list[dict]:
         if self.failed is not None:  # a replacement that failed to start: said as such, not as a death

@@ -670,6 +670,8 @@ class _Dispatch:
                                      max(REPLACE_MIN_S, REPLACE_FACTOR * self.startup["actors_ready_s"]))
         self.startup["actor"] = {k: round(max(i["startup"][k] for i in infos), 3) for k in infos[0]["startup"]}
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
+        # every node an actor of this run was ready on, lost ones too (stats() asks the living at the end)
+        self.stats["nodes"] = {i["node_id"]: i["node_ip"] for i in infos if "node_id" in i}
         if infos[0].get("draft_forward"):  # (a draft on transformers' forward made a job slow without a word)
             self.stats["draft_forward"] = infos[0]["draft_forward"]
         self.leading_ids = infos[0].get("leading_ids", [])
@@ -948,8 +950,10 @@ class _Dispatch:
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
-            ray.get(ready)
+            info = ray.get(ready)
             self.start_failures = 0
+            if "node_id" in info:  # (a replacement's node: summary.json's this_run.nodes)
+                self.stats.setdefault("nodes", {})[info["node_id"]] = info["node_ip"]
         except (RayActorError, RayTaskError) as e:
             if isinstance(e, RayActorError):
                 self._check_cluster(ray, actor_died=True)  # (with the head gone, every actor "dies")

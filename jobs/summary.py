@@ -267,7 +267,7 @@ def format_table(s: dict) -> str:
         "job tokens/s (this run)  " + _run_line(run) + _last_run_note(s.get("last_decoding_run")),
         f"start-up                 {startup_line(s.get('startup') or {})}",
         "batch size per actor     " + (", ".join(_batch_of(a) for a in run.get("actors", [])) or "-"),
-        "actors ran on            " + (_machines(run.get("actors", [])) or "-"),
+        "actors ran on            " + (_machines(run.get("actors", []), run.get("nodes")) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",
@@ -301,13 +301,16 @@ def _batch_of(actor: dict) -> str:
     return f"{actor['batch_size']} (auto; best measured {best}: {rates[best]:.0f} tokens/s)"
 
 
-def _machines(actors: list[dict]) -> str:
-    """'2 actors on Intel(R) Xeon(R) ... with 2 CPUs': the machines (CPUs, GPUs) this run's actors
-    ran on, counted -- the CPUs the machine's, not each actor's ("2 x ..., 2 CPUs" read as 4)."""
+def _machines(actors: list[dict], nodes: dict | None = None) -> str:
+    """'2 actors on Intel(R) Xeon(R) ... with 2 CPUs (2 Ray nodes)': the machines (CPUs, GPUs) this run's
+    actors ran on, counted -- the CPUs the machine's, not each actor's ("2 x ..., 2 CPUs" read as 4) --
+    and the Ray nodes its actors were ready on, lost ones too (``nodes``; older summaries: the actors')."""
     counts = Counter(a["machine"] for a in actors if a.get("machine"))
-    nodes = len({a["node_id"] for a in actors if a.get("node_id")})  # (older summaries: none recorded)
+    living = {a["node_id"] for a in actors if a.get("node_id")}
+    every = set(nodes or ()) | living
+    lost = f", the actors on {len(every - living)} of them lost" if every - living else ""
     return "; ".join(f"{n} actor{'s' * (n > 1)} on " + re.sub(r", (\d+) CPUs", r" with \1 CPUs", m)
-                     for m, n in counts.most_common()) + (f" ({counted(nodes, 'Ray node')})" if nodes else "")
+                     for m, n in counts.most_common()) + (f" ({counted(len(every), 'Ray node')}{lost})" if every else "")
 
 
 def _run_line(run: dict) -> str:

@@ -282,7 +282,11 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     machine = re.sub(r", (\d+) CPUs", r" with \1 CPUs", describe(cpu()))  # (the machine's CPUs, not the actor's)
     assert f"actors ran on            1 actor on {machine} (1 Ray node)" in format_table(s), format_table(s)
     import ray  # (and which node each actor ran on: a multi-node user checks the spread)
-    assert s["this_run"]["actors"][0]["node_id"] == ray.get_runtime_context().get_node_id()
+    here = ray.get_runtime_context().get_node_id()
+    assert s["this_run"]["actors"][0]["node_id"] == here and list(s["this_run"]["nodes"]) == [here]
+    from dynatree.jobs.summary import _machines  # (a node whose actor was lost still counts: the resource trial)
+    assert _machines(s["this_run"]["actors"], {**s["this_run"]["nodes"], "gone": "10.0.0.9"}).endswith(
+        "(2 Ray nodes, the actors on 1 of them lost)")
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])  # a run's output: its table again
