@@ -168,7 +168,8 @@ class ShardWorker:
     def ready(self) -> dict:
         p = self.pair
         return {"pid": os.getpid(), "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
-                "context": p.max_context, "draft_positions": p.draft_positions, "vocab": p.vocab, "threads": self.threads, "forward": p.forward_in_use(),
+                "context": p.max_context, "draft_positions": p.draft_positions, "vocab": p.vocab,
+                "threads": self.threads, "forward": p.forward_in_use(),
                 "draft_forward": p.forward_in_use("draft") if p.draft is not None else None,
                 "startup": self.startup, "batch_cap": self.batch_cap,
                 # (what a text prompt starts with: the driver pins it in the output's manifest)

@@ -502,16 +502,15 @@ def draws_differ(cfg) -> bool:
     return cfg.temperature > 0 and cfg.top_k != 1
 
 
-def unused_sampling(cfg, label: str = "") -> str | None:
+def unused_sampling(cfg) -> str | None:
     """What to tell a user who set top_k, top_p or seed on a greedy config (temperature 0), where
-    they change nothing (a user's run with ``top_p=0.9`` alone read as nucleus sampling); else None.
-    ``label``: the method's name in a bench or check of several."""
+    they change nothing (a user's run with ``top_p=0.9`` alone read as nucleus sampling); else None."""
     if getattr(cfg, "temperature", 0) != 0:
         return None
     set_ = [f"{k}={getattr(cfg, k)}" for k in SAMPLING_FIELDS[1:] if getattr(cfg, k) != _DEFAULTS[k]]
     if not set_:
         return None
-    return (f"{label + ': ' if label else ''}{', '.join(set_)} change{'s' if len(set_) == 1 else ''} nothing at "
+    return (f"{', '.join(set_)} change{'s' if len(set_) == 1 else ''} nothing at "
             "temperature 0 (greedy decoding); sampling needs a temperature above 0 (e.g. temperature=0.8)")
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import time
 
-_UNIT = 10_000  # Ray stores resource quantities as fixed point with 1e-4 resolution
+RESOURCE_UNIT = 1e-4  # Ray stores resource quantities as fixed point at this resolution (a smaller one reads as 0)
+_UNIT = round(1 / RESOURCE_UNIT)
 _FLAGS = {"CPU": "--cpus-per-actor", "GPU": "--gpus-per-actor", "memory": "--memory-per-actor"}
 
 

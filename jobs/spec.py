@@ -25,6 +25,7 @@ from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNE
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
+from .placement import RESOURCE_UNIT  # (an amount below it: placement divided by zero)
 
 # tests only, read by actors: {"die_once_on_shard": name} or {"die_always_on_shard": name} as JSON
 FAULTS_ENV = "DYNATREE_FAULT_INJECTION"
@@ -233,7 +234,6 @@ _BUILT_IN = {"CPU": "give it as --cpus-per-actor (cpus_per_actor in a job file)"
              "(memory_per_actor)",
              # (Ray refused such an actor and every node holding a share of its group crashed: the resource trial)
              "object_store_memory": "Ray's object store is no resource an actor can reserve"}
-RESOURCE_UNIT = 1e-4  # Ray's resolution for resource amounts (a smaller one reads as 0: placement divided by it)
 
 
 def _resource_problems(resources: dict) -> list[str]:
