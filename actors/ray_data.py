@@ -87,10 +87,14 @@ def decoding_spec(**options) -> JobSpec:
     return dataclasses.replace(spec, **nones) if nones else spec
 
 
-def check(**options) -> JobSpec:
+def check(pool: dict | None = None, **options) -> JobSpec:
     """In the driver, before ``map_batches``: the options as the stage takes them, and what a job's
     driver checks before any actor starts (model paths, shared tokenizer, context, stop ids) --
-    SpecError / JobError now, rather than in every actor once Ray Data has started them."""
+    SpecError / JobError now, rather than in every actor once Ray Data has started them.
+
+    ``pool``: map_batches' pool arguments (``compute`` or ``concurrency``, ``num_cpus``, ``num_gpus``,
+    ``memory``, ``resources``), checked against the cluster (the one ``ray.init`` joined, else this
+    machine): a pool it cannot hold waits for ever in Ray Data, so it is a JobError here."""
     from dynatree.jobs.driver import JobError, check_models
 
     _threads(options.get("threads"))
@@ -98,11 +102,60 @@ def check(**options) -> JobSpec:
     try:
         check_models(spec)
         _check_device(spec)
+        if pool is not None:
+            _check_pool(pool)
     except JobError as e:
         raise JobError(stage_names(str(e))) from e
     if note := unused_sampling(spec.method_config):  # (here once, not in every actor)
         warnings.warn(stage_names(note), stacklevel=2)
     return spec
+
+
+_POOL = {"compute", "concurrency", "num_cpus", "num_gpus", "memory", "resources"}  # (check's pool=)
+_POOL_FLAGS = {"--num-actors": "ActorPoolStrategy(size=...)", "--cpus-per-actor": "num_cpus",
+               "--gpus-per-actor": "num_gpus", "--memory-per-actor": "memory"}
+
+
+def _pool_size(pool: dict) -> int:
+    """The actors a pool starts with: ActorPoolStrategy's min_size, or concurrency's (n or (min, max))."""
+    if (compute := pool.get("compute")) is not None:
+        return int(getattr(compute, "min_size", None) or 1)
+    concurrency = pool.get("concurrency") or 1
+    return int(concurrency[0] if isinstance(concurrency, (tuple, list)) else concurrency)
+
+
+def _check_pool(pool: dict) -> None:
+    """The pool's actors against the cluster's nodes, as ``dynatree run`` checks its own: Ray Data
+    waits for ever on a pool the cluster cannot hold, saying only Ray's autoscaler's words."""
+    import ray
+
+    from dynatree.jobs import placement
+    from dynatree.jobs.driver import JobError
+
+    if not isinstance(pool, dict) or (unknown := sorted(set(pool) - _POOL)):
+        raise SpecError(f"pool takes map_batches' {', '.join(sorted(_POOL))}, got "
+                        f"{', '.join(unknown) if isinstance(pool, dict) else repr(pool)}")
+    if ray.is_initialized():
+        nodes = ray.nodes()
+    elif os.environ.get("RAY_ADDRESS"):  # (Ray Data will join a cluster this driver has not)
+        return
+    else:
+        nodes = [placement.local_node("this machine (no ray.init before check: Ray Data starts its cluster here)",
+                                      memory=bool(pool.get("memory")))]
+    memory = pool.get("memory") or None
+    try:
+        placement.check_request(nodes, _pool_size(pool), pool.get("num_cpus", 1), pool.get("num_gpus") or 0,
+                                memory, pool.get("resources"))
+    except placement.PlacementError as e:
+        message = re.sub(r"--resource (\S+)=\.\.\.", r"resources={'\1': ...}", str(e))
+        for flag, name in _POOL_FLAGS.items():
+            message = message.replace(flag, name)
+        raise JobError(f"the pool cannot be placed: {message}") from e
+    cpus, taken = placement.alive_cpus(nodes), _pool_size(pool) * pool.get("num_cpus", 1)
+    if cpus - taken < 1:
+        warnings.warn(f"the pool's actors take {taken:g} of the cluster's {cpus:g} CPUs, so Ray Data's read and write "
+                      "tasks (a CPU each by default) may find none and the pipeline wait for ever: reserve fewer CPUs "
+                      "(num_cpus, the pool's size) and keep the threads option", stacklevel=3)
 
 
 def _threads(value) -> int | None:

@@ -416,25 +416,16 @@ def _check_this_machine(spec: JobSpec) -> None:
     if spec.address or os.environ.get("RAY_ADDRESS"):  # (set inside `ray job submit`: the cluster's nodes run it)
         return
 
-    gpus = placement.local_gpus()
     if spec.device.startswith("cuda") and not placement.local_gpus(cuda=True):
         raise JobError(f"--device {spec.device}: this machine has no CUDA GPU, and a job without --address runs "
                        "here; use --device cpu or auto")
     if ray.is_initialized():  # (a Python caller's cluster: placement checks it once connected)
         return
-    try:
-        from ray._private.utils import get_num_cpus  # what the local cluster will hold (cgroup quotas included)
-    except ImportError:  # (a private helper: another Ray version may move it)
-        def get_num_cpus():
-            return os.cpu_count() or 1
-    here = {"CPU": get_num_cpus(), "GPU": gpus}
     memory = spec.memory_per_actor * 1e9 if spec.memory_per_actor else None
-    if memory:
-        here["memory"] = placement.local_memory()
-    n, cpus, gpus = _actor_shape(spec, here)
+    node = placement.local_node("this machine (no --address: the job runs here)", memory=bool(memory))
+    n, cpus, gpus = _actor_shape(spec, node["Resources"])
     try:
-        placement.check_request([{"NodeManagerAddress": "this machine (no --address: the job runs here)",
-                                  "Resources": here}], n, cpus, gpus, memory, spec.resources_per_actor)
+        placement.check_request([node], n, cpus, gpus, memory, spec.resources_per_actor)
     except placement.PlacementError as e:
         raise JobError(str(e)) from e
 

@@ -8,6 +8,7 @@ bundles so a replacement for a dead actor lands in the resources its predecessor
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -47,6 +48,10 @@ def _wanted(shape: dict[str, float]) -> dict[str, float]:
 
 def _alive(nodes: list[dict]) -> list[dict]:
     return [n for n in nodes if n.get("Alive", n.get("alive", True))]
+
+
+def alive_cpus(nodes: list[dict]) -> float:
+    return sum(n.get("Resources", {}).get("CPU", 0) for n in _alive(nodes))
 
 
 def _node_fits(resources: dict, wanted: dict[str, float]) -> int:
@@ -303,6 +308,20 @@ def local_gpus(cuda: bool = False) -> int:
         n, visible = gpu.get_current_node_num_accelerators(), gpu.get_current_process_visible_accelerator_ids()
         count += n if visible is None else min(n, len(visible))
     return count
+
+
+def local_node(name: str, memory: bool = False) -> dict:
+    """This machine as ray.nodes() would show the local cluster Ray starts here (cgroup CPU quotas
+    included), before it starts: its CPUs, GPUs and, if ``memory``, its memory."""
+    try:
+        from ray._private.utils import get_num_cpus
+    except ImportError:  # (a private helper: another Ray version may move it)
+        def get_num_cpus():
+            return os.cpu_count() or 1
+    here = {"CPU": get_num_cpus(), "GPU": local_gpus()}
+    if memory:
+        here["memory"] = local_memory()
+    return {"NodeManagerAddress": name, "Resources": here}
 
 
 def local_memory() -> float:

@@ -1,6 +1,7 @@
 """actors/ray_data.py: dynatree as a Ray Data stage -- rows decoded exactly as `generate` decodes
 them, input columns carried through, per-row errors, options checked as a job's are."""
 import asyncio
+import os
 import importlib.util
 from pathlib import Path
 
@@ -111,6 +112,35 @@ def test_a_slow_dtype_on_a_cpu_is_said_by_the_stage(pair_dirs):
     such driver, and said nothing (the precision trial)."""
     with pytest.warns(UserWarning, match="float16 on a CPU runs torch's slow float16 kernels"):
         Generate(**options(pair_dirs, dtype="fp16", verify_fraction=0.0))
+
+
+def test_check_refuses_a_pool_the_cluster_cannot_hold(pair_dirs, monkeypatch):
+    """Ray Data waits for ever on such a pool (Ray's autoscaler's "No available node types can
+    fulfill resource request" and nothing else); check(pool) says so before map_batches."""
+    import ray
+
+    from dynatree.actors.ray_data import check
+    from dynatree.jobs.driver import JobError
+
+    strategy = ray.data.ActorPoolStrategy
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": f"n{i}", "NodeManagerAddress": "10.0.0.1",
+                                                "Resources": {"CPU": 2.0, "ssd": 1.0}} for i in (1, 2)])
+    assert check(dict(num_cpus=1, compute=strategy(size=2)), **options(pair_dirs)).method == "dynatree"
+    with pytest.raises(JobError, match=r"cannot place 3 actor\(s\) .*hold at most 2 .*lower "
+                                       r"ActorPoolStrategy\(size=...\) to at most 2 or lower num_cpus") as e:
+        check(dict(num_cpus=2, compute=strategy(min_size=3, max_size=4)), **options(pair_dirs))
+    assert "--" not in str(e.value), e.value
+    with pytest.raises(JobError, match="no node offers fast"):
+        check(dict(concurrency=(1, 2), resources={"fast": 1}), **options(pair_dirs))
+    with pytest.warns(UserWarning, match="take 4 of the cluster's 4 CPUs, so Ray Data's read and write tasks"):
+        check(dict(num_cpus=2, concurrency=2), **options(pair_dirs))
+    with pytest.raises(SpecError, match="pool takes map_batches' .*got batch_size"):
+        check(dict(batch_size=4), **options(pair_dirs))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # Ray Data will start its cluster on this machine
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(JobError, match=r"this machine \(no ray.init before check"):
+        check(dict(num_cpus=(os.cpu_count() or 1) + 1), **options(pair_dirs))
 
 
 def test_a_full_node_on_a_cluster_with_room_is_only_a_may(monkeypatch, capsys):

@@ -20,11 +20,11 @@ def pipeline(input: str, output: str, *, actors: int = 1, cpus: float = 1, threa
     """Read ``input``, decode every row with ``options`` (dynatree run's: method, max_new_tokens, ...), write
     ``output``.  ``batch_rows``: rows per Ray Data batch (the engine's own batch is the batch_size
     option); ``cpus`` per actor stays below a node's CPUs so Ray Data's read and write tasks can run."""
-    check(**options)  # bad paths, tokenizers or options fail here, not in every actor
+    pool = dict(num_cpus=cpus, compute=ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=4))
+    check(pool, **options)  # bad paths, tokenizers, options or a pool too big fail here, not in every actor
     ds = ray.data.read_json(input) if input.endswith((".jsonl", ".json")) else ray.data.read_parquet(input)
     ds = ds.map_batches(Generate, fn_constructor_kwargs=dict(options, threads=threads), batch_size=batch_rows,
-                        batch_format="pyarrow", num_cpus=cpus,
-                        compute=ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=4))
+                        batch_format="pyarrow", **pool)
     ds.write_parquet(output)
 
 
