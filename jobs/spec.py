@@ -20,8 +20,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNELS, METHODS, check_samples,
-                             did_you_mean, dtype_name, make_config, non_default_options, parse_options)
+from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNELS, METHODS, SAMPLING_FIELDS,
+                             check_samples, did_you_mean, dtype_name, make_config, non_default_options, parse_options,
+                             unused_sampling)
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -254,12 +255,15 @@ def _resource_problems(resources: dict) -> list[str]:
 def canonical_options(method: str, options: dict | None) -> dict:
     """A method's options as its config resolves them, only those away from their defaults: an
     option given at its default (``d_max=8``, ``temperature=0``) or spelled as a string (``"8"``)
-    is the same job as one left out, so a resume that spells it otherwise is not refused.  Options
-    the method does not take are kept as given (the spec's check reports them)."""
+    is the same job as one left out, so a resume that spells it otherwise is not refused; so is
+    ``top_k``, ``top_p`` or ``seed`` at temperature 0, where they change nothing.  Options the method
+    does not take are kept as given (the spec's check reports them)."""
     try:
-        return non_default_options(make_config(method, options))
+        cfg = make_config(method, options)
     except (ValueError, TypeError):
         return dict(options or {})
+    unused = SAMPLING_FIELDS[1:] if unused_sampling(cfg) else ()  # (greedy: no draw to shape)
+    return {k: v for k, v in non_default_options(cfg).items() if k not in unused}
 
 
 def _is(value, t: type) -> bool:

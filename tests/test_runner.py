@@ -726,6 +726,17 @@ def test_spec_validation_messages(tmp_path):
     a = build_spec(str(job))
     b = build_spec(str(job), options={"depth": "3"})
     assert a.identity_hash() == b.identity_hash() and a.options == {"depth": 3}
+    # top_k/top_p/seed change nothing at temperature 0 (said so on every command): the same job, a
+    # job of an older version that counted them resumes (its options re-read: plan._legacy)
+    from dynatree.jobs.plan import _legacy, _same_identity
+    greedy = build_spec(str(job), options={"depth": 3, "top_k": 4, "top_p": 0.5, "seed": 7})
+    assert greedy.identity_hash() == a.identity_hash() and greedy.identity()["options"] == {"depth": 3}
+    older = {"identity_hash": "0123456789abcdef", "identity": {**a.identity(), "options": {"depth": 3, "top_k": 4}}}
+    now = {"identity_hash": a.identity_hash(), "identity": a.identity()}
+    assert _same_identity(_legacy(older), now)
+    sampled = build_spec(str(job), options={"depth": 3, "temperature": 0.8})
+    assert sampled.identity_hash() != build_spec(str(job), options={"depth": 3, "temperature": 0.8, "top_k": 4}
+                                                 ).identity_hash()
     for bad, msg in (({"max_new_tokens": "16"}, "max_new_tokens must be int, got '16'"),
                      ({"verify_fraction": "0.5"}, "verify_fraction must be float"),
                      ({"shard_size": 2.5}, "shard_size must be int"), ({"max_prompt_tokens": True}, "max_prompt_tokens"),
