@@ -230,7 +230,7 @@ class ShardWorker:
                 if kind == "gen":
                     results[i].update(error=str(got), finish_reason="error")
             elif kind == "gen":
-                fill_row(results[i], text_of(self.pair.decode, got[0], got[1], self.stop), *got)
+                fill_row(results[i], text_of(self.pair.decoder(req.ids), got[0], got[1], self.stop), *got)
             else:
                 refs[i] = (req.cfg, req.ids, got)
         checked = {i: ref for i, ref in refs.items() if results[i]["error"] is None}

@@ -123,7 +123,7 @@ class _Row:
         self.policy = make_policy(cfg)
         self.policy.attach(pair)
         self.eos = () if ignore_eos else pair.eos_token_ids
-        self.stop_hit = stop.watch(pair.decode) if stop is not None else None
+        self.stop_hit = stop.watch(pair.decoder(prompt)) if stop is not None else None
         self.max_context = pair.max_context
         self.rope_switch = rope_switch(pair.target.config)
         self.rope_reset = rope_resets(pair.target.config)
@@ -823,7 +823,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
         warnings.warn(note, stacklevel=2)
     cfgs = _draws_of(cfg, len(ids), samples)
     ids = [p for p in ids for _ in range(int(samples))]
-    return [Generation(toks, text_of(pair.decode, toks, reason, rule), reason, method, metrics, asdict(c))
-            for c, (toks, reason, metrics) in zip(cfgs, decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens,
-                                                                     ignore_eos=ignore_eos, stop=rule,
-                                                                     per_prompt=int(samples)))]
+    got = decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=rule,
+                       per_prompt=int(samples))
+    return [Generation(toks, text_of(pair.decoder(p), toks, reason, rule), reason, method, metrics, asdict(c))
+            for p, c, (toks, reason, metrics) in zip(ids, cfgs, got)]

@@ -8,6 +8,7 @@ import re
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -57,6 +58,7 @@ def resolve_dtype(spec: str | torch.dtype) -> torch.dtype:
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its lock (model_lock)
 _LOCKS_LOCK = threading.Lock()
 LEARNED_KEPT = 32  # ModelPair.learned: entries of one kind a pair keeps
+_SEAM_TOKENS = 4  # ModelPair.decoder: prompt tokens a continuation is decoded after
 
 
 def model_lock(model) -> threading.RLock:
@@ -705,6 +707,23 @@ class ModelPair:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def decoder(self, prompt) -> Callable[[list[int]], str]:
+        """The decode of tokens that continue ``prompt`` (its ids): decoded after the prompt's last
+        few tokens, less those tokens' own text, as vLLM's detokenizer does.  A SentencePiece decoder
+        (Llama 2, Mistral, TinyLlama) drops the leading space of ids decoded alone: "▁the ▁man" read
+        "the man" after "Once upon a time", and a stop string " the" never fired (the text trial).
+        Where the prompt's text does not begin the joint text (a prompt ending inside a character,
+        or a decoder's clean-up across the seam), the ids' own decode, as before."""
+        tail = [int(t) for t in prompt[-_SEAM_TOKENS:]]
+        if not tail or self.tokenizer is None:
+            return self.decode
+        head = self.decode(tail)
+
+        def decode(ids: list[int]) -> str:
+            both = self.decode(tail + list(ids))
+            return both[len(head):] if both.startswith(head) else self.decode(ids)
+        return decode
 
 
 def is_chat(prompt) -> bool:

@@ -78,13 +78,21 @@ class Stop:
         def hit(out: list[int]) -> bool:
             if out[-1] in ids:
                 return True
-            if not strings or not any(s in decode(out[-tail:]) for s in strings):
+            if not strings or not any(s in _whole(decode(out[-tail:])) for s in strings):
                 return False
-            return any(s in decode(out) for s in strings)  # the whole text decides (a slice may err)
+            return any(s in _whole(decode(out)) for s in strings)  # the whole text decides (a slice may err)
         return hit
 
 
+def _whole(text: str) -> str:
+    """The text less a character still coming: bytes of an unfinished UTF-8 character decode as
+    U+FFFD, which a stop string "\ufffd" matched halfway through an emoji (the text trial)."""
+    return text.rstrip("\ufffd")
+
+
 def text_of(decode: Callable[[list[int]], str], ids: list[int], reason: str, stop: Stop | None) -> str:
-    """A generation's text: its tokens decoded, ending before the stop string that ended it."""
+    """A generation's text: its tokens decoded, ending before the stop string that ended it -- or
+    that its EOS token completed (``--stop '<|endoftext|>'``: EOS is tested first, and the string had
+    stayed in the text)."""
     text = decode(ids)
-    return stop.cut(text) if stop is not None and reason == "stop" else text
+    return stop.cut(text) if stop is not None and reason in ("stop", "eos") else text

@@ -102,6 +102,68 @@ def test_a_stop_string_the_tail_shows_but_the_text_does_not_contain_is_no_stop()
     assert [n for n in range(1, 13) if hit(ids[:n])] == [12]  # only the real "#"
 
 
+class _Strip:
+    """A tokenizer whose decode drops the text's leading space, as SentencePiece's Metaspace (and
+    Llama 2's Strip) decoders do for the first token they decode."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tok(*args, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        return self._tok.decode(ids, **kwargs).removeprefix(" ")
+
+
+@pytest.mark.parametrize("method", ["ar", "dynatree"])
+def test_a_continuation_keeps_its_leading_space_under_a_sentencepiece_decoder(demo, method):
+    """Llama 2's "▁the ▁man" after "Once upon a time" read "the man", and a stop string " the"
+    never fired (the text trial): a continuation is decoded after the prompt's last tokens."""
+    import copy
+
+    prompt = PROMPT + ","  # (the demo pair goes on " and\nthe ...": a first token with a leading space)
+    free = generate(demo, prompt, "ar", max_new_tokens=12, ignore_eos=True)
+    assert free.text.startswith(" and")
+    spm = copy.copy(demo)
+    spm.tokenizer = _Strip(demo.tokenizer)
+    assert spm.decode(free.token_ids).startswith("and")  # (what the text had been)
+    g = generate(spm, prompt, method, max_new_tokens=12, ignore_eos=True)
+    assert g.text == free.text and g.token_ids == free.token_ids
+    g = generate(spm, prompt, method, max_new_tokens=12, ignore_eos=True, stop=" and")
+    assert (g.text, g.finish_reason, len(g.token_ids)) == ("", "stop", 1)
+
+
+def test_the_decoder_falls_back_where_the_prompt_ends_inside_a_character(demo):
+    """Byte-level tokens of one emoji split between the prompt and the generation: the prompt's
+    text (ending in U+FFFD) does not begin the joint text, so the ids decode alone, as before."""
+    ids = demo.encode("smile 😀 now")
+    cut = next(i for i in range(1, len(ids)) if demo.decode(ids[:i]).endswith("\ufffd"))
+    assert demo.decoder(ids[:cut])(ids[cut:]) == demo.decode(ids[cut:])
+    assert demo.decoder(ids[:2])(ids[2:]) == demo.decode(ids)[len(demo.decode(ids[:2])):]
+    assert demo.decoder([])(ids) == demo.decode(ids)
+
+
+def test_a_stop_string_is_cut_where_an_eos_token_completes_it(demo):
+    """--stop '<|endoftext|>': EOS is tested first (finish reason eos), and the string had stayed in
+    the text; a stop string "\ufffd" fired halfway through an emoji (its first byte's decode)."""
+    from dynatree.stops import text_of
+
+    eos = demo.eos_token_ids[0]
+    ids = demo.encode(" the end") + [eos]
+    rule = Stop((demo.decode([eos]),))
+    assert text_of(demo.decode, ids, "eos", rule) == " the end"
+    assert text_of(demo.decode, ids, "length", rule) == demo.decode(ids)  # (not the rule's end: kept whole)
+    emoji = demo.encode("a😀b")
+    assert len(emoji) > 3  # (the emoji is several byte tokens)
+    hit = Stop(("\ufffd",)).watch(demo.decode)
+    assert not any(hit(emoji[:n]) for n in range(1, len(emoji) + 1))
+    assert hit(demo.encode("a😀")[:-1] + demo.encode("b"))  # (a character that never completes is U+FFFD)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_stops_where_ar_stops(demo, free_run, method):
     ids, text = free_run.token_ids, free_run.text
