@@ -740,6 +740,8 @@ def build(isas):
     named = os.environ.get("DYNATREE_ISA")
     if not isas and named and named not in kbuild.VARIANTS:  # a typo there would leave every job on torch's
         _fail(f"DYNATREE_ISA={named!r}: choose {', '.join(kbuild.VARIANTS)} (or unset it: native)")
+    if not isas and named and named not in kbuild.variants_here():  # (as would a variant this CPU cannot run)
+        _fail(f"DYNATREE_ISA={named} cannot run on this CPU: choose {', '.join(kbuild.variants_here())} (or unset it)")
     isas = kbuild.variants_here() if "all" in isas else list(isas) or [kbuild.variant()]
     failed = False
     for isa in isas:

@@ -8,12 +8,15 @@ of each compiling it on the same cores.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import time
@@ -60,8 +63,20 @@ def cpu_flags() -> str:
 
 
 def cache_dir() -> Path:
-    """Where built kernels and budget profiles are kept: ``$DYNATREE_CACHE`` or ~/.cache/dynatree."""
-    return Path(os.environ.get("DYNATREE_CACHE", Path.home() / ".cache" / "dynatree"))
+    """Where built kernels and budget profiles are kept: ``$DYNATREE_CACHE`` (set and not empty, a
+    leading ~ expanded: systemd's and Ray's env_vars do not), else ~/.cache/dynatree, else -- no home
+    directory: a container's user with no passwd entry and no HOME crashed every command -- a
+    directory of this user's in the temporary directory."""
+    named = os.environ.get("DYNATREE_CACHE", "")
+    try:
+        return Path(named).expanduser() if named else Path.home() / ".cache" / "dynatree"
+    except RuntimeError:  # ("Could not determine home directory")
+        return Path(named) if named else Path(tempfile.gettempdir()) / f"dynatree-{os.getuid()}"
+
+
+def cache_said() -> str:
+    """The cache directory as a message names where it came from."""
+    return "DYNATREE_CACHE" if os.environ.get("DYNATREE_CACHE") else "the default cache; DYNATREE_CACHE names another"
 
 
 def variant() -> str:
@@ -86,9 +101,10 @@ def source_hash() -> str:
 
 
 COMPILE_TIMEOUT_S = 600  # a build takes 10-40 s
+NO_COMPILER = "no C compiler"  # (build's reason where the machine has none: `dynatree build` only warns)
 
 
-def _compile(cc: str, flags: list[str], out: str) -> str | None:
+def _compile(cc: list[str], flags: list[str], out: str) -> str | None:
     """Compile the objects side by side (one compiler each: the first job on a machine waits for
     the build) and link them into ``out``; the compiler's errors, or None."""
     # (the objects beside the cache and -pipe, no assembler files in $TMPDIR: a build writes only where
@@ -96,13 +112,13 @@ def _compile(cc: str, flags: list[str], out: str) -> str | None:
     with tempfile.TemporaryDirectory(dir=Path(out).parent, prefix="build-") as work:
         objs = [str(Path(work) / f"{i}-{src.stem}.o") for i, (src, _) in enumerate(OBJECTS)]
         # (each compiler in its own process group, ended with it below: a killed driver left cc1 running)
-        procs = [subprocess.Popen([cc, "-pipe", *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True,
+        procs = [subprocess.Popen([*cc, "-pipe", *flags, *extra, "-c", str(src), "-o", obj], stderr=subprocess.PIPE, text=True,
                                   start_new_session=True) for (src, extra), obj in zip(OBJECTS, objs)]
         try:  # (a hung compiler would hold the build lock every other process waits on)
             errors = [p.communicate(timeout=COMPILE_TIMEOUT_S)[1] for p in procs]
             if any(p.returncode for p in procs):
                 return "".join(errors).strip() or f"exit status {[p.returncode for p in procs]}"
-            procs.append(subprocess.Popen([cc, "-pipe", *flags, *objs, "-o", out, "-lm"], stderr=subprocess.PIPE, text=True,
+            procs.append(subprocess.Popen([*cc, "-pipe", *flags, *objs, "-o", out, "-lm"], stderr=subprocess.PIPE, text=True,
                                           start_new_session=True))
             error = procs[-1].communicate(timeout=COMPILE_TIMEOUT_S)[1]
         except subprocess.TimeoutExpired:
@@ -127,13 +143,17 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
         return None, f"DYNATREE_ISA={isa} cannot run on this CPU ({platform.machine()})"
     # DYNATREE_CFLAGS: extra flags, e.g. a sanitizer build (README, Tests); part of the cache key
     flags = FLAGS + VARIANTS[isa] + os.environ.get("DYNATREE_CFLAGS", "").split()
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        return None, f"no C compiler ({cc!r} not on PATH)"
+    named = os.environ.get("CC") or "cc"
+    try:  # (a command with words, as make and setuptools take it: CC="ccache gcc")
+        cc = shlex.split(named)
+    except ValueError as e:
+        return None, f"CC={named!r} is not a command: {e}"
+    if not cc or shutil.which(cc[0]) is None:
+        return None, f"{NO_COMPILER} ({cc[0] if cc else named!r} not on PATH)"
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{cc} --version failed: {e}"
+        return None, f"{named} --version failed: {e}"
     parts = [source_hash(), version, " ".join(flags), platform.machine(), cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = cache_dir()
@@ -143,7 +163,8 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
     try:
         return _build_into(cache, key, cc, flags)
     except OSError as e:  # (an unwritable or misplaced DYNATREE_CACHE)
-        return None, f"cannot build in {cache} (DYNATREE_CACHE): {e.strerror or e}"
+        what = "a file, not a directory" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror or e
+        return None, f"cannot build in {cache} ({cache_said()}): {what}"
 
 
 def _digest_path(lib: Path) -> Path:
@@ -152,18 +173,38 @@ def _digest_path(lib: Path) -> Path:
 
 def _whole(lib: Path) -> bool:
     """Whether a cached object is the one its build wrote: the digest kept beside it matches (one an
-    older version built has none, and is trusted).  A truncated copy -- a cache copied or shared
-    over a network filesystem -- crashed every process that loaded it with a bus error."""
+    older version built, or a copy without its digest, has none: then its ELF section headers must
+    lie inside it).  A truncated copy -- a cache copied or shared over a network filesystem --
+    crashed every process that loaded it with a bus error."""
     try:
         want = _digest_path(lib).read_text().strip()
     except FileNotFoundError:
-        return True
+        return _elf_whole(lib)
     except OSError:
         return False
     try:
         return hashlib.sha256(lib.read_bytes()).hexdigest() == want
     except OSError:
         return False
+
+
+def _elf_whole(lib: Path) -> bool:
+    """An ELF shared object that holds all of its section header table (its last part: what a
+    truncated copy loses first)."""
+    try:
+        with open(lib, "rb") as f:
+            head, size = f.read(64), os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+        return False
+    order = "<" if head[5] == 1 else ">"
+    if head[4] == 2 and len(head) < 64:
+        return False
+    at, fmt = (0x28, "Q") if head[4] == 2 else (0x20, "I")  # e_shoff; then e_shentsize, e_shnum
+    shoff = struct.unpack_from(order + fmt, head, at)[0]
+    entsize, count = struct.unpack_from(order + "HH", head, 0x3A if head[4] == 2 else 0x2E)
+    return shoff + entsize * count <= size
 
 
 def _write_digest(lib: Path, digest: str) -> None:
@@ -186,13 +227,13 @@ def _umask() -> int:
 def _clear_stale_builds(cache: Path) -> None:
     """The objects' directories of builds killed outright (SIGKILL: no finally ran), once older
     than any build may take; a live build's, of another object, is younger."""
-    for old in cache.glob("build-*"):
+    for old in cache.glob("build-*"):  # (a directory of objects, or a linked object not yet renamed)
         with contextlib.suppress(OSError):
             if time.time() - old.stat().st_mtime > 2 * COMPILE_TIMEOUT_S:
-                shutil.rmtree(old)
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path | None, str]:
+def _build_into(cache: Path, key: str, cc: list[str], flags: list[str]) -> tuple[Path | None, str]:
     lib_path = cache / f"libdtgemm-{key}.so"
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"libdtgemm-{key}.lock", "w") as lock:
@@ -200,12 +241,12 @@ def _build_into(cache: Path, key: str, cc: str, flags: list[str]) -> tuple[Path 
         _clear_stale_builds(cache)
         if not (lib_path.exists() and _whole(lib_path)):  # (a damaged copy is built again)
             # build beside the target and rename: a reader never sees a half-written object
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            fd, tmp = tempfile.mkstemp(prefix="build-", suffix=".so", dir=cache)
             os.close(fd)
             try:
                 error = _compile(cc, flags, tmp)
                 if error:
-                    return None, f"{cc} failed: {error[:500]}"
+                    return None, f"{shlex.join(cc)} failed: {error[:500]}"
                 os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp's file is private: another user's jobs could not load it)
                 digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
                 os.replace(tmp, lib_path)

@@ -118,6 +118,11 @@ def _init_ray(spec: JobSpec, log=print):
                        f"{e}") from e
     except ConnectionError as e:
         raise JobError(f"cannot reach the Ray cluster at {address}: {e} {_connect_hint(e)}") from e
+    except OSError as e:  # (a read-only HOME: Ray's token auth writes ~/.ray -- said as the job's own I/O error)
+        where = f"connecting to the Ray cluster at {address}" if address else "starting the local Ray cluster"
+        raise JobError(f"{where} failed: {e} (Ray writes its session under --temp-dir or /tmp/ray, and with token "
+                       "authentication its token under ~/.ray: a read-only home or temporary directory stops it; "
+                       "RAY_TMPDIR or a writable HOME moves it)") from e
     end_on_sigterm(only_if_asked=True)
     return ray
 

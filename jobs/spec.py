@@ -284,21 +284,28 @@ def _type_problems(spec: JobSpec) -> list[str]:
     return out
 
 
+_EXAMPLES = Path(__file__).resolve().parent / "examples"  # (the bundled job files: a checkout's, or a wheel's)
+
+
 def _check_file_relative(config_file: str | None, data: dict, overrides: dict) -> None:
     """A job file's relative paths are read from the directory dynatree runs in, not the file's;
     where one is missing from there but found from the file's directory or one above it (the
     repository's examples are relative to its root), say where to run (the later error named only
-    the missing path)."""
+    the missing path) -- or, in a bundled example, read it from there: from an installed wheel the
+    advice was to run inside site-packages, where the output then went (the install trial)."""
     if not config_file:
         return
     base = Path(config_file).resolve().parent
+    bundled = base == _EXAMPLES or _EXAMPLES in base.parents
     for k in PATH_FIELDS:
         value = data.get(k)
         if (overrides.get(k) is not None or not isinstance(value, str) or os.path.isabs(value)
                 or any(c in value for c in "*?[") or os.path.exists(value)):
             continue
         found = next((d for d in (base, *base.parents) if (d / value).exists()), None)
-        if found is not None:
+        if found is not None and bundled:  # (a bundled example, run from anywhere: an installed wheel's too)
+            data[k] = str(found / value)
+        elif found is not None:
             raise SpecError(f"{k} {value!r} of {config_file} is not found from here ({os.getcwd()}): a job file's "
                             f"relative paths are read from where dynatree runs, not from the file's directory; "
                             f"run from {found}, or give {found / value}")

@@ -6,6 +6,7 @@ torch.equal, not a tolerance."""
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -669,9 +670,44 @@ def test_a_damaged_cached_object_is_built_again(monkeypatch, tmp_path):
     lib.write_text("a-who")  # truncated
     again, _ = kbuild.build("generic")
     assert again == lib and lib.read_text() == "a-whole-object\n"  # (built again, not trusted)
-    kbuild._digest_path(lib).unlink()  # an object an older version built: no digest, kept as it is
-    lib.write_text("older")
-    assert kbuild.build("generic")[0] == lib and lib.read_text() == "older"
+    kbuild._digest_path(lib).unlink()  # no digest (an older version's, or copied without it): not an ELF
+    lib.write_text("older")  # object that holds its section headers, so built again (a bus error before)
+    assert kbuild.build("generic")[0] == lib and lib.read_text() == "a-whole-object\n"
+    real = Path(torch._C.__file__).read_bytes()  # (a whole ELF object of this machine)
+    for data, kept in ((real, True), (real[:len(real) * 2 // 3], False)):
+        kbuild._digest_path(lib).unlink(missing_ok=True)
+        lib.write_bytes(data)
+        assert (kbuild.build("generic")[0].read_bytes() == data) is kept
+    monkeypatch.setenv("CC", f"env {fake}")  # a compiler command with words, as make takes it (was "no C compiler")
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache2"))
+    lib, why = kbuild.build("generic")
+    assert lib is not None and lib.read_text() == "a-whole-object\n", why
+    stale = tmp_path / "cache2" / "build-killed.so"  # a SIGKILLed build's object: swept once old
+    stale.write_text("x")
+    os.utime(stale, (0, 0))
+    lib.unlink()
+    kbuild.build("generic")
+    assert not stale.exists()
+
+
+def test_the_cache_directory_without_a_home_or_with_an_empty_variable(monkeypatch, tmp_path):
+    """DYNATREE_CACHE empty is unset and ~ in it is the home (the cache had gone to the current
+    directory, or to one named "~"); no home at all -- a container's user without a passwd entry
+    -- is a directory in the temporary one (every command had crashed, DYNATREE_CACHE set or not)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DYNATREE_CACHE", "")
+    assert kbuild.cache_dir() == tmp_path / ".cache" / "dynatree"
+    monkeypatch.setenv("DYNATREE_CACHE", "~/dt")
+    assert kbuild.cache_dir() == tmp_path / "dt"
+
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(Path, "home", staticmethod(homeless))
+    monkeypatch.setattr(os.path, "expanduser", lambda p: homeless())
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "c"))
+    assert kbuild.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("DYNATREE_CACHE")
+    assert kbuild.cache_dir().parent == Path(tempfile.gettempdir())
 
 
 def test_an_interrupted_build_leaves_no_compiler_nor_object(monkeypatch, tmp_path):
@@ -774,6 +810,10 @@ def test_build_command_builds_ahead_and_reports_failures(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNATREE_ISA", "avx512")  # a variant named in the environment must build, or say so
     res = CliRunner().invoke(main, ["build"])
     assert res.exit_code != 0 and "DYNATREE_ISA='avx512': choose native, avx2, generic" in res.output
+    monkeypatch.setenv("DYNATREE_ISA", "avx2")  # ... as one this CPU cannot run (an install step had passed)
+    monkeypatch.setattr(kbuild, "variants_here", lambda: ["native", "generic"])
+    res = CliRunner().invoke(main, ["build"])
+    assert res.exit_code != 0 and "DYNATREE_ISA=avx2 cannot run on this CPU: choose native, generic" in res.output
 
 
 @pytest.mark.parametrize("arch", ["neox", "qwen3"])

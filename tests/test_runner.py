@@ -776,6 +776,11 @@ def test_a_job_files_relative_path_found_elsewhere_says_where_to_run(tmp_path, m
     assert build_spec(str(job), input=str(tmp_path / "data.jsonl")).input == str(tmp_path / "data.jsonl")
     monkeypatch.chdir(tmp_path)
     assert build_spec(str(job)).input == str(tmp_path / "data.jsonl")
+    # a bundled example runs from anywhere (an installed wheel's advice was to run inside site-packages)
+    from dynatree.jobs.spec import _EXAMPLES
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    demo = build_spec(str(_EXAMPLES / "demo.yaml"))
+    assert demo.input == str(_EXAMPLES / "demo-prompts.jsonl") and demo.output == "out/demo"  # (output: from here)
 
 
 def test_context_overflow_truncates_or_errors(ray_cluster, pair_dirs, tmp_path):
@@ -1457,6 +1462,23 @@ def test_actors_hear_how_many_rows_the_job_still_has_for_them():
     pending = deque((k, ([{"id": str(k), "text": "t"}], None)) for k in range(10))
     d._feed({}, pending)
     assert [b for _, b in calls] == [9 * 4 // 2, 8 * 4 // 2, 7 * 4 // 2, 6 * 4 // 2]
+
+
+def test_a_ray_start_that_cannot_write_says_so(monkeypatch):
+    """A read-only home: Ray's token auth writes ~/.ray, and the job said "[Errno 30] ...; the same
+    command starts the job again", blaming nothing (the install trial)."""
+    import ray
+
+    from dynatree.jobs import driver
+
+    def read_only(**kw):
+        raise OSError(30, "Read-only file system", "/home/u/.ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(driver, "start_local_ray", read_only)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(JobError, match=r"^starting the local Ray cluster failed: \[Errno 30\] Read-only file system: "
+                                       r"'/home/u/.ray' \(Ray writes"):
+        driver._init_ray(build_spec(None, input="x", output="y"), log=quiet)
 
 
 def test_a_token_ray_cannot_read_is_a_message_not_a_traceback(tmp_path):
