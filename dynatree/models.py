@@ -16,8 +16,8 @@ import torch
 from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, NATIVE_KERNELS, SLOW_ON_CPU, dtype_name
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
-from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, no_tree_mask,
-                    rope_switch)
+from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, native_refusal,
+                    no_tree_mask, rope_switch)
 from .runtime import KeyMask, Seq, base_forward_source, forward_each, heads_each, model_window, with_heads
 
 DTYPES = {name: getattr(torch, dtype_name(name)) for name in (*DTYPE_NAMES, *DTYPE_ALIASES)}
@@ -487,10 +487,10 @@ class ModelPair:
             gem = self.kernel in NATIVE_KERNELS
             cls = None if self.kernel == "hf" else LeanNeoX if lean_supports(model) else (
                 PackedRunner if packed.supports(model) else None)  # Llama-family models pack too
-            if cls is None and self.kernel == "lean-bf16":
+            if cls is None and self.kernel == "lean-bf16":  # (a Mistral's window was called "neither GPT-NeoX nor ...")
+                why = native_refusal(model.config) or f"a {model.config.model_type} layout it does not pack"
                 raise PairError(f"--kernel lean-bf16 runs on dynatree's native kernel, which does not take the {which} "
-                                f"model ({getattr(model.config, 'model_type', type(model).__name__)}: neither GPT-NeoX "
-                                "nor a Llama-family layout it packs)")
+                                f"model ({why})")
             if cls is None:  # transformers' forward
                 run = HFRunner(model)
                 run.tree_problem, run.tree_fails = _tree_problem(run, model, which)  # (a PairError: no runner kept)

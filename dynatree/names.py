@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .config import NATIVE_FAMILIES
+
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -124,6 +126,29 @@ def rope_switch(config) -> int | None:
     at = [p.get("original_max_position_embeddings") or get("original_max_position_embeddings")
           for kind, p in _rope_kinds(get) if kind == "longrope"]
     return min((int(a) for a in at if a), default=None)
+
+
+FIXED_ROPE = ("default", "linear", "llama3", "yarn")  # one table for every length ("dynamic", "longrope" rescale)
+_NEOX_ACTS = ("gelu", "gelu_new", "relu")  # (lean.supports)
+
+
+def native_refusal(config) -> str:
+    """Why the model's config rules out dynatree's native kernel ("" where nothing in it does; the
+    load may find more): --kernel lean-bf16, which runs there only, is refused by the job's driver
+    from config.json rather than by every actor once loaded (the Llama-family trial)."""
+    get = _getter(config)
+    kind = get("model_type")
+    if kind not in NATIVE_FAMILIES:
+        return f"{kind}: neither GPT-NeoX nor a Llama-family model"
+    if kind != "llama" and (window := binding_window(config)) is not None:  # (a Llama's stray key reads nothing)
+        return f"its {window}-token sliding attention window"
+    fixed = ("default",) if kind == "gpt_neox" else FIXED_ROPE
+    rescaled = [k for k, _ in _rope_kinds(get) if (k or "default") not in fixed]
+    if rescaled:
+        return f"its rotary type {rescaled[0]!r}" + (" rescales with the length" if rescaled[0] not in FIXED_ROPE else "")
+    if kind == "gpt_neox" and get("hidden_act", "gelu") not in _NEOX_ACTS:
+        return f"its activation {get('hidden_act')!r}"
+    return ""
 
 
 def no_tree_mask(config) -> str:

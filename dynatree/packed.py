@@ -21,7 +21,7 @@ import torch
 
 from . import cmodel, native
 from .config import NATIVE_FAMILIES
-from .names import rope_switch
+from .names import FIXED_ROPE, rope_switch  # (rotaries the C forward reads from one table)
 from .runtime import (Output, Seq, attend_each, base_forward_source, heads_each, kept_rows, model_window, rotate_half,
                       row_spans, seq_masks)
 
@@ -54,9 +54,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotate_half(x) * sin
 
 
-# rotary embeddings whose table is fixed (the C forward reads one precomputed table); "dynamic"
-# and "longrope" rescale with the sequence's length
-FIXED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 class PackedRunner(cmodel.Runner):

@@ -34,7 +34,7 @@ from dynatree.data import id_strings, jsonl_bytes, would_read
 from dynatree.parts import each_repeated
 from dynatree.signals import end_on_sigterm, held_while_starting
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
-                            model_problem, no_tree_mask)
+                            model_problem, native_refusal, no_tree_mask)
 from dynatree.machine import ensure_writable
 from dynatree.metrics import output_schema
 from dynatree.config import SLOW_ON_CPU, grows_trees, unused_sampling
@@ -299,6 +299,7 @@ def check_models(spec: JobSpec) -> None:
     _check_context(spec, [p for p in (t, d) if p is not None])
     _check_stop_ids(spec, t)
     _check_draft_trees(spec, d)
+    _check_native_only(spec, t, d)
     if t is not None and lacks_tokenizer(t):
         raise JobError(f"the target ({spec.target or 'the bundled demo pair'}) has no tokenizer (none of "
                        f"{', '.join(TOKENIZER_FILES)}), and a job's prompts are text")
@@ -332,6 +333,21 @@ def _check_draft_trees(spec: JobSpec, draft: Path | None) -> None:
     if why:
         raise JobError(f"--method {spec.method}: the draft model cannot expand token trees ({why}): "
                        "use --method linear, or another draft")
+
+
+def _check_native_only(spec: JobSpec, target: Path | None, draft: Path | None) -> None:
+    """--kernel lean-bf16 runs on the native kernel only: a model whose config.json rules it out
+    (names.native_refusal) is refused here -- a dry run had passed, and the job failed once Ray and
+    every actor's load had run (the Llama-family trial)."""
+    if spec.kernel != "lean-bf16":
+        return
+    for which, path in (("target", target), ("draft", draft)):
+        config = model_config(path) if path is not None else None
+        why = config and native_refusal(config)
+        if why:
+            raise JobError(f"--kernel lean-bf16 runs on dynatree's native kernel, which does not take the {which} "
+                           f"model ({why}): use --kernel lean, which runs such a model on torch's or transformers' "
+                           "forward")
 
 
 def _model_dirs(spec: JobSpec) -> tuple[Path | None, Path | None]:

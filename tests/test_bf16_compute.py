@@ -205,6 +205,43 @@ def test_no_silent_float32_stand_in_for_what_the_kernel_does_not_take(monkeypatc
     assert not pair_from_models(model, None, None, eos_token_id=None).runner("target").native  # float32: 4 bytes
 
 
+def test_what_config_json_rules_out_is_refused_by_the_driver_and_named(tmp_path):
+    """A Mistral with a binding window (and gpt2, a dynamic rotary, ...) under --kernel lean-bf16
+    passed a dry run and failed in every actor, saying "neither GPT-NeoX nor a Llama-family layout"
+    of the Mistral (the Llama-family trial)."""
+    import json
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from dynatree.jobs.driver import JobError, _check_native_only
+    from dynatree.jobs.spec import build_spec
+    from dynatree.names import native_refusal
+
+    ctx = {"max_position_embeddings": 128}
+    assert native_refusal({"model_type": "gpt2"}) == "gpt2: neither GPT-NeoX nor a Llama-family model"
+    assert native_refusal({"model_type": "mistral", "sliding_window": 24, **ctx}) == "its 24-token sliding attention window"
+    assert native_refusal({"model_type": "llama", "sliding_window": 24, **ctx}) == ""  # (Llama's code reads none)
+    assert native_refusal({"model_type": "mistral", "sliding_window": 4096, **ctx}) == ""  # (covers the context)
+    assert "'dynamic' rescales with the length" in native_refusal(
+        {"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}, **ctx})
+    assert native_refusal({"model_type": "llama", "rope_scaling": {"type": "llama3"}, **ctx}) == ""
+    assert native_refusal({"model_type": "gpt_neox", "hidden_act": "gelu", **ctx}) == ""
+    assert native_refusal({"model_type": "gpt_neox", "rope_parameters": {"rope_type": "linear"}, **ctx}) == \
+        "its rotary type 'linear'"
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                               sliding_window=16)).eval()
+    with pytest.raises(PairError, match=r"does not take the target model \(its 16-token sliding attention window\)"):
+        pair_from_models(mistral, None, None, eos_token_id=None, kernel="lean-bf16").runner("target")
+    for name, config in (("t", {"model_type": "llama", **ctx}), ("d", {"model_type": "gpt2"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    spec = build_spec(None, input="x", output="y", target=str(tmp_path / "t"), draft=str(tmp_path / "d"), kernel="lean-bf16")
+    with pytest.raises(JobError, match=r"does not take the draft model \(gpt2: neither .*use --kernel lean"):
+        _check_native_only(spec, tmp_path / "t", tmp_path / "d")
+    _check_native_only(build_spec(None, input="x", output="y", kernel="lean"), tmp_path / "t", tmp_path / "d")
+
+
 def test_a_long_prefill_runs_in_chunks_and_the_fpu_modes_are_restored():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
