@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
-from dynatree.config import METHODS, close_names, unused_sampling
+from dynatree.config import METHODS, close_names, unused_options
 from dynatree.data import id_strings
 from dynatree.jobs.spec import JobSpec, SpecError, build_spec
 from dynatree.metrics import output_schema
@@ -106,7 +106,7 @@ def check(pool: dict | None = None, **options) -> JobSpec:
             _check_pool(pool)
     except JobError as e:
         raise JobError(stage_names(str(e))) from e
-    if note := unused_sampling(spec.method_config):  # (here once, not in every actor)
+    if note := unused_options(spec.method_config):  # (here once, not in every actor)
         warnings.warn(stage_names(note), stacklevel=2)
     return spec
 

@@ -29,7 +29,7 @@ import torch
 
 from .check import all_windowed, first_difference, prompt_budget, truncate_prompt
 from .config import (METHODS, ARConfig, ar_reference, make_config, non_default_options, reference_label,
-                     unused_sampling_notes)
+                     unused_options_notes)
 from .engine import decode
 from .machine import ensure_writable, versions
 from .metrics import Metrics, counted, defined_mean, release_freed_memory, rss_bytes
@@ -596,7 +596,7 @@ def _decodable(pair: ModelPair, spec: BenchSpec, log) -> BenchSpec:
             f"text, and the draft's {pair.draft_positions} positions are fewer than the target's {pair.max_context} "
             "(dynatree's methods restart it within them)")
         ok = {label: cfg for label, cfg in ok.items() if label not in short}
-    for note in unused_sampling_notes({m.label: cfgs[m.label] for m in spec.methods if m.method not in HF_METHODS}):
+    for note in unused_options_notes({m.label: cfgs[m.label] for m in spec.methods if m.method not in HF_METHODS}):
         log(f"note: {note}")
     grid, problem = spec.grid, spec.grid and pair.method_problem(make_config("fixed_tree"))
     if problem:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import types
 import warnings
@@ -175,23 +176,25 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
             ref_cfg = ar_reference(cfg)
             # (--method ar is its own reference: decoding it twice compared it with itself)
             refs = gens if method == "ar" else engine.generate_batch(pair, prompts, "ar", ref_cfg, **limits)
-            compared = " (--method ar is the reference itself)" if method == "ar" else _compared_with(pair, ref_cfg)
+            compared = [" (--method ar is the reference itself)" if method == "ar" else
+                        _compared_with(pair, ar_reference(make_config(method, g.options))) for g in gens]
             for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
-                res["ar_reference"] = reference_label(ref_cfg)  # (what --json readers compared with)
+                # (what --json readers compared with: each sample's own seed, which the later ones derive)
+                res["ar_reference"] = reference_label(ar_reference(make_config(method, gen.options)))
                 if not res["matches_ar"]:  # where, and how close the target's top two were there
                     ids = engine.prompt_token_ids(pair, prompts[i // samples])
                     res["first_divergence"], res["divergence_margin"] = divergence(
                         pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
     except (PairError, ValueError) as e:
         cut = getattr(e, "prompt_problem", False) and isinstance(e, ContextError) and not chat_template
-        _fail(f"{e}" + (" -- or --max-prompt-tokens N keeps its last N" if cut else ""))
+        _fail(_as_flags(f"{e}") + (" -- or --max-prompt-tokens N keeps its last N" if cut else ""))
     forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
     drafted = pair.draft is not None and any(g.metrics.draft_forwards for g in gens)
     draft_forward = pair.forward_in_use("draft") if drafted else None
     if not as_json:
         click.echo(f"target forward: {forward}" + (f"\ndraft forward: {draft_forward}" if drafted else ""), err=True)
-    for gen, result in zip(gens, results):
+    for i, (gen, result) in enumerate(zip(gens, results)):
         if as_json:
             result["forward"] = forward
             result["draft_forward"] = draft_forward  # (null: no draft ran)
@@ -207,7 +210,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
                    f"{m.iterations} iterations"
                    + (f", {m.tokens_per_iteration:.2f} tokens/iteration" if m.iterations else "") + ", "
-                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}{compared}" if check_ar else "")
+                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}{compared[i]}" if check_ar else "")
                    + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
                       f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
                    err=True)
@@ -236,6 +239,12 @@ def _say_if_idle(method: str, cfg, gens) -> None:
         why.append("the hardware budget priced every tree out (--option hw_budget=off drafts regardless)")
     click.echo(f"note: {method} drafted no token in {sum(m.iterations for m in ran)} iterations, so it ran as ar "
                "does" + (": " + " or ".join(why) if why else ""), err=True)
+
+
+def _as_flags(message: str) -> str:
+    """The engine's "options kv_window=64 kv_evict=16" (the Python API's words) as flags."""
+    return re.sub(r"\boptions? ((?:\w+=\S+)(?: \w+=\S+)*)",
+                  lambda m: " ".join(f"--option {o}" for o in m.group(1).split()), message)
 
 
 def _compared_with(pair, ref) -> str:
@@ -285,7 +294,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     from .actors.worker import prompt_ids
     from .check import all_windowed, check_methods, prompt_budget
     from .data import InputError, read_texts
-    from .config import ARConfig, make_config, reference_label, unused_sampling_notes
+    from .config import ARConfig, make_config, reference_label, unused_options_notes
     from .metrics import freeze_heap
     from .models import PairError, load_pair
     from .policies import make_policy
@@ -294,7 +303,7 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
     try:
         from .bench import parse_methods
         cfgs = {m.label: make_config(m.method, m.options) for m in parse_methods(methods, options)}
-        for note in unused_sampling_notes(cfgs):
+        for note in unused_options_notes(cfgs):
             click.echo(f"note: {note}", err=True)
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}

@@ -81,7 +81,8 @@ class MethodConfig(SamplingConfig):
                             "(0 = off: the whole text is cached)")
     kv_sinks: int = opt(4, "with kv_window: the first tokens kept for good (StreamingLLM's attention sinks)")
     kv_evict: int = opt(64, "with kv_window: tokens dropped at once when the cache is full (the cache holds "
-                            "kv_window - kv_evict .. kv_window tokens; trees fit in what is left)")
+                            "kv_window - kv_evict .. kv_window tokens; trees fit in what is left; a prompt "
+                            "past the window is prefilled kv_evict tokens a forward)")
     kv_dtype: str = opt("model", "KV cache storage: 'model' (the model's dtype) or 'bfloat16' (half the bytes "
                                  "a forward streams from the caches; keys and values rounded once as they are "
                                  "cached, so every greedy method equals ar with the same kv_dtype; the native "
@@ -312,11 +313,16 @@ def non_default_options(cfg) -> dict:
             if getattr(cfg, f.name) != getattr(default, f.name)}
 
 
+def _number(x) -> str:
+    """A whole number whole (a sample's derived seed read 1.31965e+19: the long-generation trial), others as %g."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def reference_label(ref: ARConfig) -> str:
     """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024`` (``_sinks2_evict16``
     where those differ from their defaults), ``ar_kvbfloat16``, ``ar_t0.6_p0.9_s3`` (sampling:
     temperature, then top_k, top_p, seed where set), ..."""
-    sampled = "".join(f"_{tag}{getattr(ref, name):g}" for tag, name in
+    sampled = "".join(f"_{tag}{_number(getattr(ref, name))}" for tag, name in
                       (("t", "temperature"), ("k", "top_k"), ("p", "top_p"), ("s", "seed"))
                       if ref.temperature and getattr(ref, name) != _DEFAULTS[name])
     window = "".join(f"_{tag}{getattr(ref, name)}" for tag, name in (("sinks", "kv_sinks"), ("evict", "kv_evict"))
@@ -502,24 +508,37 @@ def draws_differ(cfg) -> bool:
     return cfg.temperature > 0 and cfg.top_k != 1
 
 
-def unused_sampling(cfg) -> str | None:
-    """What to tell a user who set top_k, top_p or seed on a greedy config (temperature 0), where
-    they change nothing (a user's run with ``top_p=0.9`` alone read as nucleus sampling); else None."""
-    if getattr(cfg, "temperature", 0) != 0:
-        return None
-    set_ = [f"{k}={getattr(cfg, k)}" for k in SAMPLING_FIELDS[1:] if getattr(cfg, k) != _DEFAULTS[k]]
-    if not set_:
-        return None
-    return (f"{', '.join(set_)} change{'s' if len(set_) == 1 else ''} nothing at "
-            "temperature 0 (greedy decoding); sampling needs a temperature above 0 (e.g. temperature=0.8)")
+def unused_fields(cfg) -> tuple[str, ...]:
+    """Options set away from their defaults that change nothing: top_k, top_p, seed at temperature 0
+    (greedy), kv_sinks, kv_evict with no kv_window (the whole cache kept)."""
+    greedy = getattr(cfg, "temperature", 0) == 0
+    windowless = isinstance(cfg, MethodConfig) and not cfg.kv_window
+    fields = (SAMPLING_FIELDS[1:] if greedy else ()) + (WINDOW_FIELDS[1:] if windowless else ())
+    return tuple(k for k in fields if getattr(cfg, k) != {**_DEFAULTS, **_WINDOW_DEFAULTS}[k])
 
 
-def unused_sampling_notes(cfgs: dict) -> list[str]:
-    """unused_sampling for the labelled configs of a bench or check, one note per distinct setting
+def unused_options(cfg) -> str | None:
+    """What to tell a user who set options that change nothing (unused_fields): a run with
+    ``top_p=0.9`` alone read as nucleus sampling, one with ``kv_sinks=8`` alone as StreamingLLM's
+    cache (the long-generation trial); else None."""
+    unused = unused_fields(cfg)
+    said = []
+    for kinds, why in ((SAMPLING_FIELDS[1:], "at temperature 0 (greedy decoding); sampling needs a temperature above "
+                                             "0 (e.g. temperature=0.8)"),
+                       (WINDOW_FIELDS[1:], "without kv_window (no cache window: the whole cache is kept); "
+                                           "StreamingLLM's cache needs kv_window=N")):
+        set_ = [f"{k}={getattr(cfg, k)}" for k in unused if k in kinds]
+        if set_:
+            said.append(f"{', '.join(set_)} change{'s' if len(set_) == 1 else ''} nothing {why}")
+    return "; ".join(said) or None
+
+
+def unused_options_notes(cfgs: dict) -> list[str]:
+    """unused_options for the labelled configs of a bench or check, one note per distinct setting
     naming its methods (an --option given to all of them is said once)."""
     said: dict[str, list[str]] = {}
     for label, cfg in cfgs.items():
-        if cfg is not None and (note := unused_sampling(cfg)):
+        if cfg is not None and (note := unused_options(cfg)):
             said.setdefault(note, []).append(label)
     return [f"{', '.join(labels)}: {note}" for note, labels in said.items()]
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window,
-                     check_windows, draws_differ, make_config, unused_sampling)
+                     check_windows, draws_differ, make_config, unused_options)
 from .drafting import Drafter, DraftVocabError, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -819,7 +819,7 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
                          f"from make_config(method, ...), got {type(cfg).__name__}")
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
-    if note := unused_sampling(cfg):
+    if note := unused_options(cfg):
         warnings.warn(note, stacklevel=2)
     cfgs = _draws_of(cfg, len(ids), samples)
     ids = [p for p in ids for _ in range(int(samples))]

@@ -37,7 +37,7 @@ from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lack
                             model_problem, native_refusal, no_tree_mask)
 from dynatree.machine import ensure_writable
 from dynatree.metrics import output_schema
-from dynatree.config import SLOW_ON_CPU, grows_trees, unused_sampling
+from dynatree.config import SLOW_ON_CPU, grows_trees, unused_options
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
@@ -476,7 +476,7 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = 
     ``dry_run``: every check a run makes before it starts Ray, nothing written; returns the plan."""
     t_start = time.time()
     _warn_if_submitted_relative(spec, log)
-    if note := unused_sampling(spec.method_config):
+    if note := unused_options(spec.method_config):
         log(f"note: {note}")
     _check_output_outside_input(spec)
     refuse_changed_input_early(spec)  # (before a scan that would only find it again)

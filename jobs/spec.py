@@ -20,9 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNELS, METHODS, SAMPLING_FIELDS,
-                             check_samples, did_you_mean, dtype_name, make_config, non_default_options, parse_options,
-                             unused_sampling)
+from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNELS, METHODS, check_samples,
+                             did_you_mean, dtype_name, make_config, non_default_options, parse_options, unused_fields)
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -255,14 +254,15 @@ def _resource_problems(resources: dict) -> list[str]:
 def canonical_options(method: str, options: dict | None) -> dict:
     """A method's options as its config resolves them, only those away from their defaults: an
     option given at its default (``d_max=8``, ``temperature=0``) or spelled as a string (``"8"``)
-    is the same job as one left out, so a resume that spells it otherwise is not refused; so is
-    ``top_k``, ``top_p`` or ``seed`` at temperature 0, where they change nothing.  Options the method
+    is the same job as one left out, so a resume that spells it otherwise is not refused; so is an
+    option that changes nothing (config.unused_fields: ``top_k`` at temperature 0, ``kv_sinks`` with
+    no window).  Options the method
     does not take are kept as given (the spec's check reports them)."""
     try:
         cfg = make_config(method, options)
     except (ValueError, TypeError):
         return dict(options or {})
-    unused = SAMPLING_FIELDS[1:] if unused_sampling(cfg) else ()  # (greedy: no draw to shape)
+    unused = unused_fields(cfg)  # (top_k at temperature 0, kv_sinks without a window: the same output)
     return {k: v for k, v in non_default_options(cfg).items() if k not in unused}
 
 

@@ -265,7 +265,7 @@ def test_cli_generate_json(pair_dirs):
     long = args[:-5] + ["--prompt", "It was the best of times. " * 60, "--json"]  # past the 128-token context
     res = runner.invoke(main, long)
     assert res.exit_code != 0 and "leaves no room" in res.output
-    hint = "decode with a cache window: options kv_window=64 kv_evict=16"  # one that fits the context
+    hint = "decode with a cache window: --option kv_window=64 --option kv_evict=16"  # fits the context, as flags
     assert hint in res.output
     res = runner.invoke(main, long + ["--option", "kv_window=64", "--option", "kv_evict=16"])
     assert res.exit_code == 0, res.output
@@ -462,6 +462,12 @@ def test_generate_numbers_each_prompts_samples_and_ar_loads_no_draft(pair_dirs, 
     assert res.exit_code == 0, res.output
     got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert [(g["prompt"], g["sample"]) for g in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # --check-ar names each sample's own reference: its derived seed, written whole (every sample
+    # was said to be checked against the first one's seed, and 1.31965e+19 could not be re-drawn)
+    res = CliRunner().invoke(main, args[:4] + [str(pair_dirs / "draft")] + args[5:] + ["--option", "seed=3", "--check-ar"])
+    got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert all(g["matches_ar"] and g["ar_reference"] == f"ar_t0.8_s{g['options']['seed']}" for g in got), got
+    assert len({g["options"]["seed"] for g in got}) == 4
 
 
 def test_one_prompts_text_is_printed_alone_on_stdout(pair_dirs):

@@ -729,7 +729,7 @@ def test_spec_validation_messages(tmp_path):
     # top_k/top_p/seed change nothing at temperature 0 (said so on every command): the same job, a
     # job of an older version that counted them resumes (its options re-read: plan._legacy)
     from dynatree.jobs.plan import _legacy, _same_identity
-    greedy = build_spec(str(job), options={"depth": 3, "top_k": 4, "top_p": 0.5, "seed": 7})
+    greedy = build_spec(str(job), options={"depth": 3, "top_k": 4, "top_p": 0.5, "seed": 7, "kv_sinks": 8})
     assert greedy.identity_hash() == a.identity_hash() and greedy.identity()["options"] == {"depth": 3}
     older = {"identity_hash": "0123456789abcdef", "identity": {**a.identity(), "options": {"depth": 3, "top_k": 4}}}
     now = {"identity_hash": a.identity_hash(), "identity": a.identity()}

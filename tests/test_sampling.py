@@ -242,19 +242,25 @@ def test_bad_sampling_options():
 
 def test_sampling_options_at_temperature_zero_are_said_to_change_nothing(close_pair):
     """top_p=0.9 alone read as nucleus sampling to a user, and greedy decoding ran without a word."""
-    from dynatree.config import unused_sampling, unused_sampling_notes
+    from dynatree.config import unused_options, unused_options_notes
     from dynatree.engine import generate_batch
 
     cfg = make_config("dynatree", {"top_p": 0.9, "seed": 3})
-    assert unused_sampling(cfg) == ("top_p=0.9, seed=3 change nothing at temperature 0 (greedy decoding); "
+    assert unused_options(cfg) == ("top_p=0.9, seed=3 change nothing at temperature 0 (greedy decoding); "
                                     "sampling needs a temperature above 0 (e.g. temperature=0.8)")
-    assert unused_sampling(make_config("ar", {"top_k": 5})).startswith("top_k=5 changes nothing")
-    assert unused_sampling(make_config("dynatree", {"top_p": 0.9, "temperature": 0.5})) is None
-    assert unused_sampling(make_config("dynatree")) is None
-    notes = unused_sampling_notes({"ar": make_config("ar", {"top_p": 0.9}), "dynatree": cfg,
+    assert unused_options(make_config("ar", {"top_k": 5})).startswith("top_k=5 changes nothing")
+    assert unused_options(make_config("dynatree", {"top_p": 0.9, "temperature": 0.5})) is None
+    assert unused_options(make_config("dynatree")) is None
+    # a window's sinks or eviction without a window: a full-cache run, silently (the long-generation trial)
+    assert unused_options(make_config("ar", {"kv_sinks": 8, "top_k": 2})) == (
+        "top_k=2 changes nothing at temperature 0 (greedy decoding); sampling needs a temperature above 0 (e.g. "
+        "temperature=0.8); kv_sinks=8 changes nothing without kv_window (no cache window: the whole cache is kept); "
+        "StreamingLLM's cache needs kv_window=N")
+    assert unused_options(make_config("dynatree", {"kv_window": 100, "kv_sinks": 8})) is None
+    notes = unused_options_notes({"ar": make_config("ar", {"top_p": 0.9}), "dynatree": cfg,
                                    "linear": make_config("linear", {"top_p": 0.9}), "d2": make_config("dynatree")})
     assert notes == ["ar, linear: top_p=0.9 changes nothing at temperature 0 (greedy decoding); sampling needs a "
-                     "temperature above 0 (e.g. temperature=0.8)", "dynatree: " + unused_sampling(cfg)]
+                     "temperature above 0 (e.g. temperature=0.8)", "dynatree: " + unused_options(cfg)]
     with pytest.warns(UserWarning, match="top_p=0.9, seed=3 change nothing at temperature 0"):
         generate_batch(close_pair, [[5, 6, 7]], "dynatree", {"top_p": 0.9, "seed": 3}, max_new_tokens=2)
     import warnings
