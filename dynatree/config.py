@@ -318,13 +318,13 @@ def _number(x) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def reference_label(ref: ARConfig) -> str:
+def reference_label(ref: ARConfig, seed: bool = True) -> str:
     """How a reference ``ar`` is named in tables: ``ar``, ``ar_window1024`` (``_sinks2_evict16``
     where those differ from their defaults), ``ar_kvbfloat16``, ``ar_t0.6_p0.9_s3`` (sampling:
-    temperature, then top_k, top_p, seed where set), ..."""
+    temperature, then top_k, top_p, seed where set -- not ``seed`` where each row draws its own), ..."""
     sampled = "".join(f"_{tag}{_number(getattr(ref, name))}" for tag, name in
                       (("t", "temperature"), ("k", "top_k"), ("p", "top_p"), ("s", "seed"))
-                      if ref.temperature and getattr(ref, name) != _DEFAULTS[name])
+                      if ref.temperature and getattr(ref, name) != _DEFAULTS[name] and (seed or name != "seed"))
     window = "".join(f"_{tag}{getattr(ref, name)}" for tag, name in (("sinks", "kv_sinks"), ("evict", "kv_evict"))
                      if getattr(ref, name) != _WINDOW_DEFAULTS[name]) if ref.kv_window else ""
     return "ar" + (f"_window{ref.kv_window}{window}" if ref.kv_window else "") + \

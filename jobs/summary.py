@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dynatree.config import ar_reference, reference_label
 from dynatree.machine import replaced, versions
 from dynatree.metrics import counted
 
@@ -237,6 +238,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
             "checked": checked, "matched": checked - t["mismatches"], "mismatches": t["mismatches"],
             "pass_rate": (checked - t["mismatches"]) / checked if checked else None,
             "mismatched_rows": t["mismatched"],
+            "reference": _reference(spec),
         },
         "config": _config(spec),
         "versions": versions(),
@@ -276,9 +278,25 @@ def format_table(s: dict) -> str:
         + (f" ({s['cached_prompt_tokens'] / s['prompt_tokens']:.0%}: shared prompt beginnings computed once)"
            if s.get("cached_prompt_tokens") else ""),
         f"speedup vs ar            {_speedup_line(s)}",
-        "matches ar               " + (f"{eq['matched']}/{eq['checked']}" if eq["checked"] else _unchecked(s)),
+        "matches ar               " + (f"{eq['matched']}/{eq['checked']}{_against(eq)}" if eq["checked"] else
+                                           _unchecked(s)),
     ]
     return "\n".join(lines)
+
+
+def _reference(spec) -> str | None:
+    """The ``ar`` the checked rows were compared with (config.reference_label): its window, cache
+    dtype and sampling, each row with its own seed (a windowed job read "matches ar 6/6")."""
+    cfg = getattr(spec, "method_config", None)
+    if cfg is None:
+        return None
+    label = reference_label(ar_reference(cfg), seed=False)
+    return label + (", each row's own seed" if cfg.temperature > 0 else "")
+
+
+def _against(eq: dict) -> str:
+    ref = eq.get("reference")
+    return f" (against {ref})" if ref and ref != "ar" else ""
 
 
 def _unchecked(s: dict) -> str:

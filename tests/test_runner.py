@@ -916,6 +916,7 @@ def test_samples_per_prompt(ray_cluster, pair_dirs, tmp_path):
     from dynatree.jobs.summary import format_table
     assert "18  (6 prompts x 3 samples; errors 3)" in format_table(s)
     assert s["equivalence"]["checked"] == 15 and s["equivalence"]["mismatches"] == 0
+    assert "matches ar               15/15 (against ar_t0.9, each row's own seed)" in format_table(s)  # (not ar's)
     draws = [{tuple(r["generated_token_ids"]) for r in good[i:i + 3]} for i in range(0, 15, 3)]
     assert sum(len(d) > 1 for d in draws) >= 3  # a prompt's samples differ
     assert sum(r["cached_prompt_tokens"] for r in good[:3]) >= 64  # the long prompt computed once
