@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import platform
 import shlex
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import tempfile
@@ -71,7 +73,26 @@ def cache_dir() -> Path:
     try:
         return Path(named).expanduser() if named else Path.home() / ".cache" / "dynatree"
     except RuntimeError:  # ("Could not determine home directory")
-        return Path(named) if named else Path(tempfile.gettempdir()) / f"dynatree-{os.getuid()}"
+        return Path(named) if named else _private_tmp()
+
+
+def _private_tmp() -> Path:
+    """dynatree-<uid> in the temporary directory, made this user's alone: objects loaded from a
+    directory another user could write would run their code."""
+    path = Path(tempfile.gettempdir()) / f"dynatree-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    return _process_tmp()  # (someone else's, or not a directory: this process's own, kept for its life)
+
+
+@functools.cache
+def _process_tmp() -> Path:
+    return Path(tempfile.mkdtemp(prefix="dynatree-"))
 
 
 def cache_said() -> str:
