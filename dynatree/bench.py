@@ -382,8 +382,6 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
     """Throughput per actor at batch size B: every prompt decoded in batches of B (the engine's
     BatchDecoder; transformers' batched generate for hf_ar), tokens/s = all tokens ÷ all wall
     time, prefill included.  Each row's tokens are checked against batch-1 ``ar``."""
-    from .engine import decode_batch
-
     refs: dict[ARConfig, list] = {}  # batch-1 ar's tokens per reference config (cache window, dtype)
 
     def ref_tokens(ms: MethodSpec) -> list:
@@ -395,7 +393,6 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
                 refs[cfg].append(decode(pair, p, cfg, max_new_tokens=max_new_tokens, ignore_eos=True)[0])
         return refs[cfg]
 
-    rows = []
     greedy_only = [ms.label for ms in methods if ms.method == "hf_ar" and ms.options.get("temperature", 0) > 0]
     if greedy_only:  # (run_hf_batch is transformers' greedy generate: it would pass for a sample)
         log(f"  {', '.join(greedy_only)}: transformers' batched generate runs greedy only; left out of the sampled "
@@ -411,31 +408,46 @@ def batch_rows(pair: ModelPair, dataset: str, prompts: list[list[int]], methods:
         log(f"  B = {', '.join(map(str, over))}: only {counted(len(prompts), 'prompt')} "
             f"{'is' if len(prompts) == 1 else 'are'} measured, so the largest batch is {len(prompts)} (give --prompts "
             "of at least B plus the warm-up)")
-    for b in dict.fromkeys(min(b, len(prompts)) for b in batch_sizes):
-        def run(ms, chunk, n):
-            pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares
-            if ms.method == "hf_ar":
-                return [(t, None) for t in run_hf_batch(pair, chunk, n)]
-            return [(t, m) for t, _, m in decode_batch(pair, chunk, make_config(ms.method, ms.options),
-                                                        max_new_tokens=n, ignore_eos=True)]
+    rows: list[dict] = []
+    try:
+        for b in dict.fromkeys(min(b, len(prompts)) for b in batch_sizes):
+            rows += _size_rows(pair, dataset, prompts, methods, b, ref_tokens, max_new_tokens, max_prompt_tokens,
+                               [x for x in over if b == len(prompts)], log)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the sizes measured go with it (they had been lost)
+        e.partial_rows = rows
+        raise
+    return rows
 
-        for ms in methods:
-            run(ms, prompts[:b], 4)  # warm-up (first-use costs, budget profile)
-        # Methods take turns on each batch of prompts, in a rotating order, so the host's drift
-        # (±20% over minutes here) falls on every method alike instead of on whichever ran last.
-        got, wall, k = [[] for _ in methods], [0.0] * len(methods), len(methods)
-        for i, at in enumerate(range(0, len(prompts), b)):
-            for j in [(i + j) % k for j in range(k)]:
-                t0 = time.perf_counter()
-                got[j] += run(methods[j], prompts[at:at + b], max_new_tokens)
-                wall[j] += time.perf_counter() - t0
-        for j, ms in enumerate(methods):
-            ref = reference(ms, methods)  # (None: a peer's, plain ar, which may not be among the methods)
-            rows.append(_batch_row(dataset, ms, b, prompts, got[j], wall[j], ref_tokens(ms),
-                                   ref.label if ref else "ar", max_new_tokens, max_prompt_tokens,
-                                   asked=[x for x in over if b == len(prompts)]))
-            log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, "
-                f"{rows[-1]['rows_matching_ar']}/{len(prompts)} rows == ar")
+
+def _size_rows(pair: ModelPair, dataset: str, prompts: list, methods: list[MethodSpec], b: int, ref_tokens,
+               max_new_tokens: int, max_prompt_tokens: int, asked: list[int], log) -> list[dict]:
+    """batch_rows at one batch size ``b``: each method warmed up, then measured in turns."""
+    from .engine import decode_batch
+
+    def run(ms, chunk, n):
+        pair.forget_prefixes()  # each batch starts with what a fresh job has: prompts it shares it shares
+        if ms.method == "hf_ar":
+            return [(t, None) for t in run_hf_batch(pair, chunk, n)]
+        return [(t, m) for t, _, m in decode_batch(pair, chunk, make_config(ms.method, ms.options),
+                                                    max_new_tokens=n, ignore_eos=True)]
+
+    for ms in methods:
+        run(ms, prompts[:b], 4)  # warm-up (first-use costs, budget profile)
+    # Methods take turns on each batch of prompts, in a rotating order, so the host's drift
+    # (±20% over minutes here) falls on every method alike instead of on whichever ran last.
+    got, wall, k = [[] for _ in methods], [0.0] * len(methods), len(methods)
+    for i, at in enumerate(range(0, len(prompts), b)):
+        for j in [(i + j) % k for j in range(k)]:
+            t0 = time.perf_counter()
+            got[j] += run(methods[j], prompts[at:at + b], max_new_tokens)
+            wall[j] += time.perf_counter() - t0
+    rows = []
+    for j, ms in enumerate(methods):
+        ref = reference(ms, methods)  # (None: a peer's, plain ar, which may not be among the methods)
+        rows.append(_batch_row(dataset, ms, b, prompts, got[j], wall[j], ref_tokens(ms), ref.label if ref else "ar",
+                               max_new_tokens, max_prompt_tokens, asked=asked))
+        log(f"  {dataset} B={b} {ms.label}: {rows[-1]['tokens_per_s']:.1f} tokens/s, "
+            f"{rows[-1]['rows_matching_ar']}/{len(prompts)} rows == ar")
     return rows
 
 
@@ -561,10 +573,11 @@ def run_bench(pair: ModelPair, spec: BenchSpec, out_dir: str | Path, log=print, 
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C, SIGTERM: keep what was measured (a bench can take hours)
             rows += getattr(e, "partial_rows", [])
-            if rows:  # (with nothing measured, an earlier bench's results stay)
+            measured = any(not r["warmup"] for r in rows)  # (warm-up rows alone had replaced an earlier bench's)
+            if measured:  # (with nothing measured, an earlier bench's results stay)
                 _write(out, pair, spec, rows, t0, None, interrupted=True, log=log, kept=getattr(e, "kept", None),
                        host=host)
-            e.saved = bool(rows)
+            e.saved = measured
         if made and not any(out.iterdir()):  # (a bad input found before any row: no empty directory left)
             out.rmdir()
         raise
@@ -685,11 +698,17 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
                 log(f"{name}: sweep T={t}: prompts cut to {lt} tokens (the context holds the new tokens too)")
             rows += bench_rows(pair, name, [truncate_prompt(e, lt, lead=lead) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, first=skip, log=log)
+        seen: dict = {}  # the prompts each L cut, by their lengths
         for lp in spec.sweep_prompt_len:
             ll = keep[lp, spec.max_new_tokens]
-            rows += bench_rows(pair, name, [truncate_prompt(e, ll, lead=lead) for e in enc[skip:]], sweep_ms, warmup=warm,
-                               max_new_tokens=spec.max_new_tokens, max_prompt_tokens=ll,
-                               setting={"sweep": "prompt_len", "L": lp}, first=skip, log=log)
+            cut = [truncate_prompt(e, ll, lead=lead) for e in enc[skip:]]
+            same = seen.setdefault(tuple(map(len, cut)), lp)
+            if same != lp:  # (L = 400 and 800 over prompts of ~330 tokens read as two points: the bench trial)
+                log(f"{name}: sweep L={lp} left out: its prompts are at most {max(map(len, cut))} tokens, so it would "
+                    f"measure the same prompts as L={same}")
+                continue
+            rows += bench_rows(pair, name, cut, sweep_ms, warmup=warm, max_new_tokens=spec.max_new_tokens,
+                               max_prompt_tokens=ll, setting={"sweep": "prompt_len", "L": lp}, first=skip, log=log)
         if spec.batch_sizes:  # (the batch sweep warms each (B, method) up itself)
             rows += batch_rows(pair, name, full[spec.warmup:], list(spec.methods), spec.batch_sizes,
                                max_new_tokens=spec.max_new_tokens, max_prompt_tokens=lmax, log=log)

@@ -29,7 +29,8 @@ def report(pair, prefix: int, prefill: int, repeats: int, rounds: int, lengths: 
     cache = "" if kv_dtype == "model" else f" (keys and values stored as {kv_dtype})"
     click.echo(f"kernel {pair.kernel}, {pair.device}, {str(pair.dtype).replace('torch.', '')}, "
                f"{torch.get_num_threads()} threads, {prefix} cached tokens{cache}; ms per forward "
-               f"(median of {repeats})")
+               f"(median of {repeats}; of fewer, an odd number, for a forward over {budget.PROFILE_MS / repeats:.0f} ms, "
+               "as a job's start-up times them)")
     runner = pair.runner("target")
     timed = _forwards(pair, lat)
     _rates(pair, timed)

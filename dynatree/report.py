@@ -1,6 +1,7 @@
 """``dynatree report DIR``: tables (Markdown) and plots (PNG) from ``results.parquet`` alone."""
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -26,11 +27,11 @@ def _sd(vals) -> float:
     return statistics.stdev(vals) if len(vals) > 1 else 0.0
 
 
-def _groups(rows, sweep="main"):
-    """{dataset: {method: [measured rows]}} in first-seen order, warm-up dropped."""
+def _groups(rows, sweep="main", warmup: bool = False):
+    """{dataset: {method: [measured rows]}} in first-seen order, warm-up dropped (kept with ``warmup``)."""
     out: dict = {}
     for r in rows:
-        if r["warmup"] or json.loads(r["setting"]).get("sweep") != sweep:
+        if (r["warmup"] and not warmup) or json.loads(r["setting"]).get("sweep") != sweep:
             continue
         out.setdefault(r["dataset"], {}).setdefault(r["method"], []).append(r)
     return out
@@ -49,30 +50,41 @@ def _ref_speedup(gd: dict, m: str) -> float | None:
     return _speedup(rs, gd.get(ref, []))
 
 
-def _main_tables(g: dict) -> list[str]:
-    """The tables of the main setting (every method on every prompt, one at a time)."""
+def _main_tables(g: dict, every: dict) -> list[str]:
+    """The tables of the main setting (every method on every prompt, one at a time); ``every``: its
+    rows with the warm-up ones, whose outputs are checked as well."""
     datasets = list(g)
     methods = list(dict.fromkeys(m for d in datasets for m in g[d]))
-    tables = (_results_table, _latency_table, _efficiency_table, _ablation_table, _kv_update_table, _memory_table)
+    tables = (functools.partial(_results_table, every=every), _latency_table, _efficiency_table, _ablation_table,
+              _kv_update_table, _memory_table)
     return [t for t in (table(g, datasets, methods) for table in tables) if t]
 
 
-def _results_table(g: dict, datasets: list, methods: list) -> str:
+def _results_table(g: dict, datasets: list, methods: list, every: dict) -> str:
     head = "| method | " + " | ".join(f"{d} tokens/s | {d} speedup" for d in datasets) + \
-        " | identical to `ar` (rows checked, all datasets) |"
+        " | identical to `ar` (rows checked, warm-up included, all datasets) |"
     sep = "|---" * (1 + 2 * len(datasets) + 1) + "|"
     lines = ["## Main results (tokens/s mean ± std over measured prompts; speedup = mean tokens/s ÷ its `ar` "
              "reference's: plain `ar`, or the `ar` with the method's sampling and cache options)", "", head, sep]
+    wrong = []
     for m in methods:
         cells = []
         for d in datasets:
             rs = g[d].get(m, [])
             sp = _ref_speedup(g[d], m)
             cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-"]
-        checked = [r["matches_ar"] for d in datasets for r in g[d].get(m, []) if r["matches_ar"] is not None]
+        # (a warm-up row's output counts: one that differed had read "yes")
+        checked = [r["matches_ar"] for d in datasets for r in every.get(d, {}).get(m, []) if r["matches_ar"] is not None]
         refs = all(r.get("ref_method") == m for d in datasets for r in g[d].get(m, []))
-        verdict = ("yes" if all(checked) else "NO") + f" ({len(checked)})" if checked else "reference" if refs else "sampled"
+        differ = checked.count(False)
+        if differ:
+            wrong.append(m)
+        verdict = (f"NO: {differ} of {len(checked)} differ" if differ else f"yes ({len(checked)})") if checked else \
+            "reference" if refs else "sampled"
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {verdict} |")
+    if wrong:
+        lines += ["", f"**{', '.join(wrong)}: outputs differ from `ar`** — a speed of other tokens, not a speedup of "
+                      "the same generation (see results.parquet's first_divergence and divergence_margin)."]
     return "\n".join(lines)
 
 
@@ -245,9 +257,21 @@ def _sweep_table(srows: list[dict], key: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def _mixed(rows: list[dict]) -> list[str]:
+    """A note where the main setting's rows were measured at more than one T or L_max (results of two
+    benches put together): its cells pool them, and the header names one."""
+    main = [r for r in rows if json.loads(r["setting"]).get("sweep") == "main"]
+    lengths = sorted({(r.get("max_new_tokens"), r.get("max_prompt_tokens")) for r in main}, key=str)
+    if len(lengths) < 2:
+        return []
+    said = ", ".join(f"T={t} L_max={lp}" for t, lp in lengths)
+    return [f"**Mixed runs**: the main setting's rows were measured at {said} — each cell below pools them; "
+            "report each bench's results.parquet on its own."]
+
+
 def tables(rows: list[dict]) -> str:
     g = _groups(rows)
-    parts = _main_tables(g) if g else []
+    parts = _mixed(rows) + (_main_tables(g, _groups(rows, warmup=True)) if g else [])
     parts += _batch_table(rows)
     for sweep, key, title in (("tokens", "T", "Generation length sweep"), ("prompt_len", "L", "Prompt length sweep")):
         srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
@@ -492,6 +516,11 @@ def report(out_dir: str | Path) -> tuple[Path, list[Path]]:
         lmax = f"{kept} (of {s['max_prompt_tokens']}: the context holds the new tokens too)" \
             if kept < s["max_prompt_tokens"] else kept
         forward = "".join(f"; {w}: {f}" for w, f in (m.get("forward") or {}).items())
+        peers = any(str(r.get("base_method") or r["method"]).startswith("hf_") for r in rows)
+        if peers and m.get("kernel", "lean") != "hf":
+            # (the peers run another forward on other weights: their "× ar" is not the algorithm's alone)
+            forward += ("; hf_* peers: transformers' own forward and weights, not the kernel above (--kernel hf runs "
+                        "every row on transformers' forward, for a comparison of the algorithms alone)")
         shared = next((x["options"] for x in s["methods"] if x["label"] == "ar"), None)  # options given to all
         forward += f"; options given to every method (as `ar` takes them): {json.dumps(shared, sort_keys=True)}" \
             if shared else ""

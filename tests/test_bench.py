@@ -310,7 +310,7 @@ def test_the_main_table_divides_by_each_methods_own_ar_reference():
     gd = {"ar": [row(100.0, "ar")], "ar_t0.8_s3": [row(50.0, "ar_t0.8_s3")], "dts": [row(75.0, "ar_t0.8_s3")],
           "dyn": [row(150.0, "ar")], "hf_ar": [row(20.0)]}
     assert [_ref_speedup(gd, m) for m in gd] == [1.0, 1.0, 1.5, 1.5, 0.2]
-    assert "| dts | 75.0 (n = 1) | 1.50× | yes (1) |" in _results_table({"d": gd}, ["d"], list(gd))  # (no spread of one)
+    assert "| dts | 75.0 (n = 1) | 1.50× | yes (1) |" in _results_table({"d": gd}, ["d"], list(gd), {"d": gd})  # (n = 1)
 
 
 def earlier_plot(path):
@@ -354,6 +354,58 @@ def test_an_interrupted_bench_keeps_the_prompts_it_finished(pair_dirs, tmp_path,
     earlier_plot(warm / "throughput.png")
     rep = CliRunner().invoke(main, ["report", str(warm)])
     assert rep.exit_code != 0 and "no measured prompts in its results, only warm-up ones" in rep.output
+
+
+def test_an_interrupt_in_the_warm_up_or_a_batch_sweep_keeps_what_is_worth_keeping(pair_dirs, tmp_path, monkeypatch):
+    """Stopped after its warm-up prompt, a bench had replaced an earlier bench's results with warm-up
+    rows alone; stopped in a --batch-sizes sweep, it had dropped the batch sizes already measured
+    (the bench trial)."""
+    import dynatree.bench
+
+    out = tmp_path / "b"
+    out.mkdir()
+    pq.write_table(pa.table({"earlier": [1]}), out / "results.parquet")
+    real, calls = dynatree.bench.decode, []
+
+    def decode(*a, **k):  # the 4th decode: prompt 1's first, after warm-up prompt 0's three
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(dynatree.bench, "decode", decode)
+    args = bench_args(pair_dirs, tmp_path, 4, 4) + ["--methods", "ar,linear,dynatree", "--out", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 130 and "nothing was measured yet" in res.output, res.output
+    assert pq.read_table(out / "results.parquet").column_names == ["earlier"]  # (kept)
+    monkeypatch.setattr(dynatree.bench, "decode", real)
+    sizes, one = [], dynatree.bench._size_rows
+
+    def size_rows(*a, **k):
+        sizes.append(a[4])
+        if len(sizes) == 2:
+            raise KeyboardInterrupt
+        return one(*a, **k)
+
+    monkeypatch.setattr(dynatree.bench, "_size_rows", size_rows)
+    res = CliRunner().invoke(main, args + ["--batch-sizes", "1,2"])
+    assert res.exit_code == 130 and "the prompts measured so far are in" in res.output, res.output
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert {json.loads(r["setting"])["B"] for r in rows} == {1} and len(rows) == 3
+
+
+def test_prompt_length_sweep_points_past_the_prompts_are_left_out(pair_dirs, tmp_path):
+    """L = 400 and 800 over prompts of ~330 tokens measured the same prompts as two points."""
+    out = tmp_path / "b"
+    args = bench_args(pair_dirs, tmp_path, 3, 4)
+    short = tmp_path / "short.parquet"  # (51 tokens each)
+    pq.write_table(pa.table({"text": ["The quick brown fox jumps over the lazy dog. " * 5] * 3}), short)
+    args[args.index("--dataset") + 1] = f"tiny={short}"
+    res = CliRunner().invoke(main, args + ["--methods", "ar", "--sweep-prompt-len", "4,100,110", "--out", str(out)])
+    assert res.exit_code == 0 and "sweep L=110 left out: its prompts are at most" in res.output, res.output
+    assert "the same prompts as L=100" in res.output
+    rows = [r for r in pq.read_table(out / "results.parquet").to_pylist() if '"prompt_len"' in r["setting"]]
+    assert {json.loads(r["setting"])["L"] for r in rows} == {4, 100}
 
 
 def test_a_bench_interrupted_while_writing_its_report_says_the_measurements_are_whole(pair_dirs, tmp_path,
@@ -571,17 +623,25 @@ def _report_row(method, tps, matches, *, warmup=False, ref="ar", sweep=None):
             "kv_cache_mb": 1.0, "peak_memory_mb": 1.0, "iterations": None}
 
 
-def test_main_table_counts_measured_rows_only_and_says_no_on_any_mismatch():
-    """'exact' = every *measured* row equal to ar: a warm-up row is neither counted nor a verdict,
-    and one mismatch among the measured rows is NO."""
+def test_main_table_times_measured_rows_but_checks_every_output():
+    """Speed from the *measured* rows; exactness from every row, warm-up included (a warm-up row that
+    differed from ar read "yes": the bench trial), and a mismatch says how many rows differ."""
     from dynatree.report import _groups, _results_table
     rows = [_report_row("ar", 1.0, None, warmup=True), _report_row("ar", 100.0, None), _report_row("ar", 100.0, None),
-            _report_row("dyn", 1000.0, False, warmup=True), _report_row("dyn", 150.0, True), _report_row("dyn", 150.0, True),
+            _report_row("dyn", 1000.0, True, warmup=True), _report_row("dyn", 150.0, True), _report_row("dyn", 150.0, True),
+            _report_row("warm", 1000.0, False, warmup=True), _report_row("warm", 130.0, True),
             _report_row("bad", 120.0, True), _report_row("bad", 120.0, False)]
     g = _groups(rows)
-    table = _results_table(g, ["d"], list(g["d"]))
-    assert "| dyn | 150.0 ± 0.0 | 1.50× | yes (2) |" in table, table
-    assert "| bad | 120.0 ± 0.0 | 1.20× | NO (2) |" in table, table
+    table = _results_table(g, ["d"], list(g["d"]), every=_groups(rows, warmup=True))
+    assert "| dyn | 150.0 ± 0.0 | 1.50× | yes (3) |" in table, table
+    assert "| warm | 130.0 (n = 1) | 1.30× | NO: 1 of 2 differ |" in table, table
+    assert "| bad | 120.0 ± 0.0 | 1.20× | NO: 1 of 2 differ |" in table, table
+    assert "**warm, bad: outputs differ from `ar`**" in table
+    from dynatree.report import _mixed  # two benches' rows put together: said, not pooled silently
+    assert _mixed(rows) == []
+    other = [{**r, "max_new_tokens": 32, "max_prompt_tokens": 200} for r in rows[:3]]
+    assert _mixed(rows + other)[0].startswith("**Mixed runs**: the main setting's rows were measured at T=32 "
+                                              "L_max=200, T=None L_max=None")
 
 
 def test_sweep_tables_leave_out_warm_up_rows_and_references_from_identical_counts():
@@ -600,7 +660,7 @@ def test_the_main_table_calls_ar_the_reference_and_an_unchecked_peer_sampled():
     from dynatree.report import _results_table
     row = lambda tps, ref: {"tokens_per_s": tps, "ref_method": ref, "matches_ar": None}  # noqa: E731
     gd = {"ar": [row(100.0, "ar")], "hf_assisted": [row(80.0, "ar")]}
-    lines = {ln.split("|")[1].strip(): ln for ln in _results_table({"d": gd}, ["d"], list(gd)).splitlines()[4:]}
+    lines = {ln.split("|")[1].strip(): ln for ln in _results_table({"d": gd}, ["d"], list(gd), {"d": gd}).splitlines()[4:]}
     assert lines["ar"].endswith("| reference |") and lines["hf_assisted"].endswith("| sampled |"), lines
 
 
