@@ -59,7 +59,7 @@ import torch
 from .config import NATIVE_KERNELS
 from .kvcache import new_cache
 from .machine import replaced
-from .names import model_files
+from .names import local_dir, model_files
 from .runtime import Seq
 
 # Bumped when what a saved profile measures changes (2: the profile's masks reach the native
@@ -542,9 +542,10 @@ def _disk_path(pair, params) -> Path | None:
         return None
     files = []
     for name in (pair.names.get("target"), pair.names.get("draft")):
-        if not name or not Path(name).is_dir():
+        where = local_dir(name) if name else None  # (a hub id's snapshot: every actor had profiled again)
+        if where is None:
             return None
-        files += model_files(name)
+        files += model_files(where)
     from . import kbuild, native
     cpu = kbuild.cpuinfo("model name")
     device = str(pair.device)

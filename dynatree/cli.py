@@ -523,7 +523,7 @@ def _how_to_go_on(spec, fields: dict) -> str:
 @_spec_options
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--dry-run", is_flag=True, help="check the job and print its plan (rows, shards to do, columns), "
-                                             "without starting Ray or writing anything")
+                                             "without starting Ray or writing to the output")
 def run(config_file, quiet, dry_run, **fields):
     """Run a batch generation job over Ray actors; write Parquet shards and a summary."""
     from .config import parse_options

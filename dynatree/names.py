@@ -38,6 +38,18 @@ def _cached_config(name: str) -> str | None:
     return got if isinstance(got, str) else None
 
 
+def local_dir(name: str | Path) -> Path | None:
+    """The directory a model's files are in: ``name`` itself, or a hub id's snapshot in the local
+    Hugging Face cache; None if neither (never downloaded, or built in memory)."""
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    try:
+        got = None if looks_local(str(name)) else _cached_config(str(name))
+    except (ImportError, ValueError, OSError):
+        return None
+    return Path(got).parent if got else None
+
+
 def _cached(name: str, kind: str) -> bool:
     """Whether a copy of ``name`` may be cached here (when unsure: yes, and the loader decides)."""
     try:

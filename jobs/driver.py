@@ -451,6 +451,11 @@ def _check_this_machine(spec: JobSpec) -> None:
         raise JobError(str(e)) from e
 
 
+def _local_cpu_only(spec: JobSpec) -> bool:
+    """Actors that will run on this machine's CPUs: no --address, and no GPU here or none asked for."""
+    return not (spec.address or os.environ.get("RAY_ADDRESS")) and (spec.cpu_only or not placement.local_gpus())
+
+
 def _warn_if_submitted_relative(spec: JobSpec, log) -> None:
     """Under `ray job submit` a relative path lies in the job's working directory, which Ray
     manages: an output there may be deleted; an input or model in a --working-dir's copy is named
@@ -487,6 +492,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = 
     plan = make_plan(spec, log, source)
     preflight(spec)
     if dry_run:
+        if _local_cpu_only(spec) and spec.dtype in SLOW_ON_CPU:  # (the run says it once its actors are placed)
+            log(f"warning: CPU actors: {SLOW_ON_CPU[spec.dtype]}")
         return _dry_run(spec, plan)
     created = not os.path.lexists(spec.output)
     try:

@@ -337,13 +337,13 @@ def _load_file(path: str) -> dict:
     if not p.exists():
         raise SpecError(f"job file {path} does not exist")
     text = p.read_text()
+    # (.json is JSON; any other name YAML, which reads JSON too: job.YAML or a name without a
+    # suffix had been read as JSON and refused with "Expecting value")
+    kind = "JSON" if p.suffix.lower() == ".json" else "YAML"
     try:
-        if p.suffix in (".yaml", ".yml"):
-            data = _yaml(text) or {}
-        else:
-            data = json.loads(text, object_pairs_hook=_unique_keys)
+        data = json.loads(text, object_pairs_hook=_unique_keys) if kind == "JSON" else _yaml(text) or {}
     except Exception as e:  # yaml and json raise different types
-        raise SpecError(f"cannot parse job file {path}: {e}") from e
+        raise SpecError(f"cannot parse job file {path} (read as {kind}): {e}") from e
     if not isinstance(data, dict):
         raise SpecError(f"job file {path} must hold a mapping of fields")
     return data

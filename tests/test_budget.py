@@ -329,6 +329,13 @@ def test_profile_is_kept_per_machine_and_measured_again_on_request(pair_dirs, tm
     assert budget.profile(p, prefix_len=16, kv_dtype="bfloat16") is not budget.profile(p, prefix_len=16)
     assert [kv for _, kv in calls[2 * measured:]] == ["bfloat16"] * measured
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
+    # models named by hub id are keyed by their snapshot in the Hugging Face cache (they never were:
+    # every actor of a Pythia job profiled again)
+    import dynatree.names
+    monkeypatch.setattr(dynatree.names, "_cached_config", lambda name: str(pair_dirs / name.split("/")[1] / "config.json"))
+    local = budget._disk_path(p, (16,))
+    p.names.update(target="org/target", draft="org/draft")
+    assert local is not None and budget._disk_path(p, (16,)) == local
 
 
 def test_a_dynatree_with_a_bfloat16_cache_prices_its_nodes_with_a_bfloat16_profile(pair_dirs, tmp_path,

@@ -98,6 +98,10 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert plan["actors"].endswith("on this process's Ray cluster (not asked in a dry run: whether they fit is "
                                    "checked when the job starts)"), plan["actors"]
     assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest and len(os.listdir(shards)) == 2
+    said = []  # a slow dtype on this machine's CPUs is said in the dry run, as the run says it (its trial missed it)
+    run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, dtype="float16", output=str(tmp_path / "f16"), device="cpu"),
+            progress=False, log=said.append, dry_run=True)
+    assert any(line.startswith("warning: CPU actors: dtype float16 on a CPU") for line in said), said
     with pytest.raises(JobError, match="different config .*max_new_tokens"):  # what a run would refuse
         run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, max_new_tokens=5), progress=False, log=quiet,
                 dry_run=True)
@@ -722,6 +726,12 @@ def test_spec_validation_messages(tmp_path):
     for bad in ({"method": 3}, {"options": {1: 2}}):  # (no spelling to suggest: the plain error, no traceback)
         with pytest.raises(SpecError, match="unknown method 3|has no option 1"):
             build_spec(None, input="x", output="y", **bad)
+    for name in ("job.YAML", "jobfile"):  # (read as JSON, refused with "Expecting value")
+        (tmp_path / name).write_text("input: a.parquet\noutput: out\n")
+        assert build_spec(str(tmp_path / name)).output == "out"
+    (tmp_path / "job.json").write_text("input: a.parquet\n")
+    with pytest.raises(SpecError, match=r"cannot parse job file .*job.json \(read as JSON\)"):
+        build_spec(str(tmp_path / "job.json"))
     job.write_text("input: a.parquet\noutput: out\nmethod: fixed_tree\noptions: {depth: 3}\n")
     a = build_spec(str(job))
     b = build_spec(str(job), options={"depth": "3"})

@@ -9,6 +9,7 @@ pipeline; ``dynatree run`` is the tool when you want resume, atomic shards and a
 from __future__ import annotations
 
 import argparse
+import os
 
 import ray
 
@@ -38,9 +39,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--verify-fraction", type=float, default=1.0)
     ap.add_argument("--actors", type=int, default=1)
-    ap.add_argument("--address", help="a running Ray cluster (default: a local one)")
+    ap.add_argument("--address", help="a running Ray cluster (default: RAY_ADDRESS's, else a new local one)")
     a = ap.parse_args()
-    ray.init(address=a.address)
+    # (not ray.init(): it joins the last `ray start` head on this machine, whatever its size)
+    ray.init(address=a.address or os.environ.get("RAY_ADDRESS") or "local")
     try:
         pipeline(a.input, a.output, actors=a.actors, target=a.target, draft=a.draft, method=a.method,
                  max_new_tokens=a.max_new_tokens, verify_fraction=a.verify_fraction)
