@@ -111,7 +111,8 @@ def check(pool: dict | None = None, **options) -> JobSpec:
     return spec
 
 
-_POOL = {"compute", "concurrency", "num_cpus", "num_gpus", "memory", "resources"}  # (check's pool=)
+_POOL = {"compute", "concurrency", "num_cpus", "num_gpus", "memory", "resources"}  # (check's pool=: what it checks)
+_POOL_UNCHECKED = {"ray_remote_args", "accelerator_type", "label_selector", "scheduling_strategy"}  # (map_batches' too)
 _POOL_FLAGS = {"--num-actors": "ActorPoolStrategy(size=...)", "--cpus-per-actor": "num_cpus",
                "--gpus-per-actor": "num_gpus", "--memory-per-actor": "memory"}
 
@@ -132,26 +133,31 @@ def _check_pool(pool: dict) -> None:
     from dynatree.jobs import placement
     from dynatree.jobs.driver import JobError
 
-    if not isinstance(pool, dict) or (unknown := sorted(set(pool) - _POOL)):
-        raise SpecError(f"pool takes map_batches' {', '.join(sorted(_POOL))}, got "
+    if not isinstance(pool, dict) or (unknown := sorted(set(pool) - _POOL - _POOL_UNCHECKED)):
+        raise SpecError(f"pool takes map_batches' {', '.join(sorted(_POOL | _POOL_UNCHECKED))}, got "
                         f"{', '.join(unknown) if isinstance(pool, dict) else repr(pool)}")
+    # (ray_remote_args may hold the resources; None is Ray Data's default: a CPU an actor)
+    pool = {**{k: v for k, v in (pool.get("ray_remote_args") or {}).items() if k in _POOL}, **pool}
+    pool["num_cpus"] = 1 if pool.get("num_cpus") is None else pool["num_cpus"]
     if ray.is_initialized():
         nodes = ray.nodes()
     elif os.environ.get("RAY_ADDRESS"):  # (Ray Data will join a cluster this driver has not)
+        warnings.warn("check(pool): RAY_ADDRESS names a cluster this process has not joined, so the pool is not "
+                      "compared with it: call ray.init() before check", stacklevel=3)
         return
     else:
         nodes = [placement.local_node("this machine (no ray.init before check: Ray Data starts its cluster here)",
                                       memory=bool(pool.get("memory")))]
     memory = pool.get("memory") or None
     try:
-        placement.check_request(nodes, _pool_size(pool), pool.get("num_cpus", 1), pool.get("num_gpus") or 0,
+        placement.check_request(nodes, _pool_size(pool), pool["num_cpus"], pool.get("num_gpus") or 0,
                                 memory, pool.get("resources"))
     except placement.PlacementError as e:
         message = re.sub(r"--resource (\S+)=\.\.\.", r"resources={'\1': ...}", str(e))
         for flag, name in _POOL_FLAGS.items():
             message = message.replace(flag, name)
         raise JobError(f"the pool cannot be placed: {message}") from e
-    cpus, taken = placement.alive_cpus(nodes), _pool_size(pool) * pool.get("num_cpus", 1)
+    cpus, taken = placement.alive_cpus(nodes), _pool_size(pool) * pool["num_cpus"]
     if cpus - taken < 1:
         warnings.warn(f"the pool's actors take {taken:g} of the cluster's {cpus:g} CPUs, so Ray Data's read and write "
                       "tasks (a CPU each by default) may find none and the pipeline wait for ever: reserve fewer CPUs "

@@ -36,6 +36,7 @@ from dynatree.parts import SURROGATE
 from dynatree.jobs import footprint
 from dynatree.jobs.spec import FAULTS_ENV
 from dynatree.scheduler import Request, Scheduler
+from dynatree.stops import texts_changed
 from dynatree.stops import text_of
 
 
@@ -173,7 +174,8 @@ class ShardWorker:
                 "draft_forward": p.forward_in_use("draft") if p.draft is not None else None,
                 "startup": self.startup, "batch_cap": self.batch_cap,
                 # (what a text prompt starts with: the driver pins it in the output's manifest)
-                "leading_ids": [] if self.spec.chat_template or p.tokenizer is None else p.leading_ids}
+                "leading_ids": [] if self.spec.chat_template or p.tokenizer is None else p.leading_ids,
+                "texts_changed": texts_changed(p, self.stop)}  # (pinned too: plan.pin_text_rule)
 
     def stats(self) -> dict:
         s, dev = self.scheduler, self.pair.device

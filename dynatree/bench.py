@@ -699,7 +699,7 @@ def _measure_all(pair: ModelPair, spec: BenchSpec, rows: list[dict], log, loaded
             rows += bench_rows(pair, name, [truncate_prompt(e, lt, lead=lead) for e in enc[skip:]], sweep_ms, warmup=warm,
                                max_new_tokens=t, max_prompt_tokens=lt, setting={"sweep": "tokens", "T": t}, first=skip, log=log)
         seen: dict = {}  # the prompts each L cut, by their lengths
-        for lp in spec.sweep_prompt_len:
+        for lp in sorted(spec.sweep_prompt_len):  # (a value past every prompt repeats the one below it)
             ll = keep[lp, spec.max_new_tokens]
             cut = [truncate_prompt(e, ll, lead=lead) for e in enc[skip:]]
             same = seen.setdefault(tuple(map(len, cut)), lp)

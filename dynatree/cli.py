@@ -243,7 +243,7 @@ def _say_if_idle(method: str, cfg, gens) -> None:
 
 def _as_flags(message: str) -> str:
     """The engine's "options kv_window=64 kv_evict=16" (the Python API's words) as flags."""
-    return re.sub(r"\boptions? ((?:\w+=\S+)(?: \w+=\S+)*)",
+    return re.sub(r"(?<![-\w])options? ((?:\w+=\S+)(?: \w+=\S+)*)",
                   lambda m: " ".join(f"--option {o}" for o in m.group(1).split()), message)
 
 

@@ -508,26 +508,45 @@ def draws_differ(cfg) -> bool:
     return cfg.temperature > 0 and cfg.top_k != 1
 
 
+# (switch, value) -> the options a method then never reads (policies.py), and how that is said
+_IDLE = {("dynamic_breadth", False): (("b_min", "b_max", "tau_h", "tau_l"), "with dynamic_breadth=False (b_mid children "
+                                      "everywhere)"),
+         ("dynamic_depth", False): (("rho_stop", "rho_deep"), "with dynamic_depth=False (depth d0 everywhere)"),
+         ("history", False): (("window", "hist_high", "hist_low"), "with history=False (no adaptation)"),
+         ("mode", "heap"): (("threshold",), "in mode=heap (max_nodes best candidates)")}
+
+
+def _idle_reasons(cfg) -> list[tuple[tuple[str, ...], str]]:
+    """(options, why) of what ``cfg`` leaves unread: sampling at temperature 0, a window's sinks and
+    eviction without a window, the options of a switch turned off."""
+    out = []
+    if getattr(cfg, "temperature", 0) == 0:
+        out.append((SAMPLING_FIELDS[1:], "at temperature 0 (greedy decoding); sampling needs a temperature above 0 "
+                                         "(e.g. temperature=0.8)"))
+    if isinstance(cfg, MethodConfig) and not cfg.kv_window:
+        out.append((WINDOW_FIELDS[1:], "without kv_window (no cache window: the whole cache is kept); StreamingLLM's "
+                                       "cache needs kv_window=N"))
+    out += [idle for (switch, value), idle in _IDLE.items() if getattr(cfg, switch, None) == value]
+    return out
+
+
 def unused_fields(cfg) -> tuple[str, ...]:
-    """Options set away from their defaults that change nothing: top_k, top_p, seed at temperature 0
-    (greedy), kv_sinks, kv_evict with no kv_window (the whole cache kept)."""
-    greedy = getattr(cfg, "temperature", 0) == 0
-    windowless = isinstance(cfg, MethodConfig) and not cfg.kv_window
-    fields = (SAMPLING_FIELDS[1:] if greedy else ()) + (WINDOW_FIELDS[1:] if windowless else ())
-    return tuple(k for k in fields if getattr(cfg, k) != {**_DEFAULTS, **_WINDOW_DEFAULTS}[k])
+    """Options set away from their defaults that change nothing (_idle_reasons): top_k at
+    temperature 0, kv_sinks with no kv_window, b_min with dynamic_breadth=False, ..."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else {}
+    return tuple(k for fields, _ in _idle_reasons(cfg) for k in fields
+                 if k in defaults and getattr(cfg, k) != defaults[k])
 
 
 def unused_options(cfg) -> str | None:
     """What to tell a user who set options that change nothing (unused_fields): a run with
     ``top_p=0.9`` alone read as nucleus sampling, one with ``kv_sinks=8`` alone as StreamingLLM's
-    cache (the long-generation trial); else None."""
+    cache (the long-generation trial), ``threshold`` beside ``mode=heap`` as a DySpec threshold
+    (the fuzzing trial); else None."""
     unused = unused_fields(cfg)
     said = []
-    for kinds, why in ((SAMPLING_FIELDS[1:], "at temperature 0 (greedy decoding); sampling needs a temperature above "
-                                             "0 (e.g. temperature=0.8)"),
-                       (WINDOW_FIELDS[1:], "without kv_window (no cache window: the whole cache is kept); "
-                                           "StreamingLLM's cache needs kv_window=N")):
-        set_ = [f"{k}={getattr(cfg, k)}" for k in unused if k in kinds]
+    for fields, why in _idle_reasons(cfg):
+        set_ = [f"{k}={getattr(cfg, k)}" for k in fields if k in unused]
         if set_:
             said.append(f"{', '.join(set_)} change{'s' if len(set_) == 1 else ''} nothing {why}")
     return "; ".join(said) or None

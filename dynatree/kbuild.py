@@ -7,6 +7,7 @@ of each compiling it on the same cores.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -72,8 +73,8 @@ def cache_dir() -> Path:
     named = os.environ.get("DYNATREE_CACHE", "")
     try:
         return Path(named).expanduser() if named else Path.home() / ".cache" / "dynatree"
-    except RuntimeError:  # ("Could not determine home directory")
-        return Path(named) if named else _private_tmp()
+    except RuntimeError:  # ("Could not determine home directory"; "~/x" too, which had made ./~/x)
+        return _private_tmp()
 
 
 def _private_tmp() -> Path:
@@ -92,7 +93,9 @@ def _private_tmp() -> Path:
 
 @functools.cache
 def _process_tmp() -> Path:
-    return Path(tempfile.mkdtemp(prefix="dynatree-"))
+    path = Path(tempfile.mkdtemp(prefix="dynatree-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # (this process's alone: nothing to keep)
+    return path
 
 
 def cache_said() -> str:
@@ -122,7 +125,6 @@ def source_hash() -> str:
 
 
 COMPILE_TIMEOUT_S = 600  # a build takes 10-40 s
-NO_COMPILER = "no C compiler"  # (build's reason where the machine has none: `dynatree build` only warns)
 
 
 def _compile(cc: list[str], flags: list[str], out: str) -> str | None:
@@ -170,7 +172,7 @@ def build(isa: str | None = None) -> tuple[Path | None, str]:
     except ValueError as e:
         return None, f"CC={named!r} is not a command: {e}"
     if not cc or shutil.which(cc[0]) is None:
-        return None, f"{NO_COMPILER} ({cc[0] if cc else named!r} not on PATH)"
+        return None, f"no C compiler ({cc[0] if cc else named!r} not on PATH)"
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -248,7 +250,7 @@ def _umask() -> int:
 def _clear_stale_builds(cache: Path) -> None:
     """The objects' directories of builds killed outright (SIGKILL: no finally ran), once older
     than any build may take; a live build's, of another object, is younger."""
-    for old in cache.glob("build-*"):  # (a directory of objects, or a linked object not yet renamed)
+    for old in cache.glob("build-*"):  # (objects, and the linked object mkstemp made: a SIGKILL leaves both)
         with contextlib.suppress(OSError):
             if time.time() - old.stat().st_mtime > 2 * COMPILE_TIMEOUT_S:
                 shutil.rmtree(old) if old.is_dir() else old.unlink()

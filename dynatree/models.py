@@ -715,7 +715,8 @@ class ModelPair:
         "the man" after "Once upon a time", and a stop string " the" never fired (the text trial).
         Where the prompt's text does not begin the joint text (a prompt ending inside a character,
         or a decoder's clean-up across the seam), the ids' own decode, as before."""
-        tail = [int(t) for t in prompt[-_SEAM_TOKENS:]]
+        ids = prompt.reshape(-1).tolist() if hasattr(prompt, "reshape") else list(prompt)  # (a (1, n) tensor too)
+        tail = [int(t) for t in ids[-_SEAM_TOKENS:]]
         if not tail or self.tokenizer is None:
             return self.decode
         head = self.decode(tail)

@@ -119,12 +119,19 @@ def context_len(config) -> int:
     return 1 << 30
 
 
+_QWEN_FULL_LAYERS = 28  # Qwen2/3's default max_window_layers: the layers before it attend to everything
+
+
 def binding_window(config) -> int | None:
     """The model's own sliding attention window (Mistral, Qwen2/3 with use_sliding_window), or None
     when it has none or it covers the whole context; ``config``: an object, or config.json's dict."""
     get = _getter(config)
     window, kinds = get("sliding_window"), get("layer_types")
-    if (not isinstance(window, int) or window <= 0 or not get("use_sliding_window", True)
+    qwen = str(get("model_type") or "").startswith("qwen")  # (gated: use_sliding_window, max_window_layers)
+    if kinds is None and qwen:  # (a config.json without layer_types: transformers derives them so)
+        first = get("max_window_layers", _QWEN_FULL_LAYERS)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(get("num_hidden_layers") or 0)]
+    if (not isinstance(window, int) or window <= 0 or not get("use_sliding_window", not qwen)
             or window >= context_len(config) or (kinds is not None and "sliding_attention" not in kinds)):
         return None
     return int(window)

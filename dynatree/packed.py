@@ -54,8 +54,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotate_half(x) * sin
 
 
-
-
 class PackedRunner(cmodel.Runner):
     """The engine's runner (runtime.py) for a supported model: ``forward(seqs)`` packs them."""
 

@@ -74,12 +74,11 @@ def _results_table(g: dict, datasets: list, methods: list, every: dict) -> str:
             sp = _ref_speedup(g[d], m)
             cells += [_ms([r["tokens_per_s"] for r in rs]), f"{sp:.2f}×" if sp else "-"]
         # (a warm-up row's output counts: one that differed had read "yes")
-        checked = [r["matches_ar"] for d in datasets for r in every.get(d, {}).get(m, []) if r["matches_ar"] is not None]
+        differ, n = _checked([r for d in datasets for r in every.get(d, {}).get(m, [])])
         refs = all(r.get("ref_method") == m for d in datasets for r in g[d].get(m, []))
-        differ = checked.count(False)
         if differ:
             wrong.append(m)
-        verdict = (f"NO: {differ} of {len(checked)} differ" if differ else f"yes ({len(checked)})") if checked else \
+        verdict = (f"NO: {differ} of {n} differ" if differ else f"yes ({n})") if n else \
             "reference" if refs else "sampled"
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {verdict} |")
     if wrong:
@@ -271,7 +270,7 @@ def _mixed(rows: list[dict]) -> list[str]:
 
 def tables(rows: list[dict]) -> str:
     g = _groups(rows)
-    parts = _mixed(rows) + (_main_tables(g, _groups(rows, warmup=True)) if g else [])
+    parts = _mixed(rows) + _warm_up_mismatches(rows) + (_main_tables(g, _groups(rows, warmup=True)) if g else [])
     parts += _batch_table(rows)
     for sweep, key, title in (("tokens", "T", "Generation length sweep"), ("prompt_len", "L", "Prompt length sweep")):
         srows = [r for r in rows if not r["warmup"] and json.loads(r["setting"]).get("sweep") == sweep]
@@ -291,10 +290,23 @@ def tables(rows: list[dict]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def _checked(rs: list[dict]) -> tuple[int, int]:
+    """(rows that differ from their ar reference, rows checked)."""
+    checked = [r["matches_ar"] for r in rs if r["matches_ar"] is not None]
+    return checked.count(False), len(checked)
+
+
 def _exact(rs: list[dict]) -> str:
     """Rows identical to their ar reference, of those checked ("-": none was)."""
-    checked = [r["matches_ar"] for r in rs if r["matches_ar"] is not None]
-    return f"{sum(checked)}/{len(checked)}" if checked else "-"
+    differ, n = _checked(rs)
+    return f"{n - differ}/{n}" if n else "-"
+
+
+def _warm_up_mismatches(rows: list[dict]) -> list[str]:
+    """A note naming the sweeps' warm-up rows that differ from ar: their tables count measured rows."""
+    bad = sorted({f"{r['method']} ({r['setting']})" for r in rows if r["warmup"] and r["matches_ar"] is False
+                  and json.loads(r["setting"]).get("sweep") != "main"})
+    return [f"**Warm-up rows that differ from `ar`**: {', '.join(bad)}."] if bad else []
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:

@@ -93,6 +93,25 @@ def _whole(text: str) -> str:
 def text_of(decode: Callable[[list[int]], str], ids: list[int], reason: str, stop: Stop | None) -> str:
     """A generation's text: its tokens decoded, ending before the stop string that ended it -- or
     that its EOS token completed (``--stop '<|endoftext|>'``: EOS is tested first, and the string had
-    stayed in the text)."""
+    stayed in the text); one inside the EOS token's text alone ("end" in "<|endoftext|>") is no cut."""
     text = decode(ids)
-    return stop.cut(text) if stop is not None and reason in ("stop", "eos") else text
+    if stop is None or reason not in ("stop", "eos"):
+        return text
+    if reason == "eos":  # (an earlier appearance would have stopped the row: this one ends in the EOS text)
+        found = [i for i in (text.find(s) for s in stop.strings) if i >= 0]
+        if not found or min(found) > len(decode(ids[:-1])):
+            return text
+    return stop.cut(text)
+
+
+def texts_changed(pair, stop: Stop | None) -> bool:
+    """Whether dynatree before 2026-12-01 could have written a job's texts otherwise (a resume must
+    not mix the two: plan.pin_text_rule): ``pair``'s tokenizer drops the leading space of a
+    continuation decoded alone (SentencePiece), or a stop string lies in an EOS token's text or is
+    U+FFFD (cut, and held back, since)."""
+    if getattr(pair, "tokenizer", None) is None:
+        return False
+    ids = pair.encode("a b")
+    seam = len(ids) > 1 and pair.decoder(ids[:1])(ids[1:]) != pair.decode(ids[1:])
+    eos = [pair.decode([e]) for e in pair.eos_token_ids]
+    return seam or any("\ufffd" in s or any(s in t for t in eos) for s in (stop.strings if stop else ()))

@@ -41,8 +41,8 @@ from dynatree.config import SLOW_ON_CPU, grows_trees, unused_options
 
 from . import footprint, placement
 from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
-                   output_lock, pin_context, pin_prompt_start, prepare_output, refuse_changed_input_early, shard_number,
-                   start_over, write_shard)
+                   output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output, refuse_changed_input_early,
+                   shard_number, start_over, write_shard)
 from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
@@ -694,6 +694,7 @@ class _Dispatch:
         if infos[0].get("draft_forward"):  # (a draft on transformers' forward made a job slow without a word)
             self.stats["draft_forward"] = infos[0]["draft_forward"]
         self.leading_ids = infos[0].get("leading_ids", [])
+        self.texts_changed = infos[0].get("texts_changed", False)
         self.context = infos[0]["context"], infos[0].get("draft_positions", 0)  # (pinned with the output: pin_context)
         caps = sorted({i["batch_cap"] for i in infos if i.get("batch_cap") is not None})
         if caps:
@@ -734,6 +735,7 @@ class _Dispatch:
                 start_over(self.spec, self.plan)
             pin_prompt_start(self.out, self.leading_ids)
             pin_context(self.out, self.spec, *self.context)
+            pin_text_rule(self.out, self.texts_changed)
             self._loop(ray, deque((k, None) for k in todo), progress)
             self._actor_stats(ray)
         except placement.PlacementError as e:

@@ -593,6 +593,23 @@ def pin_prompt_start(out: Path, leading: list[int]) -> None:
         _write_manifest(out, {**manifest, "leading_ids": leading})
 
 
+TEXT_RULE = 2  # since 2026-12-01: text decoded after the prompt, a stop string an EOS completes cut (stops.py)
+
+
+def pin_text_rule(out: Path, changed: bool) -> None:
+    """Keep in the manifest the rule the shards' texts were written under; refuse an output whose
+    shards an older rule wrote where this job's texts would read otherwise (stops.texts_changed:
+    the actors know it once the tokenizer is loaded) -- a resume would mix the two."""
+    manifest, begun = read_manifest(out) or {}, _has_shards(out)
+    if begun and manifest.get("text_rule", 1) != TEXT_RULE and changed:
+        raise JobError(f"{out}'s finished shards were written by dynatree before 2026-12-01, whose generated_text "
+                       "and stop strings read this job's tokenizer or stops otherwise (a continuation's leading space "
+                       "under a SentencePiece tokenizer; a stop string in an EOS token's text) -- mixing the two: "
+                       "--overwrite to redo the job, or another --output")
+    if manifest and manifest.get("text_rule") != TEXT_RULE:
+        _write_manifest(out, {**manifest, "text_rule": TEXT_RULE})
+
+
 def pin_context(out: Path, spec: JobSpec, context: int, draft_positions: int = 0) -> None:
     """Keep in the manifest the context the actors hold rows to (ModelPair.max_context: their prompts
     keep at most it less --max-new-tokens); refuse an output whose shards were held to another where

@@ -222,6 +222,16 @@ def test_what_config_json_rules_out_is_refused_by_the_driver_and_named(tmp_path)
     assert native_refusal({"model_type": "mistral", "sliding_window": 24, **ctx}) == "its 24-token sliding attention window"
     assert native_refusal({"model_type": "llama", "sliding_window": 24, **ctx}) == ""  # (Llama's code reads none)
     assert native_refusal({"model_type": "mistral", "sliding_window": 4096, **ctx}) == ""  # (covers the context)
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # (a Qwen2 whose window starts past its layers runs)
+    from dynatree import packed
+    for full_layers, refused in ((2, ""), (1, "its 32-token sliding attention window")):
+        qwen = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32, "max_window_layers": full_layers,
+                "num_hidden_layers": 2, **ctx}
+        assert native_refusal(qwen) == refused
+        model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in qwen.items() if k != "model_type"}, vocab_size=64,
+                                             hidden_size=32, intermediate_size=64, num_attention_heads=4))
+        assert packed.supports(model) == (not refused)
+    assert native_refusal({"model_type": "qwen2", "sliding_window": 32, "num_hidden_layers": 40, **ctx}) == ""
     assert "'dynamic' rescales with the length" in native_refusal(
         {"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}, **ctx})
     assert native_refusal({"model_type": "llama", "rope_scaling": {"type": "llama3"}, **ctx}) == ""

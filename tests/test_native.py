@@ -706,13 +706,19 @@ def test_the_cache_directory_without_a_home_or_with_an_empty_variable(monkeypatc
     monkeypatch.setattr(os.path, "expanduser", lambda p: homeless())
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "c"))
     assert kbuild.cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("DYNATREE_CACHE")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    own = kbuild.cache_dir()
-    assert own == tmp_path / "tmp" / f"dynatree-{os.getuid()}" and own.stat().st_mode & 0o777 == 0o700
+    own = tmp_path / "tmp" / f"dynatree-{os.getuid()}"
+    monkeypatch.setenv("DYNATREE_CACHE", "~/dt")  # (no home to put it in: not ./~/dt)
+    assert kbuild.cache_dir() == own
+    monkeypatch.delenv("DYNATREE_CACHE")
+    assert kbuild.cache_dir() == own and own.stat().st_mode & 0o777 == 0o700
     own.chmod(0o777)  # a directory others may write (objects loaded from it would run their code): not used
-    assert kbuild.cache_dir() != own and kbuild.cache_dir().stat().st_mode & 0o777 == 0o700
+    kbuild._process_tmp.cache_clear()
+    try:
+        assert kbuild.cache_dir() != own and kbuild.cache_dir().stat().st_mode & 0o777 == 0o700
+    finally:
+        kbuild._process_tmp.cache_clear()
 
 
 def test_an_interrupted_build_leaves_no_compiler_nor_object(monkeypatch, tmp_path):

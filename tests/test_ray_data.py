@@ -137,6 +137,10 @@ def test_check_refuses_a_pool_the_cluster_cannot_hold(pair_dirs, monkeypatch):
         check(dict(num_cpus=2, concurrency=2), **options(pair_dirs))
     with pytest.raises(SpecError, match="pool takes map_batches' .*got batch_size"):
         check(dict(batch_size=4), **options(pair_dirs))
+    # Ray Data's own default (num_cpus=None: a CPU) and its other placement arguments, as map_batches takes them
+    assert check(dict(num_cpus=None, compute=strategy(size=2), accelerator_type=None), **options(pair_dirs))
+    with pytest.raises(JobError, match=r"cannot place 3 actor\(s\) × \{CPU: 2"):
+        check(dict(concurrency=3, ray_remote_args={"num_cpus": 2}), **options(pair_dirs))
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # Ray Data will start its cluster on this machine
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(JobError, match=r"this machine \(no ray.init before check"):

@@ -1616,6 +1616,27 @@ def test_an_output_prompted_without_the_bos_is_not_resumed_with_it(tmp_path):
     assert read_manifest(out)["leading_ids"] == []
 
 
+def test_an_output_whose_texts_an_older_rule_wrote_is_not_resumed_where_they_differ(tmp_path):
+    """Texts decoded after the prompt and stop strings cut from EOS rows (2026-12-01): shards an older
+    version wrote read otherwise under a SentencePiece tokenizer or a stop in the EOS text."""
+    from dynatree import Stop, load_pair
+    from dynatree.jobs.plan import TEXT_RULE, pin_text_rule, read_manifest
+    from dynatree.stops import texts_changed
+    out = tmp_path / "o"
+    (out / "shards").mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps({"identity_hash": "h"}))
+    (out / "shards" / "part-000000.parquet").write_bytes(b"")
+    pin_text_rule(out, False)  # (texts this job writes alike under both rules: pinned, resumed)
+    assert read_manifest(out)["text_rule"] == TEXT_RULE
+    pin_text_rule(out, True)  # (begun under this rule)
+    (out / "manifest.json").write_text(json.dumps({"identity_hash": "h"}))
+    with pytest.raises(JobError, match="written by dynatree before 2026-12-01.*--overwrite"):
+        pin_text_rule(out, True)
+    demo = load_pair(device="cpu")  # a byte-level tokenizer: only a stop in the EOS text changed
+    assert not texts_changed(demo, None) and not texts_changed(demo, Stop(("\n\n",)))
+    assert texts_changed(demo, Stop(("endoftext",))) and texts_changed(demo, Stop(("\ufffd",)))
+
+
 def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):
     """A version that reads the input differently (a JSONL column typed from every row, views
     stored plain) would add shards that do not read as one dataset with the old ones."""

@@ -257,6 +257,14 @@ def test_sampling_options_at_temperature_zero_are_said_to_change_nothing(close_p
         "temperature=0.8); kv_sinks=8 changes nothing without kv_window (no cache window: the whole cache is kept); "
         "StreamingLLM's cache needs kv_window=N")
     assert unused_options(make_config("dynatree", {"kv_window": 100, "kv_sinks": 8})) is None
+    # the options of a switch turned off (the fuzzing trial: accepted without a word)
+    assert unused_options(make_config("dyspec", {"mode": "heap", "threshold": 0.1})) == \
+        "threshold=0.1 changes nothing in mode=heap (max_nodes best candidates)"
+    assert unused_options(make_config("dynatree", {"dynamic_breadth": False, "b_max": 4, "history": False,
+                                                   "hist_high": 0.8, "rho_deep": 0.5})) == (
+        "b_max=4 changes nothing with dynamic_breadth=False (b_mid children everywhere); hist_high=0.8 changes "
+        "nothing with history=False (no adaptation)")
+    assert unused_options(make_config("dyspec", {"threshold": 0.1})) is None
     notes = unused_options_notes({"ar": make_config("ar", {"top_p": 0.9}), "dynatree": cfg,
                                    "linear": make_config("linear", {"top_p": 0.9}), "d2": make_config("dynatree")})
     assert notes == ["ar, linear: top_p=0.9 changes nothing at temperature 0 (greedy decoding); sampling needs a "

@@ -131,6 +131,8 @@ def test_a_continuation_keeps_its_leading_space_under_a_sentencepiece_decoder(de
     spm = copy.copy(demo)
     spm.tokenizer = _Strip(demo.tokenizer)
     assert spm.decode(free.token_ids).startswith("and")  # (what the text had been)
+    from dynatree.stops import texts_changed
+    assert texts_changed(spm, None) and not texts_changed(demo, None)  # (a job begun before: not resumed)
     g = generate(spm, prompt, method, max_new_tokens=12, ignore_eos=True)
     assert g.text == free.text and g.token_ids == free.token_ids
     g = generate(spm, prompt, method, max_new_tokens=12, ignore_eos=True, stop=" and")
@@ -157,6 +159,8 @@ def test_a_stop_string_is_cut_where_an_eos_token_completes_it(demo):
     rule = Stop((demo.decode([eos]),))
     assert text_of(demo.decode, ids, "eos", rule) == " the end"
     assert text_of(demo.decode, ids, "length", rule) == demo.decode(ids)  # (not the rule's end: kept whole)
+    for inside in ("endoftext", ">", "|"):  # a string inside the EOS text alone leaves the special token whole
+        assert text_of(demo.decode, ids, "eos", Stop((inside,))) == demo.decode(ids), inside
     emoji = demo.encode("a😀b")
     assert len(emoji) > 3  # (the emoji is several byte tokens)
     hit = Stop(("\ufffd",)).watch(demo.decode)
