@@ -452,8 +452,11 @@ def _check_this_machine(spec: JobSpec) -> None:
 
 
 def _local_cpu_only(spec: JobSpec) -> bool:
-    """Actors that will run on this machine's CPUs: no --address, and no GPU here or none asked for."""
-    return not (spec.address or os.environ.get("RAY_ADDRESS")) and (spec.cpu_only or not placement.local_gpus())
+    """Actors that will run on this machine's CPUs: no --address, and no GPU an actor (the run's
+    own rule, _actor_shape, over this machine)."""
+    if spec.address or os.environ.get("RAY_ADDRESS"):
+        return False
+    return not _actor_shape(spec, placement.local_node("this machine")["Resources"])[2]
 
 
 def _warn_if_submitted_relative(spec: JobSpec, log) -> None:
