@@ -62,7 +62,7 @@ def x86_bits(tmp_path_factory) -> dict[str, bytes]:
             assert lib is not None, status
         else:
             lib = work / f"libdt-gcc-{isa}.so"
-            error = kbuild._compile("gcc", kbuild.FLAGS + kbuild.VARIANTS[isa], str(lib))
+            error = kbuild._compile(["gcc"], kbuild.FLAGS + kbuild.VARIANTS[isa], str(lib))
             assert error is None, error
         bits[isa] = _bits("gcc", lib, work, isa, [])
     return bits
@@ -77,7 +77,7 @@ def test_aarch64_builds_compute_the_bits_of_every_x86_build(tmp_path, x86_bits, 
     -march=native picks there (armv8.2-a+fp16, Graviton 2, was checked alike once: 2026-11-29);
     -DDT_GENERIC is the `generic` variant there (no NEON intrinsics)."""
     lib = tmp_path / "libdt-aarch64.so"
-    error = kbuild._compile(CROSS, kbuild.FLAGS + [f"-march={march}", *extra], str(lib))  # the objects a build links
+    error = kbuild._compile([CROSS], kbuild.FLAGS + [f"-march={march}", *extra], str(lib))  # the objects a build links
     assert error is None, error
     arm = _bits(CROSS, lib, tmp_path, "arm", [QEMU, "-L", SYSROOT] + (["-cpu", cpu] if cpu else []), threads=3)
     assert len(arm) > GEMM_BYTES
@@ -104,7 +104,7 @@ def test_clang_builds_compute_the_bits_of_the_gcc_builds(tmp_path, x86_bits, isa
     if why:
         pytest.skip(why)
     lib = tmp_path / f"libdt-clang-{isa}.so"
-    error = kbuild._compile("clang", kbuild.FLAGS + kbuild.VARIANTS[isa], str(lib))
+    error = kbuild._compile(["clang"], kbuild.FLAGS + kbuild.VARIANTS[isa], str(lib))
     assert error is None, error
     got = _bits("clang", lib, tmp_path, f"clang-{isa}", [], threads=1)
     assert got == x86_bits[isa], f"clang's {isa} build against GCC's: {_first_difference(x86_bits[isa], got)}"
@@ -118,7 +118,7 @@ def test_an_avx512f_build_without_avx512bw_computes_the_bits_of_the_native_build
     if "avx512f" not in flags or "avx512bw" not in flags:
         pytest.skip("needs a CPU with AVX512F and AVX512BW (to run the build without BW beside the native one)")
     lib = tmp_path / "libdt-gcc-nobw.so"
-    error = kbuild._compile("gcc", kbuild.FLAGS + kbuild.VARIANTS["native"] + ["-mno-avx512bw"], str(lib))
+    error = kbuild._compile(["gcc"], kbuild.FLAGS + kbuild.VARIANTS["native"] + ["-mno-avx512bw"], str(lib))
     assert error is None, error
     got = _bits("gcc", lib, tmp_path, "nobw", [])
     assert got == x86_bits["native"], f"the build without AVX512BW: {_first_difference(x86_bits['native'], got)}"

@@ -5,6 +5,7 @@ logits must be *bitwise* those of an AR step over the same path, so the tests co
 torch.equal, not a tolerance."""
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -763,14 +764,14 @@ def test_a_build_writes_only_where_the_cache_is(monkeypatch, tmp_path):
     monkeypatch.setattr(kbuild.tempfile, "tempdir", str(tmp_path / "gone"))  # (what gettempdir() answers)
     out = tmp_path / "cache" / "lib.so"
     out.parent.mkdir()
-    assert kbuild._compile(os.environ.get("CC", "cc"), kbuild.FLAGS, str(out)) is None
+    assert kbuild._compile(shlex.split(os.environ.get("CC") or "cc"), kbuild.FLAGS, str(out)) is None
     assert [p.name for p in out.parent.iterdir()] == ["lib.so"]  # (the objects' directory went with the build)
     killed, live = out.parent / "build-killed", out.parent / "build-live"  # (a SIGKILLed build's stays: cleared
     for d in (killed, live):                                                # once older than any build takes)
         (d / "0-tiny.o").parent.mkdir()
         (d / "0-tiny.o").write_text("")
     os.utime(killed, (0, 0))
-    assert kbuild._build_into(out.parent, "k", os.environ.get("CC", "cc"), kbuild.FLAGS)[0] is not None
+    assert kbuild._build_into(out.parent, "k", shlex.split(os.environ.get("CC") or "cc"), kbuild.FLAGS)[0] is not None
     assert not killed.exists() and live.exists()
 
 
