@@ -708,6 +708,18 @@ class ModelPair:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def _seam(self, ids: list[int]) -> list[int]:
+        """The prompt's last tokens to decode a continuation after: at least _SEAM_TOKENS, starting on
+        a whole character -- a byte-fallback decoder turns a run of byte tokens that starts inside
+        one into U+FFFDs, the continuation's bytes with it ("ok 😀€" went on "��tern": the text
+        trial); none where no such start is near (the continuation is then decoded alone)."""
+        for n in range(_SEAM_TOKENS, _SEAM_TOKENS + 8):
+            if "\ufffd" not in self.decode(ids[-n:]):
+                return ids[-n:]
+            if n >= len(ids):
+                break
+        return []
+
     def decoder(self, prompt) -> Callable[[list[int]], str]:
         """The decode of tokens that continue ``prompt`` (its ids): decoded after the prompt's last
         few tokens, less those tokens' own text, as vLLM's detokenizer does.  A SentencePiece decoder
@@ -716,8 +728,8 @@ class ModelPair:
         Where the prompt's text does not begin the joint text (a prompt ending inside a character,
         or a decoder's clean-up across the seam), the ids' own decode, as before."""
         ids = prompt.reshape(-1).tolist() if hasattr(prompt, "reshape") else list(prompt)  # (a (1, n) tensor too)
-        tail = [int(t) for t in ids[-_SEAM_TOKENS:]]
-        if not tail or self.tokenizer is None:
+        tail = self._seam([int(t) for t in ids]) if self.tokenizer is not None else []
+        if not tail:
             return self.decode
         head = self.decode(tail)
 

@@ -78,7 +78,10 @@ class Stop:
         def hit(out: list[int]) -> bool:
             if out[-1] in ids:
                 return True
-            if not strings or not any(s in _whole(decode(out[-tail:])) for s in strings):
+            if not strings:
+                return False
+            piece = decode(out[-tail:])  # (a slice that starts inside a character may read U+FFFDs for
+            if "\ufffd" not in piece and not any(s in _whole(piece) for s in strings):  # a whole byte run)
                 return False
             return any(s in _whole(decode(out)) for s in strings)  # the whole text decides (a slice may err)
         return hit
@@ -114,4 +117,5 @@ def texts_changed(pair, stop: Stop | None) -> bool:
     ids = pair.encode("a b")
     seam = len(ids) > 1 and pair.decoder(ids[:1])(ids[1:]) != pair.decode(ids[1:])
     eos = [pair.decode([e]) for e in pair.eos_token_ids]
-    return seam or any("\ufffd" in s or any(s in t for t in eos) for s in (stop.strings if stop else ()))
+    ends_in = lambda s, t: s in t or any(t.startswith(s[i:]) for i in range(1, len(s)))  # noqa: E731 (".<|endof")
+    return seam or any("\ufffd" in s or any(ends_in(s, t) for t in eos) for s in (stop.strings if stop else ()))

@@ -546,8 +546,9 @@ def check_output(spec: JobSpec, plan: Plan) -> dict:
         # shards an older version wrote carry the hash of its spelling of the paths: still this job's
         aliases = set(old.get("aliases", [])) | {old.get("identity_hash")}
         manifest["aliases"] = sorted(a for a in aliases if a and a != manifest["identity_hash"])
-        if "leading_ids" in old:  # (pinned by the first run's actors: pin_prompt_start)
-            manifest["leading_ids"] = old["leading_ids"]
+        # what the first run's actors pinned (pin_prompt_start, pin_context, pin_text_rule): dropped here, the
+        # context and the text rule read as an older version's and refused the job's own resume (the text trial)
+        manifest.update({k: old[k] for k in _PINNED if k in old})
         if not spec.resume:
             raise JobError(f"{out} already holds this job; pass --resume to continue it or --overwrite")
     elif _has_shards(out):
@@ -593,6 +594,7 @@ def pin_prompt_start(out: Path, leading: list[int]) -> None:
         _write_manifest(out, {**manifest, "leading_ids": leading})
 
 
+_PINNED = ("leading_ids", "context", "text_rule")  # manifest fields the actors pin once they know the pair
 TEXT_RULE = 2  # since 2026-12-01: text decoded after the prompt, a stop string an EOS completes cut (stops.py)
 
 

@@ -124,6 +124,15 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
             run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet, dry_run=True)
     summary = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
     assert summary["this_run"]["shards_this_run"] == 1 and summary["rows"] == len(PROMPTS)
+    # what the first run's actors pinned survives the resume (every run had rewritten the manifest without
+    # the context and the text rule, and the next resume refused the job's own shards as an older version's)
+    pinned = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert {"leading_ids", "context", "text_rule"} <= set(pinned), pinned
+    from dynatree.jobs.plan import check_output, make_plan
+    job = spec(pair_dirs, tmp_path, verify_fraction=0.0)
+    kept = check_output(job, make_plan(job, quiet))
+    assert {k: kept.get(k) for k in ("leading_ids", "context", "text_rule")} == \
+        {k: pinned[k] for k in ("leading_ids", "context", "text_rule")}
     after = {f: os.stat(shards / f).st_mtime_ns for f in os.listdir(shards)}
     assert after["part-000000.parquet"] == before["part-000000.parquet"]
     assert after["part-000002.parquet"] == before["part-000002.parquet"]
@@ -1635,6 +1644,7 @@ def test_an_output_whose_texts_an_older_rule_wrote_is_not_resumed_where_they_dif
     demo = load_pair(device="cpu")  # a byte-level tokenizer: only a stop in the EOS text changed
     assert not texts_changed(demo, None) and not texts_changed(demo, Stop(("\n\n",)))
     assert texts_changed(demo, Stop(("endoftext",))) and texts_changed(demo, Stop(("\ufffd",)))
+    assert texts_changed(demo, Stop((".<|endof",)))  # (begun before the EOS text, completed by it: cut since)
 
 
 def test_shards_of_other_column_types_are_not_resumed_into(pair_dirs, tmp_path):

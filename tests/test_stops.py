@@ -149,6 +149,37 @@ def test_the_decoder_falls_back_where_the_prompt_ends_inside_a_character(demo):
     assert demo.decoder([])(ids) == demo.decode(ids)
 
 
+def _byte_fallback():
+    """A Llama 2-style decoder (byte-fallback pieces, Metaspace): a run of byte tokens that starts
+    inside a character decodes as U+FFFDs, the whole run."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "\u2581ok", "\u2581and"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="\u2581")])
+    return tok, lambda text: [3 + b for b in text.encode()]
+
+
+def test_a_continuation_after_a_prompt_ending_in_multi_byte_characters_is_whole():
+    """The prompt's last four tokens began inside "😀": the continuation "é and" read "��..." (the
+    text trial); the seam now starts on a whole character."""
+    import types
+
+    from dynatree.models import ModelPair
+
+    tok, byte = _byte_fallback()
+    pair = types.SimpleNamespace(tokenizer=tok, decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+    pair._seam = lambda ids: ModelPair._seam(pair, ids)
+    prompt, gen = [1] + byte("😀€"), byte("é") + [2]
+    want = pair.decode(prompt + gen)[len(pair.decode(prompt)):]
+    assert want == "é and" and ModelPair.decoder(pair, prompt)(gen) == want
+    assert ModelPair.decoder(pair, byte("😀")[:2])(byte("😀")[2:]) == pair.decode(byte("😀")[2:])  # (inside one)
+    # the stop watch's first look at the last few tokens saw those U+FFFDs too: "€" fired tokens late
+    gen = byte("x😀é😀é😀é€€") + [2]
+    hit = Stop(("€",)).watch(pair.decode)
+    assert next(n for n in range(1, len(gen) + 1) if hit(gen[:n])) == len(byte("x😀é😀é😀é€"))
+
+
 def test_a_stop_string_is_cut_where_an_eos_token_completes_it(demo):
     """--stop '<|endoftext|>': EOS is tested first (finish reason eos), and the string had stayed in
     the text; a stop string "\ufffd" fired halfway through an emoji (its first byte's decode)."""
