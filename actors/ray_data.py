@@ -304,7 +304,8 @@ def _warn_if_starving() -> None:
     # same "may" was said for a pipeline that ran and one that hung: the two-node trial)
     if ray.available_resources().get("CPU", 0) < 1:  # (the actors placed so far hold the rest)
         why = ("the cluster has less than one CPU left now that this actor is placed, so Ray Data's read and write "
-               "tasks cannot run beside the actors: the pipeline waits for ever unless other CPUs free up")
+               "tasks cannot run beside the actors: the pipeline waits until CPUs free up -- for ever if this "
+               "pipeline's own actors hold them, until they end if other jobs' do")
     elif mine and mine >= total:
         why = (f"this actor reserved all {total:g} CPUs of its node, so Ray Data's read and write tasks may not run "
                "beside the actors (the pipeline then waits for ever)")

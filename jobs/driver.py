@@ -40,10 +40,10 @@ from dynatree.metrics import output_schema
 from dynatree.config import SLOW_ON_CPU, grows_trees, unused_options
 
 from . import footprint, placement
-from .plan import (JobError, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards, make_plan,
-                   output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output, refuse_changed_input_early,
-                   shard_number, start_over, write_shard)
-from .spec import FAULTS_ENV, OUTPUT_IDENTITY, JobSpec
+from .plan import (JobError, OutputHeld, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards,
+                   make_plan, output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output,
+                   refuse_changed_input_early, shard_number, start_over, write_shard)
+from .spec import OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
 __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
@@ -277,7 +277,13 @@ def _resolve_auto() -> tuple[str | None, str]:
         return address, "RAY_ADDRESS"
     if address and address == recorded:
         return address, "the cluster the last `ray start` on this machine recorded; `ray stop` clears a stale record"
-    return address, "a Ray cluster running on this machine"
+    if address:  # (Ray attaches to whichever GCS process it finds: another job's private cluster, which ends with it)
+        record = f" (its record names {recorded}, which does not answer)" if recorded else ""
+        raise JobError(f"--address auto: Ray would attach to {address}, a cluster it finds running on this machine, "
+                       f"not a head `ray start` recorded here{record} -- another job's own cluster, say, which ends "
+                       "with that job: give --address HOST:PORT of the head you mean, or no --address for a cluster "
+                       "of this job's own")
+    return None, ""
 
 
 def preflight(spec: JobSpec) -> None:
@@ -451,6 +457,14 @@ def _check_this_machine(spec: JobSpec) -> None:
         raise JobError(str(e)) from e
 
 
+def _forwarded_env() -> dict[str, str]:
+    """The driver's DYNATREE_* settings (the kernel variant, the cache, profiling ...) and CC, for
+    the actors: on a cluster's nodes they read the node's environment, not the shell that ran the
+    job (DYNATREE_ISA=generic ran avx512 there: the concurrent-jobs trial).  The fault-injection
+    hook of the tests (spec.FAULTS_ENV) is one of them."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DYNATREE_") or k == "CC"}
+
+
 def _local_cpu_only(spec: JobSpec) -> bool:
     """Actors that will run on this machine's CPUs: no --address, and no GPU an actor (the run's
     own rule, _actor_shape, over this machine)."""
@@ -502,6 +516,8 @@ def run_job(spec: JobSpec, *, progress: bool = True, log=print, dry_run: bool = 
     try:
         with output_lock(spec.output):
             return _run_planned(spec, plan, t_start, progress, log)
+    except OutputHeld:  # (made by the job that holds it, in between: removing it deleted that job's output)
+        raise
     except BaseException:
         if created:
             _remove_unused(Path(spec.output))
@@ -672,7 +688,7 @@ class _Dispatch:
         self.pg = placement.reserve(n, cpus, gpus, memory=self.memory, custom=spec.resources_per_actor,
                                     timeout_s=spec.placement_timeout_s, log=self.log)
         self.startup["placement_s"] = round(time.time() - t0, 3)
-        env = {FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else {}
+        env = _forwarded_env()
         threads = max(1, int(cpus))
 
         def start(i: int):

@@ -276,8 +276,9 @@ def wait_ready(refs: list, *, timeout_s: float, what: str = "actor") -> list:
                                      f"{describe_error(err)}{again}") from err
     if pending:
         raise PlacementError(
-            f"{len(pending)} of {len(refs)} {what}(s) not ready after {timeout_s:g} s: they may "
-            f"be waiting for resources other jobs hold, or loading is slower than the deadline")
+            f"{len(pending)} of {len(refs)} {what}(s) not ready after {timeout_s:g} s: their resources are "
+            f"reserved, so loading the models (and a first kernel build) takes longer than that -- raise "
+            f"--ready-timeout-s")
     return results
 
 

@@ -480,10 +480,14 @@ def _refuse_other_schema(out: Path, spec: JobSpec, plan: Plan) -> None:
                        "to start again or another --output")
 
 
+class OutputHeld(JobError):
+    """Another job's driver holds the output: nothing of it is this job's to clean up."""
+
+
 def _held(output, f) -> JobError:
     """The refusal of a job whose output another job's driver holds (its lock file names it)."""
     f.seek(0)
-    return JobError(f"another dynatree job is writing {output} ({f.read().strip() or 'pid unknown'}); "
+    return OutputHeld(f"another dynatree job is writing {output} ({f.read().strip() or 'pid unknown'}); "
                     "wait for it, or choose another --output")
 
 

@@ -639,10 +639,16 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
         monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])  # (no GCS process here)
         monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{s.getsockname()[1]}")
         _probe("auto")
-        live = f"127.0.0.1:{s.getsockname()[1]}"  # a dead record beside one running GCS: Ray takes the GCS
-        monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [live])
+        live = f"127.0.0.1:{s.getsockname()[1]}"  # a dead record beside one running GCS: Ray would take the GCS
+        monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [live])  # (another job's own
         monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{port}")
-        _probe("auto")
+        with pytest.raises(JobError, match=f"auto: Ray would attach to {live}, a cluster it finds running on this "
+                                           f"machine, not a head `ray start` recorded here \\(its record names "
+                                           f"127.0.0.1:{port}, which does not answer\\)"):
+            _probe("auto")  # (cluster, say: the concurrent-jobs trial's job died when that job ended)
+        monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: None)
+        with pytest.raises(JobError, match=f"auto: Ray would attach to {live}, .* recorded here -- another job's"):
+            _probe("auto")
     monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])
     monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda _: f"127.0.0.1:{port}")
     with pytest.raises(JobError, match=f"at 127.0.0.1:{port}, which `auto` means here \\(the cluster the last `ray "
@@ -1484,6 +1490,20 @@ def test_actors_hear_how_many_rows_the_job_still_has_for_them():
     assert [b for _, b in calls] == [9 * 4 // 2, 8 * 4 // 2, 7 * 4 // 2, 6 * 4 // 2]
 
 
+def test_the_drivers_dynatree_settings_reach_the_actors(monkeypatch):
+    """On a cluster's nodes actors read the node's environment: DYNATREE_ISA=generic ran avx512 and
+    DYNATREE_CACHE was another (the concurrent-jobs trial); the driver's go with them."""
+    from dynatree.jobs import driver
+
+    monkeypatch.setenv("DYNATREE_ISA", "generic")
+    monkeypatch.setenv("CC", "ccache gcc")
+    monkeypatch.setenv("DYNATREE_CACHE", "/data/cache")
+    got = driver._forwarded_env()
+    assert {k: got[k] for k in ("DYNATREE_ISA", "CC", "DYNATREE_CACHE")} == \
+        {"DYNATREE_ISA": "generic", "CC": "ccache gcc", "DYNATREE_CACHE": "/data/cache"}
+    assert "HOME" not in got and "PATH" not in got
+
+
 def test_a_ray_start_that_cannot_write_says_so(monkeypatch):
     """A read-only home: Ray's token auth writes ~/.ray, and the job said "[Errno 30] ...; the same
     command starts the job again", blaming nothing (the install trial)."""
@@ -1526,6 +1546,15 @@ def test_a_second_job_on_an_output_being_written_is_refused(pair_dirs, tmp_path)
         with pytest.raises(JobError, match="another dynatree job is writing"):  # a dry run says what the run would
             run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)
         assert (tmp_path / "out" / ".dynatree.lock").read_text().startswith(f"pid {os.getpid()}")  # (the refused one's not)
+        # the refused job saw no output directory, then the holder made it: the refused one's clean-up had
+        # removed the holder's manifest, lock and shards (the concurrent-jobs trial)
+        (tmp_path / "out" / "manifest.json").write_text("{}")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os.path, "lexists", lambda p: False if str(p) == str(tmp_path / "out") else os.path.exists(p))
+            with pytest.raises(JobError, match="another dynatree job is writing"):
+                run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet)
+        assert (tmp_path / "out" / "manifest.json").exists() and (tmp_path / "out" / ".dynatree.lock").exists()
+        (tmp_path / "out" / "manifest.json").unlink()
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert (tmp_path / "out" / ".dynatree.lock").read_text() == ""  # released: no pid reads as a job still running
 
