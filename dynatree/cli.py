@@ -787,6 +787,15 @@ def report_cmd(out_dir):
                 _fail(f"cannot read {job} ({type(e).__name__}: {e}); re-running the job's `dynatree run` command "
                       "rewrites it without decoding what is done")
             return
+        if (Path(out_dir) / "manifest.json").is_file():  # (a job stopped or failed before its summary: said as such)
+            try:
+                planned = json.loads((Path(out_dir) / "manifest.json").read_text()).get("shards")
+            except ValueError:
+                planned = None
+            held = len(list(Path(out_dir, "shards").glob("part-*.parquet")))
+            _fail(f"{out_dir} is a `dynatree run` output whose job has not finished ({held} of "
+                  f"{planned if planned else '?'} shards written, no summary.json yet): re-run its command to "
+                  "resume it (with --dry-run: its plan, nothing decoded)")
         _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet) nor a finished "
               "`dynatree run` output (no summary.json and manifest.json)")
     try:

@@ -68,6 +68,12 @@ def _progress(total: int):
         return None
 
 
+def _above(bar, log, message: str) -> None:
+    """``log(message)`` on a line of its own above the progress bar, which is drawn again below it."""
+    with bar.external_write_mode(file=sys.stderr):
+        log(message)
+
+
 class _LogProgress:
     """Progress for a log file (stderr not a terminal: `ray job submit`, nohup) where no bar is
     drawn: a line when a shard finishes at least ``every_s`` seconds after the last line, so a
@@ -699,7 +705,9 @@ class _Dispatch:
 
         self.start_actor = start
         self.actors = [start(i) for i in range(n)]
-        t0 = time.time()
+        t0 = time.time()  # (what the actors do meanwhile, said: it was seconds to minutes of silence)
+        self.log(f"loading the models on {n} actor(s) (a node's first job also builds the native kernel and profiles "
+                 f"the hardware; at most --ready-timeout-s {spec.ready_timeout_s:g} s)")
         infos = placement.wait_ready([a.ready.remote() for a in self.actors], timeout_s=spec.ready_timeout_s,
                                      what="actor")
         self.startup["actors_ready_s"] = round(time.time() - t0, 3)
@@ -835,6 +843,9 @@ class _Dispatch:
         total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
         bar = _progress(total) if progress else None
         lines = _LogProgress(total, self.log) if progress and (bar is None or bar.disable) else None
+        plain = self.log
+        if bar is not None and not bar.disable:  # (a line said mid-job went onto the bar's: the observability trial)
+            self.log = lambda m: _above(bar, plain, m)
         t0 = self.last_done = self.said_at = time.time()
         try:
             while pending or inflight:
@@ -873,6 +884,7 @@ class _Dispatch:
                         bar.set_postfix_str(f"{self.stats['tokens_this_run'] / (time.time() - t0):.1f} tok/s "
                                             "since the actors were ready")
         finally:
+            self.log = plain
             if bar is not None:
                 bar.close()
 

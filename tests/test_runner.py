@@ -311,6 +311,9 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     res = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert res.exit_code == 1 and "nor a finished `dynatree run` output" in res.output
     assert all(r["ar_tokens_per_s"] is None for r in read_rows(tmp_path / "out"))
+    os.remove(tmp_path / "out" / "summary.json")  # a job stopped or failed before its summary: said as such
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "whose job has not finished (2 of 3 shards written, no summary.json" in res.output
 
 
 def test_actors_and_auto_batch_follow_the_memory_estimate(ray_cluster, pair_dirs, tmp_path, monkeypatch):
@@ -1488,6 +1491,23 @@ def test_actors_hear_how_many_rows_the_job_still_has_for_them():
     pending = deque((k, ([{"id": str(k), "text": "t"}], None)) for k in range(10))
     d._feed({}, pending)
     assert [b for _, b in calls] == [9 * 4 // 2, 8 * 4 // 2, 7 * 4 // 2, 6 * 4 // 2]
+
+
+def test_a_line_said_mid_job_goes_above_the_progress_bar(capsys):
+    """"0/150 [..?row/s]shard part-000004 failed ...": a line said while the bar is drawn went onto it."""
+    import sys
+
+    from tqdm import tqdm
+
+    from dynatree.jobs.driver import _above
+
+    bar = tqdm(total=10, file=sys.stderr, disable=False, ncols=60)
+    bar.update(3)
+    _above(bar, lambda m: print(m, file=sys.stderr), "shard part-000004 failed")
+    bar.close()
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.split("\n") if "shard part-000004 failed" in ln)
+    assert line.split("\r")[-1].strip() == "shard part-000004 failed", repr(err)
 
 
 def test_the_drivers_dynatree_settings_reach_the_actors(monkeypatch):
