@@ -59,10 +59,12 @@ LONG_SCAN_BYTES = 200e6  # JSONL input that takes planning long enough to say so
 NODE_LOSSES = 3  # a shard whose actors were lost with their nodes more often than this is retried as a suspect
 
 
-def _progress(total: int):
+def _progress(total: int, done: int = 0):
+    """The bar over the job's rows, ``done`` of them decoded by earlier runs (a resumed job read 60/160
+    where it was far further along: the observability trial)."""
     try:
         from tqdm import tqdm
-        return tqdm(total=total, unit="row", file=sys.stderr, dynamic_ncols=True, smoothing=0.1,
+        return tqdm(total=total + done, initial=done, unit="row", file=sys.stderr, dynamic_ncols=True, smoothing=0.1,
                     disable=None)  # None: no bar when stderr is not a terminal (a log file, CI)
     except ImportError:
         return None
@@ -79,8 +81,8 @@ class _LogProgress:
     drawn: a line when a shard finishes at least ``every_s`` seconds after the last line, so a
     job of hours is not silent."""
 
-    def __init__(self, total: int, log, every_s: float = 30.0):
-        self.total, self.log, self.every_s, self.done = total, log, every_s, 0
+    def __init__(self, total: int, log, every_s: float = 30.0, before: int = 0):
+        self.total, self.log, self.every_s, self.done, self.before = total, log, every_s, 0, before
         self.t0 = self.last = time.time()
 
     def update(self, rows: int, tokens: int) -> None:
@@ -88,8 +90,12 @@ class _LogProgress:
         now = time.time()
         if now - self.last >= self.every_s and self.done < self.total and now > self.t0:
             self.last, rate = now, self.done / (now - self.t0)
-            self.log(f"progress: {self.done}/{self.total} rows ({100 * self.done / self.total:.1f}%), "
-                     f"{tokens / (now - self.t0):.1f} tok/s, ~{(self.total - self.done) / rate / 60:.0f} min left")
+            left = (self.total - self.done) / rate
+            job = self.total + self.before
+            self.log(f"progress: {self.done + self.before}/{job} rows ({100 * (self.done + self.before) / job:.1f}%"
+                     f"{f'; {self.before} decoded by earlier runs' if self.before else ''}), "
+                     f"{tokens / (now - self.t0):.1f} tok/s, ~{f'{left / 60:.0f} min' if left >= 60 else f'{left:.0f} s'} "
+                     "left")
 
 
 def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, float]:
@@ -841,8 +847,9 @@ class _Dispatch:
 
         inflight: dict = {}  # ref -> (slot, actor, shard number, rows, kept columns, alone)
         total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
-        bar = _progress(total) if progress else None
-        lines = _LogProgress(total, self.log) if progress and (bar is None or bar.disable) else None
+        before = self.plan.rows * self.plan.samples - total  # (rows earlier runs decoded: a resume's progress counts them)
+        bar = _progress(total, before) if progress else None
+        lines = _LogProgress(total, self.log, before=before) if progress and (bar is None or bar.disable) else None
         plain = self.log
         if bar is not None and not bar.disable:  # (a line said mid-job went onto the bar's: the observability trial)
             self.log = lambda m: _above(bar, plain, m)

@@ -1603,10 +1603,13 @@ def test_a_job_logging_to_a_file_reports_progress_now_and_then():
     p = _LogProgress(100, lines.append, every_s=0.0)
     p.update(40, 400)
     p.update(60, 1000)  # the end: the summary says the rest
-    assert len(lines) == 1 and lines[0].startswith("progress: 40/100 rows (40.0%)") and "min left" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("progress: 40/100 rows (40.0%)") and " s left" in lines[0]
     p = _LogProgress(100, lines.append, every_s=3600.0)
     p.update(10, 100)
     assert len(lines) == 1
+    p = _LogProgress(100, lines.append, every_s=0.0, before=60)  # a resume: the job's rows, not this run's alone
+    p.update(40, 400)
+    assert lines[-1].startswith("progress: 100/160 rows (62.5%; 60 decoded by earlier runs)"), lines[-1]
 
 
 def test_a_dry_run_prints_the_plan_and_writes_nothing(pair_dirs, tmp_path):
