@@ -263,13 +263,15 @@ def format_table(s: dict) -> str:
 
     eq = s["equivalence"]
     run = s["this_run"]
+    last = (s.get("last_decoding_run") or {}).get("this_run") or {}
+    decoded = run if run.get("actors") else last  # (a run with nothing left to decode: the actors of the one that did)
     lines = [
         f"rows                     {s['rows']}  ({_per_prompt(s)}errors {s['errors']})",
         f"generated tokens         {s['generated_tokens']}",
         "job tokens/s (this run)  " + _run_line(run) + _last_run_note(s.get("last_decoding_run")),
         f"start-up                 {startup_line(s.get('startup') or {})}",
-        "batch size per actor     " + (", ".join(_batch_of(a) for a in run.get("actors", [])) or "-"),
-        "actors ran on            " + (_machines(run.get("actors", []), run.get("nodes")) or "-"),
+        "batch size per actor     " + (", ".join(_batch_of(a) for a in decoded.get("actors", [])) or "-"),
+        "actors ran on            " + (_machines(decoded.get("actors", []), decoded.get("nodes")) or "-"),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",

@@ -144,6 +144,10 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
                                                                   default=str))
         assert noop["rows"] == summary["rows"]
     assert "nothing left to decode; the last run that decoded: " in format_table(noop)
+    # ... and its actors, as the run that decoded had them (both lines read "-")
+    for line in ("batch size per actor", "actors ran on"):
+        was, now = (next(ln for ln in format_table(x).splitlines() if ln.startswith(line)) for x in (summary, noop))
+        assert now == was and not now.endswith(" -"), now
     assert "matches ar               not checked\n" in format_table(noop) + "\n"  # (none asked for)
     picked_none = {**noop, "config": {**noop["config"], "verify_fraction": 0.01}}  # a sample that came out empty
     assert f"not checked: --verify-fraction 0.01 checked none of the {len(PROMPTS)} rows" in format_table(picked_none)
