@@ -876,6 +876,7 @@ class _Dispatch:
                         else:
                             self._retry(k, rows, kept, err, pending, alone)
                         if isinstance(err, RayActorError) and self.actors[slot] is actor:
+                            self.stats["actors_lost"] = self.stats.get("actors_lost", 0) + 1  # (the table says it)
                             self.actors[slot] = new = self.start_actor(slot)  # once, in its bundle
                             self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
                         continue

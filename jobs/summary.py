@@ -271,7 +271,9 @@ def format_table(s: dict) -> str:
         "job tokens/s (this run)  " + _run_line(run) + _last_run_note(s.get("last_decoding_run")),
         f"start-up                 {startup_line(s.get('startup') or {})}",
         "batch size per actor     " + (", ".join(_batch_of(a) for a in decoded.get("actors", [])) or "-"),
-        "actors ran on            " + (_machines(decoded.get("actors", []), decoded.get("nodes")) or "-"),
+        "actors ran on            " + (_machines(decoded.get("actors", []), decoded.get("nodes")) or "-")
+        + (f"; {counted(decoded['actors_lost'], 'actor')} lost during the run (their statistics too)"
+           if decoded.get("actors_lost") else ""),
         f"tokens/s per prompt      {ms(s['tokens_per_s_per_prompt'], '{:.1f}')}",
         f"tokens / iteration       {ms(s['tokens_per_iteration'])}",
         f"acceptance rate          {ms(s['acceptance_rate'])}",

@@ -198,6 +198,8 @@ def test_actor_killed_mid_job_still_yields_exact_rows(ray_cluster, pair_dirs, tm
     assert [r["id"] for r in rows] == [f"k{i}" for i in range(len(PROMPTS))]
     assert s["this_run"]["retries"] >= 1 and s["equivalence"]["mismatches"] == 0
     assert (tmp_path / "out" / ".fault-part-000001").exists()
+    from dynatree.jobs.summary import format_table  # (a lost actor had left no trace in the table)
+    assert s["this_run"]["actors_lost"] == 1 and "; 1 actor lost during the run" in format_table(s)
 
 
 def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs, tmp_path, monkeypatch):
