@@ -90,12 +90,11 @@ class _LogProgress:
         now = time.time()
         if now - self.last >= self.every_s and self.done < self.total and now > self.t0:
             self.last, rate = now, self.done / (now - self.t0)
-            left = (self.total - self.done) / rate
-            job = self.total + self.before
+            left, job = (self.total - self.done) / rate, self.total + self.before
+            eta = f"{left / 60:.0f} min" if left >= 60 else f"{left:.0f} s"
             self.log(f"progress: {self.done + self.before}/{job} rows ({100 * (self.done + self.before) / job:.1f}%"
                      f"{f'; {self.before} decoded by earlier runs' if self.before else ''}), "
-                     f"{tokens / (now - self.t0):.1f} tok/s, ~{f'{left / 60:.0f} min' if left >= 60 else f'{left:.0f} s'} "
-                     "left")
+                     f"{tokens / (now - self.t0):.1f} tok/s, ~{eta} left")
 
 
 def _actor_shape(spec: JobSpec, resources: dict) -> tuple[int | None, float, float]:
@@ -847,7 +846,7 @@ class _Dispatch:
 
         inflight: dict = {}  # ref -> (slot, actor, shard number, rows, kept columns, alone)
         total = sum(self.plan.shard(k)[2] - self.plan.shard(k)[1] for k, _ in pending) * self.plan.samples
-        before = self.plan.rows * self.plan.samples - total  # (rows earlier runs decoded: a resume's progress counts them)
+        before = self.plan.rows * self.plan.samples - total  # (earlier runs' rows: a resume's progress counts them)
         bar = _progress(total, before) if progress else None
         lines = _LogProgress(total, self.log, before=before) if progress and (bar is None or bar.disable) else None
         plain = self.log
