@@ -53,7 +53,7 @@ def ray_head(env: dict, *flags: str):
          f"--temp-dir={temp_dir}", "--num-cpus=2", "--disable-usage-stats", *flags],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        yield
+        yield temp_dir
     finally:
         # SIGTERM to `ray start --block` alone: it stops its processes in order in ~4 s, while a
         # SIGTERM to the whole group left the raylet and GCS to linger ~35 s.
@@ -75,8 +75,12 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
            "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = free_port(), free_port()
+    # (its agents on ports of their own: one on Ray's default port, held by another cluster's agent left on
+    # this machine, failed every submit with "No available agent to submit job")
+    agents = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+              f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
     with ray_head(env, "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dash}",
-                  "--include-dashboard=true"):
+                  "--include-dashboard=true", *agents) as temp_dir:
         wd = tmp_path / "wd"  # a checkout, as `--working-dir .` ships one: its driver and actors must run
         for name in ("dynatree", "jobs", "actors"):
             shutil.copytree(ROOT / name, wd / name, ignore=shutil.ignore_patterns("assets", "__pycache__"))
@@ -103,7 +107,7 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
         denied = subprocess.run([str(bindir / "ray"), "job", "list", "--address", url], env=noauth,
                                 capture_output=True, text=True, timeout=120)
         assert denied.returncode != 0
-        deadline = time.time() + 90
+        deadline = time.time() + 150
         while True:  # (the job server answers before its agent is up on a loaded host: Ray says to try again)
             res = subprocess.run(
                 [str(bindir / "ray"), "job", "submit", "--address", url, "--working-dir", str(wd), "--",
@@ -115,7 +119,9 @@ def test_ray_job_submit_on_loopback_with_token_auth(pair_dirs, tmp_path):
             if "No available agent to submit job" not in res.stderr or time.time() > deadline:
                 break
             time.sleep(3)
-        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        agent_log = next(Path(temp_dir).glob("session_*/logs/dashboard_agent.log"), None)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:] + (
+            "\nthe head's dashboard agent log:\n" + agent_log.read_text()[-3000:] if agent_log else "")
         summary = json.loads((out / "summary.json").read_text())
         assert summary["rows"] == 3 and summary["equivalence"]["mismatches"] == 0
         for module in ("driver", "worker"):
