@@ -473,7 +473,10 @@ def _forwarded_env() -> dict[str, str]:
     the actors: on a cluster's nodes they read the node's environment, not the shell that ran the
     job (DYNATREE_ISA=generic ran avx512 there: the concurrent-jobs trial).  The fault-injection
     hook of the tests (spec.FAULTS_ENV) is one of them."""
-    return {k: v for k, v in os.environ.items() if k.startswith("DYNATREE_") or k == "CC"}
+    env = {k: v for k, v in os.environ.items() if k.startswith("DYNATREE_") or k == "CC"}
+    if env.get("DYNATREE_CACHE") and not env["DYNATREE_CACHE"].startswith("~"):  # (an actor's working directory
+        env["DYNATREE_CACHE"] = os.path.abspath(env["DYNATREE_CACHE"])          # is not the driver's; ~ is its own)
+    return env
 
 
 def _local_cpu_only(spec: JobSpec) -> bool:

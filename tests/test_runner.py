@@ -1528,6 +1528,8 @@ def test_the_drivers_dynatree_settings_reach_the_actors(monkeypatch):
     assert {k: got[k] for k in ("DYNATREE_ISA", "CC", "DYNATREE_CACHE")} == \
         {"DYNATREE_ISA": "generic", "CC": "ccache gcc", "DYNATREE_CACHE": "/data/cache"}
     assert "HOME" not in got and "PATH" not in got
+    monkeypatch.setenv("DYNATREE_CACHE", "rel/cache")  # (read from the actor's working directory: made absolute)
+    assert driver._forwarded_env()["DYNATREE_CACHE"] == os.path.abspath("rel/cache")
 
 
 def test_a_ray_start_that_cannot_write_says_so(monkeypatch):
