@@ -36,8 +36,7 @@ from dynatree.parts import SURROGATE
 from dynatree.jobs import footprint
 from dynatree.jobs.spec import FAULTS_ENV
 from dynatree.scheduler import Request, Scheduler
-from dynatree.stops import texts_changed
-from dynatree.stops import text_of
+from dynatree.stops import text_of, texts_changed
 
 
 def _key(row_id, sample: int) -> str:

@@ -176,12 +176,13 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
             ref_cfg = ar_reference(cfg)
             # (--method ar is its own reference: decoding it twice compared it with itself)
             refs = gens if method == "ar" else engine.generate_batch(pair, prompts, "ar", ref_cfg, **limits)
-            compared = [" (--method ar is the reference itself)" if method == "ar" else
-                        _compared_with(pair, ar_reference(make_config(method, g.options))) for g in gens]
+            # (each sample's own reference: its seed, which the later ones derive)
+            own = [ar_reference(make_config(method, g.options)) for g in gens]
+            compared = [" (--method ar is the reference itself)" if method == "ar" else _compared_with(pair, r)
+                        for r in own]
             for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
                 res["matches_ar"] = ref.token_ids == gen.token_ids
-                # (what --json readers compared with: each sample's own seed, which the later ones derive)
-                res["ar_reference"] = reference_label(ar_reference(make_config(method, gen.options)))
+                res["ar_reference"] = reference_label(own[i])  # (what --json readers compared with)
                 if not res["matches_ar"]:  # where, and how close the target's top two were there
                     ids = engine.prompt_token_ids(pair, prompts[i // samples])
                     res["first_divergence"], res["divergence_margin"] = divergence(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from . import cmodel, native
 from .config import MKL_PACK_BYTES
+from .names import NEOX_ACTS
 from .runtime import Output, Seq, attend_each, heads_each, kept_rows, rotate_half, row_spans, seq_masks
 
 
@@ -69,7 +70,7 @@ def supports(model) -> bool:
     if getattr(cfg, "model_type", None) != "gpt_neox":
         return False
     rope = getattr(cfg, "rope_parameters", None) or {}
-    return rope.get("rope_type", "default") == "default" and cfg.hidden_act in ("gelu", "gelu_new", "relu")
+    return rope.get("rope_type", "default") == "default" and cfg.hidden_act in NEOX_ACTS
 
 
 class LeanNeoX(cmodel.Runner):

@@ -45,7 +45,7 @@ def local_dir(name: str | Path) -> Path | None:
         return Path(name).expanduser()
     try:
         got = None if looks_local(str(name)) else _cached_config(str(name))
-    except (ImportError, ValueError, OSError):
+    except (ImportError, ValueError, OSError):  # (no huggingface_hub; not a valid repo id; an unreadable cache)
         return None
     return Path(got).parent if got else None
 
@@ -148,7 +148,7 @@ def rope_switch(config) -> int | None:
 
 
 FIXED_ROPE = ("default", "linear", "llama3", "yarn")  # one table for every length ("dynamic", "longrope" rescale)
-_NEOX_ACTS = ("gelu", "gelu_new", "relu")  # (lean.supports)
+NEOX_ACTS = ("gelu", "gelu_new", "relu")  # GPT-NeoX activations the native kernel runs (lean.supports)
 
 
 def native_refusal(config) -> str:
@@ -165,7 +165,7 @@ def native_refusal(config) -> str:
     rescaled = [k for k, _ in _rope_kinds(get) if (k or "default") not in fixed]
     if rescaled:
         return f"its rotary type {rescaled[0]!r}" + (" rescales with the length" if rescaled[0] not in FIXED_ROPE else "")
-    if kind == "gpt_neox" and get("hidden_act", "gelu") not in _NEOX_ACTS:
+    if kind == "gpt_neox" and get("hidden_act", "gelu") not in NEOX_ACTS:
         return f"its activation {get('hidden_act')!r}"
     return ""
 
@@ -221,17 +221,11 @@ def model_config(name: str | Path) -> dict | None:
     """A model's config.json as a dict: a local directory's, or a hub id's copy in the local
     Hugging Face cache (never downloaded) -- what a job's driver checks before any actor starts;
     None where there is none to read, or it is not a JSON object (the model's load says why)."""
-    f = Path(name).expanduser() / "config.json"
-    if not f.is_file():
-        try:
-            got = None if looks_local(str(name)) else _cached_config(str(name))
-        except (ImportError, ValueError, OSError):  # (no huggingface_hub; not a valid repo id; an unreadable cache)
-            got = None
-        if got is None:
-            return None
-        f = Path(got)
+    where = local_dir(name)
+    if where is None or not (where / "config.json").is_file():
+        return None
     try:
-        config = json.loads(f.read_text())
+        config = json.loads((where / "config.json").read_text())
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None

@@ -484,7 +484,7 @@ class OutputHeld(JobError):
     """Another job's driver holds the output: nothing of it is this job's to clean up."""
 
 
-def _held(output, f) -> JobError:
+def _held(output, f) -> OutputHeld:
     """The refusal of a job whose output another job's driver holds (its lock file names it)."""
     f.seek(0)
     return OutputHeld(f"another dynatree job is writing {output} ({f.read().strip() or 'pid unknown'}); "

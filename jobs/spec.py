@@ -256,8 +256,7 @@ def canonical_options(method: str, options: dict | None) -> dict:
     option given at its default (``d_max=8``, ``temperature=0``) or spelled as a string (``"8"``)
     is the same job as one left out, so a resume that spells it otherwise is not refused; so is an
     option that changes nothing (config.unused_fields: ``top_k`` at temperature 0, ``kv_sinks`` with
-    no window).  Options the method
-    does not take are kept as given (the spec's check reports them)."""
+    no window).  Options the method does not take are kept as given (the spec's check reports them)."""
     try:
         cfg = make_config(method, options)
     except (ValueError, TypeError):
