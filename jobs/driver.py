@@ -740,6 +740,17 @@ class _Dispatch:
                  f"{infos[0]['forward']}" + (f"; draft forward: {infos[0]['draft_forward']}"
                                              if infos[0].get("draft_forward") else ""))
 
+    def _free_share(self, ray, n: int) -> int:
+        """As many actors as the resources free now hold, where other jobs hold some of the n the
+        nodes hold (the default --num-actors: a reservation of n would wait, then fail)."""
+        avail, custom = ray.available_resources(), self.spec.resources_per_actor
+        free = placement.free_actors(avail, n, self.cpus, self.gpus, self.memory, custom)
+        if free < n:
+            self.log(f"starting {free} of the {n} actor(s) the cluster holds at this shape: other jobs or actors hold "
+                     f"the rest ({placement.fmt_free(avail, self.cpus, self.gpus, self.memory, custom)} free now; --num-actors {n} waits for "
+                     "them, up to --placement-timeout-s)")
+        return free
+
     def run(self, todo: list[int], progress: bool) -> None:
         t0 = time.time()
         import ray
@@ -758,6 +769,8 @@ class _Dispatch:
             n = placement.check_request(ray.nodes(), n, self.cpus, self.gpus, self.memory, self.spec.resources_per_actor)
         except placement.PlacementError as e:
             raise JobError(str(e)) from e
+        if self.spec.num_actors is None:
+            n = self._free_share(ray, n)
         if len(todo) < n:
             self.log(f"{len(todo)} shard(s) left to decode: starting {len(todo)} of {n} actors "
                      f"(a shard holds --shard-size {self.spec.shard_size} rows and goes to one actor)")

@@ -66,6 +66,21 @@ def feasible_actors(nodes: list[dict], cpus: float, gpus: float, memory: float |
     return sum(_node_fits(n.get("Resources", {}), wanted) for n in _alive(nodes))
 
 
+def free_actors(available: dict, n: int, cpus: float, gpus: float, memory: float | None = None,
+                custom: dict | None = None) -> int:
+    """Of ``n`` actors the nodes hold, how many the resources free now hold (counted cluster-wide,
+    so at most that many; at least 1: it waits for the resources, with a deadline)."""
+    return max(1, min(n, _node_fits(available, _wanted(_shape(cpus, gpus, memory, custom)))))
+
+
+def fmt_free(available: dict, cpus: float, gpus: float, memory: float | None = None,
+             custom: dict | None = None) -> str:
+    """What is free of the resources an actor of this shape asks for."""
+    wanted = _wanted(_shape(cpus, gpus, memory, custom))
+    return ", ".join(f"{_fmt_mem(available.get(k, 0)) if k == 'memory' else _fmt_num(available.get(k, 0))} {k}"
+                     for k in wanted)
+
+
 def _fmt_num(x: float) -> str:
     return f"{x:g}"
 

@@ -169,6 +169,25 @@ def test_reserve_of_unavailable_resources_times_out_with_message(cluster):
     assert ray.available_resources().get("CPU", 0) == 2
 
 
+def test_default_actor_count_leaves_what_other_jobs_hold(cluster):
+    """The default --num-actors counts the free resources: a reservation of every CPU the nodes hold
+    while another job holds one would wait out its deadline, then fail (the s51 left-over)."""
+    from dynatree.jobs.driver import _Dispatch
+
+    logged = []
+    job = SimpleNamespace(spec=SimpleNamespace(resources_per_actor=None), cpus=1.0, gpus=0.0, memory=None,
+                          log=logged.append)
+    assert _Dispatch._free_share(job, cluster.ray, 2) == 2 and not logged
+    held = reserve(1, 1, 0, timeout_s=20)
+    try:
+        time.sleep(0.5)  # (available_resources trails the reservation a little)
+        assert _Dispatch._free_share(job, cluster.ray, 2) == 1
+    finally:
+        release(held)
+    assert "starting 1 of the 2 actor(s) the cluster holds at this shape" in logged[0]
+    assert "(1 CPU free now; --num-actors 2 waits for them" in logged[0]
+
+
 def test_a_custom_resource_places_actors_only_where_a_node_offers_it(cluster):
     """dynatree run --resource KEY=N (Ray's custom resources, `ray start --resources`): counted per
     node, reserved with the bundle, asked by the actor; one no node offers is named as such."""
