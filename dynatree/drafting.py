@@ -83,7 +83,6 @@ class Drafter:
         self.forwards = 0
         self.fed_tokens = 0  # tokens run through the draft; a re-prefilling drafter would blow this up
         self.seconds = 0.0  # wall time of the draft forwards (and tree growth) this sequence waited for
-        self.forward_seconds = 0.0  # of which inside the draft forwards
         self._reset_tree()
 
     def _reset_tree(self) -> None:
@@ -275,11 +274,21 @@ class Drafter:
         self.seconds += time.perf_counter() - t0
 
 
+class ForwardClock:
+    """Seconds a decoder has spent inside model forwards, every row's: a row's ``forward_time_s`` is
+    the clock's advance while the row was in the decoder (a neighbour's prefill holds it up too)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
 @_inference
-def drive(jobs: list[tuple[Drafter, object]]) -> list:
+def drive(jobs: list[tuple[Drafter, object]], clock: ForwardClock | None = None) -> list:
     """Advance several sequences' drafting generators (policies' ``grow``) together: each round,
     every generator still drafting has asked for one draft forward, and the round runs them all
-    as one packed forward.  Returns each generator's result (its tree).
+    as one packed forward (its time on ``clock``).  Returns each generator's result (its tree).
 
     Each drafter is charged every round it took part in (its wall time: the forward and the
     rounds' tree growth), which is what its level cost the batch."""
@@ -305,9 +314,8 @@ def drive(jobs: list[tuple[Drafter, object]]) -> list:
         outs = lead.model.forward([c.seq for c in batch], topk=max(heads, default=0), cols=lead.vocab)
         if not heads and lead.device.type == "cuda":
             torch.cuda.synchronize(lead.device)  # nothing was read back: wait, so tf is the forward's time
-        tf = time.perf_counter() - tf
-        for i in idx:
-            jobs[i][0].forward_seconds += tf
+        if clock is not None:
+            clock.seconds += time.perf_counter() - tf
         _propose_masked([(jobs[i][0], c, out) for i, c, out in zip(idx, batch, outs)])
         t0 = _charge(jobs, idx, t0)  # before advancing: a policy reads its time spent so far
         for i, out in zip(idx, outs):

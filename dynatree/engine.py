@@ -39,7 +39,7 @@ import torch
 
 from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window,
                      check_windows, draws_differ, make_config, unused_options)
-from .drafting import Drafter, DraftVocabError, drive
+from .drafting import Drafter, DraftVocabError, ForwardClock, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
 from .metrics import Metrics, Tally, finish
@@ -136,13 +136,14 @@ class _Row:
         self.cache = new_cache(pair.runner("target"), self.capacity, cfg.kv_dtype)
         self.drafter: Drafter | None = None
         self.draft_has_prompt = False  # the prompt goes through the draft at the row's first drafted iteration
-        self.draft_spent = (0.0, 0, 0.0)  # a retired drafter's seconds, forwards, forward seconds
+        self.draft_spent = (0.0, 0)  # a retired drafter's seconds and forwards
         self.index: NgramIndex | None = None
         self.out: list[int] = []
         self.reason: str | None = None
         self.tally = Tally()
         self.t_start = time.perf_counter()
-        self.ttft = self.verify_time = self.forward_time = self.prefill_time = 0.0
+        self.ttft = self.verify_time = self.prefill_time = 0.0
+        self.clock0 = 0.0  # the decoder's ForwardClock when the row joined (BatchDecoder.add)
         self.cached_tokens = 0  # prompt tokens whose keys/values came from prefix caching (prefix.py)
         self.again = again  # more rows with this prompt follow (BatchDecoder.add)
         self.target_forwards = 0
@@ -154,7 +155,7 @@ class _Row:
         """The row holds a token its draft cannot embed (a target vocabulary wider than the
         draft's): it goes on without drafts, every iteration a root alone -- `ar`'s tokens."""
         d, self.drafter = self.drafter, None
-        self.draft_spent = (d.seconds, d.forwards, d.forward_seconds)
+        self.draft_spent = (d.seconds, d.forwards)
         self.budgeted = False  # nothing left to price: its iterations are not the Governor's to weigh
 
     def stop_after(self, tok: int) -> str | None:
@@ -207,15 +208,15 @@ class _Row:
         self.cache.truncate(0)
         return Seq(long_tensor([*self.prompt, *self.out], dev), self.cache, keep=1, perturb=perturb)
 
-    def metrics(self, dev: torch.device) -> Metrics:
+    def metrics(self, dev: torch.device, clock: ForwardClock) -> Metrics:
         d = self.drafter
-        seconds, forwards, forward_seconds = (d.seconds, d.forwards, d.forward_seconds) if d else self.draft_spent
+        seconds, forwards = (d.seconds, d.forwards) if d else self.draft_spent
         return finish(self.tally, prompt_tokens=len(self.prompt), new_tokens=len(self.out),
                       cached_prompt_tokens=self.cached_tokens,
                       wall=time.perf_counter() - self.t_start if self.max_new_tokens > 0 else 0.0, ttft=self.ttft,
                       prefill=self.prefill_time, draft_time=seconds, verify_time=self.verify_time,
                       target_forwards=self.target_forwards, draft_forwards=forwards, device=dev,
-                      forward_time=self.forward_time + forward_seconds,
+                      forward_time=clock.seconds - self.clock0,
                       cache_bytes=self.cache.nbytes + (d.cache.nbytes if d else 0))
 
 
@@ -285,6 +286,7 @@ class BatchDecoder:
         self.governed: dict = {}  # each budgeted config without its seed, once (governor's key)
         self.last_governor: Governor | None = None
         self.tokens = 0  # committed tokens, all rows, since construction (throughput meters read it)
+        self.clock = ForwardClock()  # seconds inside model forwards, all rows' (a row's forward_time_s)
         self.broken: str | None = None  # why no step can follow (a step that raised part-way)
         self.partial: list = []  # once broken: (key, prompt ids, committed tokens) per row in flight
 
@@ -352,6 +354,7 @@ class BatchDecoder:
             row.governed = self.governed.setdefault(unseeded := replace(cfg, seed=0), unseeded)
             if len(self.governed) > LEARNED_KEPT:  # (the oldest config: rows of it still hold their own)
                 del self.governed[next(iter(self.governed))]
+        row.clock0 = self.clock.seconds
         self.joining.append(row)
 
     def cancel(self, key) -> list[int] | None:
@@ -427,7 +430,7 @@ class BatchDecoder:
             self._iterate(live)
         done = [r for r in self.active if r.reason is not None]
         self.active = [r for r in self.active if r.reason is None]
-        return [(r.key, r.out, r.reason, r.metrics(self.dev)) for r in done]
+        return [(r.key, r.out, r.reason, r.metrics(self.dev, self.clock)) for r in done]
 
     def _prefill(self, rows: list[_Row]) -> None:
         """Every joining prompt in one packed forward; its last logits give the first token (TTFT).
@@ -461,8 +464,8 @@ class BatchDecoder:
         _draw_masked(rows, outs, [[0]] * len(rows))
         self._prefixes(rows, "target", after=True)
         dt = time.perf_counter() - t0
+        self.clock.seconds += dt
         for r, o in zip(rows, outs):
-            r.forward_time += dt
             r.prefill_time = dt
             r.stop_after(o.choice[-1])
             self.tokens += 1
@@ -502,7 +505,7 @@ class BatchDecoder:
             return
         for r, held in zip(fresh, self._prefixes(fresh, "draft")[0]):
             r.drafter.skip(held)  # what prefix caching gave needs no feeding
-        drive([(r.drafter, r.drafter.prefill()) for r in fresh])
+        drive([(r.drafter, r.drafter.prefill()) for r in fresh], self.clock)
         self._prefixes(fresh, "draft", after=True)
         for r, tokens in zip(fresh, later):
             r.drafter.pending += tokens
@@ -543,7 +546,7 @@ class BatchDecoder:
             self._draft_prefill(fresh)
         t_iter = time.perf_counter()  # (the Governor charges the catch-up to the drafted iteration)
         if not probe:
-            _catch_up(rows)
+            _catch_up(rows, self.clock)
         steps, t_drive = self._draft(rows, governor, probe)
         cuda = self.dev.type == "cuda"  # CPU forwards are synchronous; CUDA ones are timed after a sync
         if cuda:
@@ -554,6 +557,7 @@ class BatchDecoder:
         outs = self.target.forward(seqs, argmax=True)
         _draw_masked([s.row for s in steps], outs, [s.tree.depths for s in steps])
         t_forward = time.perf_counter() - t0
+        self.clock.seconds += t_forward
         n_total = sum(len(s.ids) for s in seqs)
         committed = sum(self._accept_commit(s, out) for s, out in zip(steps, outs))
         t1 = time.perf_counter()
@@ -564,7 +568,6 @@ class BatchDecoder:
         for s in steps:
             dt = t_forward + s.commit_time + wait  # what verifying this row cost: the forward and its commit
             s.row.target_forwards += 1
-            s.row.forward_time += t_forward
             s.row.verify_time += dt
             if not reset:  # (an outlier the budget's and the Governor's timings leave out)
                 s.row.policy.observe_verify(n_total, dt, s.prefix_len)
@@ -600,7 +603,7 @@ class BatchDecoder:
                                                       batch)))
             steps.append(s)
         t_drive = time.perf_counter()
-        trees = iter(drive(jobs))
+        trees = iter(drive(jobs, self.clock))
         t_drive = time.perf_counter() - t_drive
         for s in steps:
             r = s.row
@@ -657,7 +660,7 @@ def _bounded(r: _Row) -> bool:
     return r.drafter.would_restart(0, len(r.prompt) + 1)
 
 
-def _catch_up(rows: list[_Row]) -> None:
+def _catch_up(rows: list[_Row], clock: ForwardClock) -> None:
     """Before a drafted iteration: drafts that sat out iterations (budget.Governor's plain ones)
     are fed the tokens committed meanwhile, and lookup indexes take them in.  It is timed with the
     iteration: switching between plain and drafted segments costs this, and the Governor's
@@ -669,7 +672,7 @@ def _catch_up(rows: list[_Row]) -> None:
     is a prefill (_draft_prefill), not this iteration's cost."""
     late = [r.drafter for r in rows if r.drafter is not None and r.draft_has_prompt and len(r.drafter.pending) > 2]
     if late:
-        drive([(d, d.prefill()) for d in late])
+        drive([(d, d.prefill()) for d in late], clock)
     for r in rows:
         if r.index is not None:
             r.index.catch_up()

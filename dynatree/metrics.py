@@ -18,6 +18,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
   figures above 100% count the bonus token as accepted; ours does not.
 * ``accepted_per_node``: accepted drafted tokens / drafted nodes, how much of the verified tree
   was useful.
+* ``mean_tree_size``: drafted nodes per iteration, the root not counted (``ar``: 0; ``linear``
+  with k = 5: at most 5).
 * ``lookup_tokens``: accepted tokens that came from context lookup (nodes grafted onto the tree,
   lookup.py) rather than from the draft model.
 * ``target_forwards`` includes the prefill; with ``kv_update=gather`` it is iterations + 1 (plus
@@ -27,7 +29,8 @@ Definitions (per generation; an *iteration* is one draft -> verify -> accept -> 
 * ``draft_time_s`` / ``verify_time_s``: wall time inside drafting (draft forwards and tree
   growth) and inside target verification (forward + accept + cache commit); the rest of
   ``wall_time_s`` is prefill and bookkeeping.
-* ``forward_time_s``: wall time inside model forwards (target and draft, prefill included);
+* ``forward_time_s``: the row's wall time spent inside model forwards (target and draft, prefill
+  included; in a batch every forward while the row was in it, a joining neighbour's prefill too);
   ``overhead_fraction`` = 1 - forward_time_s / wall_time_s is everything else — tree growth,
   masks, top-k transfers, accept, cache commit, Python.  Exact on CPU; on CUDA the forwards are
   asynchronous, so there it counts launch time unless something synchronises.

@@ -433,6 +433,30 @@ def test_prefill_time_is_the_prefill_and_ttft_adds_the_wait_to_join(close_pair):
     assert 0 < m.prefill_time_s and m.ttft_s >= m.prefill_time_s + 0.05
 
 
+def test_a_neighbours_prefill_is_forward_time_not_overhead(close_pair, monkeypatch):
+    """A row that waits through a joining row's prefill spent that time in a forward: in its
+    forward_time_s, not its overhead_fraction (trial AF: 0.75 'overhead' for a row that had none)."""
+    prefixes = BatchDecoder._prefixes
+
+    def slow(self, rows, which, after=False):  # (inside the prefill's timing: a long prompt's forward)
+        if which == "target" and not after and any(r.key == "j" for r in rows):
+            time.sleep(0.3)
+        return prefixes(self, rows, which, after)
+
+    monkeypatch.setattr(BatchDecoder, "_prefixes", slow)
+    dec = BatchDecoder(close_pair)
+    dec.add([5, 6, 7], make_config("ar"), max_new_tokens=6, ignore_eos=True, key="a")
+    dec.step(), dec.step()
+    dec.add([8, 9, 10, 11], make_config("ar"), max_new_tokens=5, ignore_eos=True, key="j")
+    time.sleep(0.05)  # (waiting to join is neither's forward)
+    done = {}
+    while dec:
+        done.update({key: m for key, _, _, m in dec.step()})
+    a, j = done["a"], done["j"]
+    assert j.prefill_time_s >= 0.3 and a.forward_time_s > j.prefill_time_s  # (both finished in one step)
+    assert a.forward_time_s >= j.forward_time_s and a.overhead_fraction < 0.5
+
+
 def test_a_huge_max_new_tokens_allocates_the_context_not_the_request(close_pair):
     """Rows stop at the context anyway: max_new_tokens=10**9 allocated caches for 10**9 tokens
     (a memory error, or hundreds of GB reserved), now the context's."""
