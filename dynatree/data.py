@@ -21,7 +21,7 @@ from .parts import ArrowPart, InputError, InputFile, ParquetPart, Part, TextPart
 
 IDS_CHECK_VERSION = 1  # of check_ids' rules (ids compared as id_strings makes them): a change re-checks
 
-__all__ = ["InputError", "InputSource", "id_strings", "input_root", "read_table", "read_texts", "would_read"]
+__all__ = ["BadIds", "InputError", "InputSource", "id_strings", "input_root", "read_table", "read_texts", "would_read"]
 
 
 _FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
@@ -111,6 +111,8 @@ def _datasets_target(source: str) -> tuple[str, str | None, str | None] | None:
         return base, split, None
     if os.path.exists(source) or _is_pattern(source):
         return None
+    if os.path.islink(source):  # (a link to nothing, or a loop: no hub name either)
+        raise InputError(f"{source!r} is a symbolic link to nothing that exists ({os.readlink(source)!r})")
     # A path-like name that does not exist is a missing file, not a hub dataset to download.
     if Path(source).suffix in _FORMATS or os.sep in source.rstrip(os.sep) and not source.count("/") == 1:
         raise InputError(f"no input files found at {source!r}")
@@ -365,6 +367,11 @@ def id_strings(col) -> list[str | None]:
     return [v if v is None or isinstance(v, str) else _id_text(v) for v in ids]
 
 
+class BadIds(InputError):
+    """An id column with a null or repeated id (InputSource.check_ids): a job without --id-column
+    numbers its rows instead, where a file it cannot read stops it (trial AD)."""
+
+
 class InputSource:
     """A planned view of an input: row counts from file metadata, rows read by range on demand.
 
@@ -498,7 +505,7 @@ class InputSource:
             ids = self.id_strings(s, s + chunk, column)
             if None in ids:
                 part, where = self._where(s + ids.index(None))
-                raise InputError(f"{part.info.path}: id column {column!r} is null at {where}")
+                raise BadIds(f"{part.info.path}: id column {column!r} is null at {where}")
             yield s, ids, np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
 
     def check_ids(self, column: str, chunk: int = 65536) -> None:
@@ -552,7 +559,7 @@ class InputSource:
         if dups:
             shown = sorted(dups)[:10]
             (part_a, a), (part_b, b) = (self._where(r) for r in dups[shown[0]])
-            raise InputError(f"{self.source}: duplicate ids in {column!r} ({len(repeated)} ids repeat): "
+            raise BadIds(f"{self.source}: duplicate ids in {column!r} ({len(repeated)} ids repeat): "
                              f"{', '.join(map(repr, shown))} (e.g. {shown[0]!r} at {part_a.info.path} {a} "
                              f"and {part_b.info.path} {b})")
 

@@ -134,6 +134,11 @@ def _init_ray(spec: JobSpec, log=print):
         raise JobError(f"{where} failed: {e} (Ray writes its session under --temp-dir or /tmp/ray, and with token "
                        "authentication its token under ~/.ray: a read-only home or temporary directory stops it; "
                        "RAY_TMPDIR or a writable HOME moves it)") from e
+    except Exception as e:  # (Ray's own start-up timeout is a plain Exception: trial AD, on a busy machine)
+        if address or "timed out during startup" not in str(e):
+            raise
+        raise JobError(f"the local Ray cluster did not start: {e} (a busy machine starts it slowly: run the command "
+                       "again, or start a head once with `ray start --head` and pass its --address)") from e
     end_on_sigterm(only_if_asked=True)
     return ray
 
@@ -439,7 +444,12 @@ def _check_context(spec: JobSpec, dirs: list[Path]) -> None:
 def _check_output_outside_input(spec: JobSpec) -> None:
     """An output the input reads (a directory's subdirectory, a matching glob) would be read back
     as input by the next run."""
-    out = Path(spec.output).resolve()  # (the directory itself too: a glob matching it reads it as a file)
+    try:
+        out = Path(spec.output).resolve()  # (the directory itself too: a glob matching it reads it as a file)
+    except (RuntimeError, OSError) as e:  # (Python 3.11: a symlink loop is a RuntimeError)
+        raise JobError(f"--output {spec.output}: {e}") from e
+    if out.exists() and not out.is_dir():
+        raise JobError(f"--output {spec.output} is a file, not a directory: name a directory (it is created)")
     if any(would_read(spec.input, str(out / f)) for f in ("", "shards/part-000000.parquet", "manifest.json")):
         raise JobError(f"--output {spec.output} is where the input {spec.input} reads: a re-run would read the "
                        "job's own output as input; write it elsewhere")

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynatree.config import dtype_name
-from dynatree.data import InputError, InputSource
+from dynatree.data import BadIds, InputError, InputSource
 from dynatree.machine import ensure_writable, replaced
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
@@ -164,11 +164,13 @@ def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
     try:
         nested = _nested(source, "id")
         if nested:
-            raise InputError(f"it holds {nested} values")
+            raise BadIds(f"it holds {nested} values")
         source.check_ids("id")
-    except InputError as e:
+    except BadIds as e:
         log(f"ids: row indexes, not the input's id column ({e})")
         return spec, source
+    except InputError as e:  # (a file it cannot read: the job's ids must not change over it)
+        raise JobError(str(e)) from e
     log("ids: the input's id column (set --id-column to use another)")
     return replace(spec, id_column="id"), source
 

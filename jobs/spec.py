@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,8 +277,10 @@ def _type_problems(spec: JobSpec) -> list[str]:
     out = []
     for f in dataclasses.fields(spec):
         value, names = getattr(spec, f.name), [t.strip() for t in str(f.type).split("|")]
-        if not any(_is(value, ANNOTATION_TYPES[t]) for t in names):
-            out.append(f"{f.name} must be {' or '.join(n for n in names if n != 'None')}, got {value!r}")
+        if not any(_is(value, ANNOTATION_TYPES[t]) for t in names):  # (reprlib: a YAML alias bomb's value is huge)
+            out.append(f"{f.name} must be {' or '.join(n for n in names if n != 'None')}, got {reprlib.repr(value)}")
+        elif f.name == "keep_columns" and value and not all(isinstance(c, str) for c in value):
+            out.append(f"keep_columns must be column names, got {reprlib.repr(list(value))}")
         elif isinstance(value, float) and not math.isfinite(value):  # (nan passes every comparison check)
             out.append(f"{f.name} must be a finite number, got {value!r}")
     return out
@@ -335,7 +338,12 @@ def _load_file(path: str) -> dict:
     p = Path(path)
     if not p.exists():
         raise SpecError(f"job file {path} does not exist")
-    text = p.read_text()
+    try:  # (utf-8-sig: a byte-order mark, as Windows editors write one, read as YAML's reader does)
+        text = p.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"job file {path} is not UTF-8 text ({e})") from e
+    except OSError as e:
+        raise SpecError(f"cannot read job file {path}: {e.strerror or e}") from e
     # (.json is JSON; any other name YAML, which reads JSON too: job.YAML or a name without a
     # suffix had been read as JSON and refused with "Expecting value")
     kind = "JSON" if p.suffix.lower() == ".json" else "YAML"
@@ -345,6 +353,9 @@ def _load_file(path: str) -> dict:
         raise SpecError(f"cannot parse job file {path} (read as {kind}): {e}") from e
     if not isinstance(data, dict):
         raise SpecError(f"job file {path} must hold a mapping of fields")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:  # (YAML reads `1:` as a number and `~:` as null)
+        raise SpecError(f"job file {path}: a field name {odd[0]!r} is not a name (a stray line?)")
     return data
 
 
@@ -422,8 +433,8 @@ def _coerce(data: dict) -> dict:
             tuple(dict.fromkeys(c.strip() for c in keep.split(",") if c.strip()))  # a repeat is one column
         if not data["keep_columns"] and keep.strip().lower() != "none":
             raise SpecError(f"keep_columns {keep!r} names no column: give column names, or none to keep no columns")
-    elif isinstance(keep, list):
-        data["keep_columns"] = tuple(dict.fromkeys(keep))
+    elif isinstance(keep, list):  # (names only: a list in it is no key, and the type check names it)
+        data["keep_columns"] = tuple(dict.fromkeys(keep) if all(isinstance(c, str) for c in keep) else keep)
     for k in ("stop", "stop_token_ids"):  # YAML/JSON lists, or one value
         v = data.get(k)
         if k in data and v is None:  # `stop:` left empty in a job file

@@ -756,6 +756,16 @@ def test_spec_validation_messages(tmp_path):
     (tmp_path / "job.json").write_text("input: a.parquet\n")
     with pytest.raises(SpecError, match=r"cannot parse job file .*job.json \(read as JSON\)"):
         build_spec(str(tmp_path / "job.json"))
+    (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf{"input": "a.parquet", "output": "out"}')  # (Notepad's)
+    assert build_spec(str(tmp_path / "bom.json")).output == "out"
+    for text, said in ((b"1: foo\n", "a field name 1 is not a name"), (b"~: foo\n", "a field name None is not"),
+                       (b"a: \xff\n", "is not UTF-8 text"),  # (these three were tracebacks or named no file)
+                       (b"keep_columns: [1, null]\n", r"keep_columns must be column names, got \[1, None\]"),
+                       (b"keep_columns: [[a]]\n", r"keep_columns must be column names"),
+                       (b"max_new_tokens: [" + b"1, " * 5000 + b"1]\n", r"max_new_tokens must be int, got \[1, 1, 1, 1, 1, 1, \.\.\.\]")):
+        (tmp_path / "odd.yaml").write_bytes(text)
+        with pytest.raises(SpecError, match=said):
+            build_spec(str(tmp_path / "odd.yaml"), input="x", output="y")
     job.write_text("input: a.parquet\noutput: out\nmethod: fixed_tree\noptions: {depth: 3}\n")
     a = build_spec(str(job))
     b = build_spec(str(job), options={"depth": "3"})
@@ -1172,6 +1182,16 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
         with pytest.raises(JobError, match="is where the input .* reads"):
             run_job(spec(pair_dirs, tmp_path, input=str(inp), output=str(tmp_path / "in" / out)), progress=False, log=quiet)
     assert not (tmp_path / "out").exists()  # checked before anything is written
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    (tmp_path / "afile").write_text("")
+    for out, said in (("loop", "--output .*loop: Symlink loop"), ("afile", "is a file, not a directory")):
+        with pytest.raises(JobError, match=said):  # (a traceback; "not writable: File exists")
+            run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "in"), output=str(tmp_path / out)), progress=False,
+                    log=quiet)
+    with pytest.raises(JobError, match="is a symbolic link to nothing that exists"):  # (it read "... hub unreachable")
+        run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "loop"), output=str(tmp_path / "out")), progress=False,
+                log=quiet)
 
 
 def test_cuda_on_a_cpu_cluster_fails_clearly(ray_cluster, pair_dirs, tmp_path):
@@ -1430,6 +1450,14 @@ def test_an_input_id_column_is_the_default_id(pair_dirs, tmp_path):
     assert default_ids(spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o4")),
                        logs.append)[0].id_column is None
     assert "row indexes, not the input's id column (it holds struct<n: int64> values)" in logs[-1]
+    good = pa.table({"id": ["b1", "b2"], "text": PROMPTS[:2]})
+    pq.write_table(good, tmp_path / "in.parquet")
+    damaged = bytearray((tmp_path / "in.parquet").read_bytes())
+    damaged[4:40] = b"\0" * 36  # (the first page's header: the footer still reads)
+    (tmp_path / "in.parquet").write_bytes(bytes(damaged))
+    with pytest.raises(JobError, match="cannot read rows 0-1"):  # not row indexes, then a job that stops on it
+        default_ids(spec(pair_dirs, tmp_path, id_column=None, output=str(tmp_path / "o6")), logs.append)
+    pq.write_table(nested, tmp_path / "in.parquet")
     for col in ("id", "meta"):
         with pytest.raises(JobError, match=f"--id-column '{col}' holds (struct|list).* values; ids are strings or"):
             make_plan(spec(pair_dirs, tmp_path, id_column=col), quiet)
