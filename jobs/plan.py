@@ -193,6 +193,10 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
         if cols and not spec.chat_template and _chat_type(source.schema.field(spec.prompt_column).type):
             raise JobError(f"input {spec.input}: the prompt column {spec.prompt_column!r} holds chat messages "
                            f"({source.schema.field(spec.prompt_column).type}): run with --chat-template")
+        if cols and not _text_type(t := source.schema.field(spec.prompt_column).type, spec.chat_template):
+            raise JobError(f"input {spec.input}: the prompt column {spec.prompt_column!r} holds {t} values, never "
+                           "text" + (" or chat messages" if spec.chat_template else "") + ": every row would fail "
+                           "(--prompt-column names the text)")
         if spec.id_column and cols:
             nested = _nested(source, spec.id_column)  # (its ids would be Python reprs of structs or lists)
             if nested:
@@ -217,6 +221,18 @@ def _chat_type(t: pa.DataType) -> bool:
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
         t = t.value_type
     return pa.types.is_struct(t) and {"role", "content"} <= {t.field(i).name for i in range(t.num_fields)}
+
+
+def _text_type(t: pa.DataType, chat: bool) -> bool:
+    """Whether a prompt column of this type can hold text (or, with a chat template, messages):
+    one that cannot fails every row, so the job is refused when planned (trials AD and AH: an
+    int64 column started the cluster and the models first)."""
+    if pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
+        t = t.value_type
+    texty = (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+             or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+             or t in (pa.string_view(), pa.binary_view()))
+    return texty or (chat and _chat_type(t))
 
 
 _PLAIN = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}

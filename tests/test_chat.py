@@ -157,6 +157,14 @@ def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
     pq.write_table(pa.table({"key": ["a"], "text": pa.array([CHATS[2]], messages)}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="the prompt column 'text' holds chat messages .*run with --chat-template"):
         run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)  # (planned: no Ray)
+    for values, chat in (([1], False), ([["a", "b"]], False), ([1], True), ([["a"]], True), ([None], False)):
+        pq.write_table(pa.table({"key": ["a"], "text": values}), tmp_path / "in.parquet")  # (every row would fail)
+        with pytest.raises(JobError, match=r"the prompt column 'text' holds (int64|list<element: string>|null) "
+                                           r"values, never text"):
+            run_job(spec(pair_dirs, tmp_path, chat_template=chat), progress=False, log=quiet, dry_run=True)
+    for t in (pa.binary(), pa.large_string(), pa.dictionary(pa.int32(), pa.string()), pa.string_view()):
+        pq.write_table(pa.table({"key": ["a"], "text": pa.array(["hello"]).cast(t)}), tmp_path / "in.parquet")
+        run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)  # (text, and planned)
     pq.write_table(pa.table({"key": ["a"], "text": ["hello"]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="has no chat template"):
         run_job(spec(pair_dirs, tmp_path, chat_template=True), progress=False, log=quiet)
