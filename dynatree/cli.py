@@ -506,17 +506,19 @@ def _spec_options(f):
     return f
 
 
-def _how_to_go_on(spec, fields: dict) -> str:
+def _how_to_go_on(spec, fields: dict, error: BaseException | None = None) -> str:
     """What a job ended early left and how to finish it: the same command resumes -- unless it
     overwrites (then it would start over), or nothing was written."""
+    from .jobs.runs import how_to_go_on
+
     out = spec.output if spec is not None else fields.get("output")
     if not out or not any(Path(out, "shards").glob("part-*.parquet")):
         return "no shard was finished; the same command starts the job again"
-    overwrite = spec.overwrite if spec is not None else fields.get("overwrite")
-    if overwrite:
-        return (f"finished shards are kept in {out}; to resume, run it without --overwrite (a job file that sets "
-                "overwrite: true needs --no-overwrite) -- as it is, the command would start over")
-    return f"finished shards are kept in {out}; the same command resumes"
+    said = how_to_go_on(out, spec.overwrite if spec is not None else fields.get("overwrite"))
+    if (record := getattr(error, "run_record", None)) is not None:  # (how far: the failed-jobs trial)
+        said = (f"{record['shards_done']} of {record['shards_total']} shards ({record['rows_done']} of "
+                f"{record['rows_total']} rows) are finished; " + said)
+    return said
 
 
 @main.command()
@@ -557,10 +559,10 @@ def run(config_file, quiet, dry_run, **fields):
     except (SpecError, JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
-        _fail(str(e) if dry_run else f"{e}; {_how_to_go_on(spec, fields)}")
+        _fail(str(e) if dry_run else f"{e}; {_how_to_go_on(spec, fields, e)}")
     except KeyboardInterrupt as e:
         how, code = interrupted(e)
-        click.echo(f"\n{how}: {_how_to_go_on(spec, fields)}", err=True)
+        click.echo(f"\n{how}: {_how_to_go_on(spec, fields, e)}", err=True)
         if getattr(e, "cluster_gone", False):  # (the local cluster died too: Ray's shutdown would wait for it)
             sys.stderr.flush()
             os._exit(code)
@@ -766,6 +768,31 @@ def build(isas):
         _fail("some kernels were not built; jobs fall back to torch's kernels where the native one is missing")
 
 
+def _unfinished(out_dir: str) -> str:
+    """What an output whose job has not finished holds, and how it goes on: a job writing it now, or
+    the last run's record (jobs/runs.py: how it ended, which shards failed), or the shard count."""
+    from .jobs import runs
+    from .jobs.plan import JobError, check_unlocked
+
+    try:
+        planned = json.loads((Path(out_dir) / "manifest.json").read_text()).get("shards")
+    except ValueError:
+        planned = None
+    held = len(list(Path(out_dir, "shards").glob("part-*.parquet")))
+    try:
+        check_unlocked(out_dir)
+    except JobError:  # (it read "re-run its command", which the lock then refused)
+        who = Path(out_dir, ".dynatree.lock").read_text().strip() or "pid unknown"
+        return (f"a dynatree job is writing {out_dir} now ({who}): {held} of {planned if planned else '?'} shard "
+                "files so far; its summary comes when it finishes")
+    last = (runs.read(out_dir) or [None])[-1]
+    if last is not None and last.get("status") != "complete":
+        return runs.describe(out_dir, last)
+    return (f"{out_dir} is a `dynatree run` output whose job has not finished ({held} of "
+            f"{planned if planned else '?'} shards written, no summary.json yet): re-run its command to resume it "
+            "(without --overwrite; with --dry-run: its plan, nothing decoded)")
+
+
 @main.command("report")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 def report_cmd(out_dir):
@@ -789,14 +816,7 @@ def report_cmd(out_dir):
                       "rewrites it without decoding what is done")
             return
         if (Path(out_dir) / "manifest.json").is_file():  # (a job stopped or failed before its summary: said as such)
-            try:
-                planned = json.loads((Path(out_dir) / "manifest.json").read_text()).get("shards")
-            except ValueError:
-                planned = None
-            held = len(list(Path(out_dir, "shards").glob("part-*.parquet")))
-            _fail(f"{out_dir} is a `dynatree run` output whose job has not finished ({held} of "
-                  f"{planned if planned else '?'} shards written, no summary.json yet): re-run its command to "
-                  "resume it (with --dry-run: its plan, nothing decoded)")
+            _fail(_unfinished(out_dir))
         _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet) nor a finished "
               "`dynatree run` output (no summary.json and manifest.json)")
     try:

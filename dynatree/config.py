@@ -122,6 +122,11 @@ class MethodConfig(SamplingConfig):
         for name in ("tau", "threshold"):
             if not 0 <= getattr(self, name, 0) <= 1:
                 raise ValueError(f"{method} option {name} must be within [0, 1], got {getattr(self, name)}")
+        if self.node_budget > MAX_TREE_NODES:  # (MemoryError, or the native kernel's abort: trials AE, AG)
+            name = next(n for n in ("max_nodes", "budget", "k") if getattr(self, n, None) == self.node_budget)
+            raise ValueError(f"{method} option {name} must be at most {MAX_TREE_NODES}, got {self.node_budget}: a "
+                             "tree's verification grows with the square of its nodes (a tree of 100,000 needed 40 GB "
+                             "of scratch), and trees pay at tens to hundreds of nodes")
 
 
 @dataclass(frozen=True)
@@ -284,7 +289,7 @@ def cache_rows(cfg, held: int, context: int) -> int:
     and generation; at most the ``context``, or with a cache window the window), and room for a tree
     (the engine, and the job driver's memory estimate, jobs/footprint.py)."""
     window = getattr(cfg, "kv_window", 0)
-    room = window or context  # (a tree never holds more tokens than the context: max_depth)
+    room = window or context  # (a bigger tree -- node_budget is at most MAX_TREE_NODES -- grows the caches)
     return min(held, room) + min(max(cfg.node_budget, 1), room) + 8
 
 
@@ -575,6 +580,7 @@ def check_samples(cfg, samples) -> int:
 
 _AT_LEAST_ONE = ("k", "depth", "branch", "max_nodes", "window", "budget", "max_depth", "max_branch")  # counts and sizes
 MAX_COUNT = 2**24  # (no tree, window or text here comes near it; 2**63 overflowed torch's sizes)
+MAX_TREE_NODES = 4096  # drafted nodes a tree may hold at most (max_nodes, budget, k)
 
 
 def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:

@@ -42,6 +42,11 @@ def end_on_sigterm(only_if_asked: bool = False) -> None:
         signal.signal(signal.SIGTERM, terminated)
 
 
+def terminated_now(e: KeyboardInterrupt) -> bool:
+    """Whether ``e`` is a SIGTERM's (as :func:`interrupted` tells, without taking the flag)."""
+    return isinstance(e, Terminated) or _terminated
+
+
 def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
     """How an interrupted command says it ended, and its exit code (the shell's, so scripts can
     tell Ctrl-C and SIGTERM from a failure).  By the flag the handler set, not only by ``e``'s

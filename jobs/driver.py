@@ -32,18 +32,18 @@ import pyarrow as pa
 
 from dynatree.data import id_strings, jsonl_bytes, would_read
 from dynatree.parts import each_repeated
-from dynatree.signals import end_on_sigterm, held_while_starting
+from dynatree.signals import end_on_sigterm, held_while_starting, terminated_now
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
                             model_problem, native_refusal, no_tree_mask)
 from dynatree.machine import ensure_writable
 from dynatree.metrics import output_schema
 from dynatree.config import SLOW_ON_CPU, grows_trees, unused_options
 
-from . import footprint, placement
+from . import footprint, placement, runs
 from .plan import (JobError, OutputHeld, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards,
                    make_plan, output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output,
                    refuse_changed_input_early, shard_number, start_over, write_shard)
-from .spec import OUTPUT_IDENTITY, JobSpec
+from .spec import MAX_INFLIGHT, OUTPUT_IDENTITY, JobSpec
 from .summary import previous_decoding_run, summarize, write_summary
 
 __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
@@ -552,14 +552,14 @@ def _remove_unused(out: Path) -> None:
     """The output directory a failed run created, removed if the run wrote no shard into it (a
     cluster it could not reach, actors that never loaded): a directory with only a manifest in it
     pins nothing, but it is clutter left by a typo.  Anything else in it is kept."""
-    if not out.is_dir() or {p.name for p in out.iterdir()} - {"manifest.json", ".dynatree.lock", "shards"}:
+    if not out.is_dir() or {p.name for p in out.iterdir()} - {"manifest.json", ".dynatree.lock", "shards", runs.RUNS}:
         return
     with contextlib.suppress(OSError):  # (a failure before shards/ was made: none to remove, go on)
         (out / "shards").rmdir()  # (only if empty)
     if (out / "shards").exists():
         return  # a shard was written: the output and its manifest stay whole
     with contextlib.suppress(OSError):
-        for name in ("manifest.json", ".dynatree.lock"):
+        for name in ("manifest.json", ".dynatree.lock", runs.RUNS):
             (out / name).unlink(missing_ok=True)
         out.rmdir()
 
@@ -581,13 +581,21 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
             start_over(spec, plan)
         write_shard(out, spec, plan, 0, plan.schema.empty_table())
     run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
-    if todo:
-        _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
+    record = runs.begin(plan, done, spec.overwrite)
+    try:
+        if todo:
+            _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
+    except BaseException as e:  # (a failed or stopped run writes no summary: its record says how it ended)
+        run_stats["wall_time_s"] = time.time() - t_start
+        with contextlib.suppress(AttributeError):  # (the command says how far it got)
+            e.run_record = runs.end(out, record, _ended(e), str(e), run_stats, startup)
+        raise
     run_stats["wall_time_s"] = time.time() - t_start
     if plan.num_shards >= 2000:  # (~0.25 ms a shard's footer: not a silent wait at a corpus's end)
         log(f"summarizing {plan.num_shards} shards")
     gone = run_stats.pop("cluster_gone", False)
-    summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out))
+    runs.end(out, record, "complete", "", run_stats, startup)
+    summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out), runs.read(out))
     write_summary(out, summary)
     if gone:  # (the command exits without Ray's shutdown, which would wait a minute for the lost head)
         lost = ClusterLost("the Ray cluster's head stopped answering as the last shard was written: every shard is "
@@ -598,6 +606,13 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
         raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
                             f"(--fail-on-mismatch); see summary.json", summary)
     return summary
+
+
+def _ended(e: BaseException) -> str:
+    """How a run that raised ended, as its record says it (runs.STATUSES)."""
+    if isinstance(e, KeyboardInterrupt):
+        return "terminated" if terminated_now(e) else "interrupted"
+    return "cluster_lost" if isinstance(e, ClusterLost) else "failed"
 
 
 def _unfinished_files(out: Path, plan: Plan, done: set[int]) -> list[str]:
@@ -639,8 +654,16 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             "output_rows_to_write": rows * plan.samples,
             # every field of the job's identity (what a resume must match), as this run resolves it
             **{k: shown.get(k, getattr(spec, k)) for k in OUTPUT_IDENTITY if k != "options"},
-            "batch_size": spec.batch_size, "overwrite": spec.overwrite, "actors": _actors_said(spec),
+            "batch_size": spec.batch_size, "overwrite": _overwrite_said(spec, out), "actors": _actors_said(spec),
             "options": dataclasses.asdict(spec.method_config)}
+
+
+def _overwrite_said(spec: JobSpec, out: Path) -> bool | str:
+    """--overwrite in a dry run, and what it would delete (a job file's overwrite: true had read as
+    a plan to resume: the failed-jobs trial)."""
+    held = len(list((out / "shards").glob("part-*.parquet"))) if spec.overwrite and (out / "shards").is_dir() else 0
+    return f"True (deletes the {held} shard file(s) in {out / 'shards'} once the actors are ready)" if held \
+        else spec.overwrite
 
 
 def _actors_said(spec: JobSpec) -> str:
@@ -702,7 +725,7 @@ class _Dispatch:
         self.start_failures = 0  # replacements in a row that failed to load
         self.head_down_since: float | None = None  # first failed check of the head in a row
         self.head_checked = 0.0  # when the head was last checked (_wait)
-        self.failed: list[str] = []
+        self.failed: list[dict] = []  # shards that used up their retries (runs.failed_shard)
 
     def _start(self, ray, n: int) -> None:
         from dynatree.actors.ray_actor import PairActor
@@ -718,7 +741,7 @@ class _Dispatch:
         def start(i: int):
             return PairActor.options(**placement.actor_options(self.pg, i, cpus, gpus, self.memory,
                                                                spec.resources_per_actor), max_restarts=0,
-                                     max_concurrency=spec.inflight_shards + 2,
+                                     max_concurrency=self.inflight + 2,
                                      runtime_env={"env_vars": env} if env else None).remote(spec, threads, self.share)
 
         self.start_actor = start
@@ -749,6 +772,17 @@ class _Dispatch:
                  f"each, context {infos[0]['context']}, batch size {spec.batch_size}; target forward: "
                  f"{infos[0]['forward']}" + (f"; draft forward: {infos[0]['draft_forward']}"
                                              if infos[0].get("draft_forward") else ""))
+
+    def _inflight(self, shards: int, actors: int) -> int:
+        """Shards queued per actor (JobSpec.inflight_shards): no more than the job has for it (each
+        one is a thread of the actor, started with it), and said where the cap holds batches down."""
+        spec = self.spec
+        if spec.max_inflight_per_actor is None and spec.batch_rows > (MAX_INFLIGHT - 1) * spec.shard_size \
+                and shards > MAX_INFLIGHT:
+            self.log(f"note: --batch-size {spec.batch_size} rows need more shards of --shard-size {spec.shard_size} "
+                     f"in flight per actor than the {MAX_INFLIGHT} an actor takes: batches of at most "
+                     f"~{(MAX_INFLIGHT - 1) * spec.shard_size} rows (a bigger --shard-size holds more)")
+        return max(1, min(spec.inflight_shards, -(-shards // actors) + 1))
 
     def _free_share(self, ray, n: int) -> int:
         """As many actors as the resources free now hold, where other jobs hold some of the n the
@@ -785,6 +819,7 @@ class _Dispatch:
             self.log(f"{len(todo)} shard(s) left to decode: starting {len(todo)} of {n} actors "
                      f"(a shard holds --shard-size {self.spec.shard_size} rows and goes to one actor)")
         n = self._fit_memory(ray, min(n, len(todo)))
+        self.inflight = self._inflight(len(todo), n)
         self.startup["cluster_s"] = round(time.time() - t0, 3)
         self.actors, self.pg = [], None
         try:
@@ -813,8 +848,12 @@ class _Dispatch:
             if self.pg is not None:
                 placement.release(self.pg)
         if self.failed:
-            raise JobError(f"shard(s) failed after {self.spec.max_retries} retries: {', '.join(sorted(self.failed))}; "
-                           f"finished shards are kept in {self.out}/shards — re-run to retry the rest")
+            self.stats["failed_shards"] = self.failed
+            said = "; ".join(f"{runs.shard_said(f)}: {f['error']}" for f in self.failed[:3])
+            more = f" (and {len(self.failed) - 3} more)" if len(self.failed) > 3 else ""
+            raise JobError(f"{len(self.failed)} shard(s) failed after {self.spec.max_retries} retries: {said}{more}; "
+                           f"the rest are finished in {self.out}/shards ({self.out}/{runs.RUNS} records the failed "
+                           "ones): a re-run decodes only those, once what fails them is fixed")
 
     def _actor_stats(self, ray) -> None:
         """The actors' statistics for the summary -- which asking them needs the head: where it
@@ -852,7 +891,7 @@ class _Dispatch:
             progress = False
             for slot, actor in enumerate(self.actors):
                 queue = mine[slot]
-                full = len(queue) >= self.spec.inflight_shards
+                full = len(queue) >= self.inflight
                 if actor is None or slot in self.restarts or not pending or full or any(v[5] for v in queue):
                     continue
                 k, got = pending[0]
@@ -1099,7 +1138,7 @@ class _Dispatch:
         # has declared the node dead, ~15 s on, and such a shard is then requeued: _requeue)
         why = "its actor died: a crash, or its node lost" if isinstance(err, RayActorError) else "task error"
         if self.attempts[k] > self.spec.max_retries:
-            self.failed.append(name)
+            self.failed.append(runs.failed_shard(self.plan, k, rows, self.attempts[k], placement.describe_error(err)))
             times = "once" if self.attempts[k] == 1 else f"{self.attempts[k]} times"
             self.log(f"shard {name} failed {times}; giving up: {placement.describe_error(err)}")
             return

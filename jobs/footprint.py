@@ -51,6 +51,7 @@ class Footprint:
     per_row: int  # a row's key/value caches (target and draft) and a full tree's logits
     row_tokens: int  # the slots a row's caches are allocated with
     released: int = 0  # weights freed as the native kernel packs them (cmodel.Runner.packed_callback)
+    prefix: int = 0  # of ``fixed``: the prefix stores' budget (--prefix-cache-gb, a store per model)
 
     @property
     def base(self) -> int:
@@ -71,6 +72,17 @@ class Footprint:
         if budget < self.base:
             return 0
         return math.floor((budget - self.loaded) / self.per_row) if self.per_row else 1 << 30
+
+    def less(self, spec) -> str:
+        """The flags that would leave room, where rows do not fit: the prefix stores' budget first
+        when it is the biggest part of what the actor holds (trial AE: a 1.5 GiB node capped at one
+        row by 2 GiB of prefix budget, which fills only with shared prompt beginnings)."""
+        bf16 = "" if getattr(spec.method_config, "kv_dtype", "model") == "bfloat16" else ", or --option kv_dtype=bfloat16"
+        said = f"a smaller batch or --max-prompt-tokens needs less{bf16}"
+        if self.prefix and self.prefix >= max(self.weights, self.per_row):
+            said = (f"--prefix-cache-gb {spec.prefix_cache_gb:g} counts {self.prefix / 2**30:.1f} GiB for stores that "
+                    "fill only with prompt beginnings rows share (a smaller one, or 0, leaves room); " + said)
+        return said
 
     def describe(self) -> str:
         gb = 2**30
@@ -141,7 +153,7 @@ def row_bytes(config: dict, method, kv_bytes: int, slots: int) -> int | None:
         return None
     kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    tree = min(max(method.node_budget, 1), slots) + 1  # (no tree outgrows the row's cache slots)
+    tree = max(method.node_budget, 1) + 1  # (its logits: at most config.MAX_TREE_NODES of them)
     return layers * 2 * kv_heads * head_dim * kv_bytes * slots + tree * (cfg.get("vocab_size") or 0) * 4
 
 
@@ -163,7 +175,7 @@ def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
         return None
     weights, packed, released, per_row = (sum(p[i] for p in parts) for i in range(4))
     prefix = int(spec.prefix_cache_gb * 2**30) * len(dirs)  # a store per model (models.ModelPair.prefix_store)
-    return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots, released)
+    return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots, released, prefix)
 
 
 def rows_for(spec, configs: list[dict], context: int, share: float, rss: float) -> tuple[int, int] | None:
@@ -234,15 +246,13 @@ def fit(fp: Footprint, nodes: list[dict], n: int, cpus: float, spec) -> Fit:
     rows = fp.rows_within(share) if share < math.inf else 1 << 30
     cap = None
     if fp.total(1) > share:
-        notes.append(f"warning: even one row may not fit ({share / 2**30:.1f} GiB per actor)")
+        notes.append(f"warning: even one row may not fit ({share / 2**30:.1f} GiB per actor; {fp.less(spec)})")
     if fixed is None and rows < spec.max_batch_size:
         cap = max(rows, 1)
         notes.append(f"--batch-size auto capped near {cap} row(s) per actor (--max-batch-size {spec.max_batch_size}; "
                      "each actor measures its own once loaded)")
     elif fixed is not None and rows < fixed:
-        less = "" if getattr(spec.method_config, "kv_dtype", "model") == "bfloat16" else ", or --option kv_dtype=bfloat16"
-        notes.append(f"warning: --batch-size {fixed} may not fit (room for {rows} row(s) per actor; a smaller batch "
-                     f"or --max-prompt-tokens needs less{less})")
+        notes.append(f"warning: --batch-size {fixed} may not fit (room for {rows} row(s) per actor; {fp.less(spec)})")
     if notes:
         notes = [f"memory: each actor needs {fp.describe()}, estimated from the checkpoints; " + "; ".join(notes)]
     return Fit(n, reserve, cap, share, notes)

@@ -28,6 +28,7 @@ from dynatree.machine import ensure_writable, replaced
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
 
+from .runs import RUNS
 from .spec import _LATER_FIELDS, PATH_FIELDS, JobSpec, canonical_options, canonical_path
 from .summary import shard_tally
 
@@ -348,7 +349,7 @@ def _clear(out: Path) -> None:
     for p in (out / "shards").iterdir():
         if _ours(p.name):
             p.unlink()
-    for p in [out / "summary.json", *out.glob(".fault-*")]:
+    for p in [out / "summary.json", out / RUNS, *out.glob(".fault-*")]:  # (the runs of the job it replaces)
         p.unlink(missing_ok=True)
 
 

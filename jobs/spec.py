@@ -30,6 +30,7 @@ from .placement import RESOURCE_UNIT  # (an amount below it: placement divided b
 
 # tests only, read by actors: {"die_once_on_shard": name} or {"die_always_on_shard": name} as JSON
 FAULTS_ENV = "DYNATREE_FAULT_INJECTION"
+MAX_INFLIGHT = 256  # shards queued per actor at most: each is a thread of the actor (trial AE: 10k threads)
 
 
 class SpecError(ValueError):
@@ -200,10 +201,11 @@ class JobSpec:
 
     @property
     def inflight_shards(self) -> int:
-        """Shards queued per actor: enough rows for a full batch plus one shard to refill from."""
+        """Shards queued per actor: enough rows for a full batch plus one shard to refill from, at
+        most MAX_INFLIGHT (a batch bigger than that many shards hold needs a bigger --shard-size)."""
         if self.max_inflight_per_actor is not None:
-            return self.max_inflight_per_actor
-        return -(-self.batch_rows // self.shard_size) + 1
+            return min(self.max_inflight_per_actor, MAX_INFLIGHT)
+        return min(-(-self.batch_rows // self.shard_size) + 1, MAX_INFLIGHT)
 
     @property
     def method_config(self):

@@ -16,6 +16,8 @@ from dynatree.config import ar_reference, reference_label
 from dynatree.machine import replaced, versions
 from dynatree.metrics import counted
 
+from .runs import RUNS, read as read_runs, this_run
+
 
 def _config(spec) -> dict:
     """The job's fields, its output named in full (a reader elsewhere finds the shards)."""
@@ -197,9 +199,14 @@ def _merge(t: dict, part: dict) -> None:
 
 
 def previous_decoding_run(out: Path) -> dict | None:
-    """The record ("this_run" and "startup") of the last run of the job in ``out`` that decoded
-    rows, from its summary.json, or None: a run with nothing left to decode carries it on, so
-    re-running a finished job does not lose the real run's throughput, forward and start-up."""
+    """The record ("this_run", "startup" and "versions") of the last run of the job in ``out`` that
+    decoded rows -- from its run records (jobs/runs.py), else (an output begun before them) its
+    summary.json -- or None: a run with nothing left to decode carries it on, so re-running a
+    finished job does not lose the real run's throughput, forward and start-up, nor a stopped
+    run's that had written every shard (the trial of failed jobs)."""
+    for record in reversed(read_runs(out)):
+        if (record.get("this_run") or {}).get("rows_this_run"):
+            return {k: record.get(k) for k in ("this_run", "startup", "versions", "status", "ended_at")}
     try:
         prev = json.loads((Path(out) / "summary.json").read_text())
     except (OSError, ValueError):
@@ -212,12 +219,12 @@ def previous_decoding_run(out: Path) -> dict | None:
     return {"this_run": run, "startup": prev.get("startup") or {}} if run.get("rows_this_run") else None
 
 
-def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, last_run: dict | None = None) -> dict:
+def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, last_run: dict | None = None,
+              runs: list | None = None) -> dict:
     """The job's summary from its shards; ``run_stats``/``startup``: this run's; ``last_run``
-    (previous_decoding_run): kept as "last_decoding_run" when this run decoded no row."""
+    (previous_decoding_run): kept as "last_decoding_run" when this run decoded no row; ``runs``:
+    every run's record (jobs/runs.py), this one's last."""
     t = _tally(out, getattr(spec, "samples", 1) > 1)
-    wall = run_stats.get("wall_time_s") or 0.0
-    tokens = run_stats.get("tokens_this_run", 0)
     checked = t["checked"]
     return {
         "rows": t["rows"],
@@ -225,7 +232,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
         "error_messages": _error_messages(t),
         "generated_tokens": t["tokens"],
         "finish_reasons": dict(sorted(t["reasons"].items())),
-        "this_run": {**run_stats, "job_tokens_per_s": tokens / wall if wall and tokens else None},
+        "this_run": this_run(run_stats),
         "startup": startup or {},
         **({"last_decoding_run": last_run} if last_run and not run_stats.get("rows_this_run") else {}),
         **{k: t[k].as_dict() for k in _MOMENTS if k != "tokens_per_s"},
@@ -242,6 +249,7 @@ def summarize(out: Path, spec, run_stats: dict, startup: dict | None = None, las
         },
         "config": _config(spec),
         "versions": versions(),
+        "runs": runs or [],
     }
 
 
@@ -285,6 +293,10 @@ def format_table(s: dict) -> str:
         "matches ar               " + (f"{eq['matched']}/{eq['checked']}{_against(eq)}" if eq["checked"] else
                                            _unchecked(s)),
     ]
+    if len(s.get("runs") or []) > 1:  # (a resumed job: what the runs before this one ended with)
+        ended = Counter(r.get("status") for r in s["runs"][:-1])
+        lines.append(f"runs                     {len(s['runs'])} (before this one: "
+                     + ", ".join(f"{n} {status}" for status, n in ended.items()) + f"; see {RUNS})")
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     slots = cache_rows(spec.method_config, 50, 128)  # the engine's allocation: text and a tree's room
     assert fp.fixed == footprint.RUNTIME_BYTES and fp.row_tokens == slots
     vocab = json.loads((pair_dirs / "target" / "config.json").read_text())["vocab_size"]
-    logits = (min(spec.method_config.node_budget, slots) + 1) * vocab * 4  # a full tree's logits, per model
+    logits = (spec.method_config.node_budget + 1) * vocab * 4  # a full tree's logits, per model (wider than deep)
     assert fp.per_row == sum(2 * layers * 32 * 4 * slots + logits for layers in (2, 1))  # hidden 32; 2 + 1 layers
     assert fp.total(3) == fp.loaded + 3 * fp.per_row and fp.total(0) == fp.base  # the load, then rows
     # each matrix freed as it is packed: the load peaks at the weights, not the weights plus their copies
@@ -48,8 +48,9 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     assert _footprint(job(pair_dirs, dtype="float64")).packed == 0
     bf = _footprint(job(pair_dirs, options={"kv_dtype": "bfloat16"}))
     assert fp.per_row - bf.per_row == sum(layers * 32 * 4 * slots for layers in (2, 1))  # caches halve
-    huge = job(pair_dirs, options={"max_nodes": 10**6})  # a tree never outgrows the context (max_depth)
-    assert cache_rows(huge.method_config, 50, 128) == 50 + 128 + 8 and _footprint(huge).per_row < 2 * fp.per_row
+    huge = job(pair_dirs, options={"max_nodes": 4096})  # (the caches grow for a tree wider than the context)
+    assert cache_rows(huge.method_config, 50, 128) == 50 + 128 + 8
+    assert _footprint(huge).per_row - fp.per_row == 2 * (4096 - 256) * vocab * 4  # its logits counted whole
     windowed = job(pair_dirs, options={"kv_window": 40, "kv_evict": 8})
     assert _footprint(windowed).row_tokens == cache_rows(windowed.method_config, 50, 128) < slots
     whole = dataclasses.replace(spec, max_prompt_tokens=None)  # whole prompts: up to the context
@@ -75,7 +76,7 @@ def test_headers_are_read_without_the_weights(tmp_path, pair_dirs):
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "b": ("BF16", [6]), "x.attention.bias": ("BOOL", [1, 64]),
                                  "y.inv_freq": ("F32", [4])}, LLAMA)
     weights, packed, released, per_row = footprint._model(tmp_path / "m", spec, 4, 10)  # buffers, non-floats left out
-    tree = min(spec.method_config.node_budget, 10) + 1  # (no tree outgrows the row's 10 slots)
+    tree = spec.method_config.node_budget + 1  # (a full tree's logits, however few the slots)
     assert (weights, packed, released, per_row) == (30 * 4, 24 * 2, 24 * 4, 2 * 2 * 1 * 4 * 4 * 10 + tree * 10 * 4)
     write_model(tmp_path / "m", {"a": ("BF16", [4, 6]), "c": ("F16", [6, 6])}, LLAMA)  # no one 16-bit format
     assert footprint._model(tmp_path / "m", spec, 4, 10)[1] == 60 * 4
@@ -114,6 +115,10 @@ def test_fit_starts_what_memory_holds_and_caps_auto(pair_dirs):
     assert (n, reserve) == (1, None) and "starting 1 actor, not 2: no node's Ray memory resource holds one" in notes[0]
     n, reserve, cap, _, notes = footprint.fit(big(30, 400), nodes(24), 2, 1, spec)  # not even one: tried, with a warning
     assert (n, reserve, cap) == (1, None, 1) and "even one row may not fit" in notes[0]
+    assert "--prefix-cache-gb" not in notes[0] and "a smaller batch or --max-prompt-tokens needs less" in notes[0]
+    held = footprint.Footprint(int(0.1 * GIB), 0, int(2.6 * GIB), 36 * 2**20, 704, prefix=2 * GIB)  # (trial AE)
+    notes = footprint.fit(held, nodes(2), 1, 1, job(pair_dirs, prefix_cache_gb=1.0)).notes
+    assert "--prefix-cache-gb 1 counts 2.0 GiB for stores that fill only with prompt beginnings" in notes[0], notes
     # weights freed as packed: the load's peak (the weights) decides the actors, what is left the rows
     fp = footprint.Footprint(10 * GIB, 5 * GIB, 2 * GIB, 500 * 2**20, 904, released=9 * GIB)
     assert (fp.base, fp.loaded) == (12 * GIB, 8 * GIB)

@@ -185,6 +185,10 @@ def test_bad_options_are_clear_errors():
         make_config("linear", {"k": "0"})
     with pytest.raises(ValueError, match="option max_nodes must be within .*got 2147483647"):  # (torch sized a cache by it)
         make_config("dynatree", {"max_nodes": "2147483647"})
+    for method, name in (("dynatree", "max_nodes"), ("fixed_tree", "max_nodes"), ("dyspec", "budget"), ("linear", "k")):
+        with pytest.raises(ValueError, match=f"{method} option {name} must be at most 4096, got 100000: a tree's"):
+            make_config(method, {name: 100000})  # (a MemoryError, or the native kernel's abort: trials AE, AG)
+    assert make_config("dynatree", {"max_nodes": 4096}).node_budget == 4096
     with pytest.raises(ValueError, match="tau must be within"):
         make_config("fixed_tree", {"tau": "2"})
     with pytest.raises(ValueError, match="draft_context must be >= 0"):

@@ -98,6 +98,9 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert plan["actors"].endswith("on this process's Ray cluster (not asked in a dry run: whether they fit is "
                                    "checked when the job starts)"), plan["actors"]
     assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest and len(os.listdir(shards)) == 2
+    plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, overwrite=True), progress=False, log=quiet,
+                   dry_run=True)  # (a job file's overwrite: true read as a resume: the failed-jobs trial)
+    assert plan["overwrite"] == f"True (deletes the 2 shard file(s) in {shards} once the actors are ready)"
     said = []  # a slow dtype on this machine's CPUs is said in the dry run, as the run says it (its trial missed it)
     run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, dtype="float16", output=str(tmp_path / "f16"), device="cpu"),
             progress=False, log=said.append, dry_run=True)
@@ -140,8 +143,9 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     for _ in range(2):  # runs with nothing left to decode keep the record of the last run that decoded
         noop = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0), progress=False, log=quiet)
         assert noop["this_run"]["rows_this_run"] == 0 and noop["this_run"]["job_tokens_per_s"] is None
-        assert noop["last_decoding_run"] == json.loads(json.dumps({k: summary[k] for k in ("this_run", "startup")},
-                                                                  default=str))
+        assert {k: noop["last_decoding_run"][k] for k in ("this_run", "startup")} == \
+            json.loads(json.dumps({k: summary[k] for k in ("this_run", "startup")}, default=str))
+        assert noop["last_decoding_run"]["versions"] == summary["versions"]  # (the outputs' version: trial AF)
         assert noop["rows"] == summary["rows"]
     assert "nothing left to decode; the last run that decoded: " in format_table(noop)
     # ... and its actors, as the run that decoded had them (both lines read "-")
@@ -227,10 +231,23 @@ def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs
 def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match="part-000002"):
+    with pytest.raises(JobError, match=r"1 shard\(s\) failed after 1 retries: part-000002 \(input rows \d+-\d+, ids "
+                                       r"'k\d+'..'k\d+'\): .*the rest are finished in .*runs.jsonl records the failed"):
         run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
     done = sorted(os.listdir(tmp_path / "out" / "shards"))
     assert "part-000002.parquet" not in done and "part-000000.parquet" in done
+    from dynatree.jobs import runs  # (nothing on disk said the job had failed, or which rows: the failed-jobs trial)
+    last = runs.read(tmp_path / "out")[-1]
+    assert last["status"] == "failed" and last["shards_done"] == len(done) and last["shards_total"] == len(done) + 1
+    assert [f["shard"] for f in last["failed_shards"]] == ["part-000002"] and last["failed_shards"][0]["attempts"] == 2
+    from click.testing import CliRunner
+    from dynatree.cli import main
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "its last run (pid" in res.output and "ended failed: 1 shard(s) failed" in res.output
+    assert f"finished: {len(done)} of {len(done) + 1} shards" in res.output and "the same command resumes" in res.output
+    monkeypatch.delenv(FAULTS_ENV)
+    s = run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
+    assert [r["status"] for r in s["runs"]] == ["failed", "complete"] and s["runs"][-1]["rows_done"] == s["rows"]
 
 
 def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
@@ -1340,7 +1357,7 @@ def test_a_replacement_gets_shards_only_once_ready():
 
     d = driver._Dispatch.__new__(driver._Dispatch)
     d.actors, d.restarts, d.suspects = [Actor("ready"), Actor("replacement")], {1: ("ref", 0.0)}, set()
-    d.spec = types.SimpleNamespace(inflight_shards=3)
+    d.spec, d.inflight = types.SimpleNamespace(), 3
     d.plan = types.SimpleNamespace(shard=lambda k: (f"part-{k}", 0, 4), shard_size=4)
     inflight, pending = {}, deque((k, ([], None)) for k in range(4))
     d._feed(inflight, pending)
@@ -1348,6 +1365,21 @@ def test_a_replacement_gets_shards_only_once_ready():
     del d.restarts[1]  # (ready now)
     d._feed(inflight, pending)
     assert ("replacement", "part-3") in inflight and not pending
+
+
+def test_shards_in_flight_are_capped_by_the_job_and_a_constant():
+    """Each shard in flight is a thread of the actor: --batch-size 1e8 started ~10k of them (trial AE)."""
+    from dynatree.jobs import driver
+    from dynatree.jobs.spec import MAX_INFLIGHT
+
+    said = []
+    d = driver._Dispatch.__new__(driver._Dispatch)
+    d.log = said.append
+    for batch, shards, actors, want in ((8, 10, 1, 3), (10 ** 8, 2, 1, 3), (10 ** 8, 10 ** 5, 2, MAX_INFLIGHT),
+                                        (16, 1, 4, 2)):
+        d.spec = build_spec(None, input="x", output="y", batch_size=batch, shard_size=4)
+        assert d._inflight(shards, actors) == want
+    assert len(said) == 1 and f"than the {MAX_INFLIGHT} an actor takes: batches of at most ~1020 rows" in said[0]
 
 
 def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
@@ -1369,6 +1401,39 @@ def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
     assert res.exit_code == 130 and "finished shards are kept in" in res.output and "the same command resumes" in res.output
     res = CliRunner().invoke(main, [*args, "--overwrite"])  # (the same command would start over)
     assert res.exit_code == 130 and "to resume, run it without --overwrite" in res.output, res.output
+
+
+def test_a_stopped_run_records_how_far_it_got_and_report_says_it(pair_dirs, tmp_path, monkeypatch):
+    """A run that is stopped writes no summary.json: its record in runs.jsonl says how it ended and
+    how far the job is, the command says the counts, and report reads them (the failed-jobs trial:
+    "re-run its command" was all it said, also for an output a job was writing at that moment)."""
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+    from dynatree.jobs import driver, runs
+    from dynatree.jobs.plan import output_lock
+
+    write_input(tmp_path)
+
+    def stopped(self, todo, progress):
+        (self.out / "shards" / "part-000000.parquet").write_bytes(b"")  # (as if written; not read here)
+        self.stats.update(shards_this_run=1, rows_this_run=4)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver._Dispatch, "run", stopped)
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--target",
+            str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"), "--shard-size", "4", "--id-column", "key", "--max-new-tokens", "8"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 130 and "interrupted: 1 of 3 shards (4 of 12 rows) are finished; finished shards are " \
+                                    "kept in" in res.output, res.output
+    record = runs.read(tmp_path / "out")[-1]
+    assert record["status"] == "interrupted" and record["this_run"]["rows_this_run"] == 4 and record["pid"] > 0
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "ended interrupted" in res.output and "finished: 1 of 3 shards, 4 of 12 rows" \
+        in res.output and "the same command resumes" in res.output, res.output
+    with output_lock(str(tmp_path / "out")):  # (a job writing it now: not "re-run its command")
+        res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert f"a dynatree job is writing {tmp_path / 'out'} now (pid {os.getpid()} on" in res.output, res.output
 
 
 def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp_path, monkeypatch):
@@ -2167,7 +2232,7 @@ def test_retries_are_charged_only_to_the_shard_that_ran_alone(ray_cluster, pair_
     spends its retries -- with --max-retries 0 the others still finish."""
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"failed after 0 retries: part-000002;"):
+    with pytest.raises(JobError, match=r"failed after 0 retries: part-000002 \(input rows"):
         run_job(spec(pair_dirs, tmp_path, max_retries=0, num_actors=1, batch_size=8, verify_fraction=0.0),
                 progress=False, log=quiet)
     assert sorted(os.listdir(tmp_path / "out" / "shards")) == ["part-000000.parquet", "part-000001.parquet"]

@@ -1,0 +1,111 @@
+"""Each run of a job on its output, one JSON line in ``OUT/runs.jsonl``: how it ended and what it left.
+
+A run that fails or is stopped writes no summary.json (its rows are not all there); its line says
+what happened (status, the message the command ended with), how far the job is (shards and rows
+finished of those planned), which shards failed (their input rows and ids, so their prompts can
+be found) and whether the same command resumes it.  ``dynatree report`` reads the last line of an
+unfinished output; a finished job's summary.json carries them all as ``runs`` (a resumed job's
+summary otherwise describes only its last run: the trial of failed jobs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+RUNS = "runs.jsonl"
+STATUSES = ("complete", "failed", "interrupted", "terminated", "cluster_lost")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def begin(plan, done: set[int], overwrite: bool) -> dict:
+    """A run's record as it starts decoding, with the shards the output already held (``done``)."""
+    rows_before = sum(e - s for _, s, e in map(plan.shard, done)) * plan.samples
+    from dynatree.machine import versions
+
+    return {"started_at": _now(), "pid": os.getpid(), "host": socket.gethostname(), "overwrite": overwrite,
+            "versions": versions(),
+            "shards_total": plan.num_shards, "rows_total": plan.rows * plan.samples,
+            "shards_before": len(done), "rows_before": rows_before}
+
+
+def end(out: Path, record: dict, status: str, message: str, run_stats: dict, startup: dict) -> dict:
+    """Complete the record (how it ended, the shards and rows now finished) and append it to
+    ``out``'s runs.jsonl; an output that cannot take the line (a full disk) keeps its shards."""
+    assert status in STATUSES, status
+    shards = record.pop("shards_before") + run_stats.get("shards_this_run", 0)
+    rows = record.pop("rows_before") + run_stats.get("rows_this_run", 0)
+    record.update(ended_at=_now(), status=status, message=message, shards_done=shards, rows_done=rows,
+                  failed_shards=run_stats.get("failed_shards", []),
+                  this_run=this_run(run_stats),
+                  startup=startup)
+    try:
+        with open(Path(out) / RUNS, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+    except OSError:
+        pass  # (the command's own message says what it left; the record is a convenience)
+    return record
+
+
+def this_run(run_stats: dict) -> dict:
+    """A run's statistics as its summary and its record say them."""
+    wall, tokens = run_stats.get("wall_time_s") or 0.0, run_stats.get("tokens_this_run", 0)
+    return {**{k: v for k, v in run_stats.items() if k != "failed_shards"},
+            "job_tokens_per_s": tokens / wall if wall and tokens else None}
+
+
+def read(out: Path) -> list[dict]:
+    """The output's run records, oldest first (a damaged line skipped)."""
+    try:
+        lines = (Path(out) / RUNS).read_text().splitlines()
+    except OSError:
+        return []
+    runs = []
+    for line in lines:
+        try:
+            runs.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in runs if isinstance(r, dict)]
+
+
+def failed_shard(plan, k: int, rows: list[dict], attempts: int, error: str) -> dict:
+    """A shard that used up its retries, as a record names it: its input rows and ids."""
+    name, s, e = plan.shard(k)
+    ids = [r["id"] for r in rows]
+    return {"shard": name, "input_rows": [s, e - 1], "ids": [ids[0], ids[-1]] if ids else [], "attempts": attempts,
+            "error": " ".join(error.split())}  # (one line: Ray's words come in several)
+
+
+def shard_said(f: dict) -> str:
+    s, e = f["input_rows"]
+    ids = f.get("ids") or []
+    which = f"ids {ids[0]!r}..{ids[1]!r}" if len(ids) == 2 and ids[0] != ids[1] else f"id {ids[0]!r}" if ids else ""
+    return f"{f['shard']} (input rows {s}-{e}{', ' + which if which else ''})"
+
+
+def how_to_go_on(out, overwrite: bool) -> str:
+    """How a job that left finished shards in ``out`` goes on (--overwrite would start over)."""
+    if overwrite:
+        return (f"finished shards are kept in {out}; to resume, run it without --overwrite (a job file that sets "
+                "overwrite: true needs --no-overwrite) -- as it is, the command would start over")
+    return f"finished shards are kept in {out}; the same command resumes"
+
+
+def describe(out, record: dict) -> str:
+    """An unfinished output's state, from its last run's record (dynatree report)."""
+    took = f"{record['status']}" + (f": {record['message']}" if record.get("message") else "")
+    lines = [f"{out}: the job has not finished: its last run (pid {record.get('pid')} on {record.get('host')}, "
+             f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}",
+             f"finished: {record.get('shards_done')} of {record.get('shards_total')} shards, "
+             f"{record.get('rows_done')} of {record.get('rows_total')} rows"]
+    for f in record.get("failed_shards") or []:
+        lines.append(f"failed after {f.get('attempts')} attempt(s): {shard_said(f)}: {f.get('error')}")
+    lines.append(how_to_go_on(out, bool(record.get("overwrite"))) if record.get("shards_done") else
+                 "no shard was finished; the same command starts the job again")
+    return "\n".join(lines)
