@@ -106,6 +106,7 @@ class ShardWorker:
         self.driver_warned = driver_warned
         _fault_at_start(spec.output)
         self.spec, self.cfg, self.share, self.batch_cap = spec, spec.method_config, share, None
+        self.reference_tokens = 0  # tokens of ar references decoded to check rows (--verify-fraction)
         self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
         self.startup: dict = {}
         self.scheduler = Scheduler(None, None if spec.batch_size == "auto" else int(spec.batch_size),
@@ -181,7 +182,8 @@ class ShardWorker:
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
         return {"batch_size": s.batch_size, "steps": s.steps,
                 "rates": dict(s.tuner.rates) if s.tuner is not None else {},
-                "machine": describe(cpu()) + (f"; GPU {gpu}" if gpu else "")}  # (what its rates came from)
+                "machine": describe(cpu()) + (f"; GPU {gpu}" if gpu else ""),  # (what its rates came from)
+                "reference_tokens": self.reference_tokens}  # (decoded beside the job's rows, in their batches)
 
     def _requests(self, rows: list[dict], results: list[dict]) -> tuple[list[Request], list[tuple[str, int]]]:
         spec, reqs, slots, n = self.spec, [], [], self.spec.samples
@@ -206,7 +208,8 @@ class ShardWorker:
                 # is not announced to prefix caching, so it computes the prompt as its row did, not
                 # from the row's copy (which had made `ar` look 2-4x faster: speedup vs ar 0.27
                 # against 0.83 with caching off, batch 1)
-                checked = verify_selected(r["id"], spec.verify_fraction, k)
+                # (an ar row's reference is itself, decoded again in the same batches: nothing to check)
+                checked = verify_selected(r["id"], spec.verify_fraction, k) and ar_reference(cfg) != cfg
                 reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop, k < n - 1))
                 slots.append(("gen", j))
                 if checked:
@@ -234,6 +237,7 @@ class ShardWorker:
                 fill_row(results[i], text_of(self.pair.decoder(req.ids), got[0], got[1], self.stop), *got)
             else:
                 refs[i] = (req.cfg, req.ids, got)
+                self.reference_tokens += len(got[0])
         checked = {i: ref for i, ref in refs.items() if results[i]["error"] is None}
 
         def check():  # runs the target: on the decoding thread (Scheduler.call), not beside it
