@@ -31,14 +31,15 @@ once; rows sampling under top-k / top-p add one more at each, for all of their d
 from __future__ import annotations
 
 import numbers
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .config import (METHODS, ARConfig, ContextError, SpecConfig, cache_rows, check_samples, check_window,
-                     check_windows, draws_differ, make_config, unused_options)
+from .config import (METHODS, ARConfig, ContextError, MethodConfig, SpecConfig, cache_rows, check_samples,
+                     check_window, check_windows, draws_differ, make_config, unused_options)
 from .drafting import Drafter, DraftVocabError, ForwardClock, drive
 from .kvcache import new_cache
 from .lookup import LookupStats, NgramIndex, graft
@@ -61,7 +62,7 @@ class Generation:
     (``options["seed"]`` reproduces a sample), and its metrics (metrics.Metrics)."""
 
     token_ids: list[int]
-    text: str
+    text: str | None  # None: the pair has no tokenizer to read the ids with (pair_from_models without one)
     finish_reason: str  # "length" | "eos" | "stop" | "context"
     method: str
     metrics: Metrics
@@ -753,7 +754,7 @@ def _draws_of(cfg, prompts: int, samples: int) -> list:
 
 
 def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str = "dynatree",
-             options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
+             options: dict | MethodConfig | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
              stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None) -> Generation:
     """Decode one prompt (text, token ids, chat messages or one message) and return a Generation:
     ``token_ids``, ``text``, ``finish_reason`` ("eos", "stop", "length", or "context" where the
@@ -774,6 +775,15 @@ def generate(pair: ModelPair, prompt: str | list[int] | list[dict], method: str 
                           stop=stop, stop_token_ids=stop_token_ids)[0]
 
 
+def _callers_level() -> int:
+    """A warning's stacklevel that names the first line outside this module -- the user's, whether
+    they called generate or generate_batch (trial AG: generate's warnings named engine.py)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def prompt_token_ids(pair: ModelPair, prompt: str | list[int] | list[dict]) -> list[int]:
     """A prompt as generate_batch reads it: text, chat messages (the chat template), or token ids."""
     if isinstance(prompt, str):
@@ -784,7 +794,7 @@ def prompt_token_ids(pair: ModelPair, prompt: str | list[int] | list[dict]) -> l
 
 
 def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]], method: str = "dynatree",
-                   options: dict | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
+                   options: dict | MethodConfig | None = None, *, max_new_tokens: int = 128, ignore_eos: bool = False,
                    stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                    samples: int = 1) -> list[Generation]:
     """Decode several prompts together, many sequences per forward (BatchDecoder); one Generation
@@ -823,10 +833,11 @@ def generate_batch(pair: ModelPair, prompts: list[str | list[int] | list[dict]],
     if type(cfg) is not METHODS.get(method):
         raise ValueError(f"options is a {type(cfg).__name__}, not the config of method {method!r}")
     if note := unused_options(cfg):
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note, stacklevel=_callers_level())
     cfgs = _draws_of(cfg, len(ids), samples)
     ids = [p for p in ids for _ in range(int(samples))]
     got = decode_batch(pair, ids, cfgs, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=rule,
                        per_prompt=int(samples))
-    return [Generation(toks, text_of(pair.decoder(p), toks, reason, rule), reason, method, metrics, asdict(c))
+    return [Generation(toks, text_of(pair.decoder(p), toks, reason, rule) if pair.tokenizer is not None else None,
+                       reason, method, metrics, asdict(c))
             for p, c, (toks, reason, metrics) in zip(ids, cfgs, got)]

@@ -375,6 +375,11 @@ def _word_boundary(text: str, at: int, within: int) -> int | None:
 
 @dataclass
 class ModelPair:
+    """A target and its draft (None for ``ar`` alone) with the tokenizer they share, on one device:
+    what ``load_pair`` (or ``pair_from_models``) returns and every decoding call takes.  Load it once
+    and reuse it: it keeps its runners, learned statistics and prefix caches across calls, and
+    threads sharing it take turns (its lock)."""
+
     target: torch.nn.Module = field(repr=False)  # (a notebook showing the pair printed both module trees)
     draft: torch.nn.Module | None = field(repr=False)
     tokenizer: object | None = field(repr=False)
@@ -880,6 +885,9 @@ def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:
     return tuple(ids)
 
 
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")  # transformers' own
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
                attn_implementation: str = "sdpa", lean: bool = False):
     """Load a causal LM by Hugging Face hub name or local directory.
@@ -950,6 +958,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
     dev, dt = resolve_device("cpu" if kernel == "lean-bf16" and device == "auto" else device), resolve_dtype(dtype)
     if kernel not in KERNELS:  # (before the models load, as a job's spec refuses them)
         raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if attn_implementation not in ATTENTIONS and "/" not in str(attn_implementation):  # (a hub kernel: org/name)
+        raise PairError(f"attn_implementation must be one of {', '.join(ATTENTIONS)} (or a hub kernel's org/name), "
+                        f"got {attn_implementation!r}")  # (the lean kernels never read it: a typo passed unseen)
     if kernel == "lean-bf16" and (dt != torch.float32 or dev.type != "cpu"):
         raise PairError(f"kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models as "
                         f"float32 on a CPU (dtype float32, device cpu or auto), not {str(dt).removeprefix('torch.')} "

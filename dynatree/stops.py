@@ -18,8 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def _as_id(t):
+    """An id as a Python int where it is an integer of any kind (numpy's); else as it was, to be refused."""
+    try:
+        return t if isinstance(t, bool) else operator.index(t)
+    except TypeError:
+        return t
+
+
 @dataclass(frozen=True)
 class Stop:
+    """When a row's generation stops before its length: at any of ``strings`` in its text (the text
+    ends before it; the token ids keep the token that completed it) or any of ``token_ids`` (as at
+    EOS).  ``Stop.of`` takes the user-facing forms (a string, an id, lists of them)."""
+
     strings: tuple[str, ...] = ()
     token_ids: tuple[int, ...] = ()
 
@@ -28,7 +40,7 @@ class Stop:
             raise ValueError(f"Stop takes a tuple of strings and a tuple of token ids, got {self.strings!r} and "
                              f"{self.token_ids!r} (Stop.of, like generate's stop=, also takes a single one)")
         object.__setattr__(self, "strings", tuple(self.strings))  # (lists: a frozen, hashable rule all the same)
-        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "token_ids", tuple(_as_id(t) for t in self.token_ids))  # (numpy ids: as Stop.of)
         if not all(isinstance(s, str) and s for s in self.strings):
             raise ValueError(f"stop strings must be non-empty strings, got {self.strings!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.token_ids):

@@ -191,6 +191,30 @@ def test_generate_batch_is_generate_per_prompt(close_pair):
         assert (g.token_ids, g.finish_reason, g.options) == (one.token_ids, one.finish_reason, one.options)
 
 
+def test_the_api_names_the_callers_line_and_reads_ids_as_given(close_pair, pair_dirs):
+    """Trial AG: generate's warnings named engine.py, not the caller; a tokenizer-less pair's text read
+    "" (as if nothing was generated); Stop refused the numpy ids generate takes; a misspelt
+    attn_implementation passed unseen on the lean kernels."""
+    import warnings
+
+    import numpy as np
+
+    from dynatree import Stop, generate, generate_batch, load_pair
+    from dynatree.models import PairError
+
+    for call in (lambda: generate(close_pair, [5, 6], "ar", {"top_k": 5}, max_new_tokens=2),
+                 lambda: generate_batch(close_pair, [[5, 6]], "ar", {"top_k": 5}, max_new_tokens=2)):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            g = call()
+        assert [w.filename for w in said if "changes nothing" in str(w.message)] == [__file__]
+    g = g[0] if isinstance(g, list) else g
+    assert g.text is None and len(g.token_ids) == 2  # (no tokenizer: no text, not an empty one)
+    assert Stop(token_ids=(np.int64(7),)).token_ids == (7,) and type(Stop(token_ids=(np.int64(7),)).token_ids[0]) is int
+    with pytest.raises(PairError, match="attn_implementation must be one of sdpa, eager, .*got 'flash_attention2'"):
+        load_pair(pair_dirs / "target", pair_dirs / "draft", attn_implementation="flash_attention2")
+
+
 def test_generate_batch_samples(close_pair):
     """samples=3: three draws per prompt, a prompt's together; the first is the 1-sample generation,
     each is ar's draw with the seed its options record, and draws differ (a prompt's, and those

@@ -597,7 +597,8 @@ def test_a_run_that_writes_no_shard_leaves_no_output_it_created(pair_dirs, tmp_p
     (tmp_path / "out").mkdir()  # there before the run: kept (as what a user put in it would be)
     with pytest.raises(JobError, match="nothing answers"):
         run_job(job, progress=False, log=quiet)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".dynatree.lock", "manifest.json", "shards"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".dynatree.lock", "manifest.json", "runs.jsonl",
+                                                                    "shards"]  # (the run's record: how it failed)
     shutil.rmtree(tmp_path / "out")  # a failure before shards/ was made (a full disk): the lock went too
 
     def full(spec, plan):
