@@ -190,6 +190,12 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
     except (PairError, ValueError) as e:
         cut = getattr(e, "prompt_problem", False) and isinstance(e, ContextError) and not chat_template
         _fail(_as_flags(f"{e}") + (" -- or --max-prompt-tokens N keeps its last N" if cut else ""))
+    except (MemoryError, RuntimeError) as e:  # (torch's allocator: "can't allocate memory"; trial AE)
+        if not isinstance(e, MemoryError) and "allocate" not in str(e):
+            raise
+        _fail(f"out of memory decoding {len(prompts)} prompt(s) x {samples} sample(s) together (one batch): fewer "
+              "prompts or --samples per call, or --max-prompt-tokens, need less; `dynatree run` batches a file of "
+              f"them within its actors' memory ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
     drafted = pair.draft is not None and any(g.metrics.draft_forwards for g in gens)
     draft_forward = pair.forward_in_use("draft") if drafted else None

@@ -189,8 +189,22 @@ def start_local_ray(**kw):
     2.60 still advertises the routable address: README, *Running on a Ray cluster*.)"""
     import ray
 
+    if (store := _store_under_rlimit()) is not None and "object_store_memory" not in kw:
+        kw["object_store_memory"] = store
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kw)
     return ray
+
+
+def _store_under_rlimit() -> int | None:
+    """An object store that an address-space limit (``ulimit -v``, ``prlimit --as``) leaves room to
+    map, or None without one: Ray's default (~30% of RAM) is mapped by every process, and under an
+    8 GiB limit the start died in Ray with a C++ stack (trial AE); an eighth of the limit worked."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(80 * 2**20, soft // 8)  # (Ray's least: 75 MiB)
 
 
 def zombie_children() -> set[int]:
@@ -655,6 +669,7 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             # every field of the job's identity (what a resume must match), as this run resolves it
             **{k: shown.get(k, getattr(spec, k)) for k in OUTPUT_IDENTITY if k != "options"},
             "batch_size": spec.batch_size, "overwrite": _overwrite_said(spec, out), "actors": _actors_said(spec),
+            "memory": _memory_said(spec),
             "options": dataclasses.asdict(spec.method_config)}
 
 
@@ -664,6 +679,21 @@ def _overwrite_said(spec: JobSpec, out: Path) -> bool | str:
     held = len(list((out / "shards").glob("part-*.parquet"))) if spec.overwrite and (out / "shards").is_dir() else 0
     return f"True (deletes the {held} shard file(s) in {out / 'shards'} once the actors are ready)" if held \
         else spec.overwrite
+
+
+def _memory_said(spec: JobSpec) -> str:
+    """A dry run's memory estimate, and for a local job what the run would say of this machine's
+    memory (footprint.fit; the run says it once Ray is up: trial AE found the dry run silent)."""
+    fp = None if spec.memory_per_actor or (spec.gpus_per_actor or 0) > 0 else _footprint(spec)
+    if fp is None:
+        return "(no estimate: GPU actors, --memory-per-actor, or models whose sizes are not read here)"
+    if spec.address or os.environ.get("RAY_ADDRESS"):
+        return f"each actor needs {fp.describe()} (checked against the cluster's nodes when the job starts)"
+    node = placement.local_node("this machine", memory=True)
+    n, cpus, gpus = _actor_shape(spec, node["Resources"])
+    n = placement.check_request([node], n, cpus, gpus, None, spec.resources_per_actor)
+    notes = footprint.fit(fp, [node], n, cpus, spec).notes
+    return notes[0].removeprefix("memory: ") if notes else f"each actor needs {fp.describe()}: {n} fit this machine"
 
 
 def _actors_said(spec: JobSpec) -> str:

@@ -329,6 +329,22 @@ def test_rows_that_lost_their_draft_leave_the_batched_budget():
     assert all(g.iteration == 0 and g.ar_rate is None for g in dec.governors.values())
 
 
+def test_cli_generate_out_of_memory_says_how_to_need_less(pair_dirs, monkeypatch):
+    """A batch of prompts and samples too big for memory printed torch's allocator traceback (trial AE)."""
+    from dynatree import engine
+
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
+                           "to allocate 2078720 bytes")
+
+    monkeypatch.setattr(engine, "generate_batch", full)
+    res = CliRunner().invoke(main, ["generate", "--target", str(pair_dirs / "target"), "--draft", str(pair_dirs / "draft"),
+                                    "--device", "cpu", "--prompt", "It was", "--samples", "3", "--option",
+                                    "temperature=1", "--max-new-tokens", "4"])
+    assert res.exit_code == 1 and "out of memory decoding 1 prompt(s) x 3 sample(s) together (one batch): fewer" \
+        in res.output and "DefaultCPUAllocator" in res.output and "Traceback" not in res.output, res.output
+
+
 def test_generate_needs_at_least_one_new_token():
     from dynatree import pair_from_models
     pair = pair_from_models(tiny_neox(1, vocab=48), None, None, eos_token_id=None)

@@ -98,6 +98,10 @@ def test_resume_redoes_only_unfinished_shards(ray_cluster, pair_dirs, tmp_path):
     assert plan["actors"].endswith("on this process's Ray cluster (not asked in a dry run: whether they fit is "
                                    "checked when the job starts)"), plan["actors"]
     assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest and len(os.listdir(shards)) == 2
+    eight = run_job(spec(pair_dirs, tmp_path, num_actors=8, cpus_per_actor=0.25, address=None, verify_fraction=0.0,
+                         prefix_cache_gb=10.0), progress=False, log=quiet, dry_run=True)  # (its memory: trial AE)
+    assert eight["memory"].startswith("each actor needs ~20.6 GiB before its rows") and "--prefix-cache-gb 10 counts" \
+        in eight["memory"], eight["memory"]
     plan = run_job(spec(pair_dirs, tmp_path, verify_fraction=0.0, overwrite=True), progress=False, log=quiet,
                    dry_run=True)  # (a job file's overwrite: true read as a resume: the failed-jobs trial)
     assert plan["overwrite"] == f"True (deletes the 2 shard file(s) in {shards} once the actors are ready)"
@@ -1371,6 +1375,19 @@ def test_a_replacement_gets_shards_only_once_ready():
     del d.restarts[1]  # (ready now)
     d._feed(inflight, pending)
     assert ("replacement", "part-3") in inflight and not pending
+
+
+def test_an_address_space_limit_sizes_the_local_object_store(monkeypatch):
+    """Under `ulimit -v` 8 GiB the local Ray start died in a C++ stack: its default object store
+    (~30% of RAM) is mapped by every process (trial AE; an eighth of the limit ran the job)."""
+    import resource
+
+    from dynatree.jobs import driver
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * 2**30, resource.RLIM_INFINITY))
+    assert driver._store_under_rlimit() == 2**30
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert driver._store_under_rlimit() is None
 
 
 def test_shards_in_flight_are_capped_by_the_job_and_a_constant():
