@@ -160,6 +160,9 @@ class ClusterLost(JobError):
     summary: dict | None = None
 
 
+ORPHANED_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # a cluster's agents, left when it was killed
+
+
 def _warn_if_shared(log) -> None:
     """A local job's cluster counts every CPU of this machine as its own: say so when another Ray
     cluster runs here (another local job, a `ray start` head), whose actors would share the cores.
@@ -171,10 +174,17 @@ def _warn_if_shared(log) -> None:
     try:
         import psutil
 
-        raylets = [p.pid for p in psutil.process_iter(["name", "status"])  # (a zombie is a dead raylet no one reaped)
+        procs = list(psutil.process_iter(["name", "status", "ppid", "cmdline", "memory_info", "uids"]))
+        raylets = [p.pid for p in procs  # (a zombie is a dead raylet no one reaped)
                    if p.info["name"] == "raylet" and p.info["status"] != psutil.STATUS_ZOMBIE]
+        orphans = [p for p in procs if p.info["ppid"] == 1 and p.info["uids"] and p.info["uids"].real == os.getuid()
+                   and (p.info["cmdline"] or [""])[0] in ORPHANED_AGENTS]
     except Exception:  # noqa: BLE001 -- advice only: never what stops a job
         return
+    if orphans:  # (a SIGKILLed job leaves them, and they ignore SIGTERM: the failed-jobs trial)
+        mib = sum(p.info["memory_info"].rss for p in orphans if p.info["memory_info"]) / 2**20
+        log(f"note: {len(orphans)} Ray helper process(es) of a cluster that is gone hold {mib:.0f} MiB (a job killed "
+            f"with SIGKILL leaves them): `kill -9 {' '.join(str(p.pid) for p in orphans)}` frees it")
     if raylets:
         log(f"warning: another Ray cluster runs on this machine (raylet pid {', '.join(map(str, raylets))}). This job "
             "starts its own, which counts all of this machine's CPUs as free: both clusters' actors would share "

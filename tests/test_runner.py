@@ -2347,6 +2347,28 @@ def test_a_local_job_beside_another_ray_cluster_warns_that_they_share_the_cores(
         proc.wait()
 
 
+def test_ray_helpers_a_killed_job_left_are_named_with_their_pids(monkeypatch):
+    """A SIGKILLed job leaves its cluster's agents (ppid 1, ~210 MB, deaf to SIGTERM): the next job
+    names them (the failed-jobs trial: never mentioned again).  Another live cluster's are not."""
+    import ray  # noqa: F401 -- (Ray's psutil)
+    import psutil
+
+    from dynatree.jobs import driver
+
+    def proc(pid, cmd, ppid, name="python"):
+        info = {"name": name, "status": "sleeping", "ppid": ppid, "cmdline": [cmd],
+                "memory_info": types.SimpleNamespace(rss=100 * 2**20), "uids": types.SimpleNamespace(real=os.getuid())}
+        return types.SimpleNamespace(pid=pid, info=info)
+
+    procs = [proc(11, "ray::DashboardAgent", 1), proc(12, "ray::RuntimeEnvAgent", 1),
+             proc(13, "ray::DashboardAgent", 500), proc(14, "python", 1)]  # (13: a live raylet's child)
+    monkeypatch.setattr(psutil, "process_iter", lambda attrs=None: iter(procs))
+    said = []
+    driver._warn_if_shared(said.append)
+    assert said == ["note: 2 Ray helper process(es) of a cluster that is gone hold 200 MiB (a job killed with SIGKILL "
+                    "leaves them): `kill -9 11 12` frees it"], said
+
+
 def test_a_local_jobs_memory_is_checked_against_what_ray_offers(pair_dirs, tmp_path, monkeypatch):
     """Ray offers a local cluster's memory less its object store (15.8 of 25.3 GB): a 20 GB
     request passed the check against the whole memory and failed only once Ray had started (the
