@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dynatree.data import id_strings, jsonl_bytes, would_read
+from dynatree.data import InputError, id_strings, jsonl_bytes, would_read
 from dynatree.parts import each_repeated
 from dynatree.signals import end_on_sigterm, held_while_starting, terminated_now
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
@@ -889,9 +889,11 @@ class _Dispatch:
                 placement.release(self.pg)
         if self.failed:
             self.stats["failed_shards"] = self.failed
-            said = "; ".join(f"{runs.shard_said(f)}: {f['error']}" for f in self.failed[:3])
+            said = "; ".join(f"{runs.shard_said(f)}: " + (f"{f['attempts']} attempts (--max-retries "
+                                                          f"{self.spec.max_retries}), " if f["attempts"] else "")
+                             + f["error"] for f in self.failed[:3])
             more = f" (and {len(self.failed) - 3} more)" if len(self.failed) > 3 else ""
-            raise JobError(f"{len(self.failed)} shard(s) failed after {self.spec.max_retries} retries: {said}{more}; "
+            raise JobError(f"{len(self.failed)} shard(s) failed: {said}{more}; "
                            f"the rest are finished in {self.out}/shards ({self.out}/{runs.RUNS} records the failed "
                            "ones): a re-run decodes only those, once what fails them is fixed")
 
@@ -939,7 +941,13 @@ class _Dispatch:
                 if alone and queue:
                     continue  # wait until this actor drains
                 pending.popleft()
-                rows, kept = got or _read_shard(self.spec, self.plan, k)
+                try:
+                    rows, kept = got or _read_shard(self.spec, self.plan, k)
+                except InputError as e:  # (a damaged file: its shards fail, the rest decode on -- trial AD)
+                    self.failed.append(runs.failed_shard(self.plan, k, [], 0, f"cannot read its input rows: {e}"))
+                    self.log(f"shard {self.plan.shard(k)[0]} failed: {e}")
+                    progress = True
+                    continue
                 entry = (slot, actor, k, rows, kept, alone)
                 backlog = len(pending) * self.plan.shard_size // self.alive  # this actor's share, roughly
                 inflight[actor.run_shard.remote(self.plan.shard(k)[0], rows, backlog)] = entry

@@ -235,8 +235,9 @@ def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs
 def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"1 shard\(s\) failed after 1 retries: part-000002 \(input rows \d+-\d+, ids "
-                                       r"'k\d+'..'k\d+'\): .*the rest are finished in .*runs.jsonl records the failed"):
+    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows \d+-\d+, ids 'k\d+'..'k\d+'\): "
+                                       r"2 attempts \(--max-retries 1\), .*the rest are finished in .*runs.jsonl "
+                                       r"records the failed"):
         run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
     done = sorted(os.listdir(tmp_path / "out" / "shards"))
     assert "part-000002.parquet" not in done and "part-000000.parquet" in done
@@ -247,11 +248,30 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
-    assert res.exit_code == 1 and "its last run (pid" in res.output and "ended failed: 1 shard(s) failed" in res.output
+    assert res.exit_code == 1 and "its last run (pid" in res.output and "ended failed: 1 shard(s) failed: " in res.output
     assert f"finished: {len(done)} of {len(done) + 1} shards" in res.output and "the same command resumes" in res.output
     monkeypatch.delenv(FAULTS_ENV)
     s = run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
     assert [r["status"] for r in s["runs"]] == ["failed", "complete"] and s["runs"][-1]["rows_done"] == s["rows"]
+
+
+def test_a_shard_whose_rows_cannot_be_read_fails_alone(ray_cluster, pair_dirs, tmp_path):
+    """A damaged page in one file of a directory input (its footer whole: planned) failed the whole job
+    when its shard was read, losing the rows in flight with it (trial AD): now that shard fails, named
+    in runs.jsonl, and every other shard is written."""
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"text": PROMPTS[:8], "key": [f"a{i}" for i in range(8)]}), tmp_path / "in" / "a.parquet")
+    pq.write_table(pa.table({"text": PROMPTS[8:], "key": [f"b{i}" for i in range(4)]}), tmp_path / "in" / "b.parquet")
+    damaged = bytearray((tmp_path / "in" / "b.parquet").read_bytes())
+    damaged[4:40] = b"\0" * 36  # (the text column's first page header)
+    (tmp_path / "in" / "b.parquet").write_bytes(bytes(damaged))
+    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows 8-11\): cannot read its input "
+                                       r"rows: .*b.parquet: cannot read rows 0-3"):
+        run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "in"), num_actors=1, verify_fraction=0.0),
+                progress=False, log=quiet)
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"a{i}" for i in range(8))
+    from dynatree.jobs import runs
+    assert [f["shard"] for f in runs.read(tmp_path / "out")[-1]["failed_shards"]] == ["part-000002"]
 
 
 def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
@@ -2257,7 +2277,7 @@ def test_retries_are_charged_only_to_the_shard_that_ran_alone(ray_cluster, pair_
     spends its retries -- with --max-retries 0 the others still finish."""
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"failed after 0 retries: part-000002 \(input rows"):
+    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows .*1 attempts \(--max-retries 0"):
         run_job(spec(pair_dirs, tmp_path, max_retries=0, num_actors=1, batch_size=8, verify_fraction=0.0),
                 progress=False, log=quiet)
     assert sorted(os.listdir(tmp_path / "out" / "shards")) == ["part-000000.parquet", "part-000001.parquet"]
