@@ -106,7 +106,7 @@ class ShardWorker:
         self.driver_warned = driver_warned
         _fault_at_start(spec.output)
         self.spec, self.cfg, self.share, self.batch_cap = spec, spec.method_config, share, None
-        self.reference_tokens = 0  # tokens of ar references decoded to check rows (--verify-fraction)
+        self.reference_tokens = 0  # (they share the job's batches: the job's tokens/s line names them)
         self.threads = max(1, int(threads)) if threads else torch.get_num_threads()
         self.startup: dict = {}
         self.scheduler = Scheduler(None, None if spec.batch_size == "auto" else int(spec.batch_size),
@@ -208,8 +208,7 @@ class ShardWorker:
                 # is not announced to prefix caching, so it computes the prompt as its row did, not
                 # from the row's copy (which had made `ar` look 2-4x faster: speedup vs ar 0.27
                 # against 0.83 with caching off, batch 1)
-                # (an ar row's reference is itself, decoded again in the same batches: nothing to check)
-                checked = verify_selected(r["id"], spec.verify_fraction, k) and ar_reference(cfg) != cfg
+                checked = verify_selected(r["id"], spec.verify_fraction, k)
                 reqs.append(Request(ids, cfg, spec.max_new_tokens, spec.ignore_eos, self.stop, k < n - 1))
                 slots.append(("gen", j))
                 if checked:

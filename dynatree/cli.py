@@ -145,8 +145,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
              ignore_eos, chat_template, stop, stop_token_ids, samples, check_ar, as_json, threads):
     """Generate a continuation of one prompt, or of several decoded as one batch."""
     from . import engine
-    from .check import divergence
-    from .config import ContextError, ar_reference, make_config, parse_options, reference_label
+    from .config import ContextError, make_config, parse_options
     from .models import PairError, conversation, load_pair
     from .parts import file_text
 
@@ -172,21 +171,7 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         gens = engine.generate_batch(pair, prompts, method, cfg, **limits)
         # (the same keys for one generation as for several: a parser need not tell the cases apart)
         results = [{"prompt": i // samples, "sample": i % samples, **g.as_dict()} for i, g in enumerate(gens)]
-        if check_ar:  # ar with the method's seed and cache window
-            ref_cfg = ar_reference(cfg)
-            # (--method ar is its own reference: decoding it twice compared it with itself)
-            refs = gens if method == "ar" else engine.generate_batch(pair, prompts, "ar", ref_cfg, **limits)
-            # (each sample's own reference: its seed, which the later ones derive)
-            own = [ar_reference(make_config(method, g.options)) for g in gens]
-            compared = [" (--method ar is the reference itself)" if method == "ar" else _compared_with(pair, r)
-                        for r in own]
-            for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
-                res["matches_ar"] = ref.token_ids == gen.token_ids
-                res["ar_reference"] = reference_label(own[i])  # (what --json readers compared with)
-                if not res["matches_ar"]:  # where, and how close the target's top two were there
-                    ids = engine.prompt_token_ids(pair, prompts[i // samples])
-                    res["first_divergence"], res["divergence_margin"] = divergence(
-                        pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
+        compared = _check_ar(pair, method, cfg, prompts, gens, results, limits) if check_ar else []
     except (PairError, ValueError) as e:
         cut = getattr(e, "prompt_problem", False) and isinstance(e, ContextError) and not chat_template
         _fail(_as_flags(f"{e}") + (" -- or --max-prompt-tokens N keeps its last N" if cut else ""))
@@ -196,6 +181,40 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         _fail(f"out of memory decoding {len(prompts)} prompt(s) x {samples} sample(s) together (one batch): fewer "
               "prompts or --samples per call, or --max-prompt-tokens, need less; `dynatree run` batches a file of "
               f"them within its actors' memory ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    _print_generations(pair, method, gens, results, compared, samples, as_json)
+    if not as_json:
+        _say_if_idle(method, cfg, gens)
+    window = not as_json and any(g.finish_reason == "context" for g in gens) and engine.window_options(pair, cfg)
+    if window:  # (where these models take a window)
+        click.echo(f"note: finish=context: {pair.context_said} is full; a cache window "
+                   "generates past it (StreamingLLM: the first tokens and the most recent are kept), e.g. "
+                   + " ".join(f"--option {o}" for o in window.split()), err=True)
+
+
+def _check_ar(pair, method: str, cfg, prompts: list, gens: list, results: list[dict], limits: dict) -> list[str]:
+    """generate --check-ar: each generation against ar with its seed and cache window (matches_ar,
+    and where it differs, how close the target's top two were); returns what each was compared with."""
+    from . import engine
+    from .check import divergence
+    from .config import ar_reference, make_config, reference_label
+
+    # (--method ar is its own reference: decoding it twice compared it with itself)
+    refs = gens if method == "ar" else engine.generate_batch(pair, prompts, "ar", ar_reference(cfg), **limits)
+    own = [ar_reference(make_config(method, g.options)) for g in gens]  # (each sample's own seed)
+    compared = [" (--method ar is the reference itself)" if method == "ar" else _compared_with(pair, r) for r in own]
+    for i, (res, ref, gen) in enumerate(zip(results, refs, gens)):
+        res["matches_ar"] = ref.token_ids == gen.token_ids
+        res["ar_reference"] = reference_label(own[i])  # (what --json readers compared with)
+        if not res["matches_ar"]:
+            ids = engine.prompt_token_ids(pair, prompts[i // limits["samples"]])
+            res["first_divergence"], res["divergence_margin"] = divergence(
+                pair, ids, ref.token_ids, gen.token_ids, make_config(method, gen.options))
+    return compared
+
+
+def _print_generations(pair, method: str, gens: list, results: list[dict], compared: list[str], samples: int,
+                       as_json: bool) -> None:
+    """The generations: JSON lines, or each text on stdout and its numbers on stderr."""
     forward = pair.forward_in_use("target")  # (the kernel a user asked for is not always the one that ran)
     drafted = pair.draft is not None and any(g.metrics.draft_forwards for g in gens)
     draft_forward = pair.forward_in_use("draft") if drafted else None
@@ -217,17 +236,10 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
         click.echo(f"\n[{method}] {which}{m.new_tokens} tokens in {m.wall_time_s:.2f}s = {m.tokens_per_s:.1f} tok/s, "
                    f"{m.iterations} iterations"
                    + (f", {m.tokens_per_iteration:.2f} tokens/iteration" if m.iterations else "") + ", "
-                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}{compared[i]}" if check_ar else "")
+                   f"finish={gen.finish_reason}" + (f", matches_ar={result['matches_ar']}{compared[i]}" if compared else "")
                    + (f" (first difference at token {result['first_divergence']}, target top-2 logit margin there "
                       f"{_margin(result['divergence_margin'])})" if result.get("first_divergence") is not None else ""),
                    err=True)
-    if not as_json:
-        _say_if_idle(method, cfg, gens)
-    window = not as_json and any(g.finish_reason == "context" for g in gens) and engine.window_options(pair, cfg)
-    if window:  # (where these models take a window)
-        click.echo(f"note: finish=context: {pair.context_said} is full; a cache window "
-                   "generates past it (StreamingLLM: the first tokens and the most recent are kept), e.g. "
-                   + " ".join(f"--option {o}" for o in window.split()), err=True)
 
 
 _THRESHOLDS = {"fixed_tree": "tau", "dynatree": "tau", "dyspec": "threshold"}  # (the option that prunes candidates)
@@ -513,18 +525,12 @@ def _spec_options(f):
 
 
 def _how_to_go_on(spec, fields: dict, error: BaseException | None = None) -> str:
-    """What a job ended early left and how to finish it: the same command resumes -- unless it
-    overwrites (then it would start over), or nothing was written."""
+    """What a job ended early left and how to finish it (jobs/runs.py), with how far the run got."""
     from .jobs.runs import how_to_go_on
 
     out = spec.output if spec is not None else fields.get("output")
-    if not out or not any(Path(out, "shards").glob("part-*.parquet")):
-        return "no shard was finished; the same command starts the job again"
-    said = how_to_go_on(out, spec.overwrite if spec is not None else fields.get("overwrite"))
-    if (record := getattr(error, "run_record", None)) is not None:  # (how far: the failed-jobs trial)
-        said = (f"{record['shards_done']} of {record['shards_total']} shards ({record['rows_done']} of "
-                f"{record['rows_total']} rows) are finished; " + said)
-    return said
+    overwrite = spec.overwrite if spec is not None else fields.get("overwrite")
+    return how_to_go_on(out, bool(overwrite), getattr(error, "run_record", None))
 
 
 @main.command()
@@ -788,7 +794,10 @@ def _unfinished(out_dir: str) -> str:
     try:
         check_unlocked(out_dir)
     except JobError:  # (it read "re-run its command", which the lock then refused)
-        who = Path(out_dir, ".dynatree.lock").read_text().strip() or "pid unknown"
+        try:
+            who = Path(out_dir, ".dynatree.lock").read_text().strip() or "pid unknown"
+        except OSError:  # (it finished meanwhile)
+            who = "pid unknown"
         return (f"a dynatree job is writing {out_dir} now ({who}): {held} of {planned if planned else '?'} shard "
                 "files so far; its summary comes when it finishes")
     last = (runs.read(out_dir) or [None])[-1]

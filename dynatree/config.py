@@ -289,7 +289,7 @@ def cache_rows(cfg, held: int, context: int) -> int:
     and generation; at most the ``context``, or with a cache window the window), and room for a tree
     (the engine, and the job driver's memory estimate, jobs/footprint.py)."""
     window = getattr(cfg, "kv_window", 0)
-    room = window or context  # (a bigger tree -- node_budget is at most MAX_TREE_NODES -- grows the caches)
+    room = window or context  # (past it, a tree is depth-bound; a wider one grows the caches as it comes)
     return min(held, room) + min(max(cfg.node_budget, 1), room) + 8
 
 
@@ -580,7 +580,7 @@ def check_samples(cfg, samples) -> int:
 
 _AT_LEAST_ONE = ("k", "depth", "branch", "max_nodes", "window", "budget", "max_depth", "max_branch")  # counts and sizes
 MAX_COUNT = 2**24  # (no tree, window or text here comes near it; 2**63 overflowed torch's sizes)
-MAX_TREE_NODES = 4096  # drafted nodes a tree may hold at most (max_nodes, budget, k)
+MAX_TREE_NODES = 4096  # (a verification's scratch grows with the square of the tree: 100,000 nodes took 40 GB)
 
 
 def parse_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:

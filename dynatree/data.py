@@ -21,7 +21,7 @@ from .parts import ArrowPart, InputError, InputFile, ParquetPart, Part, TextPart
 
 IDS_CHECK_VERSION = 1  # of check_ids' rules (ids compared as id_strings makes them): a change re-checks
 
-__all__ = ["BadIds", "InputError", "InputSource", "id_strings", "input_root", "read_table", "read_texts", "would_read"]
+__all__ = ["BadIds", "InputError", "Uncastable", "InputSource", "id_strings", "input_root", "read_table", "read_texts", "would_read"]
 
 
 _FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
@@ -367,6 +367,11 @@ def id_strings(col) -> list[str | None]:
     return [v if v is None or isinstance(v, str) else _id_text(v) for v in ids]
 
 
+class Uncastable(InputError):
+    """A column's values that cannot take the type the input's files agree on (a fact about the
+    values, as BadIds is: not a file that cannot be read)."""
+
+
 class BadIds(InputError):
     """An id column with a null or repeated id (InputSource.check_ids): a job without --id-column
     numbers its rows instead, where a file it cannot read stops it (trial AD)."""
@@ -477,7 +482,7 @@ class InputSource:
                 try:
                     col = col.cast(field.type)
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-                    raise InputError(f"{part.info.path}: column {c!r} cannot be read as {field.type}: {e}") from e
+                    raise Uncastable(f"{part.info.path}: column {c!r} cannot be read as {field.type}: {e}") from e
             arrays.append(col)
         return pa.Table.from_arrays(arrays, schema=pa.schema([self.schema.field(c) for c in columns]))
 
@@ -487,7 +492,7 @@ class InputSource:
         try:
             return pa.array([value] * n, pa.string()).cast(type_)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-            raise InputError(f"{part.info.path}: its directory's {column}={value} cannot be read as the input's "
+            raise Uncastable(f"{part.info.path}: its directory's {column}={value} cannot be read as the input's "
                              f"{type_}: {e}") from e
 
     def _where(self, row: int) -> tuple[Part, str]:

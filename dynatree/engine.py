@@ -504,7 +504,10 @@ class BatchDecoder:
             d.pending = d.pending[:len(r.prompt) + 1]
         if not fresh:
             return
-        for r, held in zip(fresh, self._prefixes(fresh, "draft")[0]):
+        t0 = time.perf_counter()
+        held_by = self._prefixes(fresh, "draft")[0]  # (a forward of the stored blocks' draft keys: on the clock)
+        self.clock.seconds += time.perf_counter() - t0
+        for r, held in zip(fresh, held_by):
             r.drafter.skip(held)  # what prefix caching gave needs no feeding
         drive([(r.drafter, r.drafter.prefill()) for r in fresh], self.clock)
         self._prefixes(fresh, "draft", after=True)
@@ -630,8 +633,12 @@ class BatchDecoder:
         else:
             path_nodes, last = accept_greedy(tree, out.choice)
             new_tokens = [tree.tokens[u] for u in path_nodes[1:]] + [last]
-            r.target_forwards += commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
-                                               s.prefix_len, r.kv_update)
+            t_commit = time.perf_counter()
+            rebuilt = commit_target(self.target, r.cache, path_nodes, [tree.tokens[u] for u in path_nodes],
+                                    s.prefix_len, r.kv_update)
+            r.target_forwards += rebuilt
+            if rebuilt:  # (kv_update=recompute: a forward of the accepted path, the decoder's time too)
+                self.clock.seconds += time.perf_counter() - t_commit
         r.evict()
         s.commit_time = time.perf_counter() - t0  # (on CUDA the gathers may still run: _iterate waits)
         if r.drafter is not None:

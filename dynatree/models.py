@@ -885,7 +885,15 @@ def _eos_ids(tokenizer, model, given) -> tuple[int, ...]:
     return tuple(ids)
 
 
-ATTENTIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")  # transformers' own
+def _attentions() -> set[str]:
+    """The attention implementations transformers knows here (its registry: names it adds, and a
+    user's AttentionInterface.register, count), or none where it cannot say."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return {"eager", "sdpa", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
+    except (ImportError, AttributeError):
+        return set()
 
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
@@ -958,9 +966,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
     dev, dt = resolve_device("cpu" if kernel == "lean-bf16" and device == "auto" else device), resolve_dtype(dtype)
     if kernel not in KERNELS:  # (before the models load, as a job's spec refuses them)
         raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    if attn_implementation not in ATTENTIONS and "/" not in str(attn_implementation):  # (a hub kernel: org/name)
-        raise PairError(f"attn_implementation must be one of {', '.join(ATTENTIONS)} (or a hub kernel's org/name), "
-                        f"got {attn_implementation!r}")  # (the lean kernels never read it: a typo passed unseen)
+    if (known := _attentions()) and attn_implementation not in known and "/" not in str(attn_implementation):
+        raise PairError(f"attn_implementation must be one of {', '.join(sorted(known))} (or a hub kernel's "
+                        f"org/name), got {attn_implementation!r}")  # (the lean kernels never read it: a typo passed)
     if kernel == "lean-bf16" and (dt != torch.float32 or dev.type != "cpu"):
         raise PairError(f"kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models as "
                         f"float32 on a CPU (dtype float32, device cpu or auto), not {str(dt).removeprefix('torch.')} "

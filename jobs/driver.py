@@ -214,7 +214,9 @@ def _store_under_rlimit() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    return max(80 * 2**20, soft // 8)  # (Ray's least: 75 MiB)
+    store = max(80 * 2**20, soft // 8)  # (Ray's least: 75 MiB)
+    default = placement.local_store()  # (never more than Ray's own: a bigger one it refuses -- the review)
+    return store if default is None or store < default else None
 
 
 def zombie_children() -> set[int]:
@@ -589,10 +591,38 @@ def _remove_unused(out: Path) -> None:
 
 
 def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log) -> dict:
-    """The job once checked and planned, its output locked: resume, decode, summarize."""
+    """The job once checked and planned, its output locked: resume, decode, summarize -- and the
+    run's record (jobs/runs.py) however it ends; an --overwrite stopped before it cleared the output
+    leaves the old job's output, records included, as it was."""
     out = prepare_output(spec, plan)
     startup = {"plan_s": round(time.time() - t_start, 3)}
+    run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
+    record = runs.begin(plan, spec.overwrite)
+    try:
+        summary, gone = _decode(spec, plan, out, progress, log, record, run_stats, startup, t_start)
+    except BaseException as e:  # (a failed or stopped run writes no summary: its record says how it ended)
+        run_stats["wall_time_s"] = time.time() - t_start
+        if run_stats.pop("_cleared", not spec.overwrite):
+            with contextlib.suppress(AttributeError):  # (the command says how far it got)
+                e.run_record = runs.end(out, record, _ended(e), str(e), run_stats, startup)
+        raise
+    if gone:  # (the command exits without Ray's shutdown, which would wait a minute for the lost head)
+        lost = ClusterLost("the Ray cluster's head stopped answering as the last shard was written: every shard is "
+                           "finished and summarized, without its actors' statistics")
+        lost.summary = summary
+        raise lost
+    if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:
+        raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
+                            f"(--fail-on-mismatch); see summary.json", summary)
+    return summary
+
+
+def _decode(spec: JobSpec, plan: Plan, out: Path, progress: bool, log, record: dict, run_stats: dict,
+            startup: dict, t_start: float) -> tuple[dict, bool]:
+    """Decode the shards not done, then summarize every shard and complete the run's record; returns
+    the summary and whether the cluster's head was lost as the last shard was written."""
     done, todo = _progress_of(out, spec, plan)
+    runs.before(record, plan, done)
     if done:
         log(f"resuming: {len(done)} of {plan.num_shards} shards already done")
     redone = [] if spec.overwrite else _unfinished_files(out, plan, done)
@@ -603,33 +633,19 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
         log(f"the input {spec.input} has no rows; writing an empty dataset")
         if spec.overwrite:
             start_over(spec, plan)
+            run_stats["_cleared"] = True
         write_shard(out, spec, plan, 0, plan.schema.empty_table())
-    run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
-    record = runs.begin(plan, done, spec.overwrite)
-    try:
-        if todo:
-            _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
-    except BaseException as e:  # (a failed or stopped run writes no summary: its record says how it ended)
-        run_stats["wall_time_s"] = time.time() - t_start
-        with contextlib.suppress(AttributeError):  # (the command says how far it got)
-            e.run_record = runs.end(out, record, _ended(e), str(e), run_stats, startup)
-        raise
+    if todo:
+        _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
     run_stats["wall_time_s"] = time.time() - t_start
     if plan.num_shards >= 2000:  # (~0.25 ms a shard's footer: not a silent wait at a corpus's end)
         log(f"summarizing {plan.num_shards} shards")
     gone = run_stats.pop("cluster_gone", False)
-    runs.end(out, record, "complete", "", run_stats, startup)
-    summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out), runs.read(out))
+    complete = runs.finish(dict(record), "complete", "", run_stats, startup)
+    summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out), [*runs.read(out), complete])
     write_summary(out, summary)
-    if gone:  # (the command exits without Ray's shutdown, which would wait a minute for the lost head)
-        lost = ClusterLost("the Ray cluster's head stopped answering as the last shard was written: every shard is "
-                           "finished and summarized, without its actors' statistics")
-        lost.summary = summary
-        raise lost
-    if spec.fail_on_mismatch and summary["equivalence"]["mismatches"]:
-        raise MismatchError(f"{summary['equivalence']['mismatches']} generation(s) differ from ar "
-                            f"(--fail-on-mismatch); see summary.json", summary)
-    return summary
+    runs.append(out, complete)  # (after the summary: a run stopped while summarizing is not "complete")
+    return summary, gone
 
 
 def _ended(e: BaseException) -> str:
@@ -678,29 +694,34 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
             "output_rows_to_write": rows * plan.samples,
             # every field of the job's identity (what a resume must match), as this run resolves it
             **{k: shown.get(k, getattr(spec, k)) for k in OUTPUT_IDENTITY if k != "options"},
-            "batch_size": spec.batch_size, "overwrite": _overwrite_said(spec, out), "actors": _actors_said(spec),
+            "batch_size": spec.batch_size, "overwrite": spec.overwrite,
+            **({"overwrite_deletes": deletes} if (deletes := _overwrite_deletes(spec, out)) else {}),
+            "actors": _actors_said(spec),
             "memory": _memory_said(spec),
             "options": dataclasses.asdict(spec.method_config)}
 
 
-def _overwrite_said(spec: JobSpec, out: Path) -> bool | str:
-    """--overwrite in a dry run, and what it would delete (a job file's overwrite: true had read as
-    a plan to resume: the failed-jobs trial)."""
+def _overwrite_deletes(spec: JobSpec, out: Path) -> str | None:
+    """What --overwrite would delete in a dry run (a job file's overwrite: true had read as a plan
+    to resume: the failed-jobs trial), or None."""
     held = len(list((out / "shards").glob("part-*.parquet"))) if spec.overwrite and (out / "shards").is_dir() else 0
-    return f"True (deletes the {held} shard file(s) in {out / 'shards'} once the actors are ready)" if held \
-        else spec.overwrite
+    return (f"the {held} shard file(s) in {out / 'shards'}, its summary.json and runs.jsonl, once the actors are "
+            "ready") if held else None
 
 
 def _memory_said(spec: JobSpec) -> str:
     """A dry run's memory estimate, and for a local job what the run would say of this machine's
     memory (footprint.fit; the run says it once Ray is up: trial AE found the dry run silent)."""
-    fp = None if spec.memory_per_actor or (spec.gpus_per_actor or 0) > 0 else _footprint(spec)
+    import ray
+
+    local = not (spec.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized())
+    node = placement.local_node("this machine", memory=True) if local else None
+    n, cpus, gpus = _actor_shape(spec, node["Resources"] if node else {})
+    fp = None if spec.memory_per_actor or gpus else _footprint(spec)  # (as the run's _fit_memory)
     if fp is None:
         return "(no estimate: GPU actors, --memory-per-actor, or models whose sizes are not read here)"
-    if spec.address or os.environ.get("RAY_ADDRESS"):
+    if not local:
         return f"each actor needs {fp.describe()} (checked against the cluster's nodes when the job starts)"
-    node = placement.local_node("this machine", memory=True)
-    n, cpus, gpus = _actor_shape(spec, node["Resources"])
     n = placement.check_request([node], n, cpus, gpus, None, spec.resources_per_actor)
     notes = footprint.fit(fp, [node], n, cpus, spec).notes
     return notes[0].removeprefix("memory: ") if notes else f"each actor needs {fp.describe()}: {n} fit this machine"
@@ -765,7 +786,9 @@ class _Dispatch:
         self.start_failures = 0  # replacements in a row that failed to load
         self.head_down_since: float | None = None  # first failed check of the head in a row
         self.head_checked = 0.0  # when the head was last checked (_wait)
-        self.failed: list[dict] = []  # shards that used up their retries (runs.failed_shard)
+        # shards that used up their retries or whose rows could not be read (runs.failed_shard): the
+        # run's record keeps them however the run ends
+        self.failed: list[dict] = stats.setdefault("failed_shards", [])
 
     def _start(self, ray, n: int) -> None:
         from dynatree.actors.ray_actor import PairActor
@@ -816,19 +839,23 @@ class _Dispatch:
     def _inflight(self, shards: int, actors: int) -> int:
         """Shards queued per actor (JobSpec.inflight_shards): no more than the job has for it (each
         one is a thread of the actor, started with it), and said where the cap holds batches down."""
-        spec = self.spec
-        if spec.max_inflight_per_actor is None and spec.batch_rows > (MAX_INFLIGHT - 1) * spec.shard_size \
-                and shards > MAX_INFLIGHT:
+        spec, each = self.spec, -(-shards // actors) + 1
+        if spec.max_inflight_per_actor is None and spec.inflight_shards == MAX_INFLIGHT < each:
             self.log(f"note: --batch-size {spec.batch_size} rows need more shards of --shard-size {spec.shard_size} "
                      f"in flight per actor than the {MAX_INFLIGHT} an actor takes: batches of at most "
                      f"~{(MAX_INFLIGHT - 1) * spec.shard_size} rows (a bigger --shard-size holds more)")
-        return max(1, min(spec.inflight_shards, -(-shards // actors) + 1))
+        return max(1, min(spec.inflight_shards, each))
 
     def _free_share(self, ray, n: int) -> int:
         """As many actors as the resources free now hold, where other jobs hold some of the n the
         nodes hold (the default --num-actors: a reservation of n would wait, then fail)."""
-        avail, custom = ray.available_resources(), self.spec.resources_per_actor
-        free = placement.free_actors(avail, n, self.cpus, self.gpus, self.memory, custom)
+        custom, deadline = self.spec.resources_per_actor, time.monotonic() + 2.0
+        while True:  # (a previous job's actors and group in this process are released asynchronously)
+            avail = ray.available_resources()
+            free = placement.free_actors(avail, n, self.cpus, self.gpus, self.memory, custom)
+            if free >= n or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         if free < n:
             self.log(f"starting {free} of the {n} actor(s) the cluster holds at this shape: other jobs or actors hold "
                      f"the rest ({placement.fmt_free(avail, self.cpus, self.gpus, self.memory, custom)} free now; --num-actors {n} waits for "
@@ -866,6 +893,7 @@ class _Dispatch:
             self._start(ray, n)
             if self.spec.overwrite:  # (only now: a job that cannot start leaves the old output whole)
                 start_over(self.spec, self.plan)
+                self.stats["_cleared"] = True  # (its run's record goes in the new output's runs.jsonl)
             pin_prompt_start(self.out, self.leading_ids)
             pin_context(self.out, self.spec, *self.context)
             pin_text_rule(self.out, self.texts_changed)
@@ -888,7 +916,6 @@ class _Dispatch:
             if self.pg is not None:
                 placement.release(self.pg)
         if self.failed:
-            self.stats["failed_shards"] = self.failed
             said = "; ".join(f"{runs.shard_said(f)}: " + (f"{f['attempts']} attempts (--max-retries "
                                                           f"{self.spec.max_retries}), " if f["attempts"] else "")
                              + f["error"] for f in self.failed[:3])

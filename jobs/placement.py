@@ -340,6 +340,16 @@ def local_node(name: str, memory: bool = False) -> dict:
     return {"NodeManagerAddress": name, "Resources": here}
 
 
+def local_store() -> float | None:
+    """The object store Ray gives a local cluster it starts here by default (None: unknown)."""
+    try:
+        from ray._private import utils  # (private: may move)
+
+        return float(utils.resolve_object_store_memory(utils.estimate_available_memory()))
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
 def local_memory() -> float:
     """The ``memory`` resource a local Ray cluster started now offers, as Ray computes it (the
     available memory less its object store's share: 15.8 of 25.3 GB on a 24 GiB machine); the

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynatree.config import dtype_name
-from dynatree.data import BadIds, InputError, InputSource
+from dynatree.data import BadIds, InputError, InputSource, Uncastable
 from dynatree.machine import ensure_writable, replaced
 from dynatree.metrics import output_schema
 from dynatree.names import model_files
@@ -167,7 +167,7 @@ def default_ids(spec: JobSpec, log=print) -> tuple[JobSpec, InputSource | None]:
         if nested:
             raise BadIds(f"it holds {nested} values")
         source.check_ids("id")
-    except BadIds as e:
+    except (BadIds, Uncastable) as e:  # (its values: not the ids the files agree on)
         log(f"ids: row indexes, not the input's id column ({e})")
         return spec, source
     except InputError as e:  # (a file it cannot read: the job's ids must not change over it)
@@ -219,21 +219,28 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
 def _chat_type(t: pa.DataType) -> bool:
     """Whether a column's values are chat messages: lists of structs with role and content (or one
     such struct), which only --chat-template renders -- every row would fail without it."""
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+    if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+            or pa.types.is_fixed_size_list(t) or pa.types.is_large_list_view(t)):
         t = t.value_type
     return pa.types.is_struct(t) and {"role", "content"} <= {t.field(i).name for i in range(t.num_fields)}
 
 
 def _text_type(t: pa.DataType, chat: bool) -> bool:
-    """Whether a prompt column of this type can hold text (or, with a chat template, messages):
-    one that cannot fails every row, so the job is refused when planned (trials AD and AH: an
-    int64 column started the cluster and the models first)."""
-    if pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
-        t = t.value_type
-    texty = (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-             or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
-             or t in (pa.string_view(), pa.binary_view()))
-    return texty or (chat and _chat_type(t))
+    """Whether a prompt column of this type may hold text (or, with a chat template, messages) in
+    some row: one that cannot fails every row, so the job is refused when planned (trials AD and AH:
+    an int64 column started the cluster and the models first).  Only types that never hold text are
+    refused -- a wrong refusal stops a good job, a miss costs per-row errors."""
+    while isinstance(t, pa.ExtensionType) or pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
+        t = t.storage_type if isinstance(t, pa.ExtensionType) else t.value_type
+    if pa.types.is_union(t):
+        return any(_text_type(t.field(i).type, chat) for i in range(t.num_fields))
+    never = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_temporal,
+             pa.types.is_decimal, pa.types.is_null, pa.types.is_map)
+    if any(is_(t) for is_ in never):
+        return False
+    if pa.types.is_nested(t):  # lists and structs: messages, with a chat template
+        return chat and _chat_type(t)
+    return True
 
 
 _PLAIN = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}

@@ -23,55 +23,76 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def begin(plan, done: set[int], overwrite: bool) -> dict:
-    """A run's record as it starts decoding, with the shards the output already held (``done``)."""
-    rows_before = sum(e - s for _, s, e in map(plan.shard, done)) * plan.samples
+def begin(plan, overwrite: bool) -> dict:
+    """A run's record as it starts (``before``: the shards the output already held, once read)."""
     from dynatree.machine import versions
 
     return {"started_at": _now(), "pid": os.getpid(), "host": socket.gethostname(), "overwrite": overwrite,
-            "versions": versions(),
-            "shards_total": plan.num_shards, "rows_total": plan.rows * plan.samples,
-            "shards_before": len(done), "rows_before": rows_before}
+            "versions": versions(), "shards_total": plan.num_shards, "rows_total": plan.rows * plan.samples,
+            "shards_before": 0, "rows_before": 0}
 
 
-def end(out: Path, record: dict, status: str, message: str, run_stats: dict, startup: dict) -> dict:
-    """Complete the record (how it ended, the shards and rows now finished) and append it to
-    ``out``'s runs.jsonl; an output that cannot take the line (a full disk) keeps its shards."""
+def before(record: dict, plan, done: set[int]) -> None:
+    """The shards (and their output rows) the output held when the run began."""
+    record["shards_before"] = len(done)
+    record["rows_before"] = sum(e - s for _, s, e in map(plan.shard, done)) * plan.samples
+
+
+def finish(record: dict, status: str, message: str, run_stats: dict, startup: dict) -> dict:
+    """The record completed: how the run ended, the shards and rows now finished, its statistics."""
     assert status in STATUSES, status
     shards = record.pop("shards_before") + run_stats.get("shards_this_run", 0)
     rows = record.pop("rows_before") + run_stats.get("rows_this_run", 0)
     record.update(ended_at=_now(), status=status, message=message, shards_done=shards, rows_done=rows,
-                  failed_shards=run_stats.get("failed_shards", []),
-                  this_run=this_run(run_stats),
-                  startup=startup)
+                  failed_shards=run_stats.get("failed_shards", []), this_run=this_run(run_stats), startup=startup)
+    return record
+
+
+def append(out: Path, record: dict) -> None:
+    """One line on ``out``'s runs.jsonl (after a line a full disk cut short, on a line of its own);
+    an output that cannot take it keeps its shards: the command's own message says what it left."""
     try:
-        with open(Path(out) / RUNS, "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        with open(Path(out) / RUNS, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            else:
+                cut = False
+            f.write((b"\n" if cut else b"") + (json.dumps(record, default=str) + "\n").encode())
     except OSError:
-        pass  # (the command's own message says what it left; the record is a convenience)
+        pass
+
+
+def end(out: Path, record: dict, status: str, message: str, run_stats: dict, startup: dict) -> dict:
+    """finish, then append: a run that did not complete."""
+    append(out, finish(record, status, message, run_stats, startup))
     return record
 
 
 def this_run(run_stats: dict) -> dict:
     """A run's statistics as its summary and its record say them."""
     wall, tokens = run_stats.get("wall_time_s") or 0.0, run_stats.get("tokens_this_run", 0)
-    return {**{k: v for k, v in run_stats.items() if k != "failed_shards"},
+    return {**{k: v for k, v in run_stats.items() if k != "failed_shards" and not k.startswith("_")},
             "job_tokens_per_s": tokens / wall if wall and tokens else None}
 
 
 def read(out: Path) -> list[dict]:
-    """The output's run records, oldest first (a damaged line skipped)."""
+    """The output's run records, oldest first (a damaged line, or one not a record, skipped: it must
+    never stop a summary or a report)."""
     try:
-        lines = (Path(out) / RUNS).read_text().splitlines()
+        lines = (Path(out) / RUNS).read_bytes().decode("utf-8", "replace").splitlines()
     except OSError:
         return []
     runs = []
     for line in lines:
         try:
-            runs.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
-    return [r for r in runs if isinstance(r, dict)]
+        if isinstance(record, dict) and all(isinstance(record.get(k, {}), dict) for k in ("this_run", "startup")):
+            runs.append(record)
+    return runs
 
 
 def failed_shard(plan, k: int, rows: list[dict], attempts: int, error: str) -> dict:
@@ -89,23 +110,28 @@ def shard_said(f: dict) -> str:
     return f"{f['shard']} (input rows {s}-{e}{', ' + which if which else ''})"
 
 
-def how_to_go_on(out, overwrite: bool) -> str:
-    """How a job that left finished shards in ``out`` goes on (--overwrite would start over)."""
+def how_to_go_on(out, overwrite: bool, record: dict | None = None) -> str:
+    """How a job that ended early goes on, from the files in ``out`` (--overwrite would start over),
+    with how far it got where its ``record`` says."""
+    if not out or not any(Path(out, "shards").glob("part-*.parquet")):
+        return "no shard was finished; the same command starts the job again"
+    said = f"finished shards are kept in {out}; the same command resumes"
     if overwrite:
-        return (f"finished shards are kept in {out}; to resume, run it without --overwrite (a job file that sets "
+        said = (f"finished shards are kept in {out}; to resume, run it without --overwrite (a job file that sets "
                 "overwrite: true needs --no-overwrite) -- as it is, the command would start over")
-    return f"finished shards are kept in {out}; the same command resumes"
+    if record is not None:
+        said = (f"{record['shards_done']} of {record['shards_total']} shards ({record['rows_done']} of "
+                f"{record['rows_total']} rows) are finished; " + said)
+    return said
 
 
 def describe(out, record: dict) -> str:
     """An unfinished output's state, from its last run's record (dynatree report)."""
-    took = f"{record['status']}" + (f": {record['message']}" if record.get("message") else "")
+    took = f"{record.get('status')}" + (f": {record['message']}" if record.get("message") else "")
     lines = [f"{out}: the job has not finished: its last run (pid {record.get('pid')} on {record.get('host')}, "
-             f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}",
-             f"finished: {record.get('shards_done')} of {record.get('shards_total')} shards, "
-             f"{record.get('rows_done')} of {record.get('rows_total')} rows"]
+             f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}"]
     for f in record.get("failed_shards") or []:
-        lines.append(f"failed after {f.get('attempts')} attempt(s): {shard_said(f)}: {f.get('error')}")
-    lines.append(how_to_go_on(out, bool(record.get("overwrite"))) if record.get("shards_done") else
-                 "no shard was finished; the same command starts the job again")
+        tries = f"after {f.get('attempts')} attempt(s)" if f.get("attempts") else "(its input rows unread)"
+        lines.append(f"failed {tries}: {shard_said(f)}: {f.get('error')}")
+    lines.append(how_to_go_on(out, bool(record.get("overwrite")), record))
     return "\n".join(lines)

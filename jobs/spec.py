@@ -150,8 +150,8 @@ class JobSpec:
                 problems.append(f"{name} must be > 0 (seconds)")
         if self.cpus_per_actor <= 0:
             problems.append("cpus_per_actor must be > 0")
-        if self.max_inflight_per_actor is not None and self.max_inflight_per_actor < 1:
-            problems.append("max_inflight_per_actor must be >= 1")
+        if self.max_inflight_per_actor is not None and not 1 <= self.max_inflight_per_actor <= MAX_INFLIGHT:
+            problems.append(f"max_inflight_per_actor must be within [1, {MAX_INFLIGHT}] (each is a thread of the actor)")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         elif self.device.startswith("cuda:") and self.device != "cuda:0":
@@ -204,7 +204,7 @@ class JobSpec:
         """Shards queued per actor: enough rows for a full batch plus one shard to refill from, at
         most MAX_INFLIGHT (a batch bigger than that many shards hold needs a bigger --shard-size)."""
         if self.max_inflight_per_actor is not None:
-            return min(self.max_inflight_per_actor, MAX_INFLIGHT)
+            return self.max_inflight_per_actor
         return min(-(-self.batch_rows // self.shard_size) + 1, MAX_INFLIGHT)
 
     @property

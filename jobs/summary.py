@@ -322,8 +322,6 @@ def _unchecked(s: dict) -> str:
     fraction = config.get("verify_fraction") or 0
     if not fraction or not s["rows"]:
         return "not checked"
-    if config.get("method") == "ar" and s["errors"] < s["rows"]:  # (trial AF: it decoded every row twice)
-        return "- (the rows are ar's own: --verify-fraction checks the other methods against it)"
     if s["errors"] == s["rows"]:
         return f"not checked: every one of the {s['rows']} rows has an error (rows with errors are not checked)"
     return (f"not checked: --verify-fraction {fraction} checked none of the {s['rows']} rows (it picks rows by a "

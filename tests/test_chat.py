@@ -162,7 +162,7 @@ def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
         with pytest.raises(JobError, match=r"the prompt column 'text' holds (int64|list<element: string>|null) "
                                            r"values, never text"):
             run_job(spec(pair_dirs, tmp_path, chat_template=chat), progress=False, log=quiet, dry_run=True)
-    for t in (pa.binary(), pa.large_string(), pa.dictionary(pa.int32(), pa.string()), pa.string_view()):
+    for t in (pa.binary(), pa.large_string(), pa.dictionary(pa.int32(), pa.string()), pa.string_view(), pa.json_()):
         pq.write_table(pa.table({"key": ["a"], "text": pa.array(["hello"]).cast(t)}), tmp_path / "in.parquet")
         run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)  # (text, and planned)
     pq.write_table(pa.table({"key": ["a"], "text": ["hello"]}), tmp_path / "in.parquet")
