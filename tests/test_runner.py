@@ -1647,7 +1647,7 @@ def test_actors_hear_how_many_rows_the_job_still_has_for_them():
 
     d = _Dispatch(dataclasses.replace(build_spec(None, input="x", output="y"), max_inflight_per_actor=2),
                   Plan(types.SimpleNamespace(num_rows=40), shard_size=4, keep=(), schema=pa.schema([])), None, {}, {}, quiet)
-    d.actors = [Actor(), Actor()]
+    d.actors, d.inflight = [Actor(), Actor()], 2
     pending = deque((k, ([{"id": str(k), "text": "t"}], None)) for k in range(10))
     d._feed({}, pending)
     assert [b for _, b in calls] == [9 * 4 // 2, 8 * 4 // 2, 7 * 4 // 2, 6 * 4 // 2]
