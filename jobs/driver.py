@@ -36,7 +36,7 @@ from dynatree.signals import end_on_sigterm, held_while_starting, terminated_now
 from dynatree.names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_config,
                             model_problem, native_refusal, no_tree_mask)
 from dynatree.machine import ensure_writable
-from dynatree.metrics import output_schema
+from dynatree.metrics import counted, output_schema
 from dynatree.config import SLOW_ON_CPU, grows_trees, unused_options
 
 from . import footprint, placement, runs
@@ -916,13 +916,15 @@ class _Dispatch:
             if self.pg is not None:
                 placement.release(self.pg)
         if self.failed:
-            said = "; ".join(f"{runs.shard_said(f)}: " + (f"{f['attempts']} attempts (--max-retries "
-                                                          f"{self.spec.max_retries}), " if f["attempts"] else "")
-                             + f["error"] for f in self.failed[:3])
+            said = "; ".join(f"{runs.shard_said(f)}" + (f" after {counted(f['attempts'], 'attempt')} (--max-retries "
+                                                         f"{self.spec.max_retries})" if f["attempts"] else "")
+                             + f": {f['error']}" for f in self.failed[:3])
             more = f" (and {len(self.failed) - 3} more)" if len(self.failed) > 3 else ""
-            raise JobError(f"{len(self.failed)} shard(s) failed: {said}{more}; "
-                           f"the rest are finished in {self.out}/shards ({self.out}/{runs.RUNS} records the failed "
-                           "ones): a re-run decodes only those, once what fails them is fixed")
+            again = ("re-run without --overwrite (--no-overwrite where a job file sets overwrite: true) to decode only "
+                     "those" if self.spec.overwrite else "a re-run decodes only those")
+            raise JobError(f"{len(self.failed)} shard(s) failed: {said}{more}; the rest are finished in {self.out}/shards "
+                           f"({self.out}/{runs.RUNS} records the failed ones): {again}, once what fails them is fixed "
+                           "(a file repaired in place, its row count kept, resumes)")
 
     def _actor_stats(self, ray) -> None:
         """The actors' statistics for the summary -- which asking them needs the head: where it

@@ -385,6 +385,11 @@ def _same_identity(old: dict, new: dict) -> bool:
             or same(unkept(old["identity"]), unkept(new["identity"])) and old.get("columns") == new["columns"])
 
 
+def _seconds(ns: int) -> str:
+    """A file time as `touch -d @SECONDS` takes it back, exactly (v / 1e9 was ~100 ns off: trial AI)."""
+    return f"{ns // 10**9}.{ns % 10**9:09d}"
+
+
 def _model_change(old: dict, new: dict) -> str:
     """The first model file whose size or time differs, said with the time the job began with."""
     for role in ("target", "draft"):
@@ -396,7 +401,7 @@ def _model_change(old: dict, new: dict) -> str:
                 return f"{role} {name} {'added' if a is None else 'gone'}"
             if list(a) != list(b):
                 size = "" if a[1] == b[1] else f"size {a[1]} -> {b[1]}, "
-                return f"{role} {name}: {size}time {a[2] / 1e9:.9f} -> {b[2] / 1e9:.9f}"
+                return f"{role} {name}: {size}time {_seconds(a[2])} -> {_seconds(b[2])}"
     return "sizes or times differ"
 
 
@@ -421,7 +426,8 @@ def _refuse_change(out: Path, old: dict, new: dict) -> None:
                        "replaced in place?), so its finished shards may come from other weights; use --overwrite "
                        "to start again or another --output (a byte-identical copy restored from a backup: give it "
                        "back its time, `touch -d @SECONDS FILE`, and the same command resumes)")
-    if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True):
+    if json.dumps(old.get("input_fingerprint"), sort_keys=True) != json.dumps(new["input_fingerprint"], sort_keys=True) \
+            and not _changed_only_unfinished(out, old, new["input_fingerprint"]):
         _refuse_changed_input(out, new["identity"]["input"],
                               input_change(old.get("input_fingerprint"), new["input_fingerprint"]))
 
@@ -450,7 +456,7 @@ def input_change(was: dict | None, now: dict | None) -> str:
             return f"{path} {'added' if x is None else 'gone'}"
         for key, what in (("size", "size"), ("rows", "rows"), ("mtime_ns", "time")):
             if x.get(key) != y.get(key):
-                show = (lambda v: f"{v / 1e9:.9f}" if isinstance(v, int) else str(v)) if key == "mtime_ns" else str
+                show = (lambda v: _seconds(v) if isinstance(v, int) else str(v)) if key == "mtime_ns" else str
                 return f"{path}: {what} {show(x.get(key))} -> {show(y.get(key))}"
     if was.get("num_rows") != now.get("num_rows"):
         return f"rows {was.get('num_rows')} -> {now.get('num_rows')}"
@@ -485,8 +491,30 @@ def refuse_changed_input_early(spec: JobSpec) -> None:
         except OSError:
             _refuse_changed_input(out, spec.input, f"{f['path']} gone")
         f["size"], f["mtime_ns"] = st.st_size, st.st_mtime_ns
-    if json.dumps(fp, sort_keys=True) != json.dumps(now, sort_keys=True):
+    if json.dumps(fp, sort_keys=True) != json.dumps(now, sort_keys=True) and not _changed_only_unfinished(out, old, now):
         _refuse_changed_input(out, spec.input, input_change(fp, now))
+
+
+def _changed_only_unfinished(out: Path, old: dict, now: dict) -> bool:
+    """Whether the input's files that changed -- in size or time only, their row counts kept -- hold
+    no row of a shard file in ``out``: a damaged file repaired in place after its shards failed
+    (trial AI: the resume was refused, and --overwrite redid every finished shard).  The finished
+    shards' rows are still the rows they were planned for; the new manifest takes the new files."""
+    was, size = old.get("input_fingerprint"), old.get("shard_size")
+    if not (isinstance(was, dict) and isinstance(now, dict) and isinstance(size, int) and size > 0):
+        return False
+    a, b = was.get("files") or [], now.get("files") or []
+    if (was.get("num_rows"), was.get("dataset")) != (now.get("num_rows"), now.get("dataset")) or \
+            [(f.get("path"), f.get("rows")) for f in a] != [(f.get("path"), f.get("rows")) for f in b]:
+        return False
+    held = [k for p in (out / "shards").glob("part-*.parquet") if (k := shard_number(p.name)) is not None]
+    start = 0
+    for x, y in zip(a, b):
+        end = start + (x.get("rows") or 0)
+        if x != y and any(k * size < end and (k + 1) * size > start for k in held):
+            return False
+        start = end
+    return True
 
 
 def _refuse_other_schema(out: Path, spec: JobSpec, plan: Plan) -> None:

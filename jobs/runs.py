@@ -127,10 +127,11 @@ def how_to_go_on(out, overwrite: bool, record: dict | None = None) -> str:
 
 def describe(out, record: dict) -> str:
     """An unfinished output's state, from its last run's record (dynatree report)."""
-    took = f"{record.get('status')}" + (f": {record['message']}" if record.get("message") else "")
+    failed = record.get("failed_shards") or []  # (said below, shard by shard: not twice)
+    took = f"{record.get('status')}" + (f": {record['message']}" if record.get("message") and not failed else "")
     lines = [f"{out}: the job has not finished: its last run (pid {record.get('pid')} on {record.get('host')}, "
              f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}"]
-    for f in record.get("failed_shards") or []:
+    for f in failed:
         tries = f"after {f.get('attempts')} attempt(s)" if f.get("attempts") else "(its input rows unread)"
         lines.append(f"failed {tries}: {shard_said(f)}: {f.get('error')}")
     lines.append(how_to_go_on(out, bool(record.get("overwrite")), record))

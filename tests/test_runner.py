@@ -241,9 +241,9 @@ def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs
 def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows \d+-\d+, ids 'k\d+'..'k\d+'\): "
-                                       r"2 attempts \(--max-retries 1\), .*the rest are finished in .*runs.jsonl "
-                                       r"records the failed"):
+    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows \d+-\d+, ids 'k\d+'..'k\d+'\) "
+                                       r"after 2 attempts \(--max-retries 1\): .*the rest are finished in .*runs.jsonl "
+                                       r"records the failed ones\): a re-run decodes only those"):
         run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
     done = sorted(os.listdir(tmp_path / "out" / "shards"))
     assert "part-000002.parquet" not in done and "part-000000.parquet" in done
@@ -254,7 +254,8 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
-    assert res.exit_code == 1 and "its last run (pid" in res.output and "ended failed: 1 shard(s) failed: " in res.output
+    assert res.exit_code == 1 and "its last run (pid" in res.output and "failed after 2 attempt(s): part-000002" in res.output
+    assert res.output.count(last["failed_shards"][0]["error"][:40]) == 1  # (it was said twice: trial AI)
     assert f"{len(done)} of {len(done) + 1} shards (" in res.output and "the same command resumes" in res.output
     monkeypatch.delenv(FAULTS_ENV)
     s = run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
@@ -278,6 +279,16 @@ def test_a_shard_whose_rows_cannot_be_read_fails_alone(ray_cluster, pair_dirs, t
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"a{i}" for i in range(8))
     from dynatree.jobs import runs
     assert [f["shard"] for f in runs.read(tmp_path / "out")[-1]["failed_shards"]] == ["part-000002"]
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out" / "shards").iterdir()}
+    pq.write_table(pa.table({"text": PROMPTS[8:], "key": [f"b{i}" for i in range(4)]}), tmp_path / "in" / "b.parquet")
+    s = run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "in"), num_actors=1, verify_fraction=0.0),
+                progress=False, log=quiet)  # (repaired in place: the resume was refused as a changed input, trial AI)
+    assert s["rows"] == 12 and s["this_run"]["shards_this_run"] == 1
+    assert all((tmp_path / "out" / "shards" / n).stat().st_mtime_ns == t for n, t in kept.items())
+    pq.write_table(pa.table({"text": PROMPTS[:8], "key": [f"c{i}" for i in range(8)]}), tmp_path / "in" / "a.parquet")
+    with pytest.raises(JobError, match=r"changed since .*a.parquet: time \d+\.\d{9} -> "):  # (a finished shard's)
+        run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "in"), num_actors=1, verify_fraction=0.0),
+                progress=False, log=quiet)
 
 
 def test_a_replacement_actor_that_never_gets_ready_is_given_up(ray_cluster, pair_dirs, tmp_path, monkeypatch):
@@ -1415,6 +1426,13 @@ def test_an_address_space_limit_sizes_the_local_object_store(monkeypatch):
     assert driver._store_under_rlimit() is None  # (never above Ray's own, which it would refuse: the review)
 
 
+def test_a_file_time_is_said_as_touch_takes_it_back():
+    from dynatree.jobs.plan import _seconds
+
+    assert _seconds(1796103820566737994) == "1796103820.566737994"  # (1796103820566737994 / 1e9: ...738 -- trial AI)
+    assert _seconds(5) == "0.000000005"
+
+
 def test_shards_in_flight_are_capped_by_the_job_and_a_constant():
     """Each shard in flight is a thread of the actor: --batch-size 1e8 started ~10k of them (trial AE)."""
     from dynatree.jobs import driver
@@ -2293,7 +2311,7 @@ def test_retries_are_charged_only_to_the_shard_that_ran_alone(ray_cluster, pair_
     spends its retries -- with --max-retries 0 the others still finish."""
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows .*1 attempts \(--max-retries 0"):
+    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows .*\) after 1 attempt \(--max-retries 0\)"):
         run_job(spec(pair_dirs, tmp_path, max_retries=0, num_actors=1, batch_size=8, verify_fraction=0.0),
                 progress=False, log=quiet)
     assert sorted(os.listdir(tmp_path / "out" / "shards")) == ["part-000000.parquet", "part-000001.parquet"]
