@@ -485,23 +485,33 @@ def _check_this_machine(spec: JobSpec) -> None:
     """A job without --address runs its actors on this machine: --device cuda needs a GPU here,
     and its actors' CPUs, GPUs and memory must fit it -- known before Ray starts (found after the
     cluster's start, the output begun, or ~15 s later)."""
-    import ray
-
     if spec.address or os.environ.get("RAY_ADDRESS"):  # (set inside `ray job submit`: the cluster's nodes run it)
         return
 
     if spec.device.startswith("cuda") and not placement.local_gpus(cuda=True):
         raise JobError(f"--device {spec.device}: this machine has no CUDA GPU, and a job without --address runs "
                        "here; use --device cpu or auto")
-    if ray.is_initialized():  # (a Python caller's cluster: placement checks it once connected)
-        return
     memory = spec.memory_per_actor * 1e9 if spec.memory_per_actor else None
-    node = placement.local_node("this machine (no --address: the job runs here)", memory=bool(memory))
-    n, cpus, gpus = _actor_shape(spec, node["Resources"])
+    local = _local_shape(spec, "this machine (no --address: the job runs here)", memory=bool(memory))
+    if local is None:  # (a Python caller's cluster: placement checks it once connected)
+        return
+    node, n, cpus, gpus = local
     try:
         placement.check_request([node], n, cpus, gpus, memory, spec.resources_per_actor)
     except placement.PlacementError as e:
         raise JobError(str(e)) from e
+
+
+def _local_shape(spec: JobSpec, name: str, memory: bool) -> tuple[dict, int | None, float, float] | None:
+    """This machine as the node a local job's cluster will have, and the job's actor shape on it
+    (``memory``: with the memory Ray will offer); None where the job runs on a cluster (--address,
+    RAY_ADDRESS, or a Python caller's ray.init)."""
+    import ray
+
+    if spec.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        return None
+    node = placement.local_node(name, memory=memory)
+    return (node, *_actor_shape(spec, node["Resources"]))
 
 
 def _forwarded_env() -> dict[str, str]:
@@ -712,15 +722,12 @@ def _overwrite_deletes(spec: JobSpec, out: Path) -> str | None:
 def _memory_said(spec: JobSpec) -> str:
     """A dry run's memory estimate, and for a local job what the run would say of this machine's
     memory (footprint.fit; the run says it once Ray is up: trial AE found the dry run silent)."""
-    import ray
-
-    local = not (spec.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized())
-    node = placement.local_node("this machine", memory=True) if local else None
-    n, cpus, gpus = _actor_shape(spec, node["Resources"] if node else {})
+    local = _local_shape(spec, "this machine", memory=True)
+    node, n, cpus, gpus = local or (None, *_actor_shape(spec, {}))
     fp = None if spec.memory_per_actor or gpus else _footprint(spec)  # (as the run's _fit_memory)
     if fp is None:
         return "(no estimate: GPU actors, --memory-per-actor, or models whose sizes are not read here)"
-    if not local:
+    if local is None:
         return f"each actor needs {fp.describe()} (checked against the cluster's nodes when the job starts)"
     n = placement.check_request([node], n, cpus, gpus, None, spec.resources_per_actor)
     notes = footprint.fit(fp, [node], n, cpus, spec).notes
