@@ -966,7 +966,9 @@ def load_pair(target: str | os.PathLike | None = None, draft: str | os.PathLike 
     dev, dt = resolve_device("cpu" if kernel == "lean-bf16" and device == "auto" else device), resolve_dtype(dtype)
     if kernel not in KERNELS:  # (before the models load, as a job's spec refuses them)
         raise PairError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    if (known := _attentions()) and attn_implementation not in known and "/" not in str(attn_implementation):
+    # (the default asks nothing: transformers' registry imports its modeling code, ~1.3 s of every start)
+    if attn_implementation not in ("sdpa", "eager") and (known := _attentions()) \
+            and attn_implementation not in known and "/" not in str(attn_implementation):
         raise PairError(f"attn_implementation must be one of {', '.join(sorted(known))} (or a hub kernel's "
                         f"org/name), got {attn_implementation!r}")  # (the lean kernels never read it: a typo passed)
     if kernel == "lean-bf16" and (dt != torch.float32 or dev.type != "cpu"):
