@@ -414,6 +414,11 @@ class InputSource:
         schema, keyed = _partitioned(parts, counted, input_root(source), schema)
         return cls(source, parts, schema, notes=[n for p in parts for n in p.notes] + notes + keyed)
 
+    def all_null(self, column: str) -> bool:
+        """Whether every row's ``column`` is null by the files' metadata (False where any file's
+        does not say: it is not read to find out)."""
+        return bool(self.num_rows) and all(p.nulls.get(column) == p.info.rows for p in self._parts if p.info.rows)
+
     def files_without(self, column: str) -> list[str]:
         """The input's files with rows but no ``column`` (their rows would read it as null)."""
         return [p.info.path for p in self._parts

@@ -94,6 +94,7 @@ class Part:
     def __init__(self, info: InputFile, schema: pa.Schema):
         self.info, self.schema = info, schema.remove_metadata()
         self.notes: list[str] = []  # how the file is read, for the job's plan (values read as text)
+        self.nulls: dict[str, int] = {}  # top-level columns' null counts where the file's metadata says them
         self.keys: dict = {}  # its directories' partition values (data._partitioned)
         self._it = self._cur = self._cols = None
         self._pos = 0
@@ -198,6 +199,7 @@ class ParquetPart(Part):
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         self._starts = [0, *itertools.accumulate(sizes)][:-1]
         super().__init__(stat(path, "parquet", meta.num_rows), schema)
+        self.nulls = _null_counts(meta)
 
     def anchor(self, row: int) -> int:
         return self._starts[bisect.bisect_right(self._starts, row) - 1] if self._starts else 0
@@ -209,6 +211,20 @@ class ParquetPart(Part):
         group = bisect.bisect_right(self._starts, row) - 1
         return pf.iter_batches(batch_size=BATCH_ROWS, columns=columns,
                                row_groups=range(group, len(self._starts)), use_threads=False)
+
+
+def _null_counts(meta) -> dict[str, int]:
+    """Each flat top-level column's nulls from the row groups' statistics (where every group has
+    them): a prompt column null in every row is refused when planned (trial AI)."""
+    out = {}
+    for j in range(meta.num_columns):
+        path = meta.schema.column(j).path
+        if "." in path:
+            continue
+        stats = [meta.row_group(i).column(j).statistics for i in range(meta.num_row_groups)]
+        if all(st is not None and st.has_null_count for st in stats):
+            out[path] = sum(st.null_count for st in stats)
+    return out
 
 
 class ArrowPart(Part):

@@ -194,6 +194,9 @@ def make_plan(spec: JobSpec, log=print, source: InputSource | None = None) -> Pl
         if cols and not spec.chat_template and _chat_type(source.schema.field(spec.prompt_column).type):
             raise JobError(f"input {spec.input}: the prompt column {spec.prompt_column!r} holds chat messages "
                            f"({source.schema.field(spec.prompt_column).type}): run with --chat-template")
+        if cols and source.all_null(spec.prompt_column):
+            raise JobError(f"input {spec.input}: the prompt column {spec.prompt_column!r} is null in every row: every "
+                           "row would fail (--prompt-column names the text)")
         if cols and not _text_type(t := source.schema.field(spec.prompt_column).type, spec.chat_template):
             raise JobError(f"input {spec.input}: the prompt column {spec.prompt_column!r} holds {t} values, never "
                            "text" + (" or chat messages" if spec.chat_template else "") + ": every row would fail "

@@ -162,6 +162,11 @@ def test_chat_job_without_a_template_fails_before_actors(pair_dirs, tmp_path):
         with pytest.raises(JobError, match=r"the prompt column 'text' holds (int64|list<element: string>|null) "
                                            r"values, never text"):
             run_job(spec(pair_dirs, tmp_path, chat_template=chat), progress=False, log=quiet, dry_run=True)
+    pq.write_table(pa.table({"key": ["a", "b"], "text": pa.array([None, None], pa.string())}), tmp_path / "in.parquet")
+    with pytest.raises(JobError, match="the prompt column 'text' is null in every row"):  # (trial AI)
+        run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)
+    pq.write_table(pa.table({"key": ["a", "b"], "text": pa.array([None, "hi"], pa.string())}), tmp_path / "in.parquet")
+    run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)  # (one row may decode)
     for t in (pa.binary(), pa.large_string(), pa.dictionary(pa.int32(), pa.string()), pa.string_view(), pa.json_()):
         pq.write_table(pa.table({"key": ["a"], "text": pa.array(["hello"]).cast(t)}), tmp_path / "in.parquet")
         run_job(spec(pair_dirs, tmp_path), progress=False, log=quiet, dry_run=True)  # (text, and planned)
