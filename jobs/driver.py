@@ -864,9 +864,9 @@ class _Dispatch:
                 break
             time.sleep(0.2)
         if free < n:
+            held = placement.fmt_free(avail, self.cpus, self.gpus, self.memory, custom)
             self.log(f"starting {free} of the {n} actor(s) the cluster holds at this shape: other jobs or actors hold "
-                     f"the rest ({placement.fmt_free(avail, self.cpus, self.gpus, self.memory, custom)} free now; --num-actors {n} waits for "
-                     "them, up to --placement-timeout-s)")
+                     f"the rest ({held} free now; --num-actors {n} waits for them, up to --placement-timeout-s)")
         return free
 
     def run(self, todo: list[int], progress: bool) -> None:

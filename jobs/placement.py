@@ -340,29 +340,34 @@ def local_node(name: str, memory: bool = False) -> dict:
     return {"NodeManagerAddress": name, "Resources": here}
 
 
-def local_store() -> float | None:
-    """The object store Ray gives a local cluster it starts here by default (None: unknown)."""
+def _ray_memory() -> tuple[float, float] | None:
+    """(available memory, its default object store) as a local Ray cluster started now computes
+    them, or None where Ray's private helpers cannot say."""
     try:
         from ray._private import utils  # (private: may move)
 
-        return float(utils.resolve_object_store_memory(utils.estimate_available_memory()))
+        available = utils.estimate_available_memory()
+        return float(available), float(utils.resolve_object_store_memory(available))
     except (ImportError, AttributeError, TypeError):
         return None
+
+
+def local_store() -> float | None:
+    """The object store Ray gives a local cluster it starts here by default (None: unknown)."""
+    got = _ray_memory()
+    return None if got is None else got[1]
 
 
 def local_memory() -> float:
     """The ``memory`` resource a local Ray cluster started now offers, as Ray computes it (the
     available memory less its object store's share: 15.8 of 25.3 GB on a 24 GiB machine); the
     machine's whole memory had passed a 20 GB request that Ray then could not place."""
-    try:
-        from ray._private import utils  # (private: may move)
-
-        available = utils.estimate_available_memory()
-        return float(available - utils.resolve_object_store_memory(available))
-    except (ImportError, AttributeError, TypeError):
+    got = _ray_memory()
+    if got is None:
         import psutil  # (Ray's copy)
 
         return float(psutil.virtual_memory().total)
+    return got[0] - got[1]
 
 
 def no_gpu(device: str, resources: dict) -> str | None:

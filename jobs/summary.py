@@ -318,8 +318,7 @@ def _against(eq: dict) -> str:
 def _unchecked(s: dict) -> str:
     """Why no row was checked: none asked for, or a --verify-fraction that checked none (its sample
     is drawn by id hash, so a small job can draw none; a row with an error is never checked)."""
-    config = s.get("config") or {}
-    fraction = config.get("verify_fraction") or 0
+    fraction = (s.get("config") or {}).get("verify_fraction") or 0
     if not fraction or not s["rows"]:
         return "not checked"
     if s["errors"] == s["rows"]:
