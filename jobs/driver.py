@@ -923,13 +923,11 @@ class _Dispatch:
             if self.pg is not None:
                 placement.release(self.pg)
         if self.failed:
-            said = "; ".join(f"{runs.shard_said(f)}" + (f" after {counted(f['attempts'], 'attempt')} (--max-retries "
-                                                         f"{self.spec.max_retries})" if f["attempts"] else "")
-                             + f": {f['error']}" for f in self.failed[:3])
+            said = "; ".join(runs.failure_said(f, self.spec.max_retries) for f in self.failed[:3])
             more = f" (and {len(self.failed) - 3} more)" if len(self.failed) > 3 else ""
             again = ("re-run without --overwrite (--no-overwrite where a job file sets overwrite: true) to decode only "
                      "those" if self.spec.overwrite else "a re-run decodes only those")
-            raise JobError(f"{len(self.failed)} shard(s) failed: {said}{more}; the rest are finished in {self.out}/shards "
+            raise JobError(f"{counted(len(self.failed), 'shard')} could not be decoded: {said}{more}; the rest are finished in {self.out}/shards "
                            f"({self.out}/{runs.RUNS} records the failed ones): {again}, once what fails them is fixed "
                            "(a file repaired in place, its row count kept, resumes)")
 

@@ -110,6 +110,17 @@ def shard_said(f: dict) -> str:
     return f"{f['shard']} (input rows {s}-{e}{', ' + which if which else ''})"
 
 
+def failure_said(f: dict, max_retries: int | None = None) -> str:
+    """One failed shard as the job's error and `dynatree report` both say it: which rows, how many
+    attempts (or that its rows could not be read), why."""
+    from dynatree.metrics import counted
+
+    retries = f" (--max-retries {max_retries})" if max_retries is not None else ""
+    if not f.get("attempts"):  # (its error says its rows could not be read)
+        return f"{shard_said(f)}: {f.get('error')}"
+    return f"{shard_said(f)} failed after {counted(f['attempts'], 'attempt')}{retries}: {f.get('error')}"
+
+
 def how_to_go_on(out, overwrite: bool, record: dict | None = None) -> str:
     """How a job that ended early goes on, from the files in ``out`` (--overwrite would start over),
     with how far it got where its ``record`` says."""
@@ -131,8 +142,6 @@ def describe(out, record: dict) -> str:
     took = f"{record.get('status')}" + (f": {record['message']}" if record.get("message") and not failed else "")
     lines = [f"{out}: the job has not finished: its last run (pid {record.get('pid')} on {record.get('host')}, "
              f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}"]
-    for f in failed:
-        tries = f"after {f.get('attempts')} attempt(s)" if f.get("attempts") else "(its input rows unread)"
-        lines.append(f"failed {tries}: {shard_said(f)}: {f.get('error')}")
+    lines += [failure_said(f) for f in failed]
     lines.append(how_to_go_on(out, bool(record.get("overwrite")), record))
     return "\n".join(lines)

@@ -101,7 +101,8 @@ class JobSpec:
     shard_size: int = _f(64, "rows per output file (the unit of resume and retry)")
     max_inflight_per_actor: int | None = _f(None, "shards queued per actor (default: enough to keep "
                                                   "its batch full)")
-    max_retries: int = _f(3, "attempts per shard after actor failures")
+    max_retries: int = _f(3, "attempts per shard after actor failures (a shard that failed beside others "
+                                    "first runs alone, uncharged: only a failure alone counts)")
     verify_fraction: float = _f(0.0, "fraction of output rows (a prompt, or with --samples a prompt's sample) "
                                          "re-decoded with ar to check equality, picked by id hash")
     fail_on_mismatch: bool = _f(False, "exit non-zero if a checked row differs from ar")

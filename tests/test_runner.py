@@ -254,7 +254,7 @@ def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, p
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
-    assert res.exit_code == 1 and "its last run (pid" in res.output and "failed after 2 attempt(s): part-000002" in res.output
+    assert res.exit_code == 1 and "its last run (pid" in res.output and "part-000002 (input rows" in res.output and "failed after 2 attempts: " in res.output
     assert res.output.count(last["failed_shards"][0]["error"][:40]) == 1  # (it was said twice: trial AI)
     assert f"{len(done)} of {len(done) + 1} shards (" in res.output and "the same command resumes" in res.output
     monkeypatch.delenv(FAULTS_ENV)
@@ -272,7 +272,7 @@ def test_a_shard_whose_rows_cannot_be_read_fails_alone(ray_cluster, pair_dirs, t
     damaged = bytearray((tmp_path / "in" / "b.parquet").read_bytes())
     damaged[4:40] = b"\0" * 36  # (the text column's first page header)
     (tmp_path / "in" / "b.parquet").write_bytes(bytes(damaged))
-    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows 8-11\): cannot read its input "
+    with pytest.raises(JobError, match=r"1 shard could not be decoded: part-000002 \(input rows 8-11\): cannot read its input "
                                        r"rows: .*b.parquet: cannot read rows 0-3"):
         run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "in"), num_actors=1, verify_fraction=0.0),
                 progress=False, log=quiet)
@@ -2311,7 +2311,7 @@ def test_retries_are_charged_only_to_the_shard_that_ran_alone(ray_cluster, pair_
     spends its retries -- with --max-retries 0 the others still finish."""
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows .*\) after 1 attempt \(--max-retries 0\)"):
+    with pytest.raises(JobError, match=r"1 shard could not be decoded: part-000002 \(input rows .*\) failed after 1 attempt \(--max-retries 0\)"):
         run_job(spec(pair_dirs, tmp_path, max_retries=0, num_actors=1, batch_size=8, verify_fraction=0.0),
                 progress=False, log=quiet)
     assert sorted(os.listdir(tmp_path / "out" / "shards")) == ["part-000000.parquet", "part-000001.parquet"]
