@@ -788,7 +788,9 @@ class _Dispatch:
         self.suspects: set[int] = set()  # shards in flight on an actor when it failed
         self.node_losses: dict[int, int] = {}  # shard -> actors it lost with their nodes
         self.restarts: dict[int, tuple] = {}  # slot -> (its replacement's ready() ref, deadline)
-        self.said_unplaceable: set[int] = set()  # slots whose waiting replacement no alive node could hold (said)
+        self.unplaceable: dict[int, str] = {}  # slot -> why no alive node can hold its waiting replacement (said)
+        self.actor_nodes: dict = {}  # actor handle -> the Ray node it was ready on
+        self.gone_nodes: set[str] = set()  # nodes found gone (_node_gone)
         self.next_node_check = 0.0  # (when _say_unplaceable may ask the head for its nodes again)
         self.start_failures = 0  # replacements in a row that failed to load
         self.head_down_since: float | None = None  # first failed check of the head in a row
@@ -829,6 +831,7 @@ class _Dispatch:
         self.stats["forward"] = infos[0]["forward"]  # (summary.json: this_run)
         # every node an actor of this run was ready on, lost ones too (stats() asks the living at the end)
         self.stats["nodes"] = {i["node_id"]: i["node_ip"] for i in infos if "node_id" in i}
+        self.actor_nodes = {a: i["node_id"] for a, i in zip(self.actors, infos) if "node_id" in i}
         if infos[0].get("draft_forward"):  # (a draft on transformers' forward made a job slow without a word)
             self.stats["draft_forward"] = infos[0]["draft_forward"]
         self.leading_ids = infos[0].get("leading_ids", [])
@@ -1017,7 +1020,8 @@ class _Dispatch:
                             continue
                         if isinstance(err, RayActorError):
                             self._check_cluster(ray, actor_died=True)
-                        if placement.node_died(err) and self.node_losses.get(k, 0) < NODE_LOSSES:
+                        lost = placement.node_died(err) or isinstance(err, RayActorError) and self._node_gone(ray, actor)
+                        if lost and self.node_losses.get(k, 0) < NODE_LOSSES:
                             self._requeue(k, rows, kept, pending)  # (its node's doing, not the shard's)
                         else:
                             self._retry(k, rows, kept, err, pending, alone)
@@ -1114,16 +1118,15 @@ class _Dispatch:
         for slot, (ref, deadline) in list(self.restarts.items()):
             if ray.wait([ref], timeout=0)[0]:
                 del self.restarts[slot]
-                self.said_unplaceable.discard(slot)
+                self.unplaceable.pop(slot, None)
                 self._loaded(ray, slot, ref, deadline)
                 continue
             if time.time() <= deadline:
                 self._say_unplaceable(ray, slot, deadline)
                 continue
             del self.restarts[slot]
-            self.said_unplaceable.discard(slot)
-            why = (f"was not ready after {self.replace_timeout_s:.0f} s ({REPLACE_FACTOR:g}x the first actors' "
-                   f"start-up, at least {REPLACE_MIN_S:g} s, at most --ready-timeout-s: its node lost, or no room)")
+            why = f"was not ready after {self.replace_timeout_s:.0f} s ({self._replace_bound()}): " + (
+                self.unplaceable.pop(slot, None) or "its node lost, or no room")
             actor, self.actors[slot] = self.actors[slot], None
             for ref_, entry in [(r, e) for r, e in inflight.items() if e[0] == slot]:
                 del inflight[ref_]
@@ -1134,17 +1137,51 @@ class _Dispatch:
                                f"kept in {self.out}/shards — re-run to resume")
             self.log(f"actor {slot}'s replacement {why}; going on with {self.alive} actor(s)")
 
+    def _replace_bound(self) -> str:
+        """Which bound set a replacement's deadline (replace_timeout_s), said for a user."""
+        if self.replace_timeout_s >= self.spec.ready_timeout_s:
+            return "--ready-timeout-s"
+        if self.replace_timeout_s <= REPLACE_MIN_S:
+            return f"the least a replacement is given, {REPLACE_MIN_S:g} s"
+        return f"{REPLACE_FACTOR:g}x the first actors' start-up"
+
+    def _node_gone(self, ray, actor) -> bool:
+        """Whether the node ``actor`` was ready on is gone, asked when the actor died: a raylet that
+        dies (SIGKILL, the OOM killer) takes its workers down at once, but Ray says "its node has
+        died" only once its head declares the node dead, 15-30 s on -- the shards were charged as
+        a crash's (the multi-node trial).  Dead by the head's word, or its raylet's port refusing
+        or not answering a connection."""
+        node = self.actor_nodes.get(actor)
+        if node is None or node in self.gone_nodes:
+            return node is not None
+        try:
+            info = next((n for n in ray.nodes() if n.get("NodeID") == node), None)
+        except Exception:  # noqa: BLE001 - (the head itself lost: _check_cluster says so)
+            return False
+        if info is None:
+            return False
+        gone = not info.get("Alive", True)
+        if not gone:
+            try:
+                socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])),
+                                         timeout=CONNECT_S).close()
+            except (OSError, KeyError, TypeError, ValueError) as e:
+                gone = isinstance(e, OSError)
+        if gone:
+            self.gone_nodes.add(node)
+        return gone
+
     def _say_unplaceable(self, ray, slot: int, deadline: float) -> None:
         """Once per waiting replacement: no alive node can hold one now (the only node offering a
         --resource was lost), which a node joining in time would change -- said, where the wait had
         been two minutes of silence and then "its node lost, or no room" (the resource trial)."""
-        if slot in self.said_unplaceable or time.time() < self.next_node_check:
+        if slot in self.unplaceable or time.time() < self.next_node_check:
             return
         self.next_node_check = time.time() + 5.0  # (asking the head for its nodes: not every round)
         try:
             placement.check_request(ray.nodes(), 1, self.cpus, self.gpus, self.memory, self.spec.resources_per_actor)
         except placement.PlacementError as e:
-            self.said_unplaceable.add(slot)
+            self.unplaceable[slot] = str(e)
             self.log(f"actor {slot}'s replacement waits: {e} -- until a node that can hold it joins, or "
                      f"{max(0, deadline - time.time()):.0f} s more")
 
@@ -1160,6 +1197,7 @@ class _Dispatch:
             self.start_failures = 0
             if "node_id" in info:  # (a replacement's node: summary.json's this_run.nodes)
                 self.stats.setdefault("nodes", {})[info["node_id"]] = info["node_ip"]
+                self.actor_nodes[self.actors[slot]] = info["node_id"]
         except (RayActorError, RayTaskError) as e:
             if isinstance(e, RayActorError):
                 self._check_cluster(ray, actor_died=True)  # (with the head gone, every actor "dies")

@@ -216,12 +216,15 @@ def test_actor_killed_mid_job_still_yields_exact_rows(ray_cluster, pair_dirs, tm
     assert s["this_run"]["actors_lost"] == 1 and "; 1 actor lost during the run" in format_table(s)
 
 
-def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("told", ["by Ray's words", "by its raylet"])
+def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs, tmp_path, monkeypatch, told):
     """A node lost mid-job charged a retry to a shard that did nothing wrong (--max-retries 0 failed
     the job), and re-ran every shard its actor held alone, one at a time (the two-node trial): such
-    shards go back to the queue as any other, uncharged."""
+    shards go back to the queue as any other, uncharged -- also where the actor's death arrives
+    before Ray's word that its node died (a killed raylet: the multi-node trial)."""
     from ray.exceptions import RayActorError
 
+    from dynatree.jobs import driver as job_driver
     from dynatree.jobs import placement
 
     lost = RayActorError(None, "The actor died unexpectedly before finishing this task.\n"
@@ -229,20 +232,56 @@ def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs
     assert placement.node_died(lost) and not placement.node_died(RayActorError(None, "killed by OOM"))
     write_input(tmp_path, PROMPTS * 2)
     faults(monkeypatch, die_once_on_shard="part-000001")
-    monkeypatch.setattr(placement, "node_died", lambda err: True)  # (this death as a lost node's)
+    if told == "by Ray's words":
+        monkeypatch.setattr(placement, "node_died", lambda err: True)  # (this death as a lost node's)
+    else:  # (its node's raylet found gone: the actor known on a node, the probe's answer)
+        asked = []
+        monkeypatch.setattr(job_driver._Dispatch, "_node_gone",
+                            lambda self, ray, actor: asked.append(self.actor_nodes.get(actor)) or True)
     said = []
     s = run_job(spec(pair_dirs, tmp_path, max_retries=0, verify_fraction=0.0), progress=False, log=said.append)
     assert any("part-000001's actor was lost with its node; requeued" in m for m in said), said
     assert not any("alone" in m or "retry" in m for m in said), said
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(2 * len(PROMPTS)))
     assert s["this_run"]["retries"] >= 1
+    if told == "by its raylet":
+        assert asked and all(n in s["this_run"]["nodes"] for n in asked), asked
+
+
+def test_a_dead_actors_node_is_gone_when_its_raylet_does_not_answer():
+    """_node_gone: the head's word (Alive false) or a raylet port that refuses a connection says a
+    node is gone (and stays so); a raylet that answers, or an actor of no known node, does not."""
+    import socket
+    from types import SimpleNamespace
+
+    from dynatree.jobs import driver as job_driver
+
+    d = job_driver._Dispatch.__new__(job_driver._Dispatch)
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    nodes = [{"NodeID": "a", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening.getsockname()[1]},
+             {"NodeID": "b", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
+             {"NodeID": "c", "Alive": False, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening.getsockname()[1]}]
+    fake = SimpleNamespace(nodes=lambda: nodes)
+    d.actor_nodes, d.gone_nodes = {"x": "a", "y": "b", "z": "c"}, set()
+    try:
+        assert [d._node_gone(fake, actor) for actor in "xyzw"] == [False, True, True, False]
+        assert d.gone_nodes == {"b", "c"}
+        nodes[1]["NodeManagerPort"] = listening.getsockname()[1]  # (a gone node stays gone: its id is never reused)
+        assert d._node_gone(fake, "y")
+    finally:
+        listening.close()
 
 
 def test_retries_exhausted_fails_loudly_and_keeps_finished_shards(ray_cluster, pair_dirs, tmp_path, monkeypatch):
     write_input(tmp_path)
     faults(monkeypatch, die_always_on_shard="part-000002")
-    with pytest.raises(JobError, match=r"1 shard\(s\) failed: part-000002 \(input rows \d+-\d+, ids 'k\d+'..'k\d+'\) "
-                                       r"after 2 attempts \(--max-retries 1\): .*the rest are finished in .*runs.jsonl "
+    with pytest.raises(JobError, match=r"1 shard could not be decoded: part-000002 \(input rows \d+-\d+, ids 'k\d+'..'k\d+'\) "
+                                       r"failed after 2 attempts \(--max-retries 1\): .*the rest are finished in .*runs.jsonl "
                                        r"records the failed ones\): a re-run decodes only those"):
         run_job(spec(pair_dirs, tmp_path, max_retries=1, verify_fraction=0.0), progress=False, log=quiet)
     done = sorted(os.listdir(tmp_path / "out" / "shards"))
@@ -964,7 +1003,7 @@ def test_a_replacement_no_node_can_hold_is_said_while_it_waits(tmp_path):
     said = []
     d.spec = build_spec(None, input="x", output="y", resources_per_actor={"fast": 1})
     d.cpus, d.gpus, d.memory, d.log = 1.0, 0.0, None, said.append
-    d.said_unplaceable, d.next_node_check = set(), 0.0
+    d.unplaceable, d.next_node_check = {}, 0.0
     left = [{"NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 2}, "Alive": True},
             {"NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 1, "fast": 1}, "Alive": False}]
     fake = SimpleNamespace(nodes=lambda: left)
@@ -974,7 +1013,7 @@ def test_a_replacement_no_node_can_hold_is_said_while_it_waits(tmp_path):
                                                  "GPU: 0, fast: 1}") and "no node offers fast" in said[0]
     assert "until a node that can hold it joins, or 100 s more" in said[0] or "or 99 s more" in said[0]
     left[1]["Alive"] = True  # (a node that holds it: nothing said)
-    d.said_unplaceable, d.next_node_check = set(), 0.0
+    d.unplaceable, d.next_node_check = {}, 0.0
     d._say_unplaceable(fake, 1, time.time() + 100)
     assert len(said) == 1
 
