@@ -144,6 +144,12 @@ class JobSpec:
             problems.append("max_batch_size must be >= 1")
         if not 0.0 <= self.verify_fraction <= 1.0:
             problems.append("verify_fraction must be within [0, 1]")
+        elif self.fail_on_mismatch and self.verify_fraction == 0:  # (a CI gate that checked nothing: trial AM)
+            problems.append("fail_on_mismatch fails the job on a row verify_fraction checks, and verify_fraction is 0: "
+                            "no row would be checked (set verify_fraction, e.g. 0.1 or 1)")
+        for name in ("target", "draft", "id_column", "prompt_column", "address"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                problems.append(f"{name} is empty (an unset shell variable?): name it, or leave it out for its default")
         if self.num_actors is not None and self.num_actors < 1:
             problems.append("num_actors must be >= 1")
         for name in ("placement_timeout_s", "ready_timeout_s"):
@@ -170,11 +176,13 @@ class JobSpec:
             problems.append(f"device {self.device} with gpus_per_actor 0: Ray gives such actors no GPU (or "
                             "the same one, unaccounted); use gpus_per_actor > 0, or device cpu")
         if self.kernel not in KERNELS:
-            problems.append(f"kernel must be one of {', '.join(KERNELS)}")
+            problems.append(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}"
+                            f"{did_you_mean([str(self.kernel).replace('_', '-').lower()], KERNELS)}")
         elif self.kernel == "lean-bf16" and (self.dtype != "float32" or self.device.startswith("cuda")):
             problems.append("kernel lean-bf16 is dynatree's CPU kernel computing in bfloat16: it loads the models "
                             "as float32 on a CPU (dtype float32, device cpu; auto is the CPU for it)")
-        if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None):
+        if (self.target is None) != (self.draft is None) and (self.method != "ar" or self.target is None) \
+                and all(str(m).strip() for m in (self.target, self.draft) if m is not None):  # (said above)
             problems.append("give both target and draft, or neither (the bundled demo pair); ar needs only a target"
                             if self.target is None else
                             f"method {self.method} needs a draft: add --draft, or run --method ar with a target alone")
@@ -362,6 +370,24 @@ def _load_file(path: str) -> dict:
     return data
 
 
+CLI_ONLY = ("config", "quiet", "dry_run")  # `dynatree run` flags that are not job fields
+
+
+def _field_hint(unknown: list[str], names) -> str:
+    """Where a job file's unknown fields went: a flag's spelling of a field (resource for
+    resources_per_actor: trial AM), a command-line-only flag, else the closest names."""
+    flags = {f.metadata["flag"]: f.name for f in dataclasses.fields(JobSpec) if "flag" in f.metadata}
+    said = []
+    for u in unknown:
+        key = u.lower().replace("-", "_")
+        field_ = flags.get(key) or flags.get(key.removesuffix("s")) or (key if key in names else None)
+        if field_ is not None:
+            said.append(f"{u} is spelt {field_} in a job file")
+        elif key in CLI_ONLY:
+            said.append(f"{u} is a command-line flag (--{key.replace('_', '-')}), not a job field")
+    return f" ({'; '.join(said)})" if said else did_you_mean(unknown, names)
+
+
 def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     """Job file fields, then non-None overrides (CLI flags); unknown fields are errors."""
     data = _load_file(config_file) if config_file else {}
@@ -369,7 +395,7 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     names = {f.name for f in dataclasses.fields(JobSpec)}
     unknown = sorted((set(data) | set(overrides)) - names)  # (overrides: a Python caller's keywords)
     if unknown:
-        raise SpecError(f"unknown job field(s): {', '.join(unknown)}{did_you_mean(unknown, names)}; known: "
+        raise SpecError(f"unknown job field(s): {', '.join(unknown)}{_field_hint(unknown, names)}; known: "
                         f"{', '.join(sorted(names))}")
     options = _file_options(data.get("options"))
     options.update(_file_options(overrides.pop("options", None)))  # (a Ray Data stage's options= as a file's)

@@ -847,6 +847,17 @@ def test_spec_validation_messages(tmp_path):
         build_spec(None, input="x", output="y", options={"dmax": 3})
     with pytest.raises(SpecError, match=r"unknown job field\(s\): max_new_token"):  # (a Python caller's keyword)
         build_spec(None, input="x", output="y", max_new_token=3)
+    # a flag's spelling, a command-line-only flag, an empty value, a no-op gate, a kernel typo (trial AM)
+    for fields, said in (({"resource": {"a": 1}}, r"resource is spelt resources_per_actor in a job file"),
+                         ({"resources": {"a": 1}}, r"resources is spelt resources_per_actor"),
+                         ({"dry_run": True}, r"dry_run is a command-line flag \(--dry-run\), not a job field"),
+                         ({"id_column": ""}, r"id_column is empty \(an unset shell variable\?\)"),
+                         ({"target": "", "draft": "d"}, r"target is empty \(an unset shell variable\?\)[^;]*$"),
+                         ({"fail_on_mismatch": True}, r"verify_fraction is 0: no row would be checked"),
+                         ({"kernel": "lean_bf16"}, r"got 'lean_bf16' \(did you mean lean-bf16\?\)")):
+        with pytest.raises(SpecError, match=said):
+            build_spec(None, input="x", output="y", **fields)
+    assert build_spec(None, input="x", output="y", fail_on_mismatch=True, verify_fraction=0.1).fail_on_mismatch
     for bad in ({"method": 3}, {"options": {1: 2}}):  # (no spelling to suggest: the plain error, no traceback)
         with pytest.raises(SpecError, match="unknown method 3|has no option 1"):
             build_spec(None, input="x", output="y", **bad)
@@ -1578,7 +1589,8 @@ def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp
         raise driver.MismatchError("1 generation(s) differ from ar (--fail-on-mismatch); see summary.json", s2)
 
     monkeypatch.setattr(driver, "run_job", mismatched)
-    res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o", "--fail-on-mismatch"])
+    res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o", "--fail-on-mismatch",
+                                    "--verify-fraction", "1"])
     assert res.exit_code == 1 and "rows " in res.output and f"results: {tmp_path / 'o'}/shards" in res.output
     assert res.output.index("results:") < res.output.index("1 generation(s) differ from ar")
 
