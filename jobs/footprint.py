@@ -166,6 +166,14 @@ def _slots(spec, context: int | None) -> tuple[int, int]:
     return cache_rows(cfg, prompt + spec.max_new_tokens, context), kv_bytes
 
 
+def _prefix_bytes(spec, models: int) -> int:
+    """The prefix stores' budget: one per model (models.ModelPair.prefix_store), none where the
+    method's prefix_cache option turns them off (they were counted anyway: trial AM)."""
+    if not getattr(spec.method_config, "prefix_cache", True):
+        return 0
+    return int(spec.prefix_cache_gb * 2**30) * models
+
+
 def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
     """One CPU actor's footprint for this job (``spec``: jobs.spec.JobSpec; ``dirs``: the local
     model directories it loads; ``context``: the models' context), or None where unknown."""
@@ -174,7 +182,7 @@ def estimate(spec, dirs: list[Path], context: int | None) -> Footprint | None:
     if not parts or any(p is None or p[3] is None for p in parts):
         return None
     weights, packed, released, per_row = (sum(p[i] for p in parts) for i in range(4))
-    prefix = int(spec.prefix_cache_gb * 2**30) * len(dirs)  # a store per model (models.ModelPair.prefix_store)
+    prefix = _prefix_bytes(spec, len(dirs))
     return Footprint(weights, packed, prefix + RUNTIME_BYTES, per_row, slots, released, prefix)
 
 
@@ -187,7 +195,7 @@ def rows_for(spec, configs: list[dict], context: int, share: float, rss: float) 
     sizes = [row_bytes(c, spec.method_config, kv_bytes, slots) for c in configs]
     if not sizes or None in sizes or not sum(sizes):
         return None
-    prefix = int(spec.prefix_cache_gb * 2**30) * len(configs)
+    prefix = _prefix_bytes(spec, len(configs))
     return max(0, math.floor((share - rss - prefix) / sum(sizes))), sum(sizes)
 
 

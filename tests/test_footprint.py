@@ -56,6 +56,8 @@ def test_the_estimate_counts_weights_packed_copies_and_caches(pair_dirs):
     whole = dataclasses.replace(spec, max_prompt_tokens=None)  # whole prompts: up to the context
     assert _footprint(whole).row_tokens == cache_rows(spec.method_config, 128 + 20, 128)
     assert _footprint(job(pair_dirs, prefix_cache_gb=1.0)).fixed == 2 * GIB + footprint.RUNTIME_BYTES  # one store a model
+    off = job(pair_dirs, prefix_cache_gb=1.0, options={"prefix_cache": False})  # (counted anyway: trial AM)
+    assert _footprint(off).fixed == footprint.RUNTIME_BYTES and _footprint(off).prefix == 0
     assert _footprint(job(pair_dirs, target="EleutherAI/pythia-70m", draft=None, method="ar")) is None  # a hub name
 
 
