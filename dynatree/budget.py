@@ -58,7 +58,7 @@ import torch
 
 from .config import NATIVE_KERNELS
 from .kvcache import new_cache
-from .machine import replaced
+from .machine import env_on, replaced
 from .names import local_dir, model_files
 from .runtime import Seq
 
@@ -538,7 +538,7 @@ def _disk_path(pair, params) -> Path | None:
     """Where a profile of this pair on this machine is kept, or None when the models are not
     files (built in memory) or it is turned off (``DYNATREE_PROFILE_CACHE=0``).  A stale profile
     only costs accuracy: the online corrections (LatencyModel.observe_*) track the real times."""
-    if os.environ.get("DYNATREE_PROFILE_CACHE", "1") == "0":
+    if not env_on("DYNATREE_PROFILE_CACHE"):
         return None
     files = []
     for name in (pair.names.get("target"), pair.names.get("draft")):

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .machine import replaced
+from .machine import env_on, replaced
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("gemm.c", "attn.c", "neox.c")]
@@ -157,8 +157,8 @@ def _compile(cc: list[str], flags: list[str], out: str) -> str | None:
 
 def build(isa: str | None = None) -> tuple[Path | None, str]:
     """The built object of variant ``isa`` (default: variant()): (path, "") or (None, why not)."""
-    if os.environ.get("DYNATREE_GEMM", "1") == "0":
-        return None, "disabled by DYNATREE_GEMM=0"
+    if not env_on("DYNATREE_GEMM"):
+        return None, f"disabled by DYNATREE_GEMM={os.environ['DYNATREE_GEMM']}"
     isa = isa or variant()
     if isa not in VARIANTS:
         return None, f"unknown DYNATREE_ISA={isa!r} (one of {', '.join(VARIANTS)})"

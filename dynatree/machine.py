@@ -16,6 +16,21 @@ from pathlib import Path
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")  # what the kernels use
 
 
+def env_on(name: str) -> bool:
+    """A switch read from the environment, on unless set to 0, false, off or no (any case): a
+    value such as ``false`` was ignored where only ``0`` turned it off (trial AM); a value none of
+    those nor 1, true, on, yes is said once, and leaves it on."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value not in ("", "1", "true", "on", "yes"):
+        import warnings
+
+        warnings.warn(f"{name}={os.environ[name]!r} is not 0/1 (false/true, off/on, no/yes): read as on",
+                      stacklevel=2)
+    return True
+
+
 def usable_cpus() -> int:
     """The logical CPUs this process may run on (taskset, cgroup cpusets), or the machine's."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

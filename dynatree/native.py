@@ -37,6 +37,7 @@ import torch
 
 from .config import MAX_PACKED_BYTES  # noqa: F401 (cmodel reads it here; tests change it)
 from .kbuild import VARIANTS, build, source_hash, variant, variants_here  # noqa: F401 (this module's API)
+from .machine import env_on
 
 
 _libs: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # variant -> (library or None, status)
@@ -153,7 +154,7 @@ def weight_format(weights) -> int:
     """The narrowest dt_gemm format holding every one of ``weights`` (matrices, or lists of a
     matrix's row blocks) exactly: 1 (bfloat16, e.g. a bf16 checkpoint loaded as float32), 2 (half,
     an fp16 checkpoint), else 0 (float32).  ``DYNATREE_WEIGHTS16=0`` keeps float32."""
-    if os.environ.get("DYNATREE_WEIGHTS16", "1") == "0":
+    if not env_on("DYNATREE_WEIGHTS16"):
         return 0
     bases = {id(t): t for w in weights for b in _blocks(w) for t in [b if b._base is None else b._base]}
     for fmt in (1, 2):  # (each tensor once: a fused matrix's blocks are views of one)

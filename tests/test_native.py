@@ -105,6 +105,22 @@ def test_a_model_the_kernel_cannot_serve_for_want_of_a_build_says_so_once(monkey
     assert err.count("native CPU kernel is unavailable (unknown DYNATREE_ISA='avx9'") == 1
     monkeypatch.setenv("DYNATREE_GEMM", "0")  # asked for: nothing to say
     assert not LeanNeoX(neox32(3)).native and capsys.readouterr().err == ""
+    monkeypatch.setenv("DYNATREE_GEMM", "Off")  # (only "0" turned it off: trial AM)
+    assert not LeanNeoX(neox32(3)).native and capsys.readouterr().err == ""
+
+
+def test_environment_switches_read_the_usual_spellings(monkeypatch):
+    from dynatree.machine import env_on
+
+    for value, on in (("0", False), ("false", False), ("OFF", False), (" no ", False), ("", True), ("1", True),
+                      ("True", True), ("yes", True)):
+        monkeypatch.setenv("DYNATREE_X", value)
+        assert env_on("DYNATREE_X") is on, value
+    monkeypatch.delenv("DYNATREE_X")
+    assert env_on("DYNATREE_X")
+    monkeypatch.setenv("DYNATREE_X", "fasle")  # (a typo: said, and the default kept)
+    with pytest.warns(UserWarning, match="DYNATREE_X='fasle' is not 0/1"):
+        assert env_on("DYNATREE_X")
 
 
 @pytest.mark.parametrize("bias", [True, False])
