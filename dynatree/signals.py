@@ -22,8 +22,18 @@ def ask() -> None:
     """A command line wants SIGTERM to end it as Ctrl-C does: from now (a job being planned died of
     it with no word), held while Ray starts (held_while_starting), and after."""
     global _asked
+    if not _asked:  # (registered before ray.init registers its shutdown: run after it, last of all)
+        atexit.register(_ignore_ctrl_c_in_finalization)
     _asked = True
     end_on_sigterm()  # (and no SIGTERM of an earlier command is pending)
+
+
+def _ignore_ctrl_c_in_finalization() -> None:
+    """After the last exit handler of a finished job, Python's finalization puts back the default
+    SIGINT action in place of quiet_exit's handler (it keeps only an ignore): a Ctrl-C then ended
+    a finished job with 130 (trial AM).  Ignored to the end."""
+    if _finishing and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def end_on_sigterm(only_if_asked: bool = False) -> None:

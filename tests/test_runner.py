@@ -2175,6 +2175,20 @@ def test_a_finished_job_exits_quietly_through_ray_shutdown():
     assert "Traceback" not in once.stderr, once.stderr
     twice = subprocess.run([sys.executable, "-c", script, "2"], capture_output=True, text=True, timeout=60)
     assert twice.returncode == 130 and "shutdown finished" not in twice.stdout, twice
+    late = """if True:  # (after the exit handlers: Python's finalization put back SIGINT's default, 130: trial AM)
+        import os, signal, time
+        from dynatree import signals
+        signals.ask()  # (a command line's start, before ray.init)
+        class Core:  # what Ray's core worker does at module teardown
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+                os.write(1, b"torn down")
+        core = Core()
+        signals.quiet_exit()
+    """
+    torn = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, timeout=60)
+    assert torn.returncode == 0 and torn.stdout == "torn down", torn
 
 
 def test_a_command_line_ends_on_sigterm_from_its_start(monkeypatch):
