@@ -780,7 +780,7 @@ def build(isas):
         _fail("some kernels were not built; jobs fall back to torch's kernels where the native one is missing")
 
 
-def _unfinished(out_dir: str) -> str:
+def _unfinished(out_dir: str) -> str | None:
     """What an output whose job has not finished holds, and how it goes on: a job writing it now, or
     the last run's record (jobs/runs.py: how it ended, which shards failed), or the shard count."""
     from .jobs import runs
@@ -803,6 +803,8 @@ def _unfinished(out_dir: str) -> str:
     last = (runs.read(out_dir) or [None])[-1]
     if last is not None and last.get("status") != "complete":
         return runs.describe(out_dir, last)
+    if last is not None and Path(out_dir, "summary.json").is_file():
+        return None  # (it finished between report_cmd's look and this one: trial AN)
     return (f"{out_dir} is a `dynatree run` output whose job has not finished ({held} of "
             f"{planned if planned else '?'} shards written, no summary.json yet): re-run its command to resume it "
             "(without --overwrite; with --dry-run: its plan, nothing decoded)")
@@ -817,6 +819,10 @@ def report_cmd(out_dir):
 
     if not (Path(out_dir) / "results.parquet").is_file():
         job = Path(out_dir) / "summary.json"
+        if (Path(out_dir) / "manifest.json").is_file() and not job.is_file():  # (a job stopped or failed before its
+            unfinished = _unfinished(out_dir)  # summary: said as such)
+            if unfinished is not None:
+                _fail(unfinished)
         if job.is_file() and (Path(out_dir) / "manifest.json").is_file():  # a run's output: its table, as run printed it
             try:
                 summary = json.loads(job.read_text())
@@ -830,8 +836,6 @@ def report_cmd(out_dir):
                 _fail(f"cannot read {job} ({type(e).__name__}: {e}); re-running the job's `dynatree run` command "
                       "rewrites it without decoding what is done")
             return
-        if (Path(out_dir) / "manifest.json").is_file():  # (a job stopped or failed before its summary: said as such)
-            _fail(_unfinished(out_dir))
         _fail(f"{out_dir} is not a `dynatree bench` output directory (it has no results.parquet) nor a finished "
               "`dynatree run` output (no summary.json and manifest.json)")
     try:

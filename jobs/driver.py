@@ -44,7 +44,7 @@ from .plan import (JobError, OutputHeld, Plan, as_stored, check_output, check_un
                    make_plan, output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output,
                    refuse_changed_input_early, shard_number, start_over, write_shard)
 from .spec import MAX_INFLIGHT, OUTPUT_IDENTITY, JobSpec
-from .summary import previous_decoding_run, summarize, write_summary
+from .summary import ShardUnreadable, previous_decoding_run, summarize, write_summary
 
 __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
 
@@ -645,17 +645,39 @@ def _decode(spec: JobSpec, plan: Plan, out: Path, progress: bool, log, record: d
             start_over(spec, plan)
             run_stats["_cleared"] = True
         write_shard(out, spec, plan, 0, plan.schema.empty_table())
-    if todo:
+    if todo:  # (a finished job's summary no longer says what the output holds: trials AJ, AK)
+        with contextlib.suppress(FileNotFoundError):
+            (out / "summary.json").unlink()
         _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
     run_stats["wall_time_s"] = time.time() - t_start
     if plan.num_shards >= 2000:  # (~0.25 ms a shard's footer: not a silent wait at a corpus's end)
         log(f"summarizing {plan.num_shards} shards")
+    _check_shards_there(out, plan, run_stats)
     gone = run_stats.pop("cluster_gone", False)
     complete = runs.finish(dict(record), "complete", "", run_stats, startup)
-    summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out), [*runs.read(out), complete])
+    try:
+        summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out), [*runs.read(out), complete])
+    except ShardUnreadable as e:
+        raise JobError(f"{e}: damaged since it was written? the same command decodes its rows again") from e
     write_summary(out, summary)
     runs.append(out, complete)  # (after the summary: a run stopped while summarizing is not "complete")
     return summary, gone
+
+
+def _check_shards_there(out: Path, plan: Plan, run_stats: dict) -> None:
+    """Every planned shard's file is in ``out`` as the job ends: one deleted or moved while it ran
+    (a sync script taking results) made a "complete" job of missing rows (trial AK); the run's
+    record then counts the shards left."""
+    if not plan.num_shards:
+        return
+    with os.scandir(out / "shards") as entries:
+        names = {e.name for e in entries}
+    lost = [k for k in range(plan.num_shards) if plan.shard(k)[0] + ".parquet" not in names]
+    gone = [plan.shard(k)[0] for k in lost]
+    if gone:
+        run_stats["_gone"] = (len(lost), sum(plan.shard(k)[2] - plan.shard(k)[1] for k in lost) * plan.samples)
+        raise JobError(f"{counted(len(gone), 'shard file')} went missing while the job ran: {', '.join(gone[:5])}"
+                       f"{' ...' if len(gone) > 5 else ''}; the same command decodes their rows again")
 
 
 def _ended(e: BaseException) -> str:

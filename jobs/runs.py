@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -41,8 +42,9 @@ def before(record: dict, plan, done: set[int]) -> None:
 def finish(record: dict, status: str, message: str, run_stats: dict, startup: dict) -> dict:
     """The record completed: how the run ended, the shards and rows now finished, its statistics."""
     assert status in STATUSES, status
-    shards = record.pop("shards_before") + run_stats.get("shards_this_run", 0)
-    rows = record.pop("rows_before") + run_stats.get("rows_this_run", 0)
+    gone_shards, gone_rows = run_stats.get("_gone", (0, 0))  # (files deleted while it ran: driver._check_shards_there)
+    shards = record.pop("shards_before") + run_stats.get("shards_this_run", 0) - gone_shards
+    rows = record.pop("rows_before") + run_stats.get("rows_this_run", 0) - gone_rows
     record.update(ended_at=_now(), status=status, message=message, shards_done=shards, rows_done=rows,
                   failed_shards=run_stats.get("failed_shards", []), this_run=this_run(run_stats), startup=startup)
     return record
@@ -60,8 +62,9 @@ def append(out: Path, record: dict) -> None:
             else:
                 cut = False
             f.write((b"\n" if cut else b"") + (json.dumps(record, default=str) + "\n").encode())
-    except OSError:
-        pass
+    except OSError as e:  # (the record was lost without a word: trial AK)
+        print(f"warning: this run's record could not be added to {Path(out) / RUNS}: {e.strerror or e}",
+              file=sys.stderr)
 
 
 def end(out: Path, record: dict, status: str, message: str, run_stats: dict, startup: dict) -> dict:
@@ -130,10 +133,17 @@ def how_to_go_on(out, overwrite: bool, record: dict | None = None) -> str:
     if overwrite:
         said = (f"finished shards are kept in {out}; to resume, run it without --overwrite (a job file that sets "
                 "overwrite: true needs --no-overwrite) -- as it is, the command would start over")
+    if record is not None and record["shards_done"] == record["shards_total"]:  # (read "1 of 1 finished" and
+        return ("every shard is finished; the same command writes the summary without decoding"  # "not finished")
+                + (" (without --overwrite)" if overwrite else ""))
     if record is not None:
-        said = (f"{record['shards_done']} of {record['shards_total']} shards ({record['rows_done']} of "
-                f"{record['rows_total']} rows) are finished; " + said)
+        said = f"{progress_said(record)}; " + said
     return said
+
+
+def progress_said(record: dict) -> str:
+    return (f"{record['shards_done']} of {record['shards_total']} shards ({record['rows_done']} of "
+            f"{record['rows_total']} rows) are finished")
 
 
 def describe(out, record: dict) -> str:
@@ -143,5 +153,6 @@ def describe(out, record: dict) -> str:
     lines = [f"{out}: the job has not finished: its last run (pid {record.get('pid')} on {record.get('host')}, "
              f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}"]
     lines += [failure_said(f) for f in failed]
-    lines.append(how_to_go_on(out, bool(record.get("overwrite")), record))
+    advised = not failed and any(w in (record.get("message") or "") for w in ("resume", "re-run", "same command"))
+    lines.append(progress_said(record) if advised else how_to_go_on(out, bool(record.get("overwrite")), record))
     return "\n".join(lines)

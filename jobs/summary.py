@@ -170,12 +170,19 @@ def _tally(out: Path, sampled: bool = False) -> dict:
          "error_kinds": Counter(), "error_example": {}, "other_errors": 0, "speedup": _Moments(),
          **dict.fromkeys(_SUMS, 0), **{k: _Moments() for k in _MOMENTS}}
     for f in shard_files(out):  # one shard at a time: memory stays flat
-        schema = pq.read_schema(f)  # (the footer only)
-        part = _stored_tally(schema, sampled)
-        if part is None:
-            part = shard_tally(pq.read_table(f, columns=[c for c in _COLUMNS if c in schema.names]), sampled)
+        try:
+            schema = pq.read_schema(f)  # (the footer only)
+            part = _stored_tally(schema, sampled)
+            if part is None:
+                part = shard_tally(pq.read_table(f, columns=[c for c in _COLUMNS if c in schema.names]), sampled)
+        except (OSError, pa.ArrowException) as e:  # (pyarrow's bare "magic bytes not found": trial AK)
+            raise ShardUnreadable(f"{f} cannot be read ({e})") from e
         _merge(t, part)
     return t
+
+
+class ShardUnreadable(Exception):
+    """A shard file written by the job that cannot be read when it is summarized (damaged since)."""
 
 
 def _merge(t: dict, part: dict) -> None:

@@ -2286,6 +2286,70 @@ def test_fail_on_mismatch_fails_the_job_after_writing_its_summary(pair_dirs, tmp
     assert s["equivalence"]["mismatches"] == 1  # without the flag the job succeeds
 
 
+@pytest.mark.parametrize("fault", ["deleted", "damaged"])
+def test_a_shard_deleted_or_damaged_while_the_job_runs_fails_it(pair_dirs, tmp_path, monkeypatch, fault):
+    """A finished shard deleted while the job ran (a sync script moving results) ended "complete", exit
+    0, its rows missing and runs.jsonl saying every shard was there; one damaged failed with pyarrow's
+    bare "magic bytes" (trial AK).  A resume that decodes takes away the summary of the job it resumes
+    (it counted rows no longer there: trials AJ, AK), and report then says the job is unfinished."""
+    from click.testing import CliRunner
+
+    from dynatree.cli import main
+    from dynatree.jobs import driver, runs
+
+    job, plan, out = _begin(pair_dirs, tmp_path, PROMPTS[:8])
+    for k in range(plan.num_shards):
+        _write(job, plan, out, k)
+    assert run_job(job, progress=False, log=quiet)["rows"] == 8 and (out / "summary.json").is_file()
+    (out / "shards" / "part-000001.parquet").unlink()
+
+    def decode_while_one_goes(self, todo, progress):
+        assert not (out / "summary.json").exists()
+        for k in todo:
+            _write(job, plan, out, k)
+            self.stats.update(shards_this_run=1, rows_this_run=4)
+        if fault == "deleted":
+            (out / "shards" / "part-000000.parquet").unlink()
+        else:
+            (out / "shards" / "part-000000.parquet").write_bytes(b"PAR1 not a shard")
+
+    monkeypatch.setattr(driver._Dispatch, "run", decode_while_one_goes)
+    said = (r"1 shard file went missing while the job ran: part-000000; the same command decodes their rows again"
+            if fault == "deleted" else r"part-000000.parquet cannot be read \(.*\): damaged since it was written\? the "
+                                       r"same command decodes its rows again")
+    with pytest.raises(JobError, match=said):
+        run_job(job, progress=False, log=quiet)
+    record = runs.read(out)[-1]
+    assert record["status"] == "failed" and record["shards_done"] == (1 if fault == "deleted" else 2), record
+    res = CliRunner().invoke(main, ["report", str(out)])
+    assert res.exit_code == 1 and "the job has not finished" in res.output, res.output
+
+
+def test_report_on_a_run_stopped_after_its_last_shard_or_finished_meanwhile(pair_dirs, tmp_path):
+    """A run stopped once every shard was written read "not finished ... 2 of 2 shards are finished"
+    (trial AM); a report made as the job finished said it unfinished (trial AN); a failed run's
+    record said how to go on twice."""
+    from click.testing import CliRunner
+
+    from dynatree import cli
+    from dynatree.jobs import runs
+
+    job, plan, out = _begin(pair_dirs, tmp_path, PROMPTS[:8])
+    for k in range(plan.num_shards):
+        _write(job, plan, out, k)
+    base = {"pid": 1, "host": "h", "started_at": "a", "ended_at": "b", "overwrite": False, "shards_done": 2,
+            "shards_total": 2, "rows_done": 8, "rows_total": 8, "failed_shards": []}
+    runs.append(out, {**base, "status": "interrupted", "message": ""})
+    res = CliRunner().invoke(cli.main, ["report", str(out)])
+    assert "every shard is finished; the same command writes the summary without decoding" in res.output, res.output
+    runs.append(out, {**base, "status": "failed", "shards_done": 1, "rows_done": 4,
+                      "message": "actor 0's replacement ...; finished shards are kept in x/shards — re-run to resume"})
+    said = CliRunner().invoke(cli.main, ["report", str(out)]).output
+    assert said.count("resume") == 1 and "1 of 2 shards (4 of 8 rows) are finished" in said, said
+    run_job(job, progress=False, log=quiet)  # (finished between report's look for a summary and this one)
+    assert cli._unfinished(str(out)) is None
+
+
 def test_a_head_lost_as_the_last_shard_is_written_still_summarizes_the_job(pair_dirs, tmp_path, monkeypatch):
     """Every shard written, then the head gone: the job was said lost ("restart the head and
     re-run"), its summary unwritten; it is done, and summarized without its actors' statistics
