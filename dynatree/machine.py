@@ -122,11 +122,15 @@ def busy_between(a: tuple[float, float, float], b: tuple[float, float, float]) -
     return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else None
 
 
+PROBE = ".write-probe-0000000000.parquet.tmp"  # as long as any name written beside it (a shard's temporary file:
+# a path near PATH_MAX passed a shorter probe, then failed at the first shard, the models loaded: trial AK)
+
+
 def ensure_writable(directory: Path, room: int = 0) -> None:
     """Make ``directory`` and write ``room`` bytes (at least one) into a probe file there, removed
     again whatever happens (a failed probe on a full disk had left an empty one); OSError if it
     cannot be made or take them."""
-    probe = directory / ".write-probe"
+    probe = directory / PROBE
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as f:

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from collections import deque
@@ -223,13 +224,13 @@ def zombie_children() -> set[int]:
     """This process's children that exited and are not yet reaped (Ray reaps the processes of a
     local cluster only at its shutdown); from /proc (Linux; elsewhere none)."""
     me, out = str(os.getpid()), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*/stat"):
         try:
-            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]  # (after the name, which may hold spaces)
+            state, parent = proc.read_text().rsplit(")", 1)[1].split()[:2]  # (after the name, which may hold spaces)
         except (OSError, IndexError, ValueError):
             continue  # (gone meanwhile)
         if parent == me and state == "Z":
-            out.add(int(stat.parent.name))
+            out.add(int(proc.parent.name))
     return out
 
 
@@ -472,10 +473,23 @@ def _check_output_outside_input(spec: JobSpec) -> None:
     as input by the next run."""
     try:
         out = Path(spec.output).resolve()  # (the directory itself too: a glob matching it reads it as a file)
+        str(out).encode("utf-8")  # (pyarrow opens paths as UTF-8 only: it failed at the first shard, trial AK)
+    except UnicodeEncodeError as e:
+        raise JobError(f"--output {spec.output!r} is not a UTF-8 name, which the shards' writer needs: rename it") from e
     except (RuntimeError, OSError) as e:  # (Python 3.11: a symlink loop is a RuntimeError)
         raise JobError(f"--output {spec.output}: {e}") from e
-    if out.exists() and not out.is_dir():
-        raise JobError(f"--output {spec.output} is a file, not a directory: name a directory (it is created)")
+    try:
+        with contextlib.suppress(FileNotFoundError):  # (Path.exists says False for any error)
+            if not stat.S_ISDIR(os.stat(out).st_mode):
+                raise JobError(f"--output {spec.output} is a file, not a directory: name a directory (it is created)")
+        other = next((p.parent for p in [out, *out.parents] if p.name == "shards" and (p.parent / "manifest.json").is_file()),
+                     None)
+    except OSError as e:  # (a directory not to be entered, a name too long: a traceback, twice: trial AK)
+        raise JobError(f"--output {spec.output} cannot be used: {e.strerror or e}"
+                       + (f" ({e.filename})" if e.filename else "")) from e
+    if other is not None:  # (its readers would read this job's files as its rows: trial AK)
+        raise JobError(f"--output {spec.output} lies in {other / 'shards'}, where the dynatree output {other} keeps its "
+                       "shards (read as one dataset): write it elsewhere")
     if any(would_read(spec.input, str(out / f)) for f in ("", "shards/part-000000.parquet", "manifest.json")):
         raise JobError(f"--output {spec.output} is where the input {spec.input} reads: a re-run would read the "
                        "job's own output as input; write it elsewhere")

@@ -127,7 +127,11 @@ def failure_said(f: dict, max_retries: int | None = None) -> str:
 def how_to_go_on(out, overwrite: bool, record: dict | None = None) -> str:
     """How a job that ended early goes on, from the files in ``out`` (--overwrite would start over),
     with how far it got where its ``record`` says."""
-    if not out or not any(Path(out, "shards").glob("part-*.parquet")):
+    try:
+        started = bool(out) and any(Path(out, "shards").glob("part-*.parquet"))
+    except OSError:  # (an output it cannot look into: the error said why)
+        started = False
+    if not started:
         return "no shard was finished; the same command starts the job again"
     said = f"finished shards are kept in {out}; the same command resumes"
     if overwrite:

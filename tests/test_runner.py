@@ -1296,8 +1296,14 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
     (tmp_path / "loop").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop")
     (tmp_path / "afile").write_text("")
-    for out, said in (("loop", "--output .*loop: Symlink loop"), ("afile", "is a file, not a directory")):
-        with pytest.raises(JobError, match=said):  # (a traceback; "not writable: File exists")
+    (tmp_path / "other" / "shards").mkdir(parents=True)
+    (tmp_path / "other" / "manifest.json").write_text("{}")
+    for out, said in (("loop", "--output .*loop: Symlink loop"), ("afile", "is a file, not a directory"),
+                      ("afile/x", r"cannot be used: Not a directory"), ("x" * 256 + "/y", "cannot be used: File name too "
+                                                                                          "long"),
+                      ("other/shards/mine", r"lies in .*other/shards, where the dynatree output .*other keeps its shards"),
+                      ("other/shards", r"lies in .*other/shards"), ("bad\udcffname", "is not a UTF-8 name")):
+        with pytest.raises(JobError, match=said):  # (a traceback; "not writable: File exists"; trial AK's)
             run_job(spec(pair_dirs, tmp_path, input=str(tmp_path / "in"), output=str(tmp_path / out)), progress=False,
                     log=quiet)
     with pytest.raises(JobError, match="is a symbolic link to nothing that exists"):  # (it read "... hub unreachable")
