@@ -208,14 +208,23 @@ def start_local_ray(**kw):
 
 def _store_under_rlimit() -> int | None:
     """An object store that an address-space limit (``ulimit -v``, ``prlimit --as``) leaves room to
-    map, or None without one: Ray's default (~30% of RAM) is mapped by every process, and under an
+    map and a file size limit (``ulimit -f``) room to make, or None without either: Ray's default (~30% of RAM) is mapped by every process, and under an
     8 GiB limit the start died in Ray with a C++ stack (trial AE); an eighth of the limit worked."""
     import resource
 
+    least = 80 * 2**20  # (Ray's least: 75 MiB)
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
+    fsize, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    stores = [max(least, soft // 8)] if soft != resource.RLIM_INFINITY else []
+    if fsize != resource.RLIM_INFINITY:  # (the store is one file of its size: above `ulimit -f` Ray's node
+        if fsize * 7 // 8 < least:  # died of SIGXFSZ, and the job said "a busy machine: run again", trial AK)
+            raise JobError(f"the file size limit (`ulimit -f`: {fsize // 1024} KiB) is below what a local Ray cluster's "
+                           f"object store needs ({least // 2**20} MiB, one file): raise it (`ulimit -f unlimited`), or "
+                           "run on a cluster (--address)")
+        stores.append(fsize * 7 // 8)
+    if not stores:
         return None
-    store = max(80 * 2**20, soft // 8)  # (Ray's least: 75 MiB)
+    store = min(stores)
     default = placement.local_store()  # (never more than Ray's own: a bigger one it refuses -- the review)
     return store if default is None or store < default else None
 

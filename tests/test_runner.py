@@ -1480,6 +1480,14 @@ def test_an_address_space_limit_sizes_the_local_object_store(monkeypatch):
     assert driver._store_under_rlimit() is None
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024 * 2**30, resource.RLIM_INFINITY))
     assert driver._store_under_rlimit() is None  # (never above Ray's own, which it would refuse: the review)
+    # `ulimit -f`: the store is one file -- above the limit Ray's node died of SIGXFSZ, "run again" (trial AK)
+    fsize = {resource.RLIMIT_AS: resource.RLIM_INFINITY, resource.RLIMIT_FSIZE: 2**30}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (fsize[which], resource.RLIM_INFINITY))
+    assert driver._store_under_rlimit() == 7 * 2**27
+    fsize[resource.RLIMIT_FSIZE] = 20 * 1024
+    with pytest.raises(JobError, match=r"the file size limit \(`ulimit -f`: 20 KiB\) is below what a local Ray "
+                                       r"cluster's object store needs"):
+        driver._store_under_rlimit()
 
 
 def test_a_file_time_is_said_as_touch_takes_it_back():
