@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import types
 import warnings
@@ -545,7 +546,7 @@ def run(config_file, quiet, dry_run, **fields):
     from .jobs.driver import ClusterLost, JobError, MismatchError, run_job
     from .signals import ask, interrupted, quiet_exit
     from .jobs.spec import SpecError, build_spec
-    from .jobs.summary import OTHER_ERRORS
+    from .jobs.summary import every_row_failed
 
     ask()  # SIGTERM ends the job as Ctrl-C does, once Ray is up
     import importlib.util
@@ -585,17 +586,17 @@ def run(config_file, quiet, dry_run, **fields):
         return
     quiet_exit()
     _print_summary(summary, spec)
-    if summary["rows"] and summary["errors"] == summary["rows"]:
-        kind, n = next(iter(summary["error_messages"].items()))
-        _fail(f"every row failed ({summary['errors']}); the most common error, on {n} row{'s' * (n > 1)}: {kind!r}"
-              + (f" {OTHER_ERRORS}" if n < summary["errors"] else ""))
+    if (failed := every_row_failed(summary)) is not None:
+        _fail(failed)
 
 
 def _print_summary(summary: dict, spec) -> None:
     from .jobs.summary import format_table
     click.echo(format_table(summary))
     out = os.path.abspath(spec.output)  # (under `ray job submit` the working directory is Ray's)
-    click.echo(f"results: {out}/shards/*.parquet   summary: {out}/summary.json")
+    quote = shlex.quote  # (a path with spaces or $ broke when pasted into a shell: trial AK)
+    click.echo(f"results: {quote(out + '/shards')} (a Parquet dataset: pyarrow.dataset.dataset or pandas.read_parquet "
+               f"reads the directory)   summary: {quote(out + '/summary.json')}")
 
 
 def _prompt_ids(pair, prompt: str | list | dict, chat: bool, keep: int | None, name: str) -> list[int]:

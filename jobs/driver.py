@@ -45,7 +45,7 @@ from .plan import (JobError, OutputHeld, Plan, as_stored, check_output, check_un
                    make_plan, output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output,
                    refuse_changed_input_early, shard_number, start_over, write_shard)
 from .spec import MAX_INFLIGHT, OUTPUT_IDENTITY, JobSpec
-from .summary import ShardUnreadable, previous_decoding_run, summarize, write_summary
+from .summary import ShardUnreadable, every_row_failed, previous_decoding_run, summarize, write_summary
 
 __all__ = ["ClusterLost", "JobError", "MismatchError", "run_job"]
 
@@ -682,6 +682,8 @@ def _decode(spec: JobSpec, plan: Plan, out: Path, progress: bool, log, record: d
         summary = summarize(out, spec, run_stats, startup, previous_decoding_run(out), [*runs.read(out), complete])
     except ShardUnreadable as e:
         raise JobError(f"{e}: damaged since it was written? the same command decodes its rows again") from e
+    if (failed := every_row_failed(summary)) is not None:
+        complete.update(status="failed", message=failed)  # (summary["runs"] holds this record)
     write_summary(out, summary)
     runs.append(out, complete)  # (after the summary: a run stopped while summarizing is not "complete")
     return summary, gone

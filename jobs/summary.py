@@ -87,6 +87,16 @@ def _error_messages(t: dict) -> dict:
     return {**{t["error_example"][k]: n for k, n in top}, **({OTHER_ERRORS: rest} if rest else {})}
 
 
+def every_row_failed(summary: dict) -> str | None:
+    """What a job whose every row failed ends with (the command exits 1 and the run's record says
+    "failed" -- it said "complete": trial AJ), or None."""
+    if not summary["rows"] or summary["errors"] != summary["rows"]:
+        return None
+    kind, n = next(iter(summary["error_messages"].items()))
+    return (f"every row failed ({summary['errors']}); the most common error, on {counted(n, 'row')}: {kind!r}"
+            + (f" {OTHER_ERRORS}" if n < summary["errors"] else ""))
+
+
 def shard_files(out: Path) -> list[Path]:
     return sorted((Path(out) / "shards").glob("part-*.parquet"))
 

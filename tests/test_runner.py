@@ -1589,6 +1589,9 @@ def test_a_job_whose_every_row_failed_exits_non_zero(ray_cluster, pair_dirs, tmp
     assert sum(s["error_messages"].values()) == 3 and "prompt is empty or only whitespace" in s["error_messages"]
     from dynatree.jobs.summary import format_table  # (it blamed the id-hash sampling, at --verify-fraction 1: trial AF)
     assert "not checked: every one of the 3 rows has an error" in format_table(s)
+    from dynatree.jobs import runs  # (it said "complete" where the command exits 1: trial AJ)
+    assert runs.read(tmp_path / "out")[-1]["status"] == "failed" == s["runs"][-1]["status"]
+    assert runs.read(tmp_path / "out")[-1]["message"].startswith("every row failed (3); the most common error, on 2 rows")
     monkeypatch.setattr(driver, "run_job", lambda *a, **k: s)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["run", "--input", "in.parquet", "--output", "o"])
