@@ -630,14 +630,15 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     out = prepare_output(spec, plan)
     startup = {"plan_s": round(time.time() - t_start, 3)}
     run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
-    record = runs.begin(plan, spec.overwrite)
+    record = runs.begin(plan, spec.overwrite, started=t_start)
     try:
         summary, gone = _decode(spec, plan, out, progress, log, record, run_stats, startup, t_start)
     except BaseException as e:  # (a failed or stopped run writes no summary: its record says how it ended)
         run_stats["wall_time_s"] = time.time() - t_start
         if run_stats.pop("_cleared", not spec.overwrite):
             with contextlib.suppress(AttributeError):  # (the command says how far it got)
-                e.run_record = runs.end(out, record, _ended(e), str(e), run_stats, startup)
+                e.run_record = runs.end(out, record, _ended(e), str(e) or _STOPPED.get(_ended(e), ""), run_stats,
+                                        startup)
         raise
     if gone:  # (the command exits without Ray's shutdown, which would wait a minute for the lost head)
         lost = ClusterLost("the Ray cluster's head stopped answering as the last shard was written: every shard is "
@@ -703,6 +704,10 @@ def _check_shards_there(out: Path, plan: Plan, run_stats: dict) -> None:
         run_stats["_gone"] = (len(lost), sum(plan.shard(k)[2] - plan.shard(k)[1] for k in lost) * plan.samples)
         raise JobError(f"{counted(len(gone), 'shard file')} went missing while the job ran: {', '.join(gone[:5])}"
                        f"{' ...' if len(gone) > 5 else ''}; the same command decodes their rows again")
+
+
+_STOPPED = {"interrupted": "interrupted (Ctrl-C, SIGINT)", "terminated": "terminated (SIGTERM)"}  # (a signal's
+# KeyboardInterrupt says nothing: the record's message was "", trial AJ)
 
 
 def _ended(e: BaseException) -> str:

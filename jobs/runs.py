@@ -20,15 +20,16 @@ RUNS = "runs.jsonl"
 STATUSES = ("complete", "failed", "interrupted", "terminated", "cluster_lost")
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _now(t: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-def begin(plan, overwrite: bool) -> dict:
-    """A run's record as it starts (``before``: the shards the output already held, once read)."""
+def begin(plan, overwrite: bool, started: float | None = None) -> dict:
+    """A run's record as it starts (``started``: when the command began, planning included, as
+    this_run.wall_time_s counts it; ``before``: the shards the output already held, once read)."""
     from dynatree.machine import versions
 
-    return {"started_at": _now(), "pid": os.getpid(), "host": socket.gethostname(), "overwrite": overwrite,
+    return {"started_at": _now(started), "pid": os.getpid(), "host": socket.gethostname(), "overwrite": overwrite,
             "versions": versions(), "shards_total": plan.num_shards, "rows_total": plan.rows * plan.samples,
             "shards_before": 0, "rows_before": 0}
 
@@ -153,7 +154,9 @@ def progress_said(record: dict) -> str:
 def describe(out, record: dict) -> str:
     """An unfinished output's state, from its last run's record (dynatree report)."""
     failed = record.get("failed_shards") or []  # (said below, shard by shard: not twice)
-    took = f"{record.get('status')}" + (f": {record['message']}" if record.get("message") and not failed else "")
+    message = record.get("message") or ""
+    said = message and not failed and not message.startswith(str(record.get("status")))  # ("interrupted: interrupted")
+    took = f"{record.get('status')}" + (f": {message}" if said else "")
     lines = [f"{out}: the job has not finished: its last run (pid {record.get('pid')} on {record.get('host')}, "
              f"{record.get('started_at')} to {record.get('ended_at')}) ended {took}"]
     lines += [failure_said(f) for f in failed]

@@ -1561,6 +1561,7 @@ def test_a_stopped_run_records_how_far_it_got_and_report_says_it(pair_dirs, tmp_
                                     "kept in" in res.output, res.output
     record = runs.read(tmp_path / "out")[-1]
     assert record["status"] == "interrupted" and record["this_run"]["rows_this_run"] == 4 and record["pid"] > 0
+    assert record["message"] == "interrupted (Ctrl-C, SIGINT)"  # (it was "": trial AJ)
     assert [f["shard"] for f in record["failed_shards"]] == ["part-000002"]
     before = (tmp_path / "out" / "runs.jsonl").read_bytes()
     res = CliRunner().invoke(main, [*args, "--overwrite"])  # (the old job's output and record stay as they were)
