@@ -20,10 +20,16 @@ from .runs import RUNS, read as read_runs, this_run
 
 
 def _config(spec) -> dict:
-    """The job's fields, its output named in full (a reader elsewhere finds the shards)."""
+    """The job's fields, its output named in full (a reader elsewhere finds the shards) and its
+    models where they are."""
     d = spec.to_dict()
     if d.get("output"):
         d["output"] = os.path.abspath(d["output"])
+    if d.get("target") is None:  # the bundled demo pair, by where it is (it read null: trial AJ)
+        from dynatree.names import default_pair_dir
+
+        d["target"] = str(default_pair_dir() / "target")
+        d["draft"] = str(default_pair_dir() / "draft") if d.get("method") != "ar" else None
     return d
 
 

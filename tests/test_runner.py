@@ -2018,6 +2018,11 @@ def test_the_summary_counts_every_row_of_every_shard(tmp_path):
         pq.write_table(pa.Table.from_pylist(part, schema=output_schema()), tmp_path / "shards" / f"part-{k:06d}.parquet")
     s = summarize(tmp_path, types.SimpleNamespace(to_dict=lambda: {"output": "rel/out"}, samples=1), {})
     assert s["config"]["output"] == os.path.abspath("rel/out")  # (a reader elsewhere finds the shards)
+    from dynatree.jobs.summary import _config
+    from dynatree.names import default_pair_dir
+    demo = _config(build_spec(None, input="x", output="y"))  # (the bundled pair read null: trial AJ)
+    assert (demo["target"], demo["draft"]) == (str(default_pair_dir() / "target"), str(default_pair_dir() / "draft"))
+    assert Path(demo["target"]).is_dir() and _config(build_spec(None, input="x", output="y", method="ar"))["draft"] is None
     ok = [r for r in rows if r["error"] is None]
     checked = [r for r in ok if r["matches_ar"] is not None]
     assert (s["rows"], s["errors"], s["error_messages"]) == (23, 5, {"too long": 3, "prompt of 612 tokens is longer than the 512": 2})
