@@ -77,8 +77,10 @@ def end(out: Path, record: dict, status: str, message: str, run_stats: dict, sta
 def this_run(run_stats: dict) -> dict:
     """A run's statistics as its summary and its record say them."""
     wall, tokens = run_stats.get("wall_time_s") or 0.0, run_stats.get("tokens_this_run", 0)
-    return {**{k: v for k, v in run_stats.items() if k != "failed_shards" and not k.startswith("_")},
-            "job_tokens_per_s": tokens / wall if wall and tokens else None}
+    said = {k: v for k, v in run_stats.items() if k != "failed_shards" and not k.startswith("_")}
+    if isinstance(said.get("nodes"), dict):  # (keyed by node id, a table of many runs grew a column a node: trial AJ)
+        said["nodes"] = [{"node_id": k, "node_ip": v} for k, v in said["nodes"].items()]
+    return {**said, "job_tokens_per_s": tokens / wall if wall and tokens else None}
 
 
 def read(out: Path) -> list[dict]:

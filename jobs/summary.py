@@ -360,13 +360,13 @@ def _batch_of(actor: dict) -> str:
     return f"{actor['batch_size']} (auto; best measured {best}: {rates[best]:.0f} tokens/s)"
 
 
-def _machines(actors: list[dict], nodes: dict | None = None) -> str:
+def _machines(actors: list[dict], nodes: list | dict | None = None) -> str:
     """'2 actors on Intel(R) Xeon(R) ... with 2 CPUs (2 Ray nodes)': the machines (CPUs, GPUs) this run's
     actors ran on, counted -- the CPUs the machine's, not each actor's ("2 x ..., 2 CPUs" read as 4) --
     and the Ray nodes its actors were ready on, lost ones too (``nodes``; older summaries: the actors')."""
     counts = Counter(a["machine"] for a in actors if a.get("machine"))
     living = {a["node_id"] for a in actors if a.get("node_id")}
-    every = set(nodes or ()) | living
+    every = {n["node_id"] if isinstance(n, dict) else n for n in nodes or ()} | living  # (older summaries: id -> ip)
     lost = f", the actors on {len(every - living)} of them lost" if every - living else ""
     return "; ".join(f"{n} actor{'s' * (n > 1)} on " + re.sub(r", (\d+) CPUs", r" with \1 CPUs", m)
                      for m, n in counts.most_common()) + (f" ({counted(len(every), 'Ray node')}{lost})" if every else "")

@@ -245,7 +245,7 @@ def test_shards_lost_with_a_node_are_requeued_not_charged(ray_cluster, pair_dirs
     assert sorted(r["id"] for r in read_rows(tmp_path / "out")) == sorted(f"k{i}" for i in range(2 * len(PROMPTS)))
     assert s["this_run"]["retries"] >= 1
     if told == "by its raylet":
-        assert asked and all(n in s["this_run"]["nodes"] for n in asked), asked
+        assert asked and all(n in [m["node_id"] for m in s["this_run"]["nodes"]] for n in asked), asked
 
 
 def test_a_dead_actors_node_is_gone_when_its_raylet_does_not_answer():
@@ -401,10 +401,11 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     assert f"actors ran on            1 actor on {machine} (1 Ray node)" in format_table(s), format_table(s)
     import ray  # (and which node each actor ran on: a multi-node user checks the spread)
     here = ray.get_runtime_context().get_node_id()
-    assert s["this_run"]["actors"][0]["node_id"] == here and list(s["this_run"]["nodes"]) == [here]
+    assert s["this_run"]["actors"][0]["node_id"] == here and [n["node_id"] for n in s["this_run"]["nodes"]] == [here]
     from dynatree.jobs.summary import _machines  # (a node whose actor was lost still counts: the resource trial)
-    assert _machines(s["this_run"]["actors"], {**s["this_run"]["nodes"], "gone": "10.0.0.9"}).endswith(
-        "(2 Ray nodes, the actors on 1 of them lost)")
+    gone = {"node_id": "gone", "node_ip": "10.0.0.9"}
+    for nodes in ([*s["this_run"]["nodes"], gone], {here: "ip", "gone": "10.0.0.9"}):  # (and an older summary's)
+        assert _machines(s["this_run"]["actors"], nodes).endswith("(2 Ray nodes, the actors on 1 of them lost)")
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])  # a run's output: its table again
