@@ -1254,6 +1254,7 @@ class _Dispatch:
             if isinstance(e, RayActorError):
                 self._check_cluster(ray, actor_died=True)  # (with the head gone, every actor "dies")
             if isinstance(e, RayActorError) and placement.node_died(e):
+                self.stats["actors_lost"] = self.stats.get("actors_lost", 0) + 1  # (it went uncounted: trial AN)
                 self.log(f"actor {slot}'s replacement was lost with its node before it was ready; starting another")
                 self.actors[slot] = new = self.start_actor(slot)
                 self.restarts[slot] = (new.ready.remote(), deadline)
