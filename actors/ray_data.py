@@ -61,6 +61,7 @@ _JOB_ONLY = {"input": "the dataset", "output": "write_parquet or any Ray Data si
 _STREAM = "ray-data"  # the spec's input and output, and the worker's shard name
 _HORIZON = 10**9  # rows still to come, as the batch tuner hears it: a stream's length is unknown
 _SWITCHES = {f.name for f in dataclasses.fields(JobSpec) if isinstance(f.default, bool)}  # (stage_names)
+_FLAG_FIELDS = {f.metadata["flag"]: f.name for f in dataclasses.fields(JobSpec) if "flag" in f.metadata}  # (--stop-token-id)
 _CALLS = 256  # threads waiting on the worker at once: every batch Ray Data hands the actor
 
 
@@ -79,6 +80,8 @@ def decoding_spec(**options) -> JobSpec:
         near = {w: close_names([w], stage) or close_names([w], method) for w in unknown}
         said = [f"{w}: did you mean {c[0]}?" if c[0] in stage else f"{w}: the method's options={{'{c[0]}': ...}}?"
                 for w, c in near.items() if c]
+        said += [f"{w}: map_batches' pool argument, given to check as its first argument (check({{'{w}': ...}}, "
+                 "...))" for w in unknown if w in _POOL | _POOL_UNCHECKED]
         hint = f" ({'; '.join(said)})" if said else ""
         raise SpecError(f"unknown option(s) {', '.join(unknown)}{hint}; the stage takes threads and "
                         f"{', '.join(sorted(stage))}, and a method's options as options={{KEY: VALUE}}")
@@ -98,7 +101,10 @@ def check(pool: dict | None = None, **options) -> JobSpec:
     from dynatree.jobs.driver import JobError, check_models
 
     _threads(options.get("threads"))
-    spec = decoding_spec(**{k: v for k, v in options.items() if k != "threads"})
+    try:  # (build_spec's words are the job runner's: "add --draft", trial AL)
+        spec = decoding_spec(**{k: v for k, v in options.items() if k != "threads"})
+    except SpecError as e:
+        raise SpecError(stage_names(str(e))) from e
     try:
         check_models(spec)
         _check_device(spec)
@@ -125,6 +131,32 @@ def _pool_size(pool: dict) -> int:
     return int(concurrency[0] if isinstance(concurrency, (tuple, list)) else concurrency)
 
 
+def _check_pool_values(pool: dict) -> None:
+    """SpecError for pool values map_batches would refuse later or read oddly (a string num_cpus was
+    a bare TypeError here, concurrency=0 passed: trial AL)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+    for key in ("num_cpus", "num_gpus", "memory"):
+        if pool.get(key) is not None and not number(pool[key]):
+            raise SpecError(f"pool {key} must be a number >= 0, got {pool[key]!r}")
+    concurrency = pool.get("concurrency")
+    sizes = list(concurrency) if isinstance(concurrency, (tuple, list)) else [concurrency]
+    if concurrency is not None and not (1 <= len(sizes) <= 2 and all(isinstance(n, int) and not isinstance(n, bool)
+                                                                       and n >= 1 for n in sizes) and sizes == sorted(sizes)):
+        raise SpecError(f"pool concurrency must be a number of actors >= 1 or (min, max), got {concurrency!r}")
+    resources = pool.get("resources")
+    if resources is not None and not (isinstance(resources, dict) and all(number(v) for v in resources.values())):
+        raise SpecError(f"pool resources must map names to amounts >= 0, got {resources!r}")
+
+
+def _fixed(pool: dict) -> bool:
+    """Whether the pool keeps its size (a fixed ActorPoolStrategy or concurrency): an autoscaling
+    one may give CPUs back."""
+    if (compute := pool.get("compute")) is not None:
+        return getattr(compute, "min_size", None) is not None and compute.min_size == getattr(compute, "max_size", None)
+    concurrency = pool.get("concurrency") or 1
+    return not isinstance(concurrency, (tuple, list)) or len(set(concurrency[:2])) == 1
+
+
 def _check_pool(pool: dict) -> None:
     """The pool's actors against the cluster's nodes, as ``dynatree run`` checks its own: Ray Data
     waits for ever on a pool the cluster cannot hold, saying only Ray's autoscaler's words."""
@@ -139,6 +171,7 @@ def _check_pool(pool: dict) -> None:
     # (ray_remote_args may hold the resources; None is Ray Data's default: a CPU an actor)
     pool = {**{k: v for k, v in (pool.get("ray_remote_args") or {}).items() if k in _POOL}, **pool}
     pool["num_cpus"] = 1 if pool.get("num_cpus") is None else pool["num_cpus"]
+    _check_pool_values(pool)
     if ray.is_initialized():
         nodes = ray.nodes()
     elif os.environ.get("RAY_ADDRESS"):  # (Ray Data will join a cluster this driver has not)
@@ -158,6 +191,11 @@ def _check_pool(pool: dict) -> None:
             message = message.replace(flag, name)
         raise JobError(f"the pool cannot be placed: {message}") from e
     cpus, taken = placement.alive_cpus(nodes), _pool_size(pool) * pool["num_cpus"]
+    if cpus - taken < 1 and _fixed(pool):  # (the example's --actors 2 on 2 CPUs waited for ever: trial AL)
+        raise JobError(f"the pool's {_pool_size(pool)} actor(s) take {taken:g} of the cluster's {cpus:g} CPUs for the "
+                       "whole run, leaving none for Ray Data's read and write tasks (a CPU each by default): the "
+                       "pipeline would wait for ever; reserve fewer CPUs (num_cpus, the pool's size) and keep the "
+                       "threads option")
     if cpus - taken < 1:
         warnings.warn(f"the pool's actors take {taken:g} of the cluster's {cpus:g} CPUs, so Ray Data's read and write "
                       "tasks (a CPU each by default) may find none and the pipeline wait for ever: reserve fewer CPUs "
@@ -198,13 +236,20 @@ def _check_device(spec: JobSpec) -> None:
 
 def stage_names(message: str) -> str:
     """A job driver's message as the stage's options name things: `--chat-template` is
-    chat_template, `--option kv_window=...` options kv_window=... (not inside paths)."""
+    chat_template, `--option kv_window=...` options kv_window=..., `--stop-token-id` stop_token_ids
+    (not inside paths, nor in a shell command to run: `ray start --resources ...`, trial AL)."""
     def option(m: re.Match) -> str:
         name = m.group(1).replace("-", "_")
+        name = _FLAG_FIELDS.get(name, name)
         return f"{name}=True" if name in _SWITCHES else name  # (a switch: --chat-template)
 
-    message = re.sub(r"(?<![\w/.-])--option (\w+)=", r"options \1=", message)
-    return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", option, message)
+    def outside_commands(m: re.Match) -> str:
+        if m.group(1) is not None:  # (a command in backticks: as it is)
+            return m.group(1)
+        text = re.sub(r"(?<![\w/.-])--option (\w+)=", r"options \1=", m.group(2))
+        return re.sub(r"(?<![\w/.-])--([a-z][a-z0-9-]*)", option, text)
+
+    return re.sub(r"(`(?:ray|dynatree|pip|python) [^`]*`)|([^`]+|`)", outside_commands, message)
 
 
 class Generate:

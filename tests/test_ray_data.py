@@ -86,6 +86,12 @@ def test_the_driver_side_check_finds_model_problems_before_any_actor(pair_dirs):
     from dynatree.actors.ray_data import stage_names
     assert stage_names("--max-new-tokens 2000 is past the context; give --option kv_window=N (see /a/b--c-d)") == \
         "max_new_tokens 2000 is past the context; give options kv_window=N (see /a/b--c-d)"
+    assert stage_names("--stop-token-id 9 is outside; a node started with `ray start --resources '{\"a\": N}'` "
+                       "has it") == ("stop_token_ids 9 is outside; a node started with `ray start --resources "
+                                     "'{\"a\": N}'` has it")  # (a command to run kept whole: trial AL)
+    with pytest.raises(SpecError, match="needs a draft: add draft, or run method ar") as e:  # (build_spec's too)
+        check(**options(pair_dirs, draft=None))
+    assert "--" not in str(e.value), e.value
     with pytest.raises(JobError, match="do not share a tokenizer"):
         check(**options(pair_dirs, draft=str(pair_dirs / "foreign")))
     with pytest.raises(SpecError, match="unknown option"):
@@ -134,7 +140,19 @@ def test_check_refuses_a_pool_the_cluster_cannot_hold(pair_dirs, monkeypatch):
     with pytest.raises(JobError, match="no node offers fast"):
         check(dict(concurrency=(1, 2), resources={"fast": 1}), **options(pair_dirs))
     with pytest.warns(UserWarning, match="take 4 of the cluster's 4 CPUs, so Ray Data's read and write tasks"):
-        check(dict(num_cpus=2, concurrency=2), **options(pair_dirs))
+        check(dict(num_cpus=2, concurrency=(2, 3)), **options(pair_dirs))  # (one that scales may give some back)
+    for fixed in (dict(num_cpus=2, concurrency=2), dict(num_cpus=1, compute=strategy(size=4))):  # (waited for ever:
+        with pytest.raises(JobError, match=r"take 4 of the cluster's 4 CPUs for the whole run, leaving none for Ray "
+                                           r"Data's read and write tasks"):  # the example's --actors 2, trial AL)
+            check(fixed, **options(pair_dirs))
+    for pool, said in ((dict(num_cpus="1"), "pool num_cpus must be a number >= 0, got '1'"),
+                       (dict(concurrency=0), r"pool concurrency must be .* got 0"),
+                       (dict(concurrency=(3, 1)), r"pool concurrency must be .* got \(3, 1\)"),
+                       (dict(resources={"ssd": "x"}), "pool resources must map names to amounts")):
+        with pytest.raises(SpecError, match=said):
+            check(pool, **options(pair_dirs))
+    with pytest.raises(SpecError, match=r"num_cpus: map_batches' pool argument, given to check as its first argument"):
+        check(num_cpus=1, **options(pair_dirs))
     with pytest.raises(SpecError, match="pool takes map_batches' .*got batch_size"):
         check(dict(batch_size=4), **options(pair_dirs))
     # Ray Data's own default (num_cpus=None: a CPU) and its other placement arguments, as map_batches takes them
