@@ -105,14 +105,27 @@ def _pair_options(f):
     from .jobs.spec import JobSpec
 
     fields = {fld.name: fld for fld in dataclasses.fields(JobSpec)}
+    here = {"device": "auto (a CUDA GPU where there is one, else the CPU), cpu, cuda or cuda:N"}  # (no actors here)
     for name in reversed(("target", "draft", "device", "dtype", "kernel")):
         fld, choices = fields[name], fields[name].metadata.get("choices")
         f = click.option(f"--{name}", default=fld.default, show_default=fld.default is not None,
-                         type=click.Choice(list(choices)) if choices else str, help=fld.metadata["help"])(f)
+                         type=click.Choice(list(choices)) if choices else str,
+                         callback=_device_checked if name == "device" else None,
+                         help=here.get(name, fld.metadata["help"]))(f)
     return f
 
 
-@main.command(epilog="\b\nMethod options (--option key=value):\n" + options_help())
+def _device_checked(_ctx, _param, value: str) -> str:
+    """--device as a usage error where it names no device (exit 2, as --dtype's is: trial AM)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"choose auto, cpu, cuda or cuda:N, not {value!r}")
+    return value
+
+
+_METHOD_OPTIONS = "\b\nMethod options (--option key=value):\n" + options_help()  # (generate's only: trial AM)
+
+
+@main.command(epilog=_METHOD_OPTIONS)
 @_pair_options
 @click.option("--method", default="dynatree", show_default=True, type=click.Choice(list(METHODS)),
               help="decoding method (ar: plain greedy or sampled decoding with the target alone)")
@@ -152,6 +165,8 @@ def generate(target, draft, device, dtype, kernel, method, options, max_new_toke
 
     _threads(threads, device)
     # (`echo text | dynatree generate` must decode "text", not "text\n": another prompt, other tokens)
+    if not prompts and sys.stdin.isatty():  # (it waited in silence at a terminal: trial AM)
+        click.echo("reading the prompt from stdin: type it, then Ctrl-D (or give --prompt)", err=True)
     prompts = list(prompts) or [file_text(sys.stdin.read())]  # (as a .txt input reads)
     blank = [i for i, p in enumerate(prompts) if not p.strip()]
     if blank:
@@ -279,7 +294,7 @@ def _compared_with(pair, ref) -> str:
     return f" (against {label}" + (" on this bfloat16-compute kernel, not float32's" if bf16 else "") + ")"
 
 
-@main.command()
+@main.command(epilog=_METHOD_OPTIONS)
 @_pair_options
 @click.option("--prompts", "prompt_files", multiple=True, required=True,
               help="prompt source: Parquet/Arrow/JSONL file, directory or glob (repeatable)")
@@ -521,8 +536,25 @@ def _spec_options(f):
         else:
             choices = fld.metadata.get("choices")
             kind = click.Choice(list(choices)) if choices else {"int": int, "float": float}.get(kind, str)
+            if "None" in parts and kind in (int, float):  # (a job file's limit: 2 could not be undone: trial AM)
+                kind, help_ = _OrNone(kind), help_ + " (none: unset, as if not given)"
             f = click.option(f"--{name}", fld.name, type=kind, default=None, help=help_)(f)
     return f
+
+
+class _OrNone(click.ParamType):
+    """A number, or ``none`` for the field's unset value (jobs.spec.CLEARED: a flag not given
+    leaves a job file's value)."""
+
+    def __init__(self, kind):
+        self.kind, self.name = kind, f"{kind.__name__}|none"
+
+    def convert(self, value, param, ctx):
+        from .jobs.spec import CLEARED
+
+        if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+            return CLEARED
+        return click.types.convert_type(self.kind).convert(value, param, ctx)
 
 
 def _how_to_go_on(spec, fields: dict, error: BaseException | None = None) -> str:
@@ -534,7 +566,7 @@ def _how_to_go_on(spec, fields: dict, error: BaseException | None = None) -> str
     return how_to_go_on(out, bool(overwrite), getattr(error, "run_record", None))
 
 
-@main.command()
+@main.command(epilog=_METHOD_OPTIONS)
 @click.option("--config", "config_file", type=click.Path(), help="job file (YAML or JSON); flags override it")
 @_spec_options
 @click.option("--quiet", is_flag=True, help="no progress bar")
@@ -553,8 +585,11 @@ def run(config_file, quiet, dry_run, **fields):
     if importlib.util.find_spec("ray") is None:  # (a base install: the driver imports it at the first check)
         _fail("dynatree run needs Ray: pip install 'dynatree[ray]' (or '.[ray]' in a checkout)")
     spec = None
-    try:
+    try:  # (a bad flag or job file is a usage error, exit 2, as click's own are: a failed job's 1 it was, trial AM)
         spec = build_spec(config_file, **fields)  # (--option and --resource KEY=VALUE strings: parsed there)
+    except SpecError as e:
+        raise click.UsageError(str(e)) from e
+    try:
         summary = run_job(spec, progress=not quiet, log=lambda m: click.echo(m, err=True), dry_run=dry_run)
     except ClusterLost as e:  # Ray's shutdown would wait a minute for the lost head, then abort
         if e.summary is not None:  # (the job finished: its table, and a note)
@@ -569,7 +604,7 @@ def run(config_file, quiet, dry_run, **fields):
         quiet_exit()
         _print_summary(e.summary, spec)
         _fail(str(e))
-    except (SpecError, JobError, ValueError) as e:
+    except (JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
         _fail(str(e) if dry_run else f"{e}; {_how_to_go_on(spec, fields, e)}")
@@ -625,7 +660,7 @@ def _number_list(s: str | None, flag: str = "", lo: int = 1, kind: type = int) -
     return out
 
 
-@main.command()
+@main.command(epilog=_METHOD_OPTIONS)
 @_pair_options
 @click.option("--dataset", "datasets", multiple=True, required=True,
               help="wikitext, pg19 (hub), a file/dir/glob, or NAME=PATH; repeatable")

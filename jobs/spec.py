@@ -370,6 +370,7 @@ def _load_file(path: str) -> dict:
     return data
 
 
+CLEARED = type("Cleared", (), {"__repr__": lambda self: "none"})()  # a flag's `none`: the field unset
 CLI_ONLY = ("config", "quiet", "dry_run")  # `dynatree run` flags that are not job fields
 
 
@@ -400,6 +401,7 @@ def build_spec(config_file: str | None = None, **overrides) -> JobSpec:
     options = _file_options(data.get("options"))
     options.update(_file_options(overrides.pop("options", None)))  # (a Ray Data stage's options= as a file's)
     data.update({k: v for k, v in overrides.items() if v is not None})
+    data = {k: None if v is CLEARED else v for k, v in data.items()}  # (`--limit none` over a job file's limit)
     try:  # typed values, so "8" from a flag and 8 from YAML are the same job
         cfg = make_config(data.get("method", "dynatree"), options)
         data["options"] = {k: getattr(cfg, k) for k in options}

@@ -1030,6 +1030,32 @@ def test_a_replacement_no_node_can_hold_is_said_while_it_waits(tmp_path):
     assert len(said) == 1
 
 
+def test_command_line_usage_errors_and_unsetting_a_job_files_value(tmp_path, monkeypatch):
+    """A bad flag or job file exits 2 as click's own usage errors do (it was 1, a failed job's);
+    `--limit none` unsets a job file's limit (no flag value could: trial AM); --device is checked as
+    --dtype is; generate --help's method options are on run's, check's and bench's too."""
+    from click.testing import CliRunner
+
+    from dynatree import cli
+    from dynatree.jobs import driver
+
+    job = tmp_path / "job.yaml"
+    job.write_text(f"input: {tmp_path / 'in.parquet'}\noutput: {tmp_path / 'out'}\nlimit: 2\nmax_prompt_tokens: 20\n")
+    got = []
+    monkeypatch.setattr(driver, "run_job", lambda spec, **k: got.append(spec) or {"options": {}})  # (a dry run)
+    res = CliRunner().invoke(cli.main, ["run", "--config", str(job), "--limit", "none", "--max-prompt-tokens", "None",
+                                        "--dry-run"])
+    assert res.exit_code == 0 and (got[0].limit, got[0].max_prompt_tokens) == (None, None), res.output
+    CliRunner().invoke(cli.main, ["run", "--config", str(job), "--dry-run"])
+    assert (got[1].limit, got[1].max_prompt_tokens) == (2, 20)
+    res = CliRunner().invoke(cli.main, ["run", "--config", str(job), "--max-new-tokens", "0"])
+    assert res.exit_code == 2 and "max_new_tokens must be >= 1" in res.output and "Usage: " in res.output, res.output
+    res = CliRunner().invoke(cli.main, ["generate", "--device", "gpu", "--prompt", "x"])
+    assert res.exit_code == 2 and "choose auto, cpu, cuda or cuda:N, not 'gpu'" in res.output, res.output
+    for command in ("run", "check", "bench", "generate"):
+        assert "Method options (--option key=value)" in CliRunner().invoke(cli.main, [command, "--help"]).output
+
+
 def test_example_job_files_are_valid_specs():
     from pathlib import Path
     for f in sorted((Path(__file__).resolve().parents[1] / "jobs" / "examples").glob("*.yaml")):
