@@ -294,7 +294,8 @@ def _probe(address: str, name: str = "--address", timeout_s: float = 5.0) -> Non
             raise JobError(f"cannot reach the Ray cluster at {address}, which `auto` means here ({means}): nothing "
                            f"answers there ({e.strerror or e}); restart its head, or give another --address") from e
         what = "Ray client server address (port 10001 unless set)" if address.startswith("ray://") else "GCS address"
-        raise JobError(f"cannot reach the Ray cluster at {address}: nothing answers there ({e.strerror or e}); "
+        whence = " (from RAY_ADDRESS: unset it to run on this machine)" if name == "RAY_ADDRESS" else ""  # (trial AM)
+        raise JobError(f"cannot reach the Ray cluster at {address}{whence}: nothing answers there ({e.strerror or e}); "
                        f"is its head running (`ray start --head`), and is this its {what}?") from e
     if web:  # (ray.init would dial it for minutes: a web server is no GCS)
         raise JobError(f"{address} answers as a web server, not as a Ray cluster (a Ray dashboard, port 8265 unless "

@@ -711,6 +711,8 @@ def test_an_address_where_nothing_listens_fails_fast(monkeypatch):
         _probe(f"127.0.0.1:{port}")
     with pytest.raises(JobError, match="nothing answers .*Ray client server address"):  # a Ray client address alike
         _probe(f"ray://127.0.0.1:{port}")
+    with pytest.raises(JobError, match=r"at 127.0.0.1:\d+ \(from RAY_ADDRESS: unset it to run on this machine\)"):
+        _probe(f"127.0.0.1:{port}", "RAY_ADDRESS")  # (a stale RAY_ADDRESS was not named: trial AM)
     assert time.time() - t0 < 30
     import http.server
     import threading
