@@ -43,7 +43,7 @@ from dynatree.config import SLOW_ON_CPU, grows_trees, unused_options
 from . import footprint, placement, runs
 from .plan import (JobError, OutputHeld, Plan, as_stored, check_output, check_unlocked, default_ids, finished_shards,
                    make_plan, output_lock, pin_context, pin_prompt_start, pin_text_rule, prepare_output,
-                   refuse_changed_input_early, shard_number, start_over, write_shard)
+                   refuse_changed_input_early, shard_number, start_over, unwritable, write_shard)
 from .spec import MAX_INFLIGHT, OUTPUT_IDENTITY, JobSpec
 from .summary import ShardUnreadable, every_row_failed, previous_decoding_run, summarize, write_summary
 
@@ -746,7 +746,8 @@ def _dry_run(spec: JobSpec, plan: Plan) -> dict:
         try:
             ensure_writable(d)
         except OSError as e:
-            raise JobError(f"output directory {out} is not writable: {d}: {e.strerror or e}") from None
+            raise JobError(unwritable(out, e) if isinstance(e, FileExistsError) else
+                           f"output directory {out} is not writable: {d}: {e.strerror or e}") from None
     done, todo = _progress_of(out, spec, plan)
     rows = sum(plan.shard(k)[2] - plan.shard(k)[1] for k in todo)
     shown = {"id_column": spec.id_column or "(row index)", "keep_columns": plan.kept_names,

@@ -77,6 +77,8 @@ def read_manifest(out: Path) -> dict | None:
     """The manifest of a job begun in ``out`` (None: none); JobError when it cannot be read."""
     path = out / "manifest.json"
     if not path.is_file():
+        if os.path.lexists(path):  # (a directory there read as "no manifest": trial AK)
+            raise JobError(f"{path} is not a file: move it, or use another --output")
         return None
     try:
         return json.loads(path.read_text())
@@ -563,6 +565,17 @@ def check_unlocked(output: str) -> None:
             raise _held(output, f) from None
 
 
+def unwritable(out: Path, e: OSError) -> str:
+    """Why the output directory cannot be written, said for what is in the way ("not writable:
+    File exists" was said for a file named shards and for a link to nothing: trial AK)."""
+    if isinstance(e, FileExistsError):
+        where = Path(e.filename) if e.filename else out
+        if where.is_symlink() and not where.exists():
+            return f"--output {out}: {where} is a symbolic link to nothing that exists: point it at a directory, or remove it"
+        return f"--output {out}: {where} is a file where a directory goes: move it, or use another --output"
+    return f"output directory {out} is not writable: {e}"
+
+
 @contextlib.contextmanager
 def output_lock(output: str):
     """Held by the job's driver while it writes ``output``: a second job on the same directory
@@ -573,7 +586,7 @@ def output_lock(output: str):
         out.mkdir(parents=True, exist_ok=True)
         f = open(out / ".dynatree.lock", "a+")
     except OSError as e:
-        raise JobError(f"output directory {out} is not writable: {e}") from e
+        raise JobError(unwritable(out, e)) from e
     with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -623,7 +636,7 @@ def prepare_output(spec: JobSpec, plan: Plan) -> Path:
         ensure_writable(out)
         ensure_writable(out / "shards")  # (its own: an immutable shards/ failed the job only at its first shard)
     except OSError as e:
-        raise JobError(f"output directory {out} is not writable: {e}") from e
+        raise JobError(unwritable(out, e)) from e
     manifest = check_output(spec, plan)
     if not spec.overwrite:  # (an overwrite clears and pins its manifest once its actors are ready: start_over)
         _write_manifest(out, manifest)

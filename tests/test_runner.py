@@ -1327,7 +1327,14 @@ def test_model_problems_fail_in_the_driver_before_actors(pair_dirs, tmp_path, mo
     (tmp_path / "afile").write_text("")
     (tmp_path / "other" / "shards").mkdir(parents=True)
     (tmp_path / "other" / "manifest.json").write_text("{}")
+    (tmp_path / "filed").mkdir()
+    (tmp_path / "filed" / "shards").write_text("")
+    (tmp_path / "dirmanifest" / "manifest.json").mkdir(parents=True)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
     for out, said in (("loop", "--output .*loop: Symlink loop"), ("afile", "is a file, not a directory"),
+                      ("filed", r"filed/shards is a file where a directory goes"),
+                      ("dirmanifest", r"dirmanifest/manifest.json is not a file"),
+                      ("dangling", r"dangling is a symbolic link to nothing that exists"),
                       ("afile/x", r"cannot be used: Not a directory"), ("x" * 256 + "/y", "cannot be used: File name too "
                                                                                           "long"),
                       ("other/shards/mine", r"lies in .*other/shards, where the dynatree output .*other keeps its shards"),
