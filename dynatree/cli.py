@@ -607,7 +607,8 @@ def run(config_file, quiet, dry_run, **fields):
     except (JobError, ValueError) as e:
         _fail(str(e))
     except OSError as e:  # a full disk, a file gone from under the job: finished shards are whole
-        _fail(str(e) if dry_run else f"{e}; {_how_to_go_on(spec, fields, e)}")
+        _fail(str(e) if dry_run else f"{e}; once that is fixed -- {_how_to_go_on(spec, fields, e)}")  # (a read-only
+        # shards/ or a full disk stays so: "the same command resumes" alone read as "run it again", trial AK)
     except KeyboardInterrupt as e:
         how, code = interrupted(e)
         click.echo(f"\n{how}: {_how_to_go_on(spec, fields, e)}", err=True)
