@@ -632,6 +632,7 @@ def _run_planned(spec: JobSpec, plan: Plan, t_start: float, progress: bool, log)
     startup = {"plan_s": round(time.time() - t_start, 3)}
     run_stats = {"rows_this_run": 0, "tokens_this_run": 0, "shards_this_run": 0, "retries": 0}
     record = runs.begin(plan, spec.overwrite, started=t_start)
+    run_stats["_run"] = runs.run_ref(record)  # (each shard's footer names it)
     try:
         summary, gone = _decode(spec, plan, out, progress, log, record, run_stats, startup, t_start)
     except BaseException as e:  # (a failed or stopped run writes no summary: its record says how it ended)
@@ -669,7 +670,7 @@ def _decode(spec: JobSpec, plan: Plan, out: Path, progress: bool, log, record: d
         if spec.overwrite:
             start_over(spec, plan)
             run_stats["_cleared"] = True
-        write_shard(out, spec, plan, 0, plan.schema.empty_table())
+        write_shard(out, spec, plan, 0, plan.schema.empty_table(), runs.run_ref(record))
     if todo:  # (a finished job's summary no longer says what the output holds: trials AJ, AK)
         with contextlib.suppress(FileNotFoundError):
             (out / "summary.json").unlink()
@@ -1085,7 +1086,8 @@ class _Dispatch:
                             self.restarts[slot] = (new.ready.remote(), time.time() + self.replace_timeout_s)
                         continue
                     self.suspects.discard(k)
-                    write_shard(self.out, self.spec, self.plan, k, _shard_table(self.plan, rows, results, kept))
+                    write_shard(self.out, self.spec, self.plan, k, _shard_table(self.plan, rows, results, kept),
+                                self.stats.get("_run"))
                     self.stats["rows_this_run"] += len(results)
                     self.stats["tokens_this_run"] += sum(r["num_generated_tokens"] or 0 for r in results)
                     self.stats["shards_this_run"] += 1

@@ -735,10 +735,14 @@ def finished_shards(out: Path, spec: JobSpec, plan: Plan) -> set[int]:
     return done
 
 
-def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table) -> None:
+def write_shard(out: Path, spec: JobSpec, plan: Plan, k: int, table: pa.Table, run: dict | None = None) -> None:
+    """Shard ``k``'s rows, whole or not at all; its footer says the job, its input rows, its tally and
+    the ``run`` that wrote it (runs.run_ref: which line of runs.jsonl -- after a resume nothing said
+    which run made which rows, trial AJ)."""
     name, s, e = plan.shard(k)
     meta = json.dumps({"identity": spec.identity_hash(), "range": [s, e],
-                       "tally": shard_tally(table, plan.samples > 1)}).encode()  # (summaries read the footer)
+                       "tally": shard_tally(table, plan.samples > 1),  # (summaries read the footer)
+                       **({"run": run} if run else {})}).encode()
     table = table.replace_schema_metadata({META_KEY: meta})
     final = out / "shards" / f"{name}.parquet"
     with replaced(final, final.with_name(f".{name}.parquet.tmp")) as tmp:  # a shard file is absent or complete

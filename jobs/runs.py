@@ -34,6 +34,11 @@ def begin(plan, overwrite: bool, started: float | None = None) -> dict:
             "shards_before": 0, "rows_before": 0}
 
 
+def run_ref(record: dict) -> dict:
+    """What a shard's footer keeps of the run that wrote it: the keys of its line in runs.jsonl."""
+    return {k: record[k] for k in ("started_at", "pid", "host")}
+
+
 def before(record: dict, plan, done: set[int]) -> None:
     """The shards (and their output rows) the output held when the run began."""
     record["shards_before"] = len(done)

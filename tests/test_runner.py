@@ -406,6 +406,12 @@ def test_batched_jobs_match_ar(ray_cluster, pair_dirs, tmp_path, method, batch_s
     gone = {"node_id": "gone", "node_ip": "10.0.0.9"}
     for nodes in ([*s["this_run"]["nodes"], gone], {here: "ip", "gone": "10.0.0.9"}):  # (and an older summary's)
         assert _machines(s["this_run"]["actors"], nodes).endswith("(2 Ray nodes, the actors on 1 of them lost)")
+    from dynatree.jobs import runs  # (each shard names the run that wrote it: its line in runs.jsonl, trial AJ)
+    from dynatree.jobs.plan import META_KEY
+    last = runs.read(tmp_path / "out")[-1]
+    for f in (tmp_path / "out" / "shards").glob("part-*.parquet"):
+        meta = json.loads(pq.read_schema(f).metadata[META_KEY])
+        assert meta["run"] == {k: last[k] for k in ("started_at", "pid", "host")}, meta
     from click.testing import CliRunner
     from dynatree.cli import main
     res = CliRunner().invoke(main, ["report", str(tmp_path / "out")])  # a run's output: its table again
