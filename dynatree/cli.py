@@ -342,6 +342,9 @@ def check(target, draft, device, dtype, kernel, prompt_files, prompt_column, lim
             click.echo(f"note: {note}", err=True)
         # the references check_methods decodes anyway (parse_methods lists them for the bench)
         cfgs = {k: c for k, c in cfgs.items() if not (isinstance(c, ARConfig) and k == reference_label(c))}
+        if not cfgs and not reference_dtype and not reference_kernel:  # (it checked ar against itself, exit 0: trial AM)
+            raise ValueError(f"--methods {methods}: only the ar reference itself, nothing to compare with it; name a "
+                             "method (e.g. dynatree), or ar with --reference-dtype to compare precisions")
         # every file read before the models load: a typo in the second path lost the first's results
         # (the measurement trial); with a template, --limit counts the conversations that render (_rendered)
         sources = [(path, *_usable_prompts(path, read_texts(path, prompt_column), None if chat_template else limit,

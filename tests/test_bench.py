@@ -252,13 +252,15 @@ def test_command_line_values_are_checked_before_any_work(pair_dirs, tmp_path):
     for args, says in ((["profile", *pair, "--repeats", "0"], "--repeats"),
                        (["profile", *pair, "--cache-lengths", "abc"], "--cache-lengths"),
                        (["report", str(tmp_path)], "not a `dynatree bench` output directory"),
-                       (["generate", "--prompt", "hi", "--device", "foo"], "device must be auto, cpu, cuda"),
+                       (["generate", "--prompt", "hi", "--device", "foo"], "choose auto, cpu, cuda or cuda:N, not 'foo'"),
                        (["generate", *pair, "--prompt", "hi", "--option", "temperature=1", "--option", f"seed={1 << 64}"],
                         "seed must be"),
                        (["check", *pair[:2], "--device", "cpu", "--prompts", str(tmp_path / "prompts.parquet")],
                         "linear, fixed_tree, dynatree, dyspec need a draft model: give --draft"),
                        (["check", *pair, "--prompts", str(tmp_path / "prompts.parquet"), "--methods", ""],
                         "--methods is empty"),
+                       (["check", *pair, "--prompts", str(tmp_path / "prompts.parquet"), "--methods", "ar"],
+                        "only the ar reference itself, nothing to compare with it"),  # (exit 0, checking nothing: AM)
                        (base[:-2] + ["--methods", "hf_foo", "--out", str(tmp_path / "b")],
                         "or (bench only) transformers' peers hf_ar"),
                        (base + ["--grid-tau", "2"], "tau must be within [0, 1]")):  # (not after the main table)
