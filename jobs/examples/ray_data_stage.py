@@ -38,14 +38,22 @@ def main() -> None:
     ap.add_argument("--method", default="dynatree")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--verify-fraction", type=float, default=1.0)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--chat-template", action="store_true", help="render prompts with the target's chat template")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a method option, repeatable")
     ap.add_argument("--actors", type=int, default=1)
+    ap.add_argument("--cpus", type=float, default=1, help="CPUs each actor reserves")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per actor")
     ap.add_argument("--address", help="a running Ray cluster (default: RAY_ADDRESS's, else a new local one)")
     a = ap.parse_args()
     # (not ray.init(): it joins the last `ray start` head on this machine, whatever its size)
     ray.init(address=a.address or os.environ.get("RAY_ADDRESS") or "local")
     try:
-        pipeline(a.input, a.output, actors=a.actors, target=a.target, draft=a.draft, method=a.method,
-                 max_new_tokens=a.max_new_tokens, verify_fraction=a.verify_fraction)
+        pipeline(a.input, a.output, actors=a.actors, cpus=a.cpus, threads=a.threads, target=a.target, draft=a.draft,
+                 method=a.method, max_new_tokens=a.max_new_tokens, verify_fraction=a.verify_fraction,
+                 max_prompt_tokens=a.max_prompt_tokens, ignore_eos=a.ignore_eos, chat_template=a.chat_template,
+                 options=a.option)  # (KEY=VALUE strings, as a job file may give them)
     finally:
         ray.shutdown()
 
