@@ -671,9 +671,11 @@ def _decode(spec: JobSpec, plan: Plan, out: Path, progress: bool, log, record: d
             start_over(spec, plan)
             run_stats["_cleared"] = True
         write_shard(out, spec, plan, 0, plan.schema.empty_table(), runs.run_ref(record))
-    if todo:  # (a finished job's summary no longer says what the output holds: trials AJ, AK)
+    if todo and not spec.overwrite:  # (a finished job's summary no longer says what the output holds: trials AJ,
+        # AK; an --overwrite leaves the old output whole until start_over clears it: the review)
         with contextlib.suppress(FileNotFoundError):
             (out / "summary.json").unlink()
+    if todo:
         _Dispatch(spec, plan, out, run_stats, startup, log).run(todo, progress)
     run_stats["wall_time_s"] = time.time() - t_start
     if plan.num_shards >= 2000:  # (~0.25 ms a shard's footer: not a silent wait at a corpus's end)

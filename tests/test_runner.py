@@ -2372,6 +2372,14 @@ def test_a_shard_deleted_or_damaged_while_the_job_runs_fails_it(pair_dirs, tmp_p
     for k in range(plan.num_shards):
         _write(job, plan, out, k)
     assert run_job(job, progress=False, log=quiet)["rows"] == 8 and (out / "summary.json").is_file()
+
+    def stopped_loading(self, todo, progress):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver._Dispatch, "run", stopped_loading)  # (an --overwrite stopped before it cleared the
+    with pytest.raises(KeyboardInterrupt):  # output leaves its summary: it was deleted, the review)
+        run_job(dataclasses.replace(job, overwrite=True), progress=False, log=quiet)
+    assert (out / "summary.json").is_file()
     (out / "shards" / "part-000001.parquet").unlink()
 
     def decode_while_one_goes(self, todo, progress):
