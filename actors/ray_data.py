@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from dynatree.config import METHODS, close_names, unused_options
 from dynatree.data import id_strings
-from dynatree.jobs.spec import JobSpec, SpecError, build_spec
+from dynatree.jobs.spec import FLAG_FIELDS, JobSpec, SpecError, build_spec
 from dynatree.metrics import output_schema
 from dynatree.parts import each_repeated, py_values
 
@@ -61,7 +61,6 @@ _JOB_ONLY = {"input": "the dataset", "output": "write_parquet or any Ray Data si
 _STREAM = "ray-data"  # the spec's input and output, and the worker's shard name
 _HORIZON = 10**9  # rows still to come, as the batch tuner hears it: a stream's length is unknown
 _SWITCHES = {f.name for f in dataclasses.fields(JobSpec) if isinstance(f.default, bool)}  # (stage_names)
-_FLAG_FIELDS = {f.metadata["flag"]: f.name for f in dataclasses.fields(JobSpec) if "flag" in f.metadata}  # (--stop-token-id)
 _CALLS = 256  # threads waiting on the worker at once: every batch Ray Data hands the actor
 
 
@@ -240,7 +239,7 @@ def stage_names(message: str) -> str:
     (not inside paths, nor in a shell command to run: `ray start --resources ...`, trial AL)."""
     def option(m: re.Match) -> str:
         name = m.group(1).replace("-", "_")
-        name = _FLAG_FIELDS.get(name, name)
+        name = FLAG_FIELDS.get(name, name)  # (--stop-token-id)
         return f"{name}=True" if name in _SWITCHES else name  # (a switch: --chat-template)
 
     def outside_commands(m: re.Match) -> str:

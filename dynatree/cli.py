@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, KV_DTYPES, METHODS, dtype_name, options_help
+from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, KV_DTYPES, METHODS, dtype_name, is_device_name, options_help
 
 
 def _fail(msg: str) -> None:
@@ -117,7 +117,7 @@ def _pair_options(f):
 
 def _device_checked(_ctx, _param, value: str) -> str:
     """--device as a usage error where it names no device (exit 2, as --dtype's is: trial AM)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+    if not is_device_name(value):
         raise click.BadParameter(f"choose auto, cpu, cuda or cuda:N, not {value!r}")
     return value
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass, field
 
 # (here, not in models.py, so that the job driver, which imports no torch, says the same)
@@ -26,6 +27,12 @@ SLOW_ON_CPU = {  # a model's dtype -> why it is slow on a CPU (a warning where i
 KV_DTYPES = ("model", "bfloat16")  # MethodConfig.kv_dtype: the model's dtype, or a torch dtype's name
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")  # a model's dtypes, as jobs and summaries name them
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def is_device_name(name) -> bool:
+    """Whether ``name`` names a device dynatree runs on: auto, cpu, cuda or cuda:N (the job spec,
+    the commands' --device and resolve_device check it alike)."""
+    return isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None
 
 
 def dtype_name(name):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, NATIVE_KERNELS, SLOW_ON_CPU, dtype_name
+from .config import DTYPE_ALIASES, DTYPE_NAMES, KERNELS, NATIVE_KERNELS, SLOW_ON_CPU, dtype_name, is_device_name
 from .cmodel import untied_linears
 from .metrics import release_freed_memory
 from .names import (TOKENIZER_FILES, context_len, default_pair_dir, lacks_tokenizer, model_problem, native_refusal,
@@ -33,7 +33,7 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
         spec = "cpu" if spec.type == "cpu" else str(spec)  # (torch.device("cpu", 0) is the CPU)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(spec, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
+    if not is_device_name(spec):  # ("auto": resolved above)
         raise PairError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise PairError(f"device {spec!r} requested but CUDA is not available")

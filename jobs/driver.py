@@ -835,6 +835,16 @@ def _shard_table(plan: Plan, rows: list[dict], results: list[dict], kept: pa.Tab
     return table
 
 
+def _unanswered_at(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` does not accept a connection within CONNECT_S (a lost machine answers
+    nothing, a dead process's port refuses), or None where it does."""
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_S).close()
+        return None
+    except OSError as e:
+        return e
+
+
 class _Dispatch:
     """Places the actors, keeps each one's queue of shards full, writes results, retries."""
 
@@ -1139,11 +1149,8 @@ class _Dispatch:
             host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
         except Exception:  # noqa: BLE001 - (a ray:// client has no GCS address of its own to check)
             return None
-        try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
-            return None
-        except OSError as e:
-            return f"{host}:{port}", e
+        e = _unanswered_at(host, int(port))
+        return None if e is None else (f"{host}:{port}", e)
 
     def _check_cluster(self, ray, actor_died: bool = False) -> None:
         """Every HEALTH_S and after an actor death: if the cluster's head is gone, say that (every
@@ -1221,10 +1228,9 @@ class _Dispatch:
         gone = not info.get("Alive", True)
         if not gone:
             try:
-                socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])),
-                                         timeout=CONNECT_S).close()
-            except (OSError, KeyError, TypeError, ValueError) as e:
-                gone = isinstance(e, OSError)
+                gone = _unanswered_at(info["NodeManagerAddress"], int(info["NodeManagerPort"])) is not None
+            except (KeyError, TypeError, ValueError):  # (a node record without its raylet's address: not known)
+                pass
         if gone:
             self.gone_nodes.add(node)
         return gone

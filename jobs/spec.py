@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynatree.config import (ANNOTATION_TYPES, DTYPE_ALIASES, DTYPE_NAMES, KERNELS, METHODS, check_samples,
-                             did_you_mean, dtype_name, make_config, non_default_options, parse_options, unused_fields)
+                             did_you_mean, dtype_name, is_device_name, make_config, non_default_options, parse_options,
+                             unused_fields)
 from dynatree.names import looks_local
 from dynatree.stops import Stop
 
@@ -159,7 +160,7 @@ class JobSpec:
             problems.append("cpus_per_actor must be > 0")
         if self.max_inflight_per_actor is not None and not 1 <= self.max_inflight_per_actor <= MAX_INFLIGHT:
             problems.append(f"max_inflight_per_actor must be within [1, {MAX_INFLIGHT}] (each is a thread of the actor)")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+        if not is_device_name(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         elif self.device.startswith("cuda:") and self.device != "cuda:0":
             problems.append(f"device {self.device}: a Ray actor sees only the GPUs it was given, numbered "
@@ -370,6 +371,8 @@ def _load_file(path: str) -> dict:
     return data
 
 
+FLAG_FIELDS = {f.metadata["flag"]: f.name for f in dataclasses.fields(JobSpec) if "flag" in f.metadata}  # resource ->
+# resources_per_actor: the flags spelt other than their fields
 CLEARED = type("Cleared", (), {"__repr__": lambda self: "none"})()  # a flag's `none`: the field unset
 CLI_ONLY = ("config", "quiet", "dry_run")  # `dynatree run` flags that are not job fields
 
@@ -377,11 +380,10 @@ CLI_ONLY = ("config", "quiet", "dry_run")  # `dynatree run` flags that are not j
 def _field_hint(unknown: list[str], names) -> str:
     """Where a job file's unknown fields went: a flag's spelling of a field (resource for
     resources_per_actor: trial AM), a command-line-only flag, else the closest names."""
-    flags = {f.metadata["flag"]: f.name for f in dataclasses.fields(JobSpec) if "flag" in f.metadata}
     said = []
     for u in unknown:
         key = u.lower().replace("-", "_")
-        field_ = flags.get(key) or flags.get(key.removesuffix("s")) or (key if key in names else None)
+        field_ = FLAG_FIELDS.get(key) or FLAG_FIELDS.get(key.removesuffix("s")) or (key if key in names else None)
         if field_ is not None:
             said.append(f"{u} is spelt {field_} in a job file")
         elif key in CLI_ONLY:
